@@ -1,0 +1,13 @@
+"""Shared test configuration: GPU tests skip without CUDA."""
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords or "/tests/gpu/" in str(item.fspath):
+            item.add_marker(skip)

@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import json
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -58,12 +60,23 @@ class Field:
 def download(version: str | None, dest: Path) -> Path:
     """``pip download --no-deps sglang[==version]`` into ``dest``; returns the file."""
     spec = "sglang" if version is None else f"sglang=={version}"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", spec, "-d", str(dest)]
+    cmd = [*pip_command(), "download", "--no-deps", "--quiet", spec, "-d", str(dest)]
     subprocess.run(cmd, check=True)
     files = sorted(p for p in dest.iterdir() if p.name.startswith("sglang-"))
     if len(files) != 1:
         raise SystemExit(f"expected one sglang package in {dest}, found {[p.name for p in files]}")
     return files[0]
+
+
+def pip_command() -> list[str]:
+    """This interpreter's pip, else the ``pip`` on PATH (uv environments have no pip)."""
+    if importlib.util.find_spec("pip") is not None:
+        return [sys.executable, "-m", "pip"]
+    for name in ("pip", "pip3"):
+        path = shutil.which(name)
+        if path is not None:
+            return [path]
+    raise SystemExit("no pip found: install pip, or download sglang yourself and pass --package")
 
 
 def package_version(package: Path) -> str:

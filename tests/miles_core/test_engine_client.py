@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import pickle
 import socket
 import threading
 
 import httpx
 import numpy as np
 import pytest
+import torch
 from miles_core.engine import (
     AsyncEngineClient,
     EngineClient,
@@ -111,6 +113,44 @@ def test_generate_body_and_argument_checks():
     with pytest.raises(ValueError, match="differ in length"):
         client.update_weights_from_distributed(["a"], ["float32", "float32"], [[1]])
     assert len(server.requests) == 1  # refused before sending
+
+
+def test_weight_update_bodies_send_only_what_is_set():
+    server = Server()
+    client = server.client()
+    client.init_weights_update_group("10.0.0.1", 29500, 1, 3)
+    client.update_weights_from_distributed(["w", "b"], [torch.bfloat16, "float32"], [(2, 3), [4]])
+    client.update_weights_from_tensor(["AAAA"], load_format="flattened_bucket", weight_version="v2")
+    client.update_weights_from_disk("/ckpt")
+    client.update_weight_version(12)
+    client.abort_request()
+    bodies = [json.loads(r.content) for r in server.requests]
+    assert bodies == [
+        {
+            "master_address": "10.0.0.1",
+            "master_port": 29500,
+            "rank_offset": 1,
+            "world_size": 3,
+            "group_name": "weight_update_group",
+            "backend": "nccl",
+        },
+        {
+            "names": ["w", "b"],
+            "dtypes": ["bfloat16", "float32"],
+            "shapes": [[2, 3], [4]],
+            "group_name": "weight_update_group",
+        },
+        {
+            "serialized_named_tensors": ["AAAA"],
+            "load_format": "flattened_bucket",
+            "weight_version": "v2",
+        },
+        {"model_path": "/ckpt"},
+        {"new_version": "12", "abort_all_requests": True},
+        {"rid": "", "abort_all": False},
+    ]
+    with pytest.raises(TypeError, match="base64 strings"):
+        client.update_weights_from_tensor([b"raw bytes"])
 
 
 def test_per_call_timeout_overrides_the_client_default():
@@ -275,6 +315,19 @@ def test_error_carries_the_server_message(status, reply, message):
     assert info.value.endpoint == "POST /update_weights_from_disk"
     assert info.value.message.startswith(message)
     assert f"HTTP {status}" in str(info.value) and "http://engine:30000" in str(info.value)
+
+
+def test_errors_survive_pickling():
+    error = EngineTimeoutError(
+        "ReadTimeout", endpoint="POST /generate", base_url="http://e", status_code=None
+    )
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is EngineTimeoutError and str(again) == str(error)
+    assert (again.endpoint, again.base_url, again.status_code) == (
+        "POST /generate",
+        "http://e",
+        None,
+    )
 
 
 def test_success_false_with_status_200_raises():

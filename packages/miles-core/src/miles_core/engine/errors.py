@@ -24,6 +24,15 @@ class EngineError(Exception):
         else:
             super().__init__(f"{where} failed with HTTP {status_code}: {message}")
 
+    def __reduce__(self):
+        # Keyword-only arguments: rebuild explicitly so the error survives pickling (Ray).
+        kwargs = {
+            "endpoint": self.endpoint,
+            "base_url": self.base_url,
+            "status_code": self.status_code,
+        }
+        return _rebuild, (type(self), self.message, kwargs)
+
 
 class EngineConnectionError(EngineError):
     """No connection to the engine could be made (after the configured retries)."""
@@ -31,3 +40,7 @@ class EngineConnectionError(EngineError):
 
 class EngineTimeoutError(EngineError):
     """The engine did not answer in time (a read timeout: the request may have been received)."""
+
+
+def _rebuild(cls: type[EngineError], message: str, kwargs: dict) -> EngineError:
+    return cls(message, **kwargs)

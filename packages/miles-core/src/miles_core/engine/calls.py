@@ -166,10 +166,15 @@ class EngineClientBase:
         return min(self.retry_backoff * 2**attempt, self.max_backoff)
 
     def transport_error(self, error: Exception, call: EngineCall) -> EngineError:
-        kind = EngineTimeoutError if isinstance(error, httpx.TimeoutException) else None
-        if kind is None and isinstance(error, NOT_SENT_ERRORS):
-            kind = EngineConnectionError
-        kind = kind or EngineError
+        """The :class:`EngineError` for a transport error: a connection that could not be
+        made is an :class:`EngineConnectionError`, a reply that did not come in time an
+        :class:`EngineTimeoutError`."""
+        if isinstance(error, NOT_SENT_ERRORS):
+            kind: type[EngineError] = EngineConnectionError
+        elif isinstance(error, httpx.TimeoutException):
+            kind = EngineTimeoutError
+        else:
+            kind = EngineError
         message = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
         return kind(message, endpoint=call.endpoint, base_url=self.base_url, status_code=None)
 

@@ -13,9 +13,12 @@ from miles_core.args import (
     ArgumentError,
     collect_flags,
     core_groups,
+    entry_point_groups,
     flag,
     installed_groups,
+    make_group,
     parse_args,
+    selected_backend,
 )
 from miles_core.args.groups import CheckpointArgs, OptimizerArgs
 from miles_core.args.registry import groups_of_entry_point
@@ -184,3 +187,36 @@ def test_entry_point_targets():
         groups_of_entry_point("bad", lambda: [int])
     with pytest.raises(TypeError, match="neither an ArgGroup"):
         groups_of_entry_point("bad", 42)
+
+
+def test_entry_point_groups_by_name():
+    assert entry_point_groups("core") == core_groups()
+    with pytest.raises(ArgumentError, match=r"no installed package declares argument groups 'tpu'"):
+        entry_point_groups("core", "tpu")
+
+
+def test_selected_backend_before_full_parse(tmp_path):
+    assert selected_backend([]) == "megatron"
+    assert selected_backend(["--lr", "1", "--train-backend", "fsdp"]) == "fsdp"
+    assert selected_backend(["--train-backend=fsdp"]) == "fsdp"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("train_backend: fsdp\n")
+    assert selected_backend(["--config", str(cfg)]) == "fsdp"
+    # the command line wins over the file, as in the full parse
+    assert selected_backend(["--config", str(cfg), "--train-backend", "megatron"]) == "megatron"
+
+
+def test_make_group_builds_a_parsable_group():
+    generated = make_group(
+        "GeneratedArgs",
+        "generated",
+        [
+            ("num_layers", int | None, flag(None, help="layers")),
+            ("sequence_parallel", bool, flag(False, help="sp")),
+        ],
+        module="tests.generated",
+    )
+    args = parse_args(["--num-layers", "4", "--sequence-parallel"], [*core_groups(), generated])
+    assert (args.num_layers, args.sequence_parallel) == (4, True)
+    with pytest.raises(TypeError, match="not declared with flag"):
+        make_group("Bad", "bad", [("x", int, 3)])

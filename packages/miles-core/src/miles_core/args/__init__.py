@@ -13,8 +13,16 @@ Declare a group next to the code that uses it::
 and parse with ``parse_args(argv, [*core_groups(), FSDPArgs, ...])``. See docs/args.md.
 """
 
-from miles_core.args.flags import ArgGroup, ArgumentError, FlagSpec, flag, group_flags
+from miles_core.args.flags import (
+    ArgGroup,
+    ArgumentError,
+    FlagSpec,
+    flag,
+    group_flags,
+    make_group,
+)
 from miles_core.args.groups import core_groups
+from miles_core.args.groups.placement import selected_backend
 from miles_core.args.parser import (
     build_parser,
     collect_flags,
@@ -23,7 +31,7 @@ from miles_core.args.parser import (
     parse_args_or_exit,
 )
 from miles_core.args.passthrough import passthrough_to_argv
-from miles_core.args.registry import installed_groups
+from miles_core.args.registry import entry_point_groups, installed_groups
 
 __all__ = [
     "ArgGroup",
@@ -32,11 +40,14 @@ __all__ = [
     "build_parser",
     "collect_flags",
     "core_groups",
+    "entry_point_groups",
     "flag",
     "format_error",
     "group_flags",
     "installed_groups",
+    "make_group",
     "parse_args",
     "parse_args_or_exit",
     "passthrough_to_argv",
+    "selected_backend",
 ]

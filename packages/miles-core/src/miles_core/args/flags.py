@@ -198,3 +198,24 @@ def group_flags(group: type[ArgGroup]) -> list[FlagSpec]:
             )
         )
     return specs
+
+
+def make_group(
+    name: str,
+    title: str,
+    fields: typing.Sequence[tuple[str, Any, Any]],
+    *,
+    module: str | None = None,
+) -> type[ArgGroup]:
+    """Build an :class:`ArgGroup` from ``(field_name, annotation, flag(...))`` triples.
+
+    For groups generated from another library's config dataclasses (the Megatron backend's), where
+    writing the class by hand would duplicate that library's list of fields.
+    """
+    group = dataclasses.make_dataclass(
+        name, [tuple(f) for f in fields], bases=(ArgGroup,), namespace={"title": title}
+    )
+    if module is not None:
+        group.__module__ = module
+    group_flags(group)  # fail now, not at parse time, on a bad field
+    return group

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -220,3 +221,11 @@ def test_make_group_builds_a_parsable_group():
     assert (args.num_layers, args.sequence_parallel) == (4, True)
     with pytest.raises(TypeError, match="not declared with flag"):
         make_group("Bad", "bad", [("x", int, 3)])
+
+
+def test_docs_table_lists_every_shared_flag():
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "args.md").read_text()
+    missing = [
+        s.option for s in collect_flags(core_groups()).values() if f"`{s.option}`" not in docs
+    ]
+    assert missing == []

@@ -242,6 +242,9 @@ VALID = [
     ["--kl-coef", "0.1", "--ref-load", "/r"],
     ["--use-kl-loss", "--kl-loss-coef", "0.01", "--ref-load", "/r", "--ref-mode", "ref"],
     ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096"],
+    # micro-batches are formed by tokens then, so --micro-batch-size does not divide anything
+    ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "8", "--global-batch-size", "10"]
+    + ["--micro-batch-size", "4"],
     ["--use-ema", "--rollout-weights", "ema"],
     ["--use-ema", "--old-policy", "ema"],
     ["--teacher-load", "/t", "--custom-loss-function-path", "m:f"],

@@ -25,7 +25,7 @@ class KindsArgs(ArgGroup):
     level: str = flag("low", choices=["low", "high"], help="choices by flag()")
     names: list[str] = flag(["q", "k"], help="a list of str")
     sizes: list[int] | None = flag(None, help="an optional list of int")
-    weights: list[float] = flag([], help="a list of float")
+    weights: list[float] = flag([], help="a list of float (100% literal percent sign)")
 
 
 def parse(*argv: str):
@@ -150,6 +150,7 @@ def test_flag_names_and_help():
     assert specs["keep"].option_strings() == ["--keep", "--no-keep"]
     assert specs["auto"].tristate and not specs["keep"].tristate
     text = build_parser([KindsArgs], prog="prog").format_help()
+    assert "100% literal" in text
     for option in ("--maybe-path", "--no-keep", "--auto", "--no-auto", "--config", "every kind"):
         assert option in text
 

@@ -100,9 +100,10 @@ def collect_flags(groups: Sequence[type[ArgGroup]]) -> dict[str, FlagSpec]:
 
 
 def _add_flag(container: Any, spec: FlagSpec, suppress: bool) -> None:
-    kwargs: dict[str, Any] = {"help": spec.meta.help, "dest": spec.dest}
+    # argparse %-formats help texts; a literal "%" in a help text must not break --help
+    kwargs: dict[str, Any] = {"help": spec.meta.help.replace("%", "%%"), "dest": spec.dest}
     kwargs["default"] = argparse.SUPPRESS if suppress else spec.default
-    if spec.meta.metavar is not None:
+    if spec.meta.metavar is not None and spec.kind != "bool":
         kwargs["metavar"] = spec.meta.metavar
     if spec.kind == "bool":
         container.add_argument(spec.option, action=argparse.BooleanOptionalAction, **kwargs)

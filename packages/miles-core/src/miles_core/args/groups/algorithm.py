@@ -82,7 +82,12 @@ class AlgorithmArgs(ArgGroup):
         at_least(args, "micro_batch_size", 1)
         at_least(args, "max_tokens_per_gpu", 1)
         requires(args, "use_dynamic_batch_size", "max_tokens_per_gpu")
-        if args.global_batch_size is not None and args.global_batch_size % args.micro_batch_size:
+        fixed_micro_batches = not args.use_dynamic_batch_size
+        if (
+            fixed_micro_batches
+            and args.global_batch_size is not None
+            and args.global_batch_size % args.micro_batch_size
+        ):
             raise ArgumentError(
                 f"--global-batch-size ({args.global_batch_size}) must be a multiple of "
                 f"--micro-batch-size ({args.micro_batch_size})"

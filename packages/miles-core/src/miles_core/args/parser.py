@@ -65,6 +65,15 @@ class _ListAction(argparse.Action):
         setattr(namespace, self.dest, items)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` except for unset (``None``) defaults, whose help says what applies."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def _unique_groups(groups: Sequence[type[ArgGroup]]) -> list[type[ArgGroup]]:
     seen: list[type[ArgGroup]] = []
     for group in groups:
@@ -131,7 +140,7 @@ def build_parser(
         prog=prog,
         usage="%(prog)s [flags]",
         allow_abbrev=False,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
         epilog="Undeclared --sglang-<flag> / --router-<flag> flags are passed to SGLang / the router.",
     )
     parser.add_argument(

@@ -192,3 +192,13 @@ def test_yaml_cannot_override_declared_by_passthrough_spelling(tmp_path):
     cfg = write(tmp_path, "sglang-router-ip: 10.0.0.9\n")
     args = parse_args(["--config", cfg], [SmallArgs, RouterArgs])
     assert args.sglang_router_ip == "10.0.0.9" and args.sglang_passthrough == {}
+
+
+def test_yaml_no_form_of_a_boolean(tmp_path):
+    cfg = write(tmp_path, "no-save-optim: true\nno_load_rng: false\n")
+    args = parse_args(["--config", cfg], core_groups())
+    assert args.save_optim is False and args.load_rng is True
+    assert {"save_optim", "load_rng"} <= args.explicit_flags
+    bad = write(tmp_path, "no-lr: true\n")
+    with pytest.raises(ArgumentError, match="unknown key 'no-lr'"):
+        parse_args(["--config", bad], core_groups())

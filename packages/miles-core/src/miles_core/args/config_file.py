@@ -1,7 +1,8 @@
 """``--config file.yaml``: flag values from a YAML mapping.
 
 Keys are flag names without the dashes, in ``kebab-case`` or ``snake_case``
-(``offload-train-target`` or ``offload_train_target``). Values are converted like the command
+(``offload-train-target`` or ``offload_train_target``); a boolean may also be written in its
+``no-`` form (``no-save-optim: true`` is ``save-optim: false``). Values are converted like the command
 line's (``lr: 1e-6`` is a float even though YAML reads it as a string; a list flag takes a YAML
 list or a comma-separated string). Keys ``sglang-<x>`` / ``router-<x>`` that no group declares are
 passthrough (``true`` for a bare flag; ``false`` leaves it out). Any other key is an error naming the
@@ -129,6 +130,13 @@ def load_config(
             raise ArgumentError(f"{where}: a config file cannot name another config file")
         if dest in specs:
             values[dest] = convert_config_value(specs[dest], value, where)
+            continue
+        negated = specs.get(dest[3:]) if dest.startswith("no_") else None
+        if negated is not None and negated.kind == "bool":
+            # "no-save-optim: true" reads like the command line's --no-save-optim
+            if not isinstance(value, bool):
+                raise ArgumentError(f"{where}: expected true or false, got {value!r}")
+            values[negated.dest] = not value
             continue
         option = "--" + key.replace("_", "-")
         prefix = next((p for p in PASSTHROUGH_PREFIXES if option.startswith(p)), None)

@@ -42,15 +42,18 @@ class GroupTransport:
         self.settings = settings
         self.group: EngineGroup | None = None
         self._engine_key: tuple[str, ...] | None = None
+        self._generation = 0
 
     def _form(self, engines: Sequence[EngineClient], group_name: str) -> None:
         key = tuple(engine.base_url for engine in engines)
         if self.group is not None and key == self._engine_key:
             return
         self.reset()
+        # A fresh name per group: a group broken by a dead peer may not release its name.
+        self._generation += 1
         self.group = form_engine_group(
             engines,
-            group_name=group_name,
+            group_name=f"{group_name}_{self._generation}",
             gpus_per_engine=self.settings.gpus_per_engine,
             master_address=self.settings.master_address,
             backend=self.settings.backend,

@@ -40,9 +40,7 @@ class PullArgs(ArgGroup):
         if not args.update_weight_local_checkpoint_dir:
             raise ArgumentError("miles-sync pull requires --update-weight-local-checkpoint-dir")
         if args.pull_poll_interval <= 0:
-            raise ArgumentError(
-                f"--pull-poll-interval must be > 0, got {args.pull_poll_interval}"
-            )
+            raise ArgumentError(f"--pull-poll-interval must be > 0, got {args.pull_poll_interval}")
 
 
 def parse_pull_args(argv: list[str]) -> Any:

@@ -102,21 +102,18 @@ def expected_digests(model: torch.nn.Module) -> dict[str, list]:
     return out
 
 
-def greedy(model: torch.nn.Module, prompt_ids: list[int], n: int) -> list[int]:
-    """The trainer model cast to the checkpoint dtype, greedy, transformers' generate."""
+def cast_model(model: torch.nn.Module) -> Qwen3ForCausalLM:
+    """A copy of the trainer model in the checkpoint dtype (what the engine should serve)."""
     cast = tiny_model()
     cast.load_state_dict(model.state_dict())
-    cast = cast.to(CHECKPOINT_DTYPE).eval()
+    return cast.to(CHECKPOINT_DTYPE).eval()
+
+
+def reference_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """log-softmax (float64) of the cast trainer model at every position of ``ids``."""
     with torch.no_grad():
-        out = cast.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            max_new_tokens=n,
-            do_sample=False,
-            eos_token_id=0,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt_ids) :].tolist()
+        logits = cast_model(model)(torch.tensor([ids])).logits[0]
+    return torch.log_softmax(logits.double(), dim=-1)
 
 
 def free_port() -> int:
@@ -167,12 +164,67 @@ class Engine:
     def version(self) -> str:
         return self.http.get("/get_model_info").json()["weight_version"]
 
-    def greedy(self, prompt_ids: list[int], n: int) -> list[int]:
-        body = {"input_ids": prompt_ids, "sampling_params": {"max_new_tokens": n, "temperature": 0}}
+    def greedy(self, prompt_ids: list[int], n: int) -> tuple[list[int], list[float]]:
+        """Greedy output ids and their logprobs; the reply carries the live weight version."""
+        body = {
+            "input_ids": prompt_ids,
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True,
+        }
         reply = self.http.post("/generate", json=body).json()
         assert reply["meta_info"]["weight_version"] == self.version()
-        return reply["output_ids"]
+        logprobs = [lp for lp, _, _ in reply["meta_info"]["output_token_logprobs"]]
+        return reply["output_ids"], logprobs
 
     def close(self) -> None:
         self.kill()
         self.http.close()
+
+
+# ---- trainer ranks -------------------------------------------------------------------------
+def _rank_main(rank: int, world_size: int, port: int, out_dir: str, job: dict) -> None:
+    """One gloo trainer rank: train, publish, write ``rank<r>.json`` (version or error)."""
+    import json
+
+    import torch.distributed as dist
+    from miles_sync.ranks import RankContext
+    from miles_sync.weight_sync import SyncConfig, WeightPublisher
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+    result: dict = {}
+    try:
+        model = tiny_model(0)
+        train_step(model, job["seed"])
+        publisher = WeightPublisher(SyncConfig(**job["config"]), RankContext.from_default_group())
+        result["version"] = publisher.update_weights(source(model), job["engines"])
+        result["stats"] = publisher.last_stats
+        publisher.close()
+    except Exception as error:  # reported to the test
+        result["error"] = f"{type(error).__name__}: {error}"
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def run_ranks(world_size: int, out_dir: Path, job: dict, timeout: float = 240.0) -> list[dict]:
+    """Spawn ``world_size`` gloo ranks running :func:`_rank_main`; their results in rank order."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(
+        _rank_main,
+        args=(world_size, free_port(), str(out_dir), job),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"trainer ranks did not finish in {timeout}s")
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]

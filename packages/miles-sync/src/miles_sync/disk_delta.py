@@ -105,6 +105,7 @@ class DeltaWriter:
         self._state: dict[str, torch.Tensor] | None = None
         self._entries: dict[str, dict] = {}
         self._version: int | None = None
+        self._base: tuple | None = None  # (state, entries, version) the last version was made on
         self._compressor = zstandard.ZstdCompressor(level=config.zstd_level, write_checksum=True)
 
     @property
@@ -146,6 +147,11 @@ class DeltaWriter:
         """Write ``version`` from the source's tensors; returns what was written."""
         start = time.monotonic()
         latest = self.latest
+        if version == self._version == latest and self._base is not None:
+            # A retry of a publish whose version was written but not loaded: write it again
+            # from the same base (the same trainer state gives the same bytes).
+            self._state, self._entries, self._version = self._base
+            latest = version - 1
         if self._state is None and latest is None:
             self._record_baseline()
             latest = 0
@@ -203,6 +209,7 @@ class DeltaWriter:
             "tensors": entries,
         }
         self._commit_dir(version, index, blobs)
+        self._base = (self._state, self._entries, self._version)
         self._state, self._entries, self._version = state, entries, version
         stats = DeltaStats(
             version,

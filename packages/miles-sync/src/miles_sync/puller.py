@@ -100,27 +100,41 @@ class Puller:
         self._state, self._entries, self.version = state, index["tensors"], local
         self._algo = index["checksum"]
 
-    def _bootstrap(self, latest: int) -> None:
-        """Start from the newest full state at or below ``latest``."""
-        for version in range(latest, -1, -1):
-            where = self.disk_dir / version_dir_name(version)
-            try:
-                index = read_index(where)
-            except FileNotFoundError:
-                continue
-            if index["kind"] == "baseline":
-                state = load_hf_state(index["hf_checkpoint"])
-                self._side_files = Path(index["hf_checkpoint"])
-            elif index["kind"] == "full":
-                state = self._decode(where, index, base={})
-            else:
-                continue
-            self._verify_state(state, index, where)
-            self._state, self._entries, self.version = state, index["tensors"], version
-            self._algo = index["checksum"]
-            logger.info("puller: starting from the full state %s", where)
-            return
-        raise DeltaError(f"{self.disk_dir}: no full or baseline version at or below v{latest}")
+    def _read_index(self, version: int) -> dict:
+        where = self.disk_dir / version_dir_name(version)
+        try:
+            return read_index(where)
+        except (FileNotFoundError, ValueError, json.JSONDecodeError) as error:
+            raise DeltaError(f"{where}: {error}") from error
+
+    def _chain(self, latest: int) -> list[tuple[int, dict]]:
+        """The versions to apply, oldest first, to go from what this puller holds to ``latest``:
+        ``latest``'s base, its base, ... back to the version held, or to the newest full (or
+        baseline) state, whichever comes first. Deltas older than that full state are never
+        read."""
+        chain = []
+        version: int | None = latest
+        while not (self._state is not None and version == self.version):
+            if version is None:
+                raise DeltaError(f"{self.disk_dir}: v{latest} has no full state in its history")
+            index = self._read_index(version)
+            chain.append((version, index))
+            if index["kind"] in ("full", "baseline"):
+                break
+            version = index["base_version"]
+        return chain[::-1]
+
+    def _load_full(self, version: int, index: dict) -> None:
+        where = self.disk_dir / version_dir_name(version)
+        if index["kind"] == "baseline":
+            state = load_hf_state(index["hf_checkpoint"])
+            self._side_files = Path(index["hf_checkpoint"])
+        else:
+            state = self._decode(where, index, base={})
+        self._verify_state(state, index, where)
+        self._state, self._entries, self.version = state, index["tensors"], version
+        self._algo = index["checksum"]
+        logger.info("puller: starting from the full state %s", where)
 
     # ---- decoding ----------------------------------------------------------------------
     def _decode(self, where: Path, index: dict, base: dict) -> dict[str, torch.Tensor]:
@@ -198,12 +212,8 @@ class Puller:
         if state_checksum(computed, algo) != index["state_checksum"]:
             raise DeltaError(f"{where}: state checksum mismatch")
 
-    def _apply(self, version: int) -> None:
+    def _apply(self, version: int, index: dict) -> None:
         where = self.disk_dir / version_dir_name(version)
-        try:
-            index = read_index(where)
-        except (FileNotFoundError, ValueError, json.JSONDecodeError) as error:
-            raise DeltaError(f"{where}: {error}") from error
         if index["kind"] == "delta" and index["base_version"] != self.version:
             raise DeltaError(
                 f"{where}: a delta on v{index['base_version']}, but this puller holds "
@@ -275,18 +285,20 @@ class Puller:
         latest = read_latest(self.disk_dir)
         if latest is None:
             return self.version
+        failed = latest
         try:
             if self._state is None:
                 self._load_local()
-            if self._state is None or self.version is None or self.version > latest:
-                self._bootstrap(latest)
-            while self.version < latest:
-                self._apply(self.version + 1)
+            for version, index in self._chain(latest):
+                failed = version
+                if index["kind"] == "delta":
+                    self._apply(version, index)
+                else:
+                    self._load_full(version, index)
             if self._side_files is None:
                 self._side_files = self._find_side_files()
             self._write_local()
         except DeltaError as error:
-            failed = (self.version or 0) + 1
             self._report(error_version=failed, error=str(error))
             if self._last_error != (failed, str(error)):
                 logger.error("puller: weight version %d refused: %s", failed, error)

@@ -125,8 +125,15 @@ def free_port() -> int:
 class Engine:
     """The built-in engine (with ``/weights_digest``) as a subprocess on a free port."""
 
-    def __init__(self, model_path: Path, port: int | None = None, timeout: float = 120.0):
+    def __init__(
+        self,
+        model_path: Path,
+        port: int | None = None,
+        timeout: float = 120.0,
+        device: str = "cpu",
+    ):
         self.model_path = model_path
+        self.device = device
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(model_path).parent / f"engine-{self.port}.log"
@@ -136,7 +143,7 @@ class Engine:
 
     def start(self, timeout: float = 120.0) -> None:
         cmd = [sys.executable, str(HERE / "digest_engine.py"), "--model-path", str(self.model_path)]
-        cmd += ["--port", str(self.port)]
+        cmd += ["--port", str(self.port), "--device", self.device]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -6,10 +6,9 @@ from __future__ import annotations
 import errno
 import os
 
+import miles_native as mn
 import pytest
 import torch
-
-import miles_native as mn
 
 
 def test_build_reports_cuda_state():
@@ -50,7 +49,9 @@ def test_copy_engine_copies_batches_and_splits_large_copies():
 
 def _regions(g):
     """Three tensors at file offsets that cross 8 KiB chunk boundaries, with gaps."""
-    tensors = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in (5000, 20000, 3)]
+    tensors = [
+        torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in (5000, 20000, 3)
+    ]
     offsets = [100, 9000, 40000]
     return tensors, offsets
 

@@ -10,11 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.tensor import DTensor
-
 from miles_offload.device_mover import DeviceMover
 from miles_offload.offload_target import OffloadTarget
 from offload_fsdp_model import build, train_step
+from torch.distributed.tensor import DTensor
 
 WORLD = 2
 

@@ -170,6 +170,19 @@ def test_commit_refuses_a_missing_iteration_and_leaves_the_tracker(tmp_path):
     assert cl.read_tracker(tmp_path) == 1
 
 
+def test_prepare_clears_uncommitted_leftovers_and_protects_the_committed(tmp_path):
+    _save(tmp_path, 1)
+    stale = cl.iteration_dir(tmp_path, 2)
+    (stale / "model").mkdir(parents=True)
+    (stale / "model" / "shard_7.bin").write_bytes(b"from a crashed save with 8 ranks")
+    fresh = cl.prepare_iteration_dir(tmp_path, 2)
+    assert fresh == stale and list(fresh.iterdir()) == []
+    assert cl.prepare_iteration_dir(tmp_path, 3).is_dir()
+    with pytest.raises(CheckpointError, match="refusing to overwrite .*iter_0000001"):
+        cl.prepare_iteration_dir(tmp_path, 1)
+    assert (tmp_path / "iter_0000001" / "model" / "shard_0.bin").read_bytes() == b"weights"
+
+
 def _record_fsyncs(monkeypatch) -> list[str]:
     """Spy on os.fsync (the OS call, not our code): the path of every descriptor synced."""
     synced: list[str] = []

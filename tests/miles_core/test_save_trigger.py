@@ -79,15 +79,17 @@ def test_should_save_on_request_whatever_the_interval(tmp_path):
         should_save(0, -1, trigger)
 
 
-def _agree_worker(rank: int, world_size: int, init_file: str, results) -> None:
+def _agree_worker(rank: int, world_size: int, tmp: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+        "gloo", init_method=f"file://{tmp}/pg", rank=rank, world_size=world_size
     )
     try:
         # Rank 0 saw the sentinel, rank 1 looked a moment earlier; then the reverse.
-        results[rank] = (agree_on_all_ranks(rank == 0), agree_on_all_ranks(rank != 0))
+        seen = (agree_on_all_ranks(rank == 0), agree_on_all_ranks(rank != 0))
+        with open(f"{tmp}/rank{rank}", "w") as out:
+            out.write(repr(seen))
     finally:
         dist.destroy_process_group()
 
@@ -95,18 +97,16 @@ def _agree_worker(rank: int, world_size: int, init_file: str, results) -> None:
 def test_agree_on_all_ranks_takes_rank_zero_view(tmp_path):
     assert agree_on_all_ranks(True) is True  # no process group: the local decision
     ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
-        results = manager.dict()
-        procs = [
-            ctx.Process(target=_agree_worker, args=(r, 2, str(tmp_path / "pg"), results))
-            for r in range(2)
-        ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=60)
-            assert p.exitcode == 0
-        assert dict(results) == {0: (True, False), 1: (True, False)}
+    procs = [ctx.Process(target=_agree_worker, args=(r, 2, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=90)
+        if p.exitcode is None:
+            p.kill()
+        assert p.exitcode == 0
+    for rank in range(2):
+        assert (tmp_path / f"rank{rank}").read_text() == "(True, False)"
 
 
 # A save point as the loop runs it, in a process we kill at a chosen moment. The kill is a

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -225,6 +226,26 @@ def read_tracker(save_dir: str | os.PathLike) -> int | None:
             f"got {text[:40]!r}"
         )
     return int(stripped)
+
+
+def prepare_iteration_dir(save_dir: str | os.PathLike, iteration: int) -> Path:
+    """Create an empty ``<save_dir>/iter_{iteration:07d}`` for a new save; returns it.
+
+    Call on one rank (rank 0) before the others write, with a barrier after. Leftovers of an
+    earlier save of the same iteration that was never committed (a crash) are removed first. The
+    iteration the tracker names is refused: overwriting it in place would leave no loadable
+    checkpoint should this save crash.
+    """
+    target = iteration_dir(save_dir, iteration)
+    if read_tracker(save_dir) == iteration:
+        raise CheckpointError(
+            f"refusing to overwrite {target}: it is the committed checkpoint named by "
+            f"{Path(save_dir) / TRACKER_FILENAME}"
+        )
+    if target.exists():
+        shutil.rmtree(target)
+    target.mkdir(parents=True)
+    return target
 
 
 def commit_iteration(save_dir: str | os.PathLike, iteration: int, meta: CheckpointMeta) -> Path:

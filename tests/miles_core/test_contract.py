@@ -28,6 +28,20 @@ def test_data_layout_rejects_out_of_range(rank, size, match):
         DataLayout(dp_rank=rank, dp_size=size)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(dp_rank=0.0, dp_size=2), "dp_rank must be an int, got 0.0"),
+        (dict(dp_rank=0, dp_size=True), "dp_size must be an int, got True"),
+        (dict(dp_rank=0, dp_size=2, consumes_data=1), "consumes_data must be a bool, got 1"),
+    ],
+)
+def test_data_layout_rejects_wrong_types(kwargs, match):
+    # A torch.distributed rank read as a tensor or float would otherwise index shards wrongly.
+    with pytest.raises(TypeError, match=match):
+        DataLayout(**kwargs)
+
+
 def test_data_layout_is_frozen():
     layout = DataLayout(dp_rank=0, dp_size=2)
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -123,6 +123,10 @@ def test_load_given_an_iteration_dir_points_to_the_parent(tmp_path):
     _save(tmp_path, 2)
     with pytest.raises(CheckpointError, match=r"parent directory.*--ckpt-step 2"):
         cl.resolve_load(tmp_path / "iter_0000002")
+    # Also when the parent has no tracker: never a silent fresh start.
+    (tmp_path / "other" / "iter_0000004").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=r"parent directory.*--ckpt-step 4"):
+        cl.resolve_load(tmp_path / "other" / "iter_0000004")
 
 
 def test_meta_validation_names_file_and_field(tmp_path):

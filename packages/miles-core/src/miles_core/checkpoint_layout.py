@@ -288,7 +288,7 @@ def resolve_load(
     name the flag, directory or file at fault.
     """
     root = Path(load_dir)
-    if ITERATION_DIR_RE.match(root.name) and (root.parent / TRACKER_FILENAME).exists():
+    if ITERATION_DIR_RE.match(root.name):
         raise CheckpointError(
             f"--load takes the parent directory of the iter_* directories: use "
             f"--load {root.parent} (with --ckpt-step {int(root.name[5:])} for this one)"

@@ -282,8 +282,9 @@ def resolve_load(
 ) -> ResolvedCheckpoint | None:
     """Pick the iteration to resume from ``--load load_dir`` (and ``--ckpt-step``).
 
-    With ``ckpt_step`` that iteration is taken (its directory must exist, committed or not: it
-    is how one goes back to an older checkpoint). Without it the tracker decides; a directory
+    With ``ckpt_step`` that iteration is taken, whatever the tracker says: it is how one goes
+    back to an older checkpoint. Its directory must exist and hold a meta.json (written by
+    :func:`commit_iteration` only after every rank finished writing). Without it the tracker decides; a directory
     with no tracker holds no committed checkpoint and gives None (start from scratch). Errors
     name the flag, directory or file at fault.
     """

@@ -53,7 +53,7 @@ def _ref_group_stats(rewards, groups, i):
 @pytest.mark.parametrize("estimator", ["grpo", "gspo"])
 def test_grpo_gspo(estimator):
     rewards, groups, lengths = _groups_case()
-    batch = _batch(rewards, groups, lengths, all_masked=(2,))
+    batch = _batch(rewards, groups, lengths, all_masked=(2, 12, 13))  # group 4: all masked
     out = compute_advantages(batch, estimator)
     for i, (a, ret) in enumerate(zip(out.advantages, out.returns)):
         mean, std = _ref_group_stats(rewards, groups, i)
@@ -62,6 +62,12 @@ def test_grpo_gspo(estimator):
         torch.testing.assert_close(a.double(), torch.full((lengths[i],), want, dtype=torch.float64))
     assert out.advantages[8].abs().max() == 0  # single-sample group
     assert all(out.advantages[i].abs().max() == 0 for i in (9, 10, 11))  # ties
+    # normalization ignores the all-masked group entirely (and zeroes it)
+    masks = [s.mask for s in batch]
+    norm = normalize_advantages(out.advantages, masks)
+    kept = normalize_advantages(out.advantages[:12], masks[:12])
+    assert all(torch.equal(a, b) for a, b in zip(norm[:12], kept))
+    assert norm[12].abs().sum() == 0 and norm[13].abs().sum() == 0
     with pytest.raises(ValueError, match="--kl-coef"):
         compute_advantages(batch, estimator, kl_coef=0.1, kl=[torch.zeros(n) for n in lengths])
 

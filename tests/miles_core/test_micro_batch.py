@@ -16,6 +16,7 @@ from miles_core.micro_batch import (
     agree_num_micro_batches,
     count_micro_batches,
     first_fit_decreasing,
+    fixed_size_micro_batches,
     make_micro_batches,
     micro_batch_budget,
     split_steps,
@@ -79,6 +80,15 @@ def test_context_parallel_multiplies_the_budget_and_errors_name_flags():
         make_micro_batches(batch, 600, num=1)
     with pytest.raises(ValueError, match="--context-parallel-size"):
         micro_batch_budget(10, 0)
+
+
+def test_fixed_size_micro_batches():
+    batch = _batch(list(range(2, 9)))
+    mbs = fixed_size_micro_batches(batch, 3)
+    assert [list(mb.source_indices) for mb in mbs] == [[0, 1, 2], [3, 4, 5], [6]]
+    assert [len(mb) for mb in fixed_size_micro_batches(batch, 3, num=4)] == [3, 3, 1, 0]
+    with pytest.raises(ValueError, match="--micro-batch-size"):
+        fixed_size_micro_batches(batch, 3, num=2)
 
 
 def test_split_steps():

@@ -120,6 +120,28 @@ def _least_loaded(lengths: Sequence[int], num: int) -> list[list[int]]:
     return bins
 
 
+def fixed_size_micro_batches(
+    batch: RolloutBatch, micro_batch_size: int, num: int | None = None
+) -> list[RolloutBatch]:
+    """Consecutive micro-batches of ``micro_batch_size`` samples (``--micro-batch-size``, when
+    ``--use-dynamic-batch-size`` is off); the last may be shorter. ``num`` (the maximum over DP
+    ranks) appends empty micro-batches so that every rank runs the same count."""
+    if micro_batch_size < 1:
+        raise ValueError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")
+    n = len(batch)
+    chunks = [
+        batch.select(range(i, min(i + micro_batch_size, n))) for i in range(0, n, micro_batch_size)
+    ]
+    need = max(len(chunks), 1)
+    if num is None:
+        num = need
+    if num < need:
+        raise ValueError(
+            f"{num} micro-batches cannot hold {n} samples at --micro-batch-size {micro_batch_size}"
+        )
+    return chunks + [batch.select([]) for _ in range(num - len(chunks))]
+
+
 def split_steps(batch: RolloutBatch, num_steps: int) -> list[RolloutBatch]:
     """Cut a rank's shard into ``num_steps`` consecutive optimizer steps
     (``--num-steps-per-rollout``), sizes differing by at most one sample."""

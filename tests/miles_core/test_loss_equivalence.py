@@ -45,6 +45,15 @@ CONFIGS = {
 }  # fmt: skip
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: one intra-op thread avoids oversubscription stalls on a shared CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _model():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -211,6 +220,7 @@ def _free_port():
 
 
 def _dp_worker(rank, world, port, out_dir):
+    torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
         timeout=timedelta(seconds=120),

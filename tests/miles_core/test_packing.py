@@ -9,6 +9,15 @@ from miles_core.log_probs import token_log_probs
 from miles_core.packing import pack_thd, packed_attention_kwargs, unpack_response
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: one intra-op thread avoids oversubscription stalls on a shared CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _batch(specs, seed=0, vocab=64):
     """specs: (total_length, response_length) per sample, with masks, log-probs and routing."""
     g = torch.Generator().manual_seed(seed)

@@ -60,28 +60,29 @@ def group_normalized_rewards(
 
 
 def discounted_returns(token_rewards: torch.Tensor, gamma: float) -> torch.Tensor:
-    """``G_t = sum_{s >= t} gamma^(s - t) r_s`` along the last dimension."""
-    out = torch.empty_like(token_rewards)
-    running = torch.zeros_like(token_rewards[..., 0]) if token_rewards.shape[-1] else None
-    for t in range(token_rewards.shape[-1] - 1, -1, -1):
-        running = token_rewards[..., t] + gamma * running
-        out[..., t] = running
-    return out
+    """``G_t = sum_{s >= t} gamma^(s - t) r_s`` over a 1-D response (float64 accumulation)."""
+    out = []
+    running = 0.0
+    for r in reversed(token_rewards.tolist()):
+        running = r + gamma * running
+        out.append(running)
+    return torch.tensor(out[::-1], dtype=token_rewards.dtype)
 
 
 def generalized_advantages(
     token_rewards: torch.Tensor, values: torch.Tensor, gamma: float, lambd: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE over one response: returns ``(A, A + V)`` (see the module docstring)."""
-    n = token_rewards.shape[-1]
-    adv = torch.empty_like(token_rewards)
-    running = torch.zeros((), dtype=token_rewards.dtype)
-    for t in range(n - 1, -1, -1):
-        next_value = values[t + 1] if t + 1 < n else 0.0
-        delta = token_rewards[t] + gamma * next_value - values[t]
+    rewards, vals = token_rewards.tolist(), values.tolist()
+    adv = [0.0] * len(rewards)
+    running, next_value = 0.0, 0.0
+    for t in range(len(rewards) - 1, -1, -1):
+        delta = rewards[t] + gamma * next_value - vals[t]
         running = delta + gamma * lambd * running
         adv[t] = running
-    return adv, adv + values
+        next_value = vals[t]
+    out = torch.tensor(adv, dtype=token_rewards.dtype)
+    return out, out + values.to(out.dtype)
 
 
 def compute_advantages(

@@ -339,3 +339,22 @@ def test_loss_config_from_args_and_validation():
             loss_mask=torch.ones(2), config=LossConfig(use_tis=True), denominator=1.0,
             sample_ids=torch.zeros(2, dtype=torch.long), num_samples=1,
         )  # fmt: skip
+
+
+def test_sequence_mean_split_across_ranks_with_given_sample_counts():
+    """Context parallelism: each rank holds part of every sample. With the full per-sample
+    counts given, the parts' sequence-mean shares add up to the whole."""
+    g = torch.Generator().manual_seed(8)
+    ids = _segments([6, 4, 8])[:-3]
+    values = torch.randn(len(ids), generator=g)
+    mask = (torch.rand(len(ids), generator=g) > 0.3).float()
+    whole = aggregate(values, mask, 3.0, False, ids, 3)
+    counts = segment_sum(mask, ids, 3)
+    halves = [torch.arange(len(ids)) % 2 == r for r in range(2)]  # interleaved token split
+    parts = [
+        aggregate(values[h], mask[h], 3.0, False, ids[h], 3, sample_loss_tokens=counts)
+        for h in halves
+    ]
+    assert (parts[0] + parts[1]).item() == pytest.approx(whole.item(), rel=1e-6)
+    naive = [aggregate(values[h], mask[h], 3.0, False, ids[h], 3) for h in halves]
+    assert (naive[0] + naive[1]).item() != pytest.approx(whole.item(), rel=1e-3)

@@ -47,6 +47,7 @@ def test_layout_against_per_sample_reference():
     assert p.num_tokens == 48 and p.num_tokens % 16 == 0 and p.num_padding == 48 - used
     assert p.cu_seqlens.tolist() == [0, 7, 9, 29, 34, 48] and p.cu_seqlens.dtype == torch.int32
     assert p.max_seqlen == 20 and p.num_samples == 4
+    assert p.sample_loss_tokens.tolist() == [float(s.loss_mask.sum()) for s in batch]
     offset = 0
     for i, s in enumerate(batch):
         n, r = s.total_length, s.response_length

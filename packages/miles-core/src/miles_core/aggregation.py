@@ -61,11 +61,14 @@ def aggregate(
     per_token_loss: bool,
     sample_ids: torch.Tensor | None = None,
     num_samples: int | None = None,
+    sample_loss_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This micro-batch's share of the token-mean / sequence-mean (see the module docstring).
 
     ``values`` and ``loss_mask`` are per-token (any shape, flattened). Sequence mean needs
-    ``sample_ids`` (same shape, -1 for padding) and ``num_samples``.
+    ``sample_ids`` (same shape, -1 for padding) and ``num_samples``; ``n_i`` is counted from
+    ``loss_mask`` unless ``sample_loss_tokens`` (``[num_samples]``) gives it, which a rank holding
+    only part of each sample (context parallelism) must do.
     """
     masked = values.reshape(-1) * loss_mask.reshape(-1).to(values.dtype)
     if per_token_loss:
@@ -73,7 +76,10 @@ def aggregate(
     if sample_ids is None or num_samples is None:
         raise ValueError("sequence-mean aggregation needs sample_ids and num_samples")
     per_sample = segment_sum(masked, sample_ids, num_samples)
-    counts = segment_sum(loss_mask.reshape(-1).to(values.dtype), sample_ids, num_samples)
+    if sample_loss_tokens is None:
+        counts = segment_sum(loss_mask.reshape(-1).to(values.dtype), sample_ids, num_samples)
+    else:
+        counts = sample_loss_tokens.to(device=values.device, dtype=values.dtype)
     return (per_sample / counts.clamp(min=1)).sum() / denominator
 
 

@@ -170,6 +170,7 @@ def compute_policy_loss(
     ref_log_probs: torch.Tensor | None = None,
     rollout_log_probs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    sample_loss_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The actor loss of one micro-batch::
 
@@ -179,7 +180,8 @@ def compute_policy_loss(
 
     ``log_ratio`` is ``log pi - log pi_old`` or, for ``--advantage-estimator gspo``,
     :func:`gspo_log_ratio`. ``agg`` is :func:`~miles_core.aggregation.aggregate` (token mean
-    with ``--calculate-per-token-loss``, else sequence mean, which needs ``sample_ids``).
+    with ``--calculate-per-token-loss``, else sequence mean, which needs ``sample_ids``;
+    ``sample_loss_tokens`` is passed on to it).
 
     Metrics (detached, shares of step means): ``loss``, ``pg_loss``, ``pg_clipfrac``,
     ``pg_dual_clipfrac``, ``ppo_kl`` (approximate KL, mean of ``log pi_old - log pi``), and when
@@ -194,6 +196,7 @@ def compute_policy_loss(
             config.calculate_per_token_loss,
             sample_ids=sample_ids,
             num_samples=num_samples,
+            sample_loss_tokens=sample_loss_tokens,
         )
 
     if config.advantage_estimator == "gspo":

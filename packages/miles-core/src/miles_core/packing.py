@@ -46,6 +46,7 @@ class PackedBatch:
     total_lengths: list[int]
     response_lengths: list[int]
     rewards: torch.Tensor  # float32 [num_samples]
+    sample_loss_tokens: torch.Tensor  # float32 [num_samples], loss tokens of each sample
     fields: dict[str, torch.Tensor]  # float32 [1, T] each, aligned like loss_mask
     routed_experts: torch.Tensor | None  # int [T, ...] per input token, zeros in the padding
     source_indices: tuple[int, ...]
@@ -85,6 +86,7 @@ class PackedBatch:
             total_lengths=self.total_lengths,
             response_lengths=self.response_lengths,
             rewards=mv(self.rewards),
+            sample_loss_tokens=mv(self.sample_loss_tokens),
             fields={k: mv(v) for k, v in self.fields.items()},
             routed_experts=mv(self.routed_experts),
             source_indices=self.source_indices,
@@ -160,6 +162,7 @@ def pack_thd(
         total_lengths=lengths,
         response_lengths=batch.response_lengths,
         rewards=batch.rewards,
+        sample_loss_tokens=torch.tensor([float(s.mask.sum()) for s in batch], dtype=torch.float32),
         fields={n: v.unsqueeze(0) for n, v in fields.items()},
         routed_experts=routed,
         source_indices=batch.source_indices,

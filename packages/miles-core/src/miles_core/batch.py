@@ -213,11 +213,21 @@ class RolloutBatch(Sequence[Sample]):
         return [s.fields[name] for s in self.samples]
 
     # Derived batches
+    @classmethod
+    def _validated(
+        cls, samples: tuple[Sample, ...], source_indices: tuple[int, ...]
+    ) -> RolloutBatch:
+        """A batch of samples taken from an already validated batch (no re-validation)."""
+        batch = cls.__new__(cls)
+        batch.samples, batch.source_indices = samples, source_indices
+        return batch
+
     def select(self, indices: Sequence[int]) -> RolloutBatch:
         """The samples at ``indices`` (in that order); ``source_indices`` map back to ``self``."""
         indices = [int(i) for i in indices]
-        return RolloutBatch(
-            [self.samples[i] for i in indices], [self.source_indices[i] for i in indices]
+        return RolloutBatch._validated(
+            tuple(self.samples[i] for i in indices),
+            tuple(self.source_indices[i] for i in indices),
         )
 
     def with_fields(self, **fields: Sequence[torch.Tensor]) -> RolloutBatch:

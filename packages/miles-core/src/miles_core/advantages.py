@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from miles_core.aggregation import all_reduce_host
 from miles_core.batch import RolloutBatch, group_members
 
 GROUP_STD_EPS = 1e-6
@@ -160,8 +161,7 @@ def normalize_advantages(
     for a, m in zip(advantages, loss_masks):
         a64, m64 = a.detach().to(torch.float64), m.to(torch.float64)
         stats += torch.stack([(a64 * m64).sum(), (a64 * a64 * m64).sum(), m64.sum()])
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+    stats = all_reduce_host(stats, dist.ReduceOp.SUM, group)
     total, total_sq, count = stats.tolist()
     if count == 0:
         return [a.clone() for a in advantages]

@@ -26,6 +26,22 @@ import torch.distributed as dist
 from miles_core.batch import RolloutBatch
 
 
+def all_reduce_host(
+    tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """All-reduce a small host tensor over ``group`` and return it (unchanged when
+    torch.distributed is not initialized). Meant for a gloo group; on an NCCL group the values
+    take a round trip through the current CUDA device."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return tensor
+    if dist.get_backend(group) == "nccl":
+        on_device = tensor.cuda()
+        dist.all_reduce(on_device, op=op, group=group)
+        return on_device.cpu()
+    dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
 def loss_denominator(
     step_batch: RolloutBatch,
     per_token_loss: bool,
@@ -39,8 +55,7 @@ def loss_denominator(
     """
     local = step_batch.num_loss_tokens if per_token_loss else len(step_batch)
     count = torch.tensor([float(local)], dtype=torch.float64)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
+    count = all_reduce_host(count, dist.ReduceOp.SUM, group)
     return max(float(count.item()), 1.0)
 
 

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from miles_core.aggregation import all_reduce_host
 from miles_core.batch import RolloutBatch
 from miles_core.partition import karmarkar_karp
 
@@ -70,11 +71,8 @@ def agree_num_micro_batches(local: int, group: dist.ProcessGroup | None = None) 
 
     Without an initialized process group this is ``local``.
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        return int(local)
     value = torch.tensor([int(local)], dtype=torch.int64)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    return int(value.item())
+    return int(all_reduce_host(value, dist.ReduceOp.MAX, group).item())
 
 
 def make_micro_batches(

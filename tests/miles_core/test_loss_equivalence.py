@@ -153,18 +153,21 @@ def reference_step(model, batch, cfg: dict) -> torch.Tensor:
     return total
 
 
-def pipeline_step(model, batch, cfg: dict, dp_rank, dp_size, num_micro, group=None) -> torch.Tensor:
-    """This rank's share of the step loss through the library, with backward per micro-batch."""
+def pipeline_step(
+    model, batch, cfg: dict, dp_rank, dp_size, max_tokens, min_micro=1, group=None
+) -> tuple[torch.Tensor, int]:
+    """This rank's share of the step loss through the library, with backward per micro-batch;
+    also returns the number of micro-batches it ran."""
     config = LossConfig(**cfg)
     shard = partition_for_dp(batch, dp_size, keep_groups=True)[dp_rank]
     adv = compute_advantages(shard, config.advantage_estimator)
     adv = normalize_advantages(adv.advantages, [s.mask for s in shard], group=group)
     shard = shard.with_fields(advantages=adv)
     denominator = loss_denominator(shard, config.calculate_per_token_loss, group=group)
-    budget = 64
-    num = agree_num_micro_batches(max(count_micro_batches(shard, budget), num_micro), group=group)
+    local = max(count_micro_batches(shard, max_tokens), min_micro)
+    num = agree_num_micro_batches(local, group=group)
     total = torch.zeros(())
-    for mb in make_micro_batches(shard, budget, num=num):
+    for mb in make_micro_batches(shard, max_tokens, num=num):
         p = pack_thd(mb, pad_multiple=16)
         logits = model(input_ids=p.input_ids, **packed_attention_kwargs(p, "sdpa")).logits
         lp = token_log_probs(logits, p.targets, config.temperature)
@@ -183,7 +186,7 @@ def pipeline_step(model, batch, cfg: dict, dp_rank, dp_size, num_micro, group=No
         )
         loss.backward()
         total += loss.detach()
-    return total
+    return total, num
 
 
 def _grads(model):
@@ -207,9 +210,10 @@ def _assert_same(loss, grads, ref_loss, ref_grads):
 def test_packed_micro_batched_equals_per_sample(name):
     cfg = CONFIGS[name]
     ref_loss, ref_grads = _reference(cfg)
-    for num_micro in (1, 4):
+    for max_tokens, min_micro, expected in ((4096, 1, 1), (256, 4, 4)):
         model = _model()
-        loss = pipeline_step(model, _batch(), cfg, 0, 1, num_micro)
+        loss, num = pipeline_step(model, _batch(), cfg, 0, 1, max_tokens, min_micro)
+        assert num == expected
         _assert_same(loss.item(), _grads(model), ref_loss, ref_grads)
 
 
@@ -230,8 +234,8 @@ def _dp_worker(rank, world, port, out_dir):
         out = {}
         for name, cfg in CONFIGS.items():
             model = _model()
-            loss = pipeline_step(model, _batch(), cfg, rank, world, num_micro=2, group=group)
-            out[name] = (loss.item(), _grads(model))
+            loss, num = pipeline_step(model, _batch(), cfg, rank, world, 64, group=group)
+            out[name] = (loss.item(), _grads(model), num)
         torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -257,4 +261,5 @@ def test_two_dp_ranks_equal_per_sample(tmp_path):
         loss = sum(r[name][0] for r in ranks)
         grads = {n: ranks[0][name][1][n] + ranks[1][name][1][n] for n in ref_grads}
         assert all(r[name][0] != 0 for r in ranks)  # both ranks really carried data
+        assert ranks[0][name][2] == ranks[1][name][2] > 1  # same, agreed micro-batch count
         _assert_same(loss, grads, ref_loss, ref_grads)

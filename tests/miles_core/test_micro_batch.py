@@ -21,6 +21,7 @@ from miles_core.micro_batch import (
     micro_batch_budget,
     split_steps,
 )
+from miles_core.partition import karmarkar_karp
 
 
 def _batch(lengths):
@@ -57,10 +58,13 @@ def test_micro_batches_respect_budget_and_count():
 
 
 def test_tight_budget_falls_back_to_first_fit():
-    # KK into 2 bins gives {9,1,1} vs {6,5}... budget 11 forces the exact packing {9,2},{6,5}
-    lengths = [9, 6, 5, 2]
-    mbs = make_micro_batches(_batch(lengths), 11, num=2)
-    assert sorted(sorted(lengths[i] for i in mb.source_indices) for mb in mbs) == [[2, 9], [5, 6]]
+    # 38 tokens in 3 micro-batches of 13: Karmarkar-Karp's balanced split overflows one of them,
+    # first-fit decreasing finds {12}, {9, 4}, {8, 3, 2}
+    lengths = [9, 12, 2, 4, 3, 8]
+    assert max(sum(lengths[i] for i in p) for p in karmarkar_karp(lengths, 3)) > 13
+    mbs = make_micro_batches(_batch(lengths), 13, num=3)
+    got = sorted(sorted(lengths[i] for i in mb.source_indices) for mb in mbs)
+    assert got == [[2, 3, 8], [4, 9], [12]]
 
 
 def test_fewer_samples_than_micro_batches_gives_empty_ones():

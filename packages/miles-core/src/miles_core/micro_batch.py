@@ -84,9 +84,9 @@ def make_micro_batches(
     """Split ``batch`` into ``num`` micro-batches (default: :func:`count_micro_batches`), each
     within the token budget, samples in their original order inside each micro-batch.
 
-    Token counts are balanced with Karmarkar-Karp; if that (or the fallback, least-loaded-first)
-    breaks the budget, the first-fit-decreasing packing is used, completed with empty
-    micro-batches. ``num`` must be at least what first-fit decreasing needs.
+    Token counts are balanced with Karmarkar-Karp; where that breaks the budget (tight packings),
+    the first-fit-decreasing packing is used, completed with empty micro-batches. ``num`` must be
+    at least what first-fit decreasing needs.
     """
     budget = micro_batch_budget(max_tokens_per_gpu, cp_size)
     lengths = batch.total_lengths
@@ -99,23 +99,11 @@ def make_micro_batches(
             f"{num} micro-batches cannot hold this rank's {len(batch)} samples within "
             f"{budget} tokens each (--max-tokens-per-gpu); {len(ffd)} are needed"
         )
-    for bins in (karmarkar_karp(lengths, num), _least_loaded(lengths, num)):
-        if all(sum(lengths[i] for i in b) <= budget for b in bins):
-            break
-    else:
+    bins = karmarkar_karp(lengths, num)
+    if any(sum(lengths[i] for i in b) > budget for b in bins):
         bins = ffd + [[] for _ in range(num - len(ffd))]
     bins = sorted((sorted(b) for b in bins), key=lambda b: (not b, b[:1]))
     return [batch.select(b) for b in bins]
-
-
-def _least_loaded(lengths: Sequence[int], num: int) -> list[list[int]]:
-    bins: list[list[int]] = [[] for _ in range(num)]
-    loads = [0] * num
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        b = min(range(num), key=lambda j: (loads[j], j))
-        bins[b].append(i)
-        loads[b] += lengths[i]
-    return bins
 
 
 def fixed_size_micro_batches(

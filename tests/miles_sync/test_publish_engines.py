@@ -264,3 +264,36 @@ def test_failed_push_releases_the_engine(engines):
         "/update_weights_from_tensor", json={"serialized_named_tensors": ["x"]}
     )
     assert outside.status_code == 400 and "must be wrapped" in outside.text
+
+
+@pytest.mark.parametrize("pause_mode", ["retract", "abort"])
+def test_publish_during_generation(pause_mode, engines):
+    """A request running when the publish pauses: ``retract`` finishes it under the new version,
+    ``abort`` returns it aborted. Either way the engine serves the new weights afterwards."""
+    engine = engines[0]
+    body = {
+        "input_ids": PROMPTS[1],
+        "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True},
+    }
+    reply: dict = {}
+    running = threading.Thread(
+        target=lambda: reply.update(engine.http.post("/generate", json=body, timeout=300).json())
+    )
+    running.start()
+    deadline = time.monotonic() + 30
+    while engine.http.get("/get_server_info").json()["num_requests"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    publisher = WeightPublisher(config("broadcast", pause_mode=pause_mode))
+    model = tiny_model(0)
+    train_step(model, 51)
+    version = publisher.update_weights(source(model), [engine.url])
+    publisher.close()
+    running.join(timeout=300)
+    finish = reply["meta_info"]["finish_reason"]
+    if pause_mode == "retract":
+        assert finish == {"type": "length", "length": 400}
+        assert reply["meta_info"]["weight_version"] == str(version)
+    else:
+        assert finish["type"] == "abort"
+    assert_serves(engine, model)

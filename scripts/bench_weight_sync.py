@@ -176,15 +176,13 @@ def broadcast_floor(nbytes: int, repeats: int) -> float:
 
 def naive_ipc(engine_url: str, weights: dict[str, torch.Tensor]) -> None:
     """One /update_weights_from_tensor per tensor (a list of one (name, tensor), CUDA IPC)."""
+    from miles_core.engine import EngineClient
     from miles_sync.buckets import dumps_sglang_wire
 
-    with httpx.Client(base_url=engine_url, timeout=600) as http:
+    with EngineClient(engine_url, timeout=600) as client, client.weight_update():
         for name, tensor in weights.items():
             entry = base64.b64encode(dumps_sglang_wire([(name, tensor)])).decode()
-            reply = http.post(
-                "/update_weights_from_tensor", json={"serialized_named_tensors": [entry]}
-            )
-            reply.raise_for_status()
+            client.update_weights_from_tensor([entry])
 
 
 def naive_broadcast(group, weights: dict[str, torch.Tensor]) -> None:
@@ -192,7 +190,7 @@ def naive_broadcast(group, weights: dict[str, torch.Tensor]) -> None:
     import concurrent.futures
 
     engine = group.engines[0]
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, engine.weight_update():
         for name, tensor in weights.items():
             reply = pool.submit(
                 engine.update_weights_from_distributed,

@@ -163,6 +163,7 @@ def test_wait_for_pullers_times_out_naming_the_engine(tmp_path):
         wait_for_pullers(tmp_path, ["http://127.0.0.1:1"], 4, timeout_s=0.2)
 
 
+@pytest.mark.slow  # two interpreter starts
 def test_cli_pull_once(setup):
     model, ckpt, tmp_path = setup
     writer = writer_for(tmp_path, ckpt)

@@ -127,7 +127,10 @@ class Puller:
     def _load_full(self, version: int, index: dict) -> None:
         where = self.disk_dir / version_dir_name(version)
         if index["kind"] == "baseline":
-            state = load_hf_state(index["hf_checkpoint"])
+            try:
+                state = load_hf_state(index["hf_checkpoint"])
+            except (OSError, SafetensorError) as error:
+                raise DeltaError(f"{where}: baseline checkpoint: {error}") from error
             self._side_files = Path(index["hf_checkpoint"])
         else:
             state = self._decode(where, index, base={})

@@ -191,7 +191,9 @@ class Engine:
 # ---- trainer ranks -------------------------------------------------------------------------
 def _rank_main(rank: int, world_size: int, port: int, out_dir: str, job: dict) -> None:
     """One gloo trainer rank: train, publish, write ``rank<r>.json`` (version or error)."""
+    import datetime
     import json
+    import traceback
 
     import torch.distributed as dist
     from miles_sync.ranks import RankContext
@@ -199,7 +201,11 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, job: dict) -
 
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=120),
     )
     result: dict = {}
     try:
@@ -211,6 +217,7 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, job: dict) -
         publisher.close()
     except Exception as error:  # reported to the test
         result["error"] = f"{type(error).__name__}: {error}"
+        result["traceback"] = traceback.format_exc()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -228,10 +235,16 @@ def run_ranks(world_size: int, out_dir: Path, job: dict, timeout: float = 240.0)
         join=False,
         start_method="spawn",
     )
+    # Wait on the processes themselves, not on ``context.join``: the ``torch_shm_manager`` that a
+    # rank starts for the file_system strategy inherits the rank's exit-sentinel pipe and keeps
+    # it open while the engine still maps the shared buckets.
     deadline = time.monotonic() + timeout
-    while not context.join(timeout=1.0):
+    while any(process.exitcode is None for process in context.processes):
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
             raise TimeoutError(f"trainer ranks did not finish in {timeout}s")
+        time.sleep(0.2)
+    codes = [process.exitcode for process in context.processes]
+    assert codes == [0] * world_size, f"trainer ranks exited with {codes}"
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]

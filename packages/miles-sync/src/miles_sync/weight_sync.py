@@ -189,8 +189,8 @@ class WeightPublisher:
         if self._transport is not None:
             try:
                 self._transport.connect(clients)
-            except (PublishError, EngineError, ValueError) as failure:
-                error = str(failure)
+            except Exception as failure:  # every rank must learn of it, or the others hang
+                error = f"{type(failure).__name__}: {failure}"
         error = ctx.first_error(error)
         if error is not None:
             raise PublishError(f"publish of weight version {version}: {error}")
@@ -243,8 +243,8 @@ class WeightPublisher:
                             )
                 else:
                     stats.update(self._transport.push(source))
-            except (EngineError, RuntimeError) as failure:
-                error = f"pushing weights failed: {failure}"
+            except Exception as failure:  # every rank must learn of it, or the others hang
+                error = f"pushing weights failed: {type(failure).__name__}: {failure}"
             error = ctx.first_error(error)
             if error is not None:
                 raise PublishError(f"publish of weight version {version}: {error}")

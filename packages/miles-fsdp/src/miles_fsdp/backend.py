@@ -1,0 +1,221 @@
+"""FSDPBackend: the HF model trained verbatim under PyTorch FSDP2 (``--train-backend fsdp``)."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from miles_core.contract import DataLayout, TrainBackend
+from torch import nn
+
+from miles_fsdp import checkpoint_paths
+from miles_fsdp.adaptations import Adaptation, adaptation_for
+from miles_fsdp.checkpoint import Checkpointer, TrainState, export_hf
+from miles_fsdp.loading import (
+    HFCheckpointInfo,
+    build_meta_model,
+    fill_sharded_model,
+    finish_lazy_init,
+    load_config,
+    read_full_state,
+    resolve_attn_implementation,
+    validate_on_rank0,
+)
+from miles_fsdp.mesh import MeshShape, build_mesh, mesh_shape
+from miles_fsdp.optimizer import OptimizerConfig, build_optimizer
+from miles_fsdp.precision import PrecisionConfig, resolve_precision
+from miles_fsdp.weight_source import WeightSource
+from miles_fsdp.wrapping import apply_fsdp
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    return torch.device("cpu")
+
+
+def optimizer_config(args: Any) -> OptimizerConfig:
+    """The optimizer/schedule part of the parsed flags."""
+    return OptimizerConfig(
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        lr_warmup_iters=args.lr_warmup_iters,
+        lr_decay_style=args.lr_decay_style,
+        lr_decay_iters=args.lr_decay_iters,
+    )
+
+
+class FSDPBackend(TrainBackend):
+    """One trainer rank of the FSDP2 backend. See docs/miles-fsdp.md."""
+
+    name = "fsdp"
+
+    @classmethod
+    def arg_groups(cls) -> Sequence[type]:
+        from miles_fsdp.args import FSDPArgs
+
+        return (FSDPArgs,)
+
+    def __init__(self) -> None:
+        self.args: Any = None
+        self.model: nn.Module | None = None
+        self.asleep = False
+
+    # ------------------------------------------------------------------ init
+    def init(self, args: Any, role: str = "actor") -> int:
+        if role != "actor":
+            raise ValueError(f"FSDPBackend supports role 'actor', got {role!r}")
+        self.args = args
+        self.device = _device()
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.shape: MeshShape = mesh_shape(world, args.dp_replicate_size)
+        if args.fsdp_cpu_offload and dist.is_initialized():
+            if "gloo" not in str(dist.get_backend()) and self.device.type == "cuda":
+                raise RuntimeError(
+                    "--fsdp-cpu-offload needs a CPU backend in the default process group: "
+                    f"init it with backend 'cpu:{args.fsdp_cpu_backend},cuda:nccl'"
+                )
+        self.mesh = build_mesh(self.shape, self.device.type)
+        torch.manual_seed(args.seed)
+        random.seed(args.seed)
+
+        self.info: HFCheckpointInfo = validate_on_rank0(args.hf_checkpoint)
+        self.hf_dir = Path(args.hf_checkpoint)
+        self.config = load_config(self.hf_dir)
+        self.adaptation: Adaptation = adaptation_for(self.config.model_type)
+        precision = resolve_precision(
+            args.fp16, getattr(args, "fsdp_compute_dtype", None), args.keep_fp32_master
+        )
+        for policy in self.adaptation.precision_policies:
+            precision = policy(self.config, precision)
+        self.precision: PrecisionConfig = precision
+        self.attn_implementation = resolve_attn_implementation(args.attn_implementation)
+
+        self.model = self._build_model()
+        self.optimizer, self.scheduler = build_optimizer(self.model, optimizer_config(args))
+        self.checkpointer = Checkpointer(self.model, self.optimizer, self.scheduler)
+        self.state = TrainState()
+        if args.load and checkpoint_paths.read_tracker(Path(args.load)) is not None:
+            self.state = self.checkpointer.load(
+                args.load, load_optim=not args.no_load_optim, load_rng=not args.no_load_rng
+            )
+        return self.state.next_rollout_id
+
+    def _build_model(self) -> nn.Module:
+        config, adaptation, precision = self.config, self.adaptation, self.precision
+        for patch in adaptation.model_patches:
+            patch(config)
+        model = build_meta_model(config, precision.master_dtype, self.attn_implementation)
+        for patch in adaptation.model_instance_patches + adaptation.packing_patches:
+            patch(model, config)
+        if self.args.gradient_checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        apply_fsdp(
+            model,
+            self.mesh,
+            precision.mixed_precision_policy(),
+            cpu_offload=self.args.fsdp_cpu_offload,
+        )
+        state = buffers = None
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            state, buffers = read_full_state(
+                self.hf_dir,
+                config,
+                precision.master_dtype,
+                self.attn_implementation,
+                adaptation.post_load_fixups,
+            )
+        target = torch.device("cpu") if self.args.fsdp_cpu_offload else self.device
+        fill_sharded_model(model, target, state, buffers)
+        del state, buffers
+        finish_lazy_init(model)
+        model.train()
+        return model
+
+    # ------------------------------------------------------------------ layout
+    def data_layout(self) -> DataLayout:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return DataLayout(dp_rank=rank, dp_size=self.shape.world_size)
+
+    # ------------------------------------------------------------------ training
+    def train(self, rollout_id: int, batch: Any) -> dict[str, float]:
+        raise NotImplementedError("wired onto miles_core.batch/losses when they land")
+
+    def update_weights(self, engines: Sequence[Any]) -> None:
+        raise NotImplementedError("wired onto miles_sync when it lands")
+
+    # ------------------------------------------------------------------ weights
+    def weight_source(self, gather_bytes: int = 256 << 20) -> WeightSource:
+        """The current weights in checkpoint names/dtypes (collective iteration)."""
+        return WeightSource(
+            model=self.model,
+            config=self.config,
+            adaptation=self.adaptation,
+            tensor_dtypes=self.info.tensor_dtypes,
+            default_dtype=getattr(self.config, "dtype", None) or torch.bfloat16,
+            gather_bytes=gather_bytes,
+            device=self.device,
+        )
+
+    def export_hf(self, out_dir: str | os.PathLike) -> None:
+        """Write the current weights as a HF directory loadable by ``from_pretrained``."""
+        export_hf(self.weight_source(), self.hf_dir, out_dir)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_model(self, rollout_id: int, force_sync: bool = False) -> None:
+        if not self.args.save:
+            raise ValueError("save_model needs --save")
+        self.state.next_rollout_id = max(self.state.next_rollout_id, rollout_id + 1)
+        self.checkpointer.save(
+            self.args.save,
+            rollout_id,
+            self.state,
+            save_optim=not self.args.no_save_optim,
+            async_save=self.args.async_save and not force_sync,
+        )
+        if force_sync:
+            self.checkpointer.finalize()
+
+    # ------------------------------------------------------------------ memory
+    def sleep(self) -> None:
+        """Move parameters and optimizer state to host memory (no-op on a CPU device)."""
+        if self.asleep or self.device.type == "cpu" or self.args.fsdp_cpu_offload:
+            self.asleep = True
+            return
+        self._move(torch.device("cpu"))
+        torch.cuda.empty_cache()
+        self.asleep = True
+
+    def wake_up(self) -> None:
+        if not self.asleep:
+            return
+        if self.device.type != "cpu" and not self.args.fsdp_cpu_offload:
+            self._move(self.device)
+        self.asleep = False
+
+    def _move(self, device: torch.device) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.to(device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and key != "step":
+                    state[key] = value.to(device, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def close(self) -> None:
+        if self.model is not None:
+            self.checkpointer.finalize()
+        self.model = None

@@ -1,0 +1,255 @@
+"""FSDP checkpoints (PyTorch DCP) under the shared iteration layout.
+
+An iteration directory holds::
+
+    iter_XXXXXXX/model/          DCP, sharded model state (master dtype)
+    iter_XXXXXXX/optimizer/      DCP, AdamW state           (absent with --no-save-optim)
+    iter_XXXXXXX/lr_scheduler/   scheduler state (rank 0)   (absent with --no-save-optim)
+    iter_XXXXXXX/rng.pt          every rank's RNG states
+    iter_XXXXXXX/meta.json       counters, written last
+
+Crash safety: every rank writes into ``iter_XXXXXXX.partial``; only when all ranks are done does
+rank 0 write meta.json, rename the directory into place and then rewrite the tracker
+atomically. A kill at any point leaves the previously tracked iteration untouched.
+
+Loading: ``--no-load-optim`` skips AdamW state only (a saved scheduler is still restored, so the
+LR continues); ``--no-load-rng`` skips ``rng.pt``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from miles_fsdp import checkpoint_paths as layout
+
+FORMAT = "miles-fsdp-dcp/1"
+
+
+@dataclass
+class TrainState:
+    """Counters that travel in meta.json."""
+
+    next_rollout_id: int = 0
+    optimizer_steps: int = 0
+
+
+@dataclass
+class PendingSave:
+    """An async save whose DCP writes may still be in flight."""
+
+    save_dir: Path
+    rollout_id: int
+    meta: dict[str, Any]
+    futures: list[Future] = field(default_factory=list)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _gather_rng() -> list[dict[str, Any]]:
+    mine = _rng_state()
+    if not dist.is_initialized():
+        return [mine]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return out
+
+
+class Checkpointer:
+    """Save and load FSDP training state for one rank (all methods are collective)."""
+
+    def __init__(self, model: nn.Module, optimizer: Any, scheduler: Any) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.pending: PendingSave | None = None
+
+    # ----------------------------------------------------------------------- save
+    def save(
+        self,
+        save_dir: str | os.PathLike,
+        rollout_id: int,
+        state: TrainState,
+        save_optim: bool = True,
+        async_save: bool = False,
+    ) -> None:
+        """Write iteration ``rollout_id``; with ``async_save`` only the staging happens now.
+
+        The tracker moves to this iteration when the save completes (at once when synchronous,
+        at the next :meth:`finalize` otherwise).
+        """
+        self.finalize()
+        save_dir = Path(save_dir)
+        partial = layout.partial_dir(save_dir, rollout_id)
+        if _rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        _barrier()
+        writes = {"model": {"model": get_model_state_dict(self.model)}}
+        if save_optim:
+            writes["optimizer"] = {
+                "optimizer": get_optimizer_state_dict(self.model, self.optimizer)
+            }
+        futures = []
+        for sub, sd in writes.items():
+            if async_save:
+                futures.append(dcp.async_save(sd, checkpoint_id=str(partial / sub)))
+            else:
+                dcp.save(sd, checkpoint_id=str(partial / sub))
+        rng = _gather_rng()
+        if _rank() == 0:
+            torch.save({"world_size": len(rng), "states": rng}, partial / "rng.pt")
+            if save_optim:
+                (partial / "lr_scheduler").mkdir()
+                torch.save(self.scheduler.state_dict(), partial / "lr_scheduler" / "state.pt")
+        meta = {
+            "format": FORMAT,
+            "rollout_id": rollout_id,
+            "next_rollout_id": state.next_rollout_id,
+            "optimizer_steps": state.optimizer_steps,
+            "world_size": len(rng),
+            "has_optimizer": save_optim,
+        }
+        self.pending = PendingSave(save_dir, rollout_id, meta, futures)
+        if not async_save:
+            self.finalize()
+
+    def finalize(self) -> None:
+        """Wait for the pending save, publish it (meta.json, rename, tracker). Collective."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        for fut in pending.futures:
+            fut.result()
+        _barrier()
+        if _rank() == 0:
+            layout.publish(pending.save_dir, pending.rollout_id, pending.meta)
+        _barrier()
+
+    # ----------------------------------------------------------------------- load
+    def load(
+        self, load_dir: str | os.PathLike, load_optim: bool = True, load_rng: bool = True
+    ) -> TrainState | None:
+        """Restore the tracked iteration of ``load_dir``; ``None`` when nothing is tracked."""
+        iter_dir = layout.tracked_dir(Path(load_dir))
+        if iter_dir is None:
+            return None
+        meta = json.loads((iter_dir / "meta.json").read_text())
+        model_sd = {"model": get_model_state_dict(self.model)}
+        dcp.load(model_sd, checkpoint_id=str(iter_dir / "model"))
+        set_model_state_dict(self.model, model_sd["model"])
+        if load_optim and meta["has_optimizer"]:
+            optim_sd = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+            dcp.load(optim_sd, checkpoint_id=str(iter_dir / "optimizer"))
+            set_optimizer_state_dict(
+                self.model, self.optimizer, optim_sd["optimizer"], options=StateDictOptions()
+            )
+        scheduler_file = iter_dir / "lr_scheduler" / "state.pt"
+        if scheduler_file.exists():
+            self.scheduler.load_state_dict(torch.load(scheduler_file, weights_only=False))
+        if load_rng:
+            rng = torch.load(iter_dir / "rng.pt", weights_only=False)
+            if rng["world_size"] == (dist.get_world_size() if dist.is_initialized() else 1):
+                _set_rng_state(rng["states"][_rank()])
+        return TrainState(
+            next_rollout_id=meta["next_rollout_id"], optimizer_steps=meta["optimizer_steps"]
+        )
+
+
+# --------------------------------------------------------------------------- HF export
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def export_hf(
+    weights: Any,
+    hf_source: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    max_shard_bytes: int = 4 << 30,
+) -> None:
+    """Write a HF directory: safetensors in checkpoint names and dtypes, plus config/tokenizer.
+
+    ``weights`` yields ``(hf_name, tensor)`` (a :class:`~miles_fsdp.weight_source.WeightSource`);
+    it is consumed on every rank (gathering is collective) and rank 0 writes. Every non-weight
+    file of ``hf_source`` (config.json, generation_config.json, tokenizer files, custom code) is
+    copied verbatim. Shards hold at most ``max_shard_bytes`` each; an index is written when
+    there is more than one.
+    """
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    write = _rank() == 0
+    if write:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in weights:
+        if not write:
+            continue
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.detach().cpu().contiguous()
+        size += nbytes
+    if write:
+        if len(shards) == 1:
+            save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            total = 0
+            for i, shard in enumerate(shards):
+                file_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(out_dir / file_name), metadata={"format": "pt"})
+                for name, t in shard.items():
+                    weight_map[name] = file_name
+                    total += t.numel() * t.element_size()
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        for src in Path(hf_source).iterdir():
+            if (
+                src.is_file()
+                and not src.name.endswith(WEIGHT_SUFFIXES)
+                and src.name not in WEIGHT_INDEXES
+            ):
+                shutil.copy2(src, out_dir / src.name)
+    _barrier()

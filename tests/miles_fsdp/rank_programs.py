@@ -98,38 +98,41 @@ def optimizer_tensors(backend) -> dict[str, torch.Tensor]:
     return out
 
 
-def resume_program(rank, world, hf_dir, data, save_dir, mode, out_file):
-    """mode "straight": 3 rollouts. "first": 2 rollouts + save. "resume": load + 1 rollout.
+def resume_program(rank, world, hf_dir, data, save_dir, modes, out_file):
+    """Run each of ``modes`` with a fresh backend, in these same ranks; save all results.
 
-    "resume-no-optim": load with --no-load-optim, record state without training.
+    "straight": 3 rollouts. "first": 2 rollouts + save. "resume": load + 1 rollout.
+    "resume-no-optim": load with --no-load-optim and record the state without training.
     """
-    args = dict(hf_checkpoint=hf_dir, save=save_dir, lr_warmup_iters=2, lr_decay_style="cosine")
-    args["lr_decay_iters"] = 6
-    if mode.startswith("resume"):
-        args["load"] = save_dir
-    if mode == "resume-no-optim":
-        args["no_load_optim"] = True
-    backend = FSDPBackend()
-    start = backend.init(make_args(**args))
-    losses: list[float] = []
-    if mode == "straight":
-        train_rollouts(backend, data, [0, 1, 2], rank, world, losses)
-    elif mode == "first":
-        train_rollouts(backend, data, [0, 1], rank, world, losses)
-        backend.save_model(1)
-    elif mode == "resume":
-        train_rollouts(backend, data, [start], rank, world, losses)
-    result = {
-        "start": start,
-        "losses": losses,
-        "params": full_params(backend.model),
-        "optim": optimizer_tensors(backend),
-        "lr": backend.optimizer.param_groups[0]["lr"],
-        "scheduler_epoch": backend.scheduler.last_epoch,
-    }
+    results = {}
+    for mode in modes:
+        args = dict(hf_checkpoint=hf_dir, lr_warmup_iters=2, lr_decay_style="cosine")
+        args.update(lr_decay_iters=6, save=f"{save_dir}/{mode}")
+        if mode.startswith("resume"):
+            args["load"] = f"{save_dir}/first"
+        if mode == "resume-no-optim":
+            args["no_load_optim"] = True
+        backend = FSDPBackend()
+        start = backend.init(make_args(**args))
+        losses: list[float] = []
+        if mode == "straight":
+            train_rollouts(backend, data, [0, 1, 2], rank, world, losses)
+        elif mode == "first":
+            train_rollouts(backend, data, [0, 1], rank, world, losses)
+            backend.save_model(1)
+        elif mode == "resume":
+            train_rollouts(backend, data, [start], rank, world, losses)
+        results[mode] = {
+            "start": start,
+            "losses": losses,
+            "params": full_params(backend.model),
+            "optim": optimizer_tensors(backend),
+            "lr": backend.optimizer.param_groups[0]["lr"],
+            "scheduler_epoch": backend.scheduler.last_epoch,
+        }
+        backend.close()
     if rank == 0:
-        torch.save(result, out_file)
-    backend.close()
+        torch.save(results, out_file)
 
 
 def export_program(rank, world, hf_dir, out_dir, out_file):

@@ -186,6 +186,10 @@ class Checkpointer:
         scheduler_file = iter_dir / "lr_scheduler" / "state.pt"
         if scheduler_file.exists():
             self.scheduler.load_state_dict(torch.load(scheduler_file, weights_only=False))
+            # A fresh optimizer (--no-load-optim) still carries the initial LR: apply the
+            # restored schedule's current value so the LR continues where it stopped.
+            for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+                group["lr"] = lr
         if load_rng:
             rng = torch.load(iter_dir / "rng.pt", weights_only=False)
             if rng["world_size"] == (dist.get_world_size() if dist.is_initialized() else 1):

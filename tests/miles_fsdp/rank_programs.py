@@ -111,7 +111,7 @@ def resume_program(rank, world, hf_dir, data, save_dir, modes, out_file):
         if mode.startswith("resume"):
             args["load"] = f"{save_dir}/first"
         if mode == "resume-no-optim":
-            args["no_load_optim"] = True
+            args["load_optim"] = False
         backend = FSDPBackend()
         start = backend.init(make_args(**args))
         losses: list[float] = []

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from miles_core.args import ArgumentError
 from miles_core.contract import DataLayout, TrainBackend
 from torch import nn
 
-from miles_fsdp import checkpoint_paths
 from miles_fsdp.adaptations import Adaptation, adaptation_for
 from miles_fsdp.checkpoint import Checkpointer, TrainState, export_hf
 from miles_fsdp.loading import (
@@ -78,7 +78,10 @@ class FSDPBackend(TrainBackend):
         self.args = args
         self.device = _device()
         world = dist.get_world_size() if dist.is_initialized() else 1
-        self.shape: MeshShape = mesh_shape(world, args.dp_replicate_size)
+        try:
+            self.shape: MeshShape = mesh_shape(world, args.dp_replicate_size)
+        except ValueError as exc:
+            raise ArgumentError(str(exc)) from exc
         if args.fsdp_cpu_offload and dist.is_initialized():
             if "gloo" not in str(dist.get_backend()) and self.device.type == "cuda":
                 raise RuntimeError(
@@ -105,10 +108,14 @@ class FSDPBackend(TrainBackend):
         self.optimizer, self.scheduler = build_optimizer(self.model, optimizer_config(args))
         self.checkpointer = Checkpointer(self.model, self.optimizer, self.scheduler)
         self.state = TrainState()
-        if args.load and checkpoint_paths.read_tracker(Path(args.load)) is not None:
-            self.state = self.checkpointer.load(
-                args.load, load_optim=not args.no_load_optim, load_rng=not args.no_load_rng
+        if args.load:
+            loaded = self.checkpointer.load(
+                args.load,
+                load_optim=args.load_optim,
+                load_rng=args.load_rng,
+                ckpt_step=getattr(args, "ckpt_step", None),
             )
+            self.state = loaded if loaded is not None else TrainState()
         return self.state.next_rollout_id
 
     def _build_model(self) -> nn.Module:
@@ -182,7 +189,7 @@ class FSDPBackend(TrainBackend):
             self.args.save,
             rollout_id,
             self.state,
-            save_optim=not self.args.no_save_optim,
+            save_optim=self.args.save_optim,
             async_save=self.args.async_save and not force_sync,
         )
         if force_sync:

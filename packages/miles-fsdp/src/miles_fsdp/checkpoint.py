@@ -167,10 +167,22 @@ class Checkpointer:
 
     # ----------------------------------------------------------------------- load
     def load(
-        self, load_dir: str | os.PathLike, load_optim: bool = True, load_rng: bool = True
+        self,
+        load_dir: str | os.PathLike,
+        load_optim: bool = True,
+        load_rng: bool = True,
+        ckpt_step: int | None = None,
     ) -> TrainState | None:
-        """Restore the tracked iteration of ``load_dir``; ``None`` when nothing is tracked."""
-        iter_dir = layout.tracked_dir(Path(load_dir))
+        """Restore the tracked iteration of ``load_dir`` (or ``ckpt_step``, ``--ckpt-step``).
+
+        Returns ``None`` when ``load_dir`` holds no tracked iteration and no step is asked for.
+        """
+        if ckpt_step is not None:
+            iter_dir = layout.iter_dir(Path(load_dir), ckpt_step)
+            if not (iter_dir / "meta.json").exists():
+                raise FileNotFoundError(f"--ckpt-step {ckpt_step}: {iter_dir} has no meta.json")
+        else:
+            iter_dir = layout.tracked_dir(Path(load_dir))
         if iter_dir is None:
             return None
         meta = json.loads((iter_dir / "meta.json").read_text())

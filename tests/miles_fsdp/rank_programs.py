@@ -85,7 +85,8 @@ def train_rollouts(backend, data, rollout_ids, rank, world, losses):
             clip_grad=1.0,
         )
         losses.append(step.loss)
-        backend.state.optimizer_steps += 1
+        backend.state.global_step += 1
+        backend.state.micro_step += 2
         backend.state.next_rollout_id = rollout_id + 1
 
 

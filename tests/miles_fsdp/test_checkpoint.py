@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -11,7 +10,7 @@ import textwrap
 
 import pytest
 import torch
-from miles_fsdp import checkpoint_paths
+from miles_core.checkpoint_layout import read_meta, read_tracker, resolve_load
 from rank_programs import export_program, resume_program
 from spawn import run_ranks
 from tiny_models import qwen3_config, save_tiny_model
@@ -36,9 +35,17 @@ def test_resume_is_bitwise_and_no_load_optim_keeps_scheduler(hf_dir, data, tmp_p
     straight, first, resumed, no_optim = (got[m] for m in modes)
 
     saved = tmp_path / "first"
-    assert checkpoint_paths.read_tracker(saved) == 1
-    meta = json.loads((saved / "iter_0000001" / "meta.json").read_text())
-    assert meta["next_rollout_id"] == 2 and meta["optimizer_steps"] == 2
+    assert read_tracker(saved) == 2  # iteration = rollouts trained
+    meta = read_meta(saved / "iter_0000002")
+    assert (meta.rollout_id, meta.next_rollout_id, meta.global_step) == (1, 2, 2)
+    assert meta.backend == "fsdp" and meta.world_size == 2
+    assert {p.name for p in (saved / "iter_0000002").iterdir()} == {
+        "model",
+        "optimizer",
+        "lr_scheduler",
+        "rng.pt",
+        "meta.json",
+    }
     assert resumed["start"] == 2
     assert first["losses"] + resumed["losses"] == straight["losses"]
     for name, value in straight["params"].items():
@@ -101,6 +108,20 @@ KILLER = textwrap.dedent(
     """
 )
 
+LOADER = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {tests!r})
+    import torch.distributed as dist
+    from miles_fsdp.backend import FSDPBackend
+    from run_args import make_args
+
+    dist.init_process_group("gloo", init_method="file://" + {init!r}, rank=0, world_size=1)
+    backend = FSDPBackend()
+    print(f"next_rollout_id={{backend.init(make_args(hf_checkpoint={hf!r}, load={save!r}))}}")
+    """
+)
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kill_after", ["model", "optimizer"])
@@ -115,9 +136,16 @@ def test_kill_during_save_leaves_previous_iteration_loadable(hf_dir, tmp_path, k
     )
     proc = subprocess.run([sys.executable, "-c", script], timeout=180, capture_output=True)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
-    assert checkpoint_paths.read_tracker(save) == 0
-    assert (save / "iter_0000001.partial").exists()
-    assert not (save / "iter_0000001").exists()
-    tracked = checkpoint_paths.tracked_dir(save)
-    assert tracked == save / "iter_0000000"
-    assert json.loads((tracked / "meta.json").read_text())["next_rollout_id"] == 1
+    assert read_tracker(save) == 1
+    assert (save / "iter_0000002" / "model").is_dir()  # the killed save got this far
+    assert not (save / "iter_0000002" / "meta.json").exists()
+    resolved = resolve_load(save)
+    assert resolved.path == save / "iter_0000001" and resolved.meta.next_rollout_id == 1
+    assert (resolved.path / "optimizer" / ".metadata").exists()
+    if kill_after == "optimizer":  # and a fresh process resumes from it
+        loader = LOADER.format(
+            tests=os.path.dirname(__file__), init=str(tmp_path / "init2"), hf=hf_dir, save=str(save)
+        )
+        proc = subprocess.run([sys.executable, "-c", loader], timeout=180, capture_output=True)
+        assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+        assert proc.stdout.decode().strip().splitlines()[-1] == "next_rollout_id=1"

@@ -8,9 +8,10 @@ An iteration directory holds::
     iter_XXXXXXX/rng.pt          every rank's RNG states
     iter_XXXXXXX/meta.json       counters, written last
 
-Crash safety: every rank writes into ``iter_XXXXXXX.partial``; only when all ranks are done does
-rank 0 write meta.json, rename the directory into place and then rewrite the tracker
-atomically. A kill at any point leaves the previously tracked iteration untouched.
+The directory of a save after rollout ``r`` is iteration ``r + 1`` (the number of rollouts
+trained). Layout, meta.json and commit order come from :mod:`miles_core.checkpoint_layout`:
+rank 0 prepares the directory, every rank writes, rank 0 commits (meta.json, fsync, tracker
+last). A kill at any point leaves the previously tracked iteration loadable.
 
 Loading: ``--no-load-optim`` skips AdamW state only (a saved scheduler is still restored, so the
 LR continues); ``--no-load-rng`` skips ``rng.pt``.
@@ -30,6 +31,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from miles_core.checkpoint_layout import (
+    CheckpointMeta,
+    commit_iteration,
+    prepare_iteration_dir,
+    resolve_load,
+)
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -39,17 +46,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from miles_fsdp import checkpoint_paths as layout
-
-FORMAT = "miles-fsdp-dcp/1"
-
 
 @dataclass
 class TrainState:
     """Counters that travel in meta.json."""
 
     next_rollout_id: int = 0
-    optimizer_steps: int = 0
+    global_step: int = 0
+    micro_step: int = 0
 
 
 @dataclass
@@ -57,8 +61,7 @@ class PendingSave:
     """An async save whose DCP writes may still be in flight."""
 
     save_dir: Path
-    rollout_id: int
-    meta: dict[str, Any]
+    meta: CheckpointMeta
     futures: list[Future] = field(default_factory=list)
 
 
@@ -119,11 +122,11 @@ class Checkpointer:
         """
         self.finalize()
         save_dir = Path(save_dir)
-        partial = layout.partial_dir(save_dir, rollout_id)
+        iteration = rollout_id + 1
         if _rank() == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
+            target = prepare_iteration_dir(save_dir, iteration)
         _barrier()
+        target = save_dir / f"iter_{iteration:07d}"
         writes = {"model": {"model": get_model_state_dict(self.model)}}
         if save_optim:
             writes["optimizer"] = {
@@ -132,24 +135,26 @@ class Checkpointer:
         futures = []
         for sub, sd in writes.items():
             if async_save:
-                futures.append(dcp.async_save(sd, checkpoint_id=str(partial / sub)))
+                futures.append(dcp.async_save(sd, checkpoint_id=str(target / sub)))
             else:
-                dcp.save(sd, checkpoint_id=str(partial / sub))
+                dcp.save(sd, checkpoint_id=str(target / sub))
         rng = _gather_rng()
         if _rank() == 0:
-            torch.save({"world_size": len(rng), "states": rng}, partial / "rng.pt")
+            torch.save({"world_size": len(rng), "states": rng}, target / "rng.pt")
             if save_optim:
-                (partial / "lr_scheduler").mkdir()
-                torch.save(self.scheduler.state_dict(), partial / "lr_scheduler" / "state.pt")
-        meta = {
-            "format": FORMAT,
-            "rollout_id": rollout_id,
-            "next_rollout_id": state.next_rollout_id,
-            "optimizer_steps": state.optimizer_steps,
-            "world_size": len(rng),
-            "has_optimizer": save_optim,
-        }
-        self.pending = PendingSave(save_dir, rollout_id, meta, futures)
+                (target / "lr_scheduler").mkdir()
+                torch.save(self.scheduler.state_dict(), target / "lr_scheduler" / "state.pt")
+        meta = CheckpointMeta(
+            iteration=iteration,
+            rollout_id=rollout_id,
+            next_rollout_id=state.next_rollout_id,
+            global_step=state.global_step,
+            micro_step=state.micro_step,
+            world_size=len(rng),
+            backend="fsdp",
+            extra={"has_optimizer": save_optim},
+        )
+        self.pending = PendingSave(save_dir, meta, futures)
         if not async_save:
             self.finalize()
 
@@ -162,7 +167,7 @@ class Checkpointer:
             fut.result()
         _barrier()
         if _rank() == 0:
-            layout.publish(pending.save_dir, pending.rollout_id, pending.meta)
+            commit_iteration(pending.save_dir, pending.meta.iteration, pending.meta)
         _barrier()
 
     # ----------------------------------------------------------------------- load
@@ -175,21 +180,17 @@ class Checkpointer:
     ) -> TrainState | None:
         """Restore the tracked iteration of ``load_dir`` (or ``ckpt_step``, ``--ckpt-step``).
 
-        Returns ``None`` when ``load_dir`` holds no tracked iteration and no step is asked for.
+        Returns ``None`` when ``load_dir`` holds no tracked iteration and no step is asked for;
+        errors about the directory, tracker or meta.json come from ``resolve_load``.
         """
-        if ckpt_step is not None:
-            iter_dir = layout.iter_dir(Path(load_dir), ckpt_step)
-            if not (iter_dir / "meta.json").exists():
-                raise FileNotFoundError(f"--ckpt-step {ckpt_step}: {iter_dir} has no meta.json")
-        else:
-            iter_dir = layout.tracked_dir(Path(load_dir))
-        if iter_dir is None:
+        resolved = resolve_load(load_dir, ckpt_step)
+        if resolved is None:
             return None
-        meta = json.loads((iter_dir / "meta.json").read_text())
+        iter_dir, meta = resolved.path, resolved.meta
         model_sd = {"model": get_model_state_dict(self.model)}
         dcp.load(model_sd, checkpoint_id=str(iter_dir / "model"))
         set_model_state_dict(self.model, model_sd["model"])
-        if load_optim and meta["has_optimizer"]:
+        if load_optim and (iter_dir / "optimizer").is_dir():
             optim_sd = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
             dcp.load(optim_sd, checkpoint_id=str(iter_dir / "optimizer"))
             set_optimizer_state_dict(
@@ -207,7 +208,9 @@ class Checkpointer:
             if rng["world_size"] == (dist.get_world_size() if dist.is_initialized() else 1):
                 _set_rng_state(rng["states"][_rank()])
         return TrainState(
-            next_rollout_id=meta["next_rollout_id"], optimizer_steps=meta["optimizer_steps"]
+            next_rollout_id=meta.next_rollout_id,
+            global_step=meta.global_step,
+            micro_step=meta.micro_step,
         )
 
 

@@ -144,3 +144,20 @@ def export_program(rank, world, hf_dir, out_dir, out_file):
     if rank == 0:
         torch.save(params, out_file)
     backend.close()
+
+
+def rollout_program(rank, world, hf_dir, samples, configs, out_file):
+    """Train one rollout per config (fresh backend each); save final weights and metrics."""
+    from miles_core.batch import RolloutBatch
+    from miles_core.partition import partition_for_dp
+
+    results = {}
+    for label, overrides in configs.items():
+        backend = FSDPBackend()
+        backend.init(make_args(hf_checkpoint=hf_dir, **overrides))
+        shards = partition_for_dp(RolloutBatch(samples), world, keep_groups=True)
+        metrics = backend.train(0, shards[rank])
+        results[label] = {"params": full_params(backend.model), "metrics": metrics}
+        backend.close()
+    if rank == 0:
+        torch.save(results, out_file)

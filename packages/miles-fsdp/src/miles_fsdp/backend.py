@@ -29,6 +29,7 @@ from miles_fsdp.loading import (
 from miles_fsdp.mesh import MeshShape, build_mesh, mesh_shape
 from miles_fsdp.optimizer import OptimizerConfig, build_optimizer
 from miles_fsdp.precision import PrecisionConfig, resolve_precision
+from miles_fsdp.profiling import TrainProfiler
 from miles_fsdp.weight_source import WeightSource
 from miles_fsdp.wrapping import apply_fsdp
 
@@ -70,6 +71,7 @@ class FSDPBackend(TrainBackend):
         self.args: Any = None
         self.model: nn.Module | None = None
         self.asleep = False
+        self.publisher: Any = None
 
     # ------------------------------------------------------------------ init
     def init(self, args: Any, role: str = "actor") -> int:
@@ -89,6 +91,11 @@ class FSDPBackend(TrainBackend):
                     f"init it with backend 'cpu:{args.fsdp_cpu_backend},cuda:nccl'"
                 )
         self.mesh = build_mesh(self.shape, self.device.type)
+        # CPU collectives of the RL math (counts, denominators) run on gloo.
+        self.cpu_group = None
+        if dist.is_initialized() and dist.get_backend() != "gloo":
+            self.cpu_group = dist.new_group(backend="gloo")
+        self.profiler = TrainProfiler(args)
         torch.manual_seed(args.seed)
         random.seed(args.seed)
 
@@ -158,10 +165,40 @@ class FSDPBackend(TrainBackend):
 
     # ------------------------------------------------------------------ training
     def train(self, rollout_id: int, batch: Any) -> dict[str, float]:
-        raise NotImplementedError("wired onto miles_core.batch/losses when they land")
+        """Train on this rank's shard of rollout ``rollout_id`` (see :mod:`.rollout_train`)."""
+        from miles_fsdp.rollout_train import RolloutContext, train_rollout
+
+        self.wake_up()
+        ctx = RolloutContext(
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            args=self.args,
+            device=self.device,
+            dp_size=self.shape.world_size,
+            cpu_group=self.cpu_group,
+            attn_implementation=self.attn_implementation,
+            compute_dtype=self.precision.compute_dtype,
+        )
+        self.profiler.before(self.state.global_step)
+        metrics, steps, micro = train_rollout(ctx, batch)
+        self.state.global_step += steps
+        self.state.micro_step += micro
+        self.state.next_rollout_id = rollout_id + 1
+        self.profiler.after(self.state.global_step, metrics)
+        return metrics
 
     def update_weights(self, engines: Sequence[Any]) -> None:
-        raise NotImplementedError("wired onto miles_sync when it lands")
+        """Publish the current weights to ``engines`` through miles-sync (every rank calls)."""
+        from miles_sync.ranks import RankContext
+        from miles_sync.weight_sync import SyncConfig, WeightPublisher
+
+        self.wake_up()
+        if self.publisher is None:
+            self.publisher = WeightPublisher(
+                SyncConfig.from_args(self.args), RankContext.from_default_group()
+            )
+        self.publisher.update_weights(self.weight_source(), list(engines))
 
     # ------------------------------------------------------------------ weights
     def weight_source(self, gather_bytes: int = 256 << 20) -> WeightSource:
@@ -225,4 +262,8 @@ class FSDPBackend(TrainBackend):
     def close(self) -> None:
         if self.model is not None:
             self.checkpointer.finalize()
+            self.profiler.close()
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
         self.model = None

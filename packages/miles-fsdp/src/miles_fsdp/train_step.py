@@ -76,6 +76,6 @@ def optimizer_step(
     if torch.isfinite(torch.tensor(grad_norm)):
         optimizer.step()
     scheduler.step()
-    reduced = all_reduce_sum({"loss": total, **parts})
-    loss = reduced.pop("loss")
+    reduced = all_reduce_sum({"step_loss": total, **parts})
+    loss = reduced.pop("step_loss")
     return StepResult(loss=loss, parts=reduced, grad_norm=grad_norm, lr=lr)

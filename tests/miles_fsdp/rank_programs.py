@@ -14,6 +14,7 @@ def nll_contribution(denominator: int):
     """Token NLL summed over a (B, T) micro-batch, divided by the step's global token count."""
 
     def loss_of(model, ids: torch.Tensor):
+        ids = ids.to(next(model.parameters()).device)
         logits = model(input_ids=ids).logits[:, :-1].float()
         nll = F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum"

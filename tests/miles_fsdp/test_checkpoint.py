@@ -69,7 +69,7 @@ def test_export_hf_round_trips_through_from_pretrained(tmp_path):
 
     hf_dir = save_tiny_model(tmp_path / "src", qwen3_config(tie_word_embeddings=True))
     out = tmp_path / "export"
-    run_ranks(2, export_program, str(hf_dir), str(out), str(tmp_path / "p.pt"))
+    run_ranks(2, export_program, str(hf_dir), str(out), str(tmp_path / "p.pt"), timeout=300)
     trained = torch.load(tmp_path / "p.pt")
     from safetensors import safe_open
 

@@ -38,7 +38,7 @@ def reference_grads(hf_dir, data) -> dict[str, torch.Tensor]:
 
 def check(hf_dir, data, tmp_path, world, dp_replicate, splits):
     out = tmp_path / f"grads_{world}_{dp_replicate}.pt"
-    run_ranks(world, gradients_program, hf_dir, data, dp_replicate, splits, str(out))
+    run_ranks(world, gradients_program, hf_dir, data, dp_replicate, splits, str(out), timeout=300)
     got = torch.load(out)
     ref = reference_grads(hf_dir, data)
     for split, result in got.items():
@@ -50,11 +50,13 @@ def check(hf_dir, data, tmp_path, world, dp_replicate, splits):
     return got
 
 
+@pytest.mark.slow
 def test_one_rank_one_vs_four_micro_batches(hf_dir, data, tmp_path):
     got = check(hf_dir, data, tmp_path, world=1, dp_replicate=1, splits=(1, 4))
     assert got[1]["loss"] == pytest.approx(got[4]["loss"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_two_ranks_dp_shard(hf_dir, data, tmp_path):
     check(hf_dir, data, tmp_path, world=2, dp_replicate=1, splits=(2,))
 

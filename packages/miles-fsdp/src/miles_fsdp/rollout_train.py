@@ -90,7 +90,11 @@ def _loss_of(ctx: RolloutContext, config: LossConfig, denominator: float, detach
         packed = pack_thd(mb).to(ctx.device)
         logits = packed_logits(ctx, packed)
         log_probs = token_log_probs(logits, packed.targets, config.temperature)
-        entropy = entropy_from_logits(logits, config.temperature)
+        if config.entropy_coef != 0.0:
+            entropy = entropy_from_logits(logits, config.temperature)
+        else:  # metric only: no graph through the full-vocabulary softmax
+            with torch.no_grad():
+                entropy = entropy_from_logits(logits.detach(), config.temperature)
         fields = packed.fields
         return compute_policy_loss(
             log_probs,

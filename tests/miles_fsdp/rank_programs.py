@@ -114,6 +114,8 @@ def resume_program(rank, world, hf_dir, data, save_dir, modes, out_file):
             args["load"] = f"{save_dir}/first"
         if mode == "resume-no-optim":
             args["load_optim"] = False
+        if mode == "first":  # committed by close(): exercises --async-save
+            args["async_save"] = True
         backend = FSDPBackend()
         start = backend.init(make_args(**args))
         losses: list[float] = []

@@ -105,6 +105,15 @@ class Checkpointer:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.pending: PendingSave | None = None
+        self.async_groups: dict[str, Any] = {}
+
+    def _async_group(self, name: str) -> Any:
+        """A dedicated gloo group per async writer (created collectively, on first use)."""
+        if not dist.is_initialized():
+            return None
+        if name not in self.async_groups:
+            self.async_groups[name] = dist.new_group(backend="gloo")
+        return self.async_groups[name]
 
     # ----------------------------------------------------------------------- save
     def save(
@@ -135,7 +144,13 @@ class Checkpointer:
         futures = []
         for sub, sd in writes.items():
             if async_save:
-                futures.append(dcp.async_save(sd, checkpoint_id=str(target / sub)))
+                # Each background writer gets its own gloo group: its collectives must not
+                # interleave with the training loop's or with the other writer's.
+                futures.append(
+                    dcp.async_save(
+                        sd, checkpoint_id=str(target / sub), process_group=self._async_group(sub)
+                    )
+                )
             else:
                 dcp.save(sd, checkpoint_id=str(target / sub))
         rng = _gather_rng()

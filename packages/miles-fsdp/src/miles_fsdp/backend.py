@@ -208,10 +208,17 @@ class FSDPBackend(TrainBackend):
             config=self.config,
             adaptation=self.adaptation,
             tensor_dtypes=self.info.tensor_dtypes,
-            default_dtype=getattr(self.config, "dtype", None) or torch.bfloat16,
+            default_dtype=self._config_dtype(),
             gather_bytes=gather_bytes,
             device=self.device,
         )
+
+    def _config_dtype(self) -> torch.dtype:
+        """The config's dtype (for tensors the checkpoint does not name), bf16 if unset."""
+        dtype = getattr(self.config, "dtype", None)
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype, None)
+        return dtype if isinstance(dtype, torch.dtype) else torch.bfloat16
 
     def export_hf(self, out_dir: str | os.PathLike) -> None:
         """Write the current weights as a HF directory loadable by ``from_pretrained``."""

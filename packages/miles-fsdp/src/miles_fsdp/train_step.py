@@ -63,19 +63,20 @@ def optimizer_step(
     docstring) and named scalar parts (already global-denominator scaled) for the metrics.
     """
     optimizer.zero_grad(set_to_none=True)
-    total = torch.zeros((), dtype=torch.float32)
+    total: torch.Tensor | float = 0.0
     parts: dict[str, torch.Tensor] = {}
     for mb in micro_batches:
         contribution, mb_parts = loss_of(model, mb)
         (contribution * dp_size).backward()
-        total += contribution.detach().float().cpu()
+        # accumulated where they live: no host synchronisation per micro-batch
+        total = total + contribution.detach().float()
         for k, v in mb_parts.items():
-            parts[k] = parts.get(k, torch.zeros(())) + v.detach().float().cpu()
+            parts[k] = parts[k] + v.detach().float() if k in parts else v.detach().float()
     grad_norm = clip_grad_norm(model, clip_grad)
     lr = optimizer.param_groups[0]["lr"]
     if torch.isfinite(torch.tensor(grad_norm)):
         optimizer.step()
     scheduler.step()
-    reduced = all_reduce_sum({"step_loss": total, **parts})
+    reduced = all_reduce_sum({"step_loss": torch.as_tensor(total), **parts})
     loss = reduced.pop("step_loss")
     return StepResult(loss=loss, parts=reduced, grad_norm=grad_norm, lr=lr)

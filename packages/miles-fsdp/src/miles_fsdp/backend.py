@@ -133,9 +133,10 @@ class FSDPBackend(TrainBackend):
         for patch in adaptation.model_instance_patches + adaptation.packing_patches:
             patch(model, config)
         if self.args.gradient_checkpointing:
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24
+                model.activation_checkpointing_enable({"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable({"use_reentrant": False})
         apply_fsdp(
             model,
             self.mesh,

@@ -5,7 +5,7 @@ is a :class:`torch.optim.Optimizer` (``LambdaLR`` and ``param_groups`` work as u
 each parameter with at least ``min_numel`` elements (counted on the full parameter, so the
 split does not depend on the DP size), this rank's local shard (``p.to_local()`` for FSDP2
 DTensors) is laid out in buckets (:mod:`miles_offload.optimizer_buckets`), one file per
-bucket in ``<disk_dir>/streamed-adam-<pid>-<name>-rank<R>/``. ``step()`` runs::
+bucket in a fresh ``<disk_dir>/streamed-adam-<name>-rank<R>-<random>/``. ``step()`` runs::
 
     load bucket i+1 (file -> pinned ring -> device buffer)      thread "load"
     update bucket i on the device, copy the masters into the parameters
@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import tempfile
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -174,9 +175,10 @@ class StreamedAdamW(torch.optim.Optimizer):
         if len(devices) > 1:
             raise ValueError(f"StreamedAdamW: streamed parameters on several devices {devices}")
         self.device = devices.pop() if devices else torch.device("cpu")
-        self.directory = os.path.join(
-            self.config.disk_dir or default_disk_dir(),
-            f"streamed-adam-{os.getpid()}-{self.config.name}-rank{self.rank:05d}",
+        parent = self.config.disk_dir or default_disk_dir()
+        os.makedirs(parent, exist_ok=True)
+        self.directory = tempfile.mkdtemp(
+            prefix=f"streamed-adam-{self.config.name}-rank{self.rank:05d}-", dir=parent
         )
         self._streamers = []
         if self.buckets:

@@ -101,8 +101,8 @@ def time_streamed(params, device, args, moment_dtype: str) -> dict:
             "steps_s": times,
             "peak_extra_device_bytes": extra,
             "peak_buckets_resident": extra / slot if slot else 0.0,
-            "pinned_ring_bytes": len(opt.buckets) * opt._streamers[0].ring_bytes,
-            "o_direct": all(s.direct for s in opt._streamers),
+            "pinned_ring_bytes": opt.pinned_bytes,
+            "o_direct": opt.direct_io,
         }
     finally:
         opt.close()

@@ -15,14 +15,18 @@ another DP size or bucket size rebuilds its own buckets from it.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
+import shutil
 
 import torch
+from miles_native import PinnedArena
 from safetensors import safe_open
+from safetensors.torch import save_file
 
-from miles_offload.optimizer_buckets import KINDS, MOMENT_DTYPES
+from miles_offload.optimizer_buckets import ALIGNMENT, KINDS, MOMENT_DTYPES, entry_view, local_shard
 
 FORMAT = "miles-streamed-adamw"
 VERSION = 1
@@ -184,3 +188,77 @@ class SavedState:
             raise ValueError(
                 f"{self.path}: the checkpoint lacks {what} of {name} elements [{cursor}, {hi})"
             )
+
+
+def save_checkpoint(opt, path: str) -> None:
+    """``StreamedAdamW.save``: this rank's files, small state and manifest (see the top)."""
+    directory = rank_dir(path, opt.rank)
+    os.makedirs(directory, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):  # an older save here is no longer valid
+        os.remove(os.path.join(directory, MANIFEST))
+    if opt._initialized:
+        for bucket in opt.buckets:
+            shutil.copyfile(
+                os.path.join(opt.directory, bucket.file_name),
+                os.path.join(directory, bucket.file_name),
+            )
+    small = {}
+    for p, name, _ in opt._small:
+        state = opt.state.get(p)
+        if state:
+            for key in ("exp_avg", "exp_avg_sq"):
+                small[f"{name}/{key}"] = local_shard(state[key])[0].reshape(-1).cpu()
+    save_file(small, os.path.join(directory, SMALL_STATE))
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "rank": opt.rank,
+        "world_size": opt.world_size,
+        "master_dtype": "fp32",
+        "moment_dtype": opt.config.moment_dtype,
+        "bucket_numel": opt.config.bucket_numel,
+        "min_numel": opt.config.min_numel,
+        "alignment": ALIGNMENT,
+        "step": max(opt._steps, default=0),
+        "initialized": opt._initialized,
+        "params": opt.param_records(),
+        "buckets": [
+            {"file": b.file_name, "nbytes": b.nbytes, "segments": [s.to_json() for s in b.segments]}
+            for b in opt.buckets
+        ],
+    }
+    write_manifest(directory, manifest)
+
+
+def load_checkpoint(opt, path: str) -> None:
+    """``StreamedAdamW.load``: verify, then rebuild this rank's buckets and small state."""
+    saved = SavedState(path)
+    saved.verify(opt.config.moment_dtype, opt.param_records())
+    for k, (_, name, _) in enumerate(opt._streamed):
+        opt._steps[k] = saved.param_step(name)
+    if saved.initialized and opt.buckets:
+        arena = PinnedArena(max(b.nbytes for b in opt.buckets), pin=False)
+        host = torch.frombuffer(arena, dtype=torch.uint8)
+        for bucket in opt.buckets:
+            buffer = host[: bucket.nbytes]
+            buffer.zero_()
+            for seg in bucket.segments:
+                for kind in range(3):
+                    out = entry_view(buffer, seg, kind, opt.moment_dtype)
+                    saved.read_entry(seg.name, kind, seg.global_start, out)
+            opt._streamers[bucket.index].write(arena.ptr, bucket.nbytes, 0)
+        del host, buffer
+    opt._initialized = saved.initialized
+    for p, name, _ in opt._small:
+        step = saved.param_step(name)
+        opt.state.pop(p, None)
+        if step == 0:
+            continue
+        state = opt.new_small_state(p, step)
+        local, start = local_shard(p)
+        if local.numel():
+            for key in ("exp_avg", "exp_avg_sq"):
+                flat = torch.empty(local.numel(), dtype=local.dtype)
+                saved.read_small(name, key, start, flat)
+                local_shard(state[key])[0].view(-1).copy_(flat)
+        opt.state[p] = state

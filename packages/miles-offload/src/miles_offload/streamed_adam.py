@@ -45,7 +45,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from miles_native import CopyEngine, PinnedArena, open_file_streamer
-from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 from torch.optim.optimizer import _get_scalar_dtype
@@ -60,19 +59,12 @@ from miles_offload.optimizer_buckets import (
     local_shard,
     plan_buckets,
 )
-from miles_offload.optimizer_manifest import (
-    FORMAT,
-    SMALL_STATE,
-    VERSION,
-    SavedState,
-    rank_dir,
-    write_manifest,
-)
+from miles_offload.optimizer_manifest import load_checkpoint, save_checkpoint
 
 logger = logging.getLogger(__name__)
 
 SLOTS = 3  # device buffers: loading i+1, updating i, storing i-1
-BF16_WORK_NUMEL = 1 << 25  # fp32 working copies of bf16 moments: at most this many elements
+WORK_NUMEL = 1 << 25  # elements per update call: bounds fp32 working copies (bf16 moments/grads)
 
 
 @dataclass(frozen=True)
@@ -261,6 +253,16 @@ class StreamedAdamW(torch.optim.Optimizer):
             return list(torch.tensor(counts, dtype=torch.float32, device=device).unbind(0))
         return list(torch.tensor(counts, dtype=_get_scalar_dtype()).unbind(0))
 
+    def new_small_state(self, p: torch.Tensor, step: int) -> dict[str, torch.Tensor]:
+        """Zero moments and a step counter, as ``torch.optim.AdamW`` creates them."""
+        return {
+            "step": torch.tensor(float(step), dtype=torch.float32, device=p.device)
+            if self.config.fused
+            else torch.tensor(float(step), dtype=_get_scalar_dtype()),
+            "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+            "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+        }
+
     def _step_small(self) -> None:
         """Ordinary AdamW (state in ``self.state``) for the parameters below ``min_numel``."""
         for gi, group in enumerate(self.param_groups):
@@ -271,13 +273,7 @@ class StreamedAdamW(torch.optim.Optimizer):
             for p, _ in items:
                 state = self.state[p]
                 if not state:
-                    state["step"] = (
-                        torch.zeros((), dtype=torch.float32, device=p.device)
-                        if self.config.fused
-                        else torch.tensor(0.0, dtype=_get_scalar_dtype())
-                    )
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state.update(self.new_small_state(p, 0))
                 params.append(p)
                 grads.append(p.grad)
                 ms.append(state["exp_avg"])
@@ -346,8 +342,11 @@ class StreamedAdamW(torch.optim.Optimizer):
         )
 
     def _update(self, bucket: Bucket, buffer: torch.Tensor) -> None:
-        """AdamW on one bucket's segments (grouped by param group), then masters -> params."""
-        fp32 = self.moment_dtype == torch.float32
+        """AdamW on one bucket's segments (grouped by param group), then masters -> params.
+
+        Pieces go to the update in batches of at most ``WORK_NUMEL`` elements (AdamW is
+        elementwise), which bounds the fp32 working copies of bf16 moments or gradients.
+        """
         per_group: dict[int, list] = {}
         for seg in bucket.segments:
             p, _, gi = self._streamed[seg.index]
@@ -368,11 +367,11 @@ class StreamedAdamW(torch.optim.Optimizer):
             batch, batch_numel = [], 0
             for item in items:
                 seg = item[0]
-                for a in range(0, seg.numel, seg.numel if fp32 else BF16_WORK_NUMEL):
-                    b = min(seg.numel, a + (seg.numel if fp32 else BF16_WORK_NUMEL))
+                for a in range(0, seg.numel, WORK_NUMEL):
+                    b = min(seg.numel, a + WORK_NUMEL)
                     batch.append((seg.index, *(t[a:b] for t in item[1:])))
                     batch_numel += b - a
-                    if not fp32 and batch_numel >= BF16_WORK_NUMEL:
+                    if batch_numel >= WORK_NUMEL:
                         self._update_batch(group, batch)
                         batch, batch_numel = [], 0
             if batch:
@@ -402,7 +401,26 @@ class StreamedAdamW(torch.optim.Optimizer):
             "StreamedAdamW keeps its state in files: checkpoint it with save(path) / load(path)"
         )
 
-    def _param_records(self) -> dict[str, dict]:
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.state_dict()
+
+    def add_param_group(self, param_group: dict) -> None:
+        if hasattr(self, "buckets"):
+            raise RuntimeError("StreamedAdamW: parameter groups are fixed at construction")
+        super().add_param_group(param_group)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Host memory pinned for staging: one ring per bucket file."""
+        return sum(s.ring_bytes for s in self._streamers)
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether every bucket file bypasses the page cache (O_DIRECT accepted)."""
+        return all(s.direct for s in self._streamers)
+
+    def param_records(self) -> dict[str, dict]:
+        """Every parameter as the manifest records it: shape, streamed, flat range, step."""
         records = {}
         for k, (p, name, _) in enumerate(self._streamed):
             shard = self._shards[k]
@@ -427,83 +445,11 @@ class StreamedAdamW(torch.optim.Optimizer):
 
     def save(self, path: str) -> None:
         """Copy this rank's bucket files and small-parameter state into ``path/rank<R>/``."""
-        directory = rank_dir(path, self.rank)
-        os.makedirs(directory, exist_ok=True)
-        if self._initialized:
-            for bucket in self.buckets:
-                shutil.copyfile(
-                    os.path.join(self.directory, bucket.file_name),
-                    os.path.join(directory, bucket.file_name),
-                )
-        small = {}
-        for p, name, _ in self._small:
-            state = self.state.get(p)
-            if state:
-                for key in ("exp_avg", "exp_avg_sq"):
-                    small[f"{name}/{key}"] = local_shard(state[key])[0].reshape(-1).cpu()
-        save_file(small, os.path.join(directory, SMALL_STATE))
-        manifest = {
-            "format": FORMAT,
-            "version": VERSION,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "master_dtype": "fp32",
-            "moment_dtype": self.config.moment_dtype,
-            "bucket_numel": self.config.bucket_numel,
-            "min_numel": self.config.min_numel,
-            "alignment": 4096,
-            "step": self._global_step(),
-            "initialized": self._initialized,
-            "params": self._param_records(),
-            "buckets": [
-                {
-                    "file": b.file_name,
-                    "nbytes": b.nbytes,
-                    "segments": [s.to_json() for s in b.segments],
-                }
-                for b in self.buckets
-            ],
-        }
-        write_manifest(directory, manifest)
+        save_checkpoint(self, path)
 
     def load(self, path: str) -> None:
         """Resume from ``save(path)`` of any DP size or bucket size (re-bucketed by name)."""
-        saved = SavedState(path)
-        saved.verify(self.config.moment_dtype, self._param_records())
-        for k, (_, name, _) in enumerate(self._streamed):
-            self._steps[k] = saved.param_step(name)
-        if saved.initialized and self.buckets:
-            arena = PinnedArena(max(b.nbytes for b in self.buckets), pin=False)
-            host = torch.frombuffer(arena, dtype=torch.uint8)
-            for i, bucket in enumerate(self.buckets):
-                buffer = host[: bucket.nbytes]
-                buffer.zero_()
-                for seg in bucket.segments:
-                    for kind in range(3):
-                        out = entry_view(buffer, seg, kind, self.moment_dtype)
-                        saved.read_entry(seg.name, kind, seg.global_start, out)
-                self._streamers[i].write(arena.ptr, bucket.nbytes, 0)
-            del host
-        self._initialized = saved.initialized
-        for p, name, _ in self._small:
-            step = saved.param_step(name)
-            self.state.pop(p, None)
-            if step == 0:
-                continue
-            local, start = local_shard(p)
-            state = self.state[p]
-            state["step"] = (
-                torch.tensor(float(step), dtype=torch.float32, device=p.device)
-                if self.config.fused
-                else torch.tensor(float(step), dtype=_get_scalar_dtype())
-            )
-            for key in ("exp_avg", "exp_avg_sq"):
-                full = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if local.numel():
-                    flat = torch.empty(local.numel(), dtype=local.dtype)
-                    saved.read_small(name, key, start, flat)
-                    local_shard(full)[0].view(-1).copy_(flat)
-                state[key] = full
+        load_checkpoint(self, path)
 
     def read_state(self, name: str) -> dict[str, torch.Tensor]:
         """This rank's ``master`` / ``exp_avg`` / ``exp_avg_sq`` of streamed ``name``, flat, on CPU."""

@@ -156,9 +156,8 @@ class StreamedAdamW(torch.optim.Optimizer):
                 else:
                     self._small.append((p, name, gi))
         self._shards = shards
-        self._steps = [0] * len(
-            self._streamed
-        )  # per streamed parameter, like AdamW's state["step"]
+        # optimizer steps taken by each streamed parameter, like AdamW's state["step"]
+        self._steps = [0] * len(self._streamed)
         itemsize = torch.empty((), dtype=self.moment_dtype).element_size()
         self.buckets: list[Bucket] = plan_buckets(shards, self.config.bucket_numel, itemsize)
         self._initialized = False  # bucket files hold state (after the first step or a load)
@@ -181,7 +180,7 @@ class StreamedAdamW(torch.optim.Optimizer):
             for k in ("load", "store")
         ]
         on_cuda = self.device.type == "cuda"
-        index = self.device.index or 0 if on_cuda else 0
+        index = (self.device.index or 0) if on_cuda else 0
         self._engines = [CopyEngine(device=index), CopyEngine(device=index)]
         self._side_streams = (
             [torch.cuda.Stream(self.device) for _ in range(SLOTS)] if on_cuda else []

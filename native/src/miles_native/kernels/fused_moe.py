@@ -9,11 +9,12 @@ Weight layout is that of transformers' batched experts (``Qwen3MoeExperts`` and 
 and the up projection in rows ``[I, 2I)``; ``w_down [E, H, I]``.
 
 Forward: align (sort assignments by expert, pad groups to ``block_m``) -> grouped GEMM for
-gate+up with the SiLU-and-mul epilogue -> grouped GEMM for down, scaled by the routing weight,
-scattered to assignment rows -> top-k sum. Backward: ``dy @ w_down`` with the SiLU-and-mul
-backward and routing-weight-gradient epilogue -> ``dh @ w_gate_up`` -> top-k sum (``dx``), and
-per-expert reductions for ``d w_gate_up = dh^T x`` and ``d w_down = (p dy)^T act``. All results
-are deterministic (no atomics).
+gate+up with the SiLU-and-mul epilogue, which also applies the routing weight ``p`` -> grouped
+GEMM for down, scattered to assignment rows -> top-k sum. Backward: ``dy @ w_down`` with the
+SiLU-and-mul backward and routing-weight-gradient epilogue -> ``dh @ w_gate_up`` -> top-k sum
+(``dx``), and per-expert reductions ``d w_gate_up = dh^T x`` and ``d w_down = dy^T (p act)``.
+All results are deterministic (no atomics). Saved for backward: ``h [P, 2I]`` and the weighted
+activation ``[P, I]`` (``P ~ T k``), besides the inputs.
 
 fp32 inputs use IEEE fp32 products unless ``torch.backends.cuda.matmul.allow_tf32`` is set;
 bf16/fp16 use the tensor cores with fp32 accumulation.
@@ -71,34 +72,34 @@ def _topk_sum(y: torch.Tensor, num_tokens: int, top_k: int, out_dtype: torch.dty
     return out
 
 
-def launch_gate_up(x, w1, align: MoEAlignment, top_k: int, cfg: GemmConfig):
-    """``h [P, 2I]`` pre-activations and ``act [P, I]`` in aligned order."""
+def launch_gate_up(x, w1, weights, align: MoEAlignment, top_k: int, cfg: GemmConfig):
+    """``h [P, 2I]`` pre-activations and ``act [P, I] = p * silu(g) * u`` in aligned order."""
     inter, hidden = w1.shape[1] // 2, w1.shape[2]
     h = torch.empty(align.max_rows, 2 * inter, dtype=x.dtype, device=x.device)
     act = torch.empty(align.max_rows, inter, dtype=x.dtype, device=x.device)
     grid = (align.max_blocks * triton.cdiv(inter, cfg.block_n),)
     gate_up_fwd_kernel[grid](
-        x, w1, h, act, align.sorted_ids, align.block_expert, align.num_assignments,
+        x, w1, h, act, weights, align.sorted_ids, align.block_expert, align.num_assignments,
         hidden, inter,
         x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2),
         h.stride(0), act.stride(0),
         TOP_K=top_k, BLOCK_M=align.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_PRECISION=_dot_precision(x.dtype), INTERPRETER=_interpreter(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PRECISION=_dot_precision(x.dtype), INTERPRETER=_interpreter(x.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return h, act
 
 
-def launch_scatter_gemm(a, b, b_strides, n_dim, align, weights, cfg: GemmConfig):
-    """``c [S, N]``: ``c[a(r)] = a[r] @ b[e]^T (* weights[a(r)])``; ``b_strides = (e, n, k)``."""
+def launch_scatter_gemm(a, b, b_strides, n_dim, align, cfg: GemmConfig):
+    """``c [S, N]``: ``c[a(r)] = a[r] @ b[e]^T`` for valid rows; ``b_strides = (e, n, k)``."""
     k_dim = a.shape[1]
     c = torch.empty(align.num_assignments, n_dim, dtype=a.dtype, device=a.device)
     grid = (align.max_blocks * triton.cdiv(n_dim, cfg.block_n),)
     grouped_gemm_scatter_kernel[grid](
-        a, b, c, weights if weights is not None else a, align.sorted_ids, align.block_expert,
-        align.num_assignments, n_dim, k_dim,
+        a, b, c, align.sorted_ids, align.block_expert, align.num_assignments, n_dim, k_dim,
         a.stride(0), a.stride(1), *b_strides, c.stride(0), c.stride(1),
-        SCALE=weights is not None, BLOCK_M=align.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, DOT_PRECISION=_dot_precision(a.dtype), INTERPRETER=_interpreter(a.dtype),
+        BLOCK_M=align.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        DOT_PRECISION=_dot_precision(a.dtype), INTERPRETER=_interpreter(a.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return c
@@ -117,42 +118,45 @@ def launch_down_bwd(dy, w2, h, weights, align: MoEAlignment, top_k: int, cfg: Ge
         dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         h.stride(0), dh.stride(0), partial.stride(0),
         TOP_K=top_k, BLOCK_M=align.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_PRECISION=_dot_precision(dy.dtype), INTERPRETER=_interpreter(dy.dtype), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        DOT_PRECISION=_dot_precision(dy.dtype), INTERPRETER=_interpreter(dy.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return dh, partial.sum(dim=1)
 
 
 def launch_weight_grad(
-    left, right, weights, out, out_strides, m_dim, n_dim, align, top_k, r_silu,
-    cfg: WeightGradConfig,
-):  # fmt: skip
-    """``out[e] (M x N, via out_strides = (e, m, n)) = sum_r (p_r left[tok])^T right_row[r]``."""
+    left, right, out, out_strides, m_dim, n_dim, align, top_k, cfg: WeightGradConfig
+):
+    """``out[e]`` (``M x N`` through ``out_strides = (e, m, n)``) ``= sum_r left[tok]^T right[r]``."""
     num_experts = align.expert_pstarts.numel() - 1
-    grid = (num_experts, triton.cdiv(m_dim, cfg.block_m) * triton.cdiv(n_dim, cfg.block_n))
+    grid = (triton.cdiv(m_dim, cfg.block_m) * triton.cdiv(n_dim, cfg.block_n), num_experts)
     expert_weight_grad_kernel[grid](
-        left, right, weights if weights is not None else left, out, align.sorted_ids,
-        align.expert_pstarts, align.num_assignments, m_dim, n_dim,
-        left.stride(0), left.stride(1), right.stride(0), right.stride(1), *out_strides,
-        TOP_K=top_k, L_SCALE=weights is not None, R_SILU=r_silu, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=_dot_precision(left.dtype), INTERPRETER=_interpreter(left.dtype),
+        left, right, out, align.sorted_ids, align.expert_pstarts, align.num_assignments,
+        m_dim, n_dim, left.stride(0), left.stride(1), right.stride(0), right.stride(1),
+        *out_strides,
+        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        DOT_PRECISION=_dot_precision(left.dtype), INTERPRETER=_interpreter(left.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
 
 def moe_forward(x, w1, w2, topk_ids, weights, cfg: FusedMoEConfig):
-    """Forward; returns ``(out, h, align)`` (``h`` and ``align`` are what the backward needs)."""
+    """Forward; returns ``(out, h, act, align)`` (the last three are what the backward needs)."""
     num_tokens, top_k = topk_ids.shape
     align = align_by_expert(topk_ids, w1.shape[0], cfg.block_m)
-    h, act = launch_gate_up(x, w1, align, top_k, cfg.gate_up)
+    h, act = launch_gate_up(x, w1, weights, align, top_k, cfg.gate_up)
     w2_strides = (w2.stride(0), w2.stride(1), w2.stride(2))  # n = H, k = I
-    y = launch_scatter_gemm(act, w2, w2_strides, w2.shape[1], align, weights, cfg.down)
-    return _topk_sum(y, num_tokens, top_k, x.dtype), h, align
+    y = launch_scatter_gemm(act, w2, w2_strides, w2.shape[1], align, cfg.down)
+    return _topk_sum(y, num_tokens, top_k, x.dtype), h, act, align
 
 
-def moe_backward(dy, x, w1, w2, weights, h, align: MoEAlignment, top_k, cfg, needs):
-    """Gradients ``(dx, dw1, dw2, d_weights)``; entries whose ``needs`` flag is False are None."""
+def moe_backward(dy, x, w1, w2, weights, h, act, align: MoEAlignment, top_k, cfg, needs):
+    """Gradients ``(dx, dw1, dw2, d_weights)``; entries whose ``needs`` flag is False are None.
+
+    ``dw2[e] = sum_r dy[tok(r)]^T act[r]`` (``act`` already carries the routing weight),
+    ``dw1[e] = sum_r dh[r]^T x[tok(r)]``, ``dx[t] = sum_j dh[r(t, j)] @ w1[e_j]``.
+    """
     need_x, need_w1, need_w2, need_p = needs
     num_tokens, hidden = x.shape
     inter = w2.shape[2]
@@ -163,20 +167,16 @@ def moe_backward(dy, x, w1, w2, weights, h, align: MoEAlignment, top_k, cfg, nee
             dp = dp_flat.view(num_tokens, top_k).to(weights.dtype)
         if need_x:
             w1_strides = (w1.stride(0), w1.stride(2), w1.stride(1))  # n = H, k = 2I
-            dx_k = launch_scatter_gemm(dh, w1, w1_strides, hidden, align, None, cfg.dx)
+            dx_k = launch_scatter_gemm(dh, w1, w1_strides, hidden, align, cfg.dx)
             dx = _topk_sum(dx_k, num_tokens, top_k, x.dtype)
         if need_w1:
             dw1 = torch.empty_like(w1)
             strides = (dw1.stride(0), dw1.stride(2), dw1.stride(1))  # m = H, n = 2I
-            launch_weight_grad(
-                x, dh, None, dw1, strides, hidden, 2 * inter, align, top_k, False, cfg.dw_gate_up
-            )
+            launch_weight_grad(x, dh, dw1, strides, hidden, 2 * inter, align, top_k, cfg.dw_gate_up)
     if need_w2:
         dw2 = torch.empty_like(w2)
         strides = (dw2.stride(0), dw2.stride(1), dw2.stride(2))  # m = H, n = I
-        launch_weight_grad(
-            dy, h, weights, dw2, strides, hidden, inter, align, top_k, True, cfg.dw_down
-        )
+        launch_weight_grad(dy, act, dw2, strides, hidden, inter, align, top_k, cfg.dw_down)
     return dx, dw1, dw2, dp
 
 
@@ -185,18 +185,18 @@ class FusedExpertsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, w2, topk_ids, weights, cfg):
-        out, h, align = moe_forward(x, w1, w2, topk_ids, weights, cfg)
-        ctx.save_for_backward(x, w1, w2, weights, h)
+        out, h, act, align = moe_forward(x, w1, w2, topk_ids, weights, cfg)
+        ctx.save_for_backward(x, w1, w2, weights, h, act)
         ctx.align, ctx.cfg, ctx.top_k = align, cfg, topk_ids.shape[1]
         return out
 
     @staticmethod
     def backward(ctx, dy):
-        x, w1, w2, weights, h = ctx.saved_tensors
+        x, w1, w2, weights, h, act = ctx.saved_tensors
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2])
         needs = (*needs, ctx.needs_input_grad[4])
         dx, dw1, dw2, dp = moe_backward(
-            dy.contiguous(), x, w1, w2, weights, h, ctx.align, ctx.top_k, ctx.cfg, needs
+            dy.contiguous(), x, w1, w2, weights, h, act, ctx.align, ctx.top_k, ctx.cfg, needs
         )
         return dx, dw1, dw2, None, dp, None
 

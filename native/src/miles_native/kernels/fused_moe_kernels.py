@@ -9,7 +9,8 @@ Notation (shared with :mod:`miles_native.kernels.fused_moe`):
   group padded to a multiple of ``BLOCK_M`` with the sentinel ``S``; ``block_expert[b]`` is the
   expert of row block ``b`` (``-1`` past the last used block); ``P`` is the padded length.
 * ``h [P, 2I]`` is the pre-activation ``x @ w1[e].T`` in aligned order (pad rows are zero),
-  ``act = silu(g) * u`` with ``g = h[:, :I]``, ``u = h[:, I:]``.
+  ``act = p * silu(g) * u`` the routing-weighted activation, with ``g = h[:, :I]``,
+  ``u = h[:, I:]`` and ``p`` the assignment's routing weight.
 
 Every kernel accumulates in fp32 and rounds once on store. Offsets that scale with a row index
 are computed in int64 so that ``T * k * H`` may exceed 2**31.
@@ -73,7 +74,8 @@ def gate_up_fwd_kernel(
     x_ptr,
     w1_ptr,
     h_ptr,  # out [P, 2I]
-    act_ptr,  # out [P, I]
+    act_ptr,  # out [P, I]: p * silu(g) * u
+    weights_ptr,  # [S] routing weights
     sorted_ids_ptr,
     block_expert_ptr,
     num_assignments,
@@ -93,7 +95,8 @@ def gate_up_fwd_kernel(
     DOT_PRECISION: tl.constexpr,
     INTERPRETER: tl.constexpr,
 ):
-    """``h[r] = x[tok(r)] @ w1[e].T`` for gate and up columns together, ``act = silu(g) * u``."""
+    """``h[r] = x[tok(r)] @ w1[e].T`` (gate and up columns together) and the routing-weighted
+    activation ``act[r] = p * silu(g) * u`` with ``p = weights[a(r)]`` (0 on pad rows)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(inter, BLOCK_N)
     pid_m = pid // num_n
@@ -131,7 +134,8 @@ def gate_up_fwd_kernel(
     up = _cast(acc_u, out_dtype, INTERPRETER)
     # The activation is computed from the rounded pre-activations, as the backward recomputes it.
     gate_f = gate.to(tl.float32)
-    act = gate_f * tl.sigmoid(gate_f) * up.to(tl.float32)
+    p = tl.load(weights_ptr + assignment, mask=row_valid, other=0.0).to(tl.float32)
+    act = gate_f * tl.sigmoid(gate_f) * up.to(tl.float32) * p[:, None]
     rows = offs_m.to(tl.int64)
     h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, gate, mask=n_mask[None, :])
@@ -145,7 +149,6 @@ def grouped_gemm_scatter_kernel(
     a_ptr,  # [P, K] rows in aligned order
     b_ptr,  # [E, N, K] addressed through strides
     c_ptr,  # out [S, N] rows by assignment
-    weights_ptr,  # [S] routing weights (read when SCALE)
     sorted_ids_ptr,
     block_expert_ptr,
     num_assignments,
@@ -158,14 +161,13 @@ def grouped_gemm_scatter_kernel(
     stride_bk,
     stride_cm,
     stride_cn,
-    SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERPRETER: tl.constexpr,
 ):
-    """``c[a(r)] = (a[r] @ b[e].T) * (weights[a(r)] if SCALE)`` for the valid rows ``r``."""
+    """``c[a(r)] = a[r] @ b[e].T`` for the valid rows ``r`` (``b[e]`` read as ``[N, K]``)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(n_dim, BLOCK_N)
     pid_m = pid // num_n
@@ -191,9 +193,6 @@ def grouped_gemm_scatter_kernel(
         acc = _mma(a, b, acc, DOT_PRECISION, INTERPRETER)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
-    if SCALE:
-        w = tl.load(weights_ptr + assignment, mask=row_valid, other=0.0).to(tl.float32)
-        acc = acc * w[:, None]
     c_ptrs = c_ptr + assignment.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(
         c_ptrs,
@@ -288,8 +287,7 @@ def down_bwd_kernel(
 @triton.jit
 def expert_weight_grad_kernel(
     l_ptr,  # [T, M] per-token left operand (x or dy), gathered by token
-    r_ptr,  # [P, N] (or h [P, 2I] when R_SILU) right operand in aligned order
-    weights_ptr,  # [S] routing weights (read when L_SCALE)
+    r_ptr,  # [P, N] right operand in aligned order (dh or act)
     out_ptr,  # out [E, M, N] through strides
     sorted_ids_ptr,
     pstarts_ptr,  # [E + 1] padded group offsets
@@ -304,22 +302,20 @@ def expert_weight_grad_kernel(
     stride_om,
     stride_on,
     TOP_K: tl.constexpr,
-    L_SCALE: tl.constexpr,
-    R_SILU: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERPRETER: tl.constexpr,
 ):
-    """``out[e] = sum_{r in group(e)} (p_r * l[tok(r)])^T r_row[r]`` over the expert's rows.
+    """``out[e] = sum_{r in group(e)} l[tok(r)]^T r[r]`` over the expert's aligned rows.
 
-    ``p_r`` is the routing weight when ``L_SCALE`` (else 1); when ``R_SILU`` the right row is
-    ``silu(h[r, :N]) * h[r, N:2N]``. Experts without tokens get zeros. Rows are visited in
-    aligned order, so the result is deterministic.
+    Grid ``(tiles, E)`` with the tile index fastest, so the programs running together share one
+    expert's rows in L2. Experts without tokens get zeros. Rows are visited in aligned order,
+    so the result is deterministic.
     """
-    expert = tl.program_id(0)
-    pid = tl.program_id(1)
+    pid = tl.program_id(0)
+    expert = tl.program_id(1)
     num_n = tl.cdiv(n_dim, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
@@ -329,7 +325,6 @@ def expert_weight_grad_kernel(
     m_mask = offs_m < m_dim
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_dim
-    in_dtype = l_ptr.dtype.element_ty
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for r0 in range(pstart, pend, BLOCK_K):
@@ -340,18 +335,8 @@ def expert_weight_grad_kernel(
         token = (assignment // TOP_K).to(tl.int64)
         l_ptrs = l_ptr + token[None, :] * stride_lt + offs_m[:, None] * stride_lm
         lt = tl.load(l_ptrs, mask=valid[None, :] & m_mask[:, None], other=0.0)
-        if L_SCALE:
-            p = tl.load(weights_ptr + assignment, mask=valid, other=0.0).to(tl.float32)
-            lt = _cast(lt.to(tl.float32) * p[None, :], in_dtype, INTERPRETER)
-        rows = offs_r.to(tl.int64)
-        r_ptrs = r_ptr + rows[:, None] * stride_rp + offs_n[None, :] * stride_rn
-        rn_mask = r_mask[:, None] & n_mask[None, :]
-        if R_SILU:
-            gate = tl.load(r_ptrs, mask=rn_mask, other=0.0).to(tl.float32)
-            up = tl.load(r_ptrs + n_dim * stride_rn, mask=rn_mask, other=0.0).to(tl.float32)
-            rt = _cast(gate * tl.sigmoid(gate) * up, in_dtype, INTERPRETER)
-        else:
-            rt = tl.load(r_ptrs, mask=rn_mask, other=0.0)
+        r_ptrs = r_ptr + offs_r.to(tl.int64)[:, None] * stride_rp + offs_n[None, :] * stride_rn
+        rt = tl.load(r_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
         acc = _mma(lt, rt, acc, DOT_PRECISION, INTERPRETER)
 
     o_ptrs = (

@@ -23,22 +23,18 @@ from miles_native.kernels.fused_moe_configs import FusedMoEConfig, GemmConfig, W
 from miles_native.kernels.moe_align import align_by_expert
 
 BLOCK_M = (64, 128)
+_STAGES = ((4, 3), (4, 4), (8, 3), (8, 4))  # (num_warps, num_stages)
 GEMM_SPACE = [
     GemmConfig(n, k, w, s)
-    for (n, k), w, s in itertools.product(
-        ((64, 64), (128, 64), (128, 128), (256, 64)), (4, 8), (3, 4)
-    )
+    for (n, k), (w, s) in itertools.product(((64, 64), (128, 64), (256, 64)), _STAGES)
 ]
 GATE_UP_SPACE = [
-    GemmConfig(n, k, w, s)
-    for (n, k), w, s in itertools.product(
-        ((64, 64), (64, 128), (128, 64), (128, 128)), (4, 8), (3, 4)
-    )
+    GemmConfig(n, k, w, s) for (n, k), (w, s) in itertools.product(((64, 64), (128, 64)), _STAGES)
 ]
 WGRAD_SPACE = [
     WeightGradConfig(m, n, k, w, s)
-    for (m, n), k, w, s in itertools.product(
-        ((64, 64), (128, 64), (128, 128)), (32, 64), (4, 8), (3, 4)
+    for (m, n, k), (w, s) in itertools.product(
+        ((128, 128, 64), (128, 128, 32), (128, 64, 64), (64, 128, 64), (64, 64, 64)), _STAGES
     )
 ]
 
@@ -64,16 +60,16 @@ def _tune_row_kernels(block_m, x, dy, w1, w2, ids, weights, log):
     num_experts, hidden, inter = w2.shape
     top_k = ids.shape[1]
     align = align_by_expert(ids, num_experts, block_m)
-    h, act = launch_gate_up(x, w1, align, top_k, GATE_UP_SPACE[0])
+    h, act = launch_gate_up(x, w1, weights, align, top_k, GATE_UP_SPACE[0])
     dh, _ = launch_down_bwd(dy, w2, h, weights, align, top_k, GEMM_SPACE[0])
     w2_strides = (w2.stride(0), w2.stride(1), w2.stride(2))
     w1_strides = (w1.stride(0), w1.stride(2), w1.stride(1))
     log(f"block_m={block_m}")
     gate_up, t1 = _best(
-        lambda c: launch_gate_up(x, w1, align, top_k, c), GATE_UP_SPACE, log, "gate_up"
+        lambda c: launch_gate_up(x, w1, weights, align, top_k, c), GATE_UP_SPACE, log, "gate_up"
     )
     down, t2 = _best(
-        lambda c: launch_scatter_gemm(act, w2, w2_strides, hidden, align, weights, c),
+        lambda c: launch_scatter_gemm(act, w2, w2_strides, hidden, align, c),
         GEMM_SPACE,
         log,
         "down",
@@ -82,13 +78,13 @@ def _tune_row_kernels(block_m, x, dy, w1, w2, ids, weights, log):
         lambda c: launch_down_bwd(dy, w2, h, weights, align, top_k, c), GEMM_SPACE, log, "down_bwd"
     )
     dx, t4 = _best(
-        lambda c: launch_scatter_gemm(dh, w1, w1_strides, hidden, align, None, c),
+        lambda c: launch_scatter_gemm(dh, w1, w1_strides, hidden, align, c),
         GEMM_SPACE,
         log,
         "dx",
     )
     log(f"block_m={block_m}: row kernels {t1 + t2 + t3 + t4:.3f} ms")
-    return t1 + t2 + t3 + t4, block_m, (gate_up, down, down_bwd, dx), (align, h, dh)
+    return t1 + t2 + t3 + t4, block_m, (gate_up, down, down_bwd, dx), (align, act, dh)
 
 
 def tune(
@@ -112,23 +108,19 @@ def tune(
     weights = weights.to(dtype)
 
     runs = [_tune_row_kernels(bm, x, dy, w1, w2, ids, weights, log) for bm in BLOCK_M]
-    total, block_m, (gate_up, down, down_bwd, dx), (align, h, dh) = min(runs, key=lambda r: r[0])
+    total, block_m, (gate_up, down, down_bwd, dx), (align, act, dh) = min(runs, key=lambda r: r[0])
     dw1 = torch.empty_like(w1)
     dw1_strides = (dw1.stride(0), dw1.stride(2), dw1.stride(1))
     dw2 = torch.empty_like(w2)
     dw2_strides = (dw2.stride(0), dw2.stride(1), dw2.stride(2))
     dw_gate_up, _ = _best(
-        lambda c: launch_weight_grad(
-            x, dh, None, dw1, dw1_strides, hidden, 2 * inter, align, top_k, False, c
-        ),
+        lambda c: launch_weight_grad(x, dh, dw1, dw1_strides, hidden, 2 * inter, align, top_k, c),
         WGRAD_SPACE,
         log,
         "dw_gate_up",
     )
     dw_down, _ = _best(
-        lambda c: launch_weight_grad(
-            dy, h, weights, dw2, dw2_strides, hidden, inter, align, top_k, True, c
-        ),
+        lambda c: launch_weight_grad(dy, act, dw2, dw2_strides, hidden, inter, align, top_k, c),
         WGRAD_SPACE,
         log,
         "dw_down",

@@ -112,3 +112,30 @@ def test_offsets_past_int32():
         x[tail].double(), w1.double(), w2.double(), ids[tail], p[tail].double()
     )
     assert rel_err(out[tail], want) < 1e-2
+
+
+def test_transformers_experts_module_on_the_kernels():
+    """Qwen3MoeExperts (bf16, "miles_fused") vs the same module's eager loop in float64."""
+    transformers = pytest.importorskip("transformers")
+    from miles_native.kernels.hf_experts import register_fused_experts
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    register_fused_experts()
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8
+    )
+    x, w1, w2, ids, p, dy = make_inputs(2048, 128, 2048, 768, 8, seed=7)
+    results = []
+    for impl, dtype in (("eager", torch.float64), ("miles_fused", torch.bfloat16)):
+        config._experts_implementation = impl
+        experts = Qwen3MoeExperts(config).to(DEV)
+        with torch.no_grad():
+            experts.gate_up_proj.copy_(w1.to(torch.bfloat16))
+            experts.down_proj.copy_(w2.to(torch.bfloat16))
+        experts.to(dtype)
+        xi = x.to(torch.bfloat16).to(dtype).requires_grad_()
+        out = experts(xi, ids, p.to(torch.bfloat16).to(dtype))
+        out.backward(dy.to(torch.bfloat16).to(dtype))
+        results.append([out, xi.grad, experts.gate_up_proj.grad, experts.down_proj.grad])
+    for name, want, got in zip(("out", "x", "gate_up", "down"), *results):
+        assert rel_err(got, want) < 1e-2, name

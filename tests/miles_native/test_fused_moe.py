@@ -124,6 +124,18 @@ def test_only_requested_gradients_are_computed():
     assert w1.grad is None and w2.grad is None and p.grad is None
 
 
+def test_no_tokens():
+    x = torch.zeros(0, H, requires_grad=True)
+    w1 = torch.randn(E, 2 * INTER, H, requires_grad=True)
+    w2 = torch.randn(E, H, INTER, requires_grad=True)
+    p = torch.zeros(0, K, requires_grad=True)
+    out = kernels.fused_experts(x, w1, w2, torch.zeros(0, K, dtype=torch.long), p)
+    assert out.shape == (0, H)
+    out.sum().backward()
+    assert x.grad.shape == (0, H) and p.grad.shape == (0, K)
+    assert torch.count_nonzero(w1.grad) == 0 and torch.count_nonzero(w2.grad) == 0
+
+
 def test_alignment_groups_by_expert_pads_blocks_and_keeps_token_order():
     ids = torch.tensor([[3, 0], [3, 2], [0, 3], [2, 3], [3, 0]])
     align = kernels.align_by_expert(ids, num_experts=5, block_m=4)

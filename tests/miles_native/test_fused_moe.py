@@ -74,7 +74,9 @@ def run_both(dtype, num_tokens=T, seed=0, unused_experts=(1, 4)):
     return got, want, ins, leaves, ids
 
 
-@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 1e-2)]
+)
 def test_forward_and_every_gradient_match_float64(dtype, tol):
     got, want, ins, leaves, _ = run_both(dtype)
     assert got.dtype == dtype and got.shape == (T, H)

@@ -48,7 +48,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee"
 
 
-def _interpreter(dtype: torch.dtype) -> bool:
+def _interpreter_fixes(dtype: torch.dtype) -> bool:
     return INTERPRETED and dtype != torch.float32
 
 
@@ -67,7 +67,7 @@ def _topk_sum(y: torch.Tensor, num_tokens: int, top_k: int, out_dtype: torch.dty
         out.stride(0),
         TOP_K=top_k,
         BLOCK_H=block_h,
-        INTERPRETER=_interpreter(out_dtype),
+        INTERPRETER=_interpreter_fixes(out_dtype),
     )
     return out
 
@@ -84,7 +84,7 @@ def launch_gate_up(x, w1, weights, align: MoEAlignment, top_k: int, cfg: GemmCon
         x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2),
         h.stride(0), act.stride(0),
         TOP_K=top_k, BLOCK_M=align.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_PRECISION=_dot_precision(x.dtype), INTERPRETER=_interpreter(x.dtype),
+        DOT_PRECISION=_dot_precision(x.dtype), INTERPRETER=_interpreter_fixes(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return h, act
@@ -99,7 +99,7 @@ def launch_scatter_gemm(a, b, b_strides, n_dim, align, cfg: GemmConfig):
         a, b, c, align.sorted_ids, align.block_expert, align.num_assignments, n_dim, k_dim,
         a.stride(0), a.stride(1), *b_strides, c.stride(0), c.stride(1),
         BLOCK_M=align.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_PRECISION=_dot_precision(a.dtype), INTERPRETER=_interpreter(a.dtype),
+        DOT_PRECISION=_dot_precision(a.dtype), INTERPRETER=_interpreter_fixes(a.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return c
@@ -118,7 +118,7 @@ def launch_down_bwd(dy, w2, h, weights, align: MoEAlignment, top_k: int, cfg: Ge
         dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         h.stride(0), dh.stride(0), partial.stride(0),
         TOP_K=top_k, BLOCK_M=align.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_PRECISION=_dot_precision(dy.dtype), INTERPRETER=_interpreter(dy.dtype),
+        DOT_PRECISION=_dot_precision(dy.dtype), INTERPRETER=_interpreter_fixes(dy.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return dh, partial.sum(dim=1)
@@ -135,7 +135,7 @@ def launch_weight_grad(
         m_dim, n_dim, left.stride(0), left.stride(1), right.stride(0), right.stride(1),
         *out_strides,
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_PRECISION=_dot_precision(left.dtype), INTERPRETER=_interpreter(left.dtype),
+        DOT_PRECISION=_dot_precision(left.dtype), INTERPRETER=_interpreter_fixes(left.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

@@ -22,7 +22,7 @@ def one_rank_group(tmp_path_factory):
     dist.destroy_process_group()
 
 
-def _two_steps(hf_dir, data, **flags):
+def _two_steps(hf_dir, data, sleep_between=False, **flags):
     backend = FSDPBackend()
     backend.init(make_args(hf_checkpoint=hf_dir, **flags))
     model = backend.model
@@ -32,8 +32,17 @@ def _two_steps(hf_dir, data, **flags):
         else model.is_gradient_checkpointing
     )
     assert on == flags.get("gradient_checkpointing", False)
-    losses = [
-        optimizer_step(
+    losses = []
+    for _ in range(2):
+        if sleep_between:
+            for _cycle in range(2):
+                backend.sleep()
+                backend.sleep()  # idempotent
+                assert backend.asleep
+                backend.wake_up()
+                backend.wake_up()
+                assert not backend.asleep
+        step = optimizer_step(
             backend.model,
             backend.optimizer,
             backend.scheduler,
@@ -41,9 +50,8 @@ def _two_steps(hf_dir, data, **flags):
             nll_contribution(data.numel() - data.shape[0]),
             dp_size=1,
             clip_grad=1.0,
-        ).loss
-        for _ in range(2)
-    ]
+        )
+        losses.append(step.loss)
     params = full_params(backend.model)
     backend.close()
     return losses, params
@@ -58,3 +66,17 @@ def test_cpu_offload_and_checkpointing_train_identically(one_rank_group, tmp_pat
         assert losses == base_losses, flags
         for name, value in base.items():
             assert torch.equal(value, params[name]), (flags, name)
+
+
+@pytest.mark.parametrize("target", ["cpu", "disk"])
+def test_sleep_wake_cycles_do_not_change_training(one_rank_group, tmp_path, target):
+    hf_dir = str(save_tiny_model(tmp_path / "m"))
+    data = torch.randint(0, 64, (4, 10), generator=torch.Generator().manual_seed(5))
+    base_losses, base = _two_steps(hf_dir, data)
+    flags = {"offload_train_target": target, "offload_train_disk_dir": str(tmp_path / "off")}
+    if target == "disk":
+        flags["offload_train"] = True
+    losses, params = _two_steps(hf_dir, data, sleep_between=True, **flags)
+    assert losses == base_losses
+    for name, value in base.items():
+        assert torch.equal(value, params[name]), name

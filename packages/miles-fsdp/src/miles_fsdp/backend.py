@@ -70,7 +70,7 @@ class FSDPBackend(TrainBackend):
     def __init__(self) -> None:
         self.args: Any = None
         self.model: nn.Module | None = None
-        self.asleep = False
+        self.mover: Any = None
         self.publisher: Any = None
 
     # ------------------------------------------------------------------ init
@@ -242,30 +242,32 @@ class FSDPBackend(TrainBackend):
 
     # ------------------------------------------------------------------ memory
     def sleep(self) -> None:
-        """Move parameters and optimizer state to host memory (no-op on a CPU device)."""
-        if self.asleep or self.device.type == "cpu" or self.args.fsdp_cpu_offload:
-            self.asleep = True
-            return
-        self._move(torch.device("cpu"))
-        torch.cuda.empty_cache()
-        self.asleep = True
+        """Move parameters, buffers and AdamW state off the device (miles-offload's mover:
+        ``--offload-train-target cpu|disk``). Idempotent; a no-op under ``--fsdp-cpu-offload``,
+        where FSDP already keeps everything in host memory."""
+        if self.mover is None:
+            from miles_offload.device_mover import DeviceMover
+            from miles_offload.offload_target import OffloadTarget
+
+            self.mover = DeviceMover(
+                {"actor": self.model},
+                [self.optimizer],
+                target=OffloadTarget.from_args(self.args),
+                device=self.device,
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        self.mover.sleep()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def wake_up(self) -> None:
-        if not self.asleep:
-            return
-        if self.device.type != "cpu" and not self.args.fsdp_cpu_offload:
-            self._move(self.device)
-        self.asleep = False
+        """Bring back what :meth:`sleep` moved. Idempotent."""
+        if self.mover is not None:
+            self.mover.wake_up()
 
-    def _move(self, device: torch.device) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        self.model.to(device)
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and key != "step":
-                    state[key] = value.to(device, non_blocking=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    @property
+    def asleep(self) -> bool:
+        return self.mover is not None and self.mover.is_asleep
 
     def close(self) -> None:
         if self.model is not None:
@@ -274,4 +276,7 @@ class FSDPBackend(TrainBackend):
         if self.publisher is not None:
             self.publisher.close()
             self.publisher = None
+        if self.mover is not None:
+            self.mover.close()
+            self.mover = None
         self.model = None

@@ -83,3 +83,27 @@ def test_packed_equals_per_sample_for_stateful_layers(one_rank_group, tmp_path, 
     packed, separate = _packed_vs_separate(plain, [5, 9, 6])
     assert (packed - separate).abs().max() > 1e-3
     backend.close()
+
+
+def test_qwen3_rms_norm_rounds_once():
+    """Patched: equal to the float64 value rounded once to bf16. Unpatched HF rounds twice."""
+    from tiny_models import qwen3_config
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(qwen3_config(hidden_size=256), dtype=torch.bfloat16)
+    norm = model.model.norm
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(256) * 0.5 + 1)
+    x = torch.randn(64, 256).to(torch.bfloat16)
+    x64 = x.double()
+    exact = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    expected = (exact * norm.weight.double()).to(torch.bfloat16)
+    with torch.no_grad():
+        unpatched = norm(x)
+        for patch in adaptation_for("qwen3").model_instance_patches:
+            patch(model, model.config)
+        patched = norm(x)
+    assert not torch.equal(unpatched, expected)  # the HF module rounds twice
+    assert torch.equal(patched, expected)
+    assert norm.weight.dtype == torch.bfloat16 and dict(model.named_parameters())  # layout kept

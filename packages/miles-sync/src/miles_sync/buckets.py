@@ -13,18 +13,19 @@ This is SGLang's ``flattened_bucket`` wire format (``/update_weights_from_tensor
 
 SGLang unpickles payloads with an allowlist that names the class path
 ``sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata``. A sender talking to real
-SGLang calls :func:`to_sglang_metadata` to get objects that pickle under that path (see
-:class:`SGLangFlattenedTensorMetadata`); the built-in engine accepts both class paths.
+SGLang wraps its metadata with :func:`to_sglang_metadata` and pickles the payload with
+:func:`dumps_sglang_wire`, which writes that class path (sglang need not be installed);
+the built-in engine accepts both class paths.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
-import types
+import copyreg
+import io
+import pickle
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 
 import torch
 
@@ -149,43 +150,50 @@ def plan_buckets(
 
 
 class SGLangFlattenedTensorMetadata(FlattenedTensorMetadata):
-    """Our metadata, pickled under SGLang's class path so real SGLang's allowlist accepts it.
-
-    Pickle stores a class by ``__module__`` + ``__qualname__`` and checks, while pickling,
-    that this path resolves to the class; :func:`to_sglang_metadata` makes that so (registering
-    a small module object under the SGLang name when sglang itself is not installed).
-    """
+    """Our metadata, pickled by :func:`dumps_sglang_wire` under SGLang's class path
+    ``sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata`` (which need not be
+    importable here: the pickler writes the name, it does not look it up)."""
 
 
-SGLangFlattenedTensorMetadata.__module__ = SGLANG_METADATA_MODULE
-SGLangFlattenedTensorMetadata.__qualname__ = "FlattenedTensorMetadata"
-SGLangFlattenedTensorMetadata.__name__ = "FlattenedTensorMetadata"
-
-
-def _sglang_metadata_class() -> type:
-    """The class that pickles as ``sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata``.
-
-    The real one when sglang is installed, else our alias, registered in ``sys.modules``
-    under that name (only that leaf name; ``import sglang`` stays unaffected).
-    """
-    module = sys.modules.get(SGLANG_METADATA_MODULE)
-    if module is None:
-        try:
-            real = importlib.util.find_spec("sglang") is not None
-        except (ImportError, ValueError):
-            real = False
-        if real:
-            module = importlib.import_module(SGLANG_METADATA_MODULE)
-        else:
-            module = types.ModuleType(SGLANG_METADATA_MODULE, "miles alias for SGLang pickling")
-            module.FlattenedTensorMetadata = SGLangFlattenedTensorMetadata
-            sys.modules[SGLANG_METADATA_MODULE] = module
-    return module.FlattenedTensorMetadata
-
-
-def to_sglang_metadata(metadata: Iterable[FlattenedTensorMetadata]) -> list:
-    """Metadata objects that pickle under SGLang's class path (same fields, same values)."""
-    cls = _sglang_metadata_class()
+def to_sglang_metadata(
+    metadata: Iterable[FlattenedTensorMetadata],
+) -> list[SGLangFlattenedTensorMetadata]:
+    """Metadata objects that :func:`dumps_sglang_wire` pickles under SGLang's class path."""
     return [
-        cls(m.name, torch.Size(m.shape), m.dtype, m.start_idx, m.end_idx, m.numel) for m in metadata
+        SGLangFlattenedTensorMetadata(
+            m.name, torch.Size(m.shape), m.dtype, m.start_idx, m.end_idx, m.numel
+        )
+        for m in metadata
     ]
+
+
+class _SGLangWirePickler(pickle._Pickler):
+    """ForkingPickler's reductions (torch's tensor/storage sharing) in the pure-Python
+    pickler, whose ``save_global`` we can steer: the alias class is written as the global
+    ``sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata`` without importing it."""
+
+    def __init__(self, file, protocol: int = pickle.HIGHEST_PROTOCOL):
+        super().__init__(file, protocol)
+        self.dispatch_table = copyreg.dispatch_table.copy()
+        self.dispatch_table.update(ForkingPickler._extra_reducers)
+
+    def save_global(self, obj, name=None):
+        if obj is SGLangFlattenedTensorMetadata:
+            self.save(SGLANG_METADATA_MODULE)
+            self.save("FlattenedTensorMetadata")
+            self.write(pickle.STACK_GLOBAL)
+            self.memoize(obj)
+            return
+        super().save_global(obj, name)
+
+
+def dumps_sglang_wire(obj) -> bytes:
+    """Pickle like SGLang's ``MultiprocessingSerializer`` (ForkingPickler: tensors travel as
+    shared-memory / CUDA IPC handles), with bucket metadata under SGLang's class path.
+    Base64 of this is one entry of ``serialized_named_tensors``. The sender must keep the
+    tensors alive until the receiving call returns."""
+    import torch.multiprocessing  # noqa: F401  (registers torch's reductions on ForkingPickler)
+
+    buf = io.BytesIO()
+    _SGLangWirePickler(buf).dump(obj)
+    return buf.getvalue()

@@ -11,24 +11,12 @@ import logging
 import sys
 import threading
 
-import torch
-import uvicorn
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from miles_launch.engine.sampling import SamplingParams
-from miles_launch.engine.scheduler import Request, Scheduler
-from miles_launch.engine.server import EngineConfig, EngineState, build_app
-from miles_launch.engine.weights import WeightStore
-
-_DTYPES = {
-    "auto": "auto",
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+# Heavy imports (torch, transformers, fastapi) happen after the argument checks, so a bad
+# flag fails at once.
+_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
-def parse_args(argv: list[str] | None = None) -> EngineConfig:
+def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(prog="python -m miles_launch.engine", description=__doc__)
     p.add_argument(
         "--model-path", required=True, help="HF model directory (config, safetensors, tokenizer)"
@@ -38,7 +26,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer <key>")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (one device per engine)")
-    p.add_argument("--dtype", default="auto", choices=sorted(_DTYPES))
+    p.add_argument("--dtype", default="auto", choices=_DTYPES)
     p.add_argument("--weight-version", default="default")
     p.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1)
     p.add_argument("--max-running-requests", type=int, default=64)
@@ -61,11 +49,17 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         )
     if ns.max_running_requests < 1:
         _fail(f"--max-running-requests must be >= 1, got {ns.max_running_requests}")
-    if ns.device.startswith("cuda") and not torch.cuda.is_available():
-        _fail(f"--device {ns.device}: CUDA is not available")
+    if not (ns.device == "cpu" or ns.device == "cuda" or ns.device.startswith("cuda:")):
+        _fail(f"--device {ns.device!r}: use cpu, cuda or cuda:N")
     ns.tokenizer_path = ns.tokenizer_path or ns.model_path
     log_level = ns.log_level
     del ns.log_level
+    import torch
+
+    if ns.device.startswith("cuda") and not torch.cuda.is_available():
+        _fail(f"--device {ns.device}: CUDA is not available")
+    from miles_launch.engine.server import EngineConfig
+
     config = EngineConfig(**vars(ns))
     logging.basicConfig(level=log_level.upper())
     return config
@@ -76,8 +70,11 @@ def _fail(message: str) -> None:
     sys.exit(2)
 
 
-def health_check(scheduler: Scheduler, tokenizer, timeout: float = 300.0) -> None:
+def health_check(scheduler, tokenizer, timeout: float = 300.0) -> None:
     """Generate one token through the scheduler; raise if it does not come back."""
+    from miles_launch.engine.sampling import SamplingParams
+    from miles_launch.engine.scheduler import Request
+
     done = threading.Event()
     prompt = tokenizer.encode("hello") or [0]
     req = Request(
@@ -91,14 +88,19 @@ def health_check(scheduler: Scheduler, tokenizer, timeout: float = 300.0) -> Non
         raise RuntimeError(f"health check generation failed: {req.finish_reason}")
 
 
-def build_state(config: EngineConfig) -> EngineState:
+def build_state(config):
+    """Load tokenizer and model, start the scheduler, pass the health check."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from miles_launch.engine.scheduler import Scheduler
+    from miles_launch.engine.server import EngineState
+    from miles_launch.engine.weights import WeightStore
+
     device = torch.device(config.device)
+    dtype = config.dtype if config.dtype == "auto" else getattr(torch, config.dtype)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path)
-    model = (
-        AutoModelForCausalLM.from_pretrained(config.model_path, dtype=_DTYPES[config.dtype])
-        .to(device)
-        .eval()
-    )
+    model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype).to(device).eval()
     scheduler = Scheduler(
         model,
         tokenizer,
@@ -122,6 +124,10 @@ def build_state(config: EngineConfig) -> EngineState:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
+    import uvicorn
+
+    from miles_launch.engine.server import build_app
+
     state = build_state(config)
     app = build_app(state)
     try:

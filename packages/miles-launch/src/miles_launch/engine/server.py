@@ -201,10 +201,7 @@ def build_app(state: EngineState) -> FastAPI:
             version=__version__,
             engine="miles-builtin",
             weight_version=state.weight_version,
-            memory={
-                "weights_bytes": state.weights.weights_bytes(),
-                "kv_cache_bytes": sched.kv_cache_bytes(),
-            },
+            memory=_memory(state),
             num_requests=sched.num_requests(),
             paused=sched.paused,
         )
@@ -431,6 +428,17 @@ def build_app(state: EngineState) -> FastAPI:
         return {"success": True, "message": f"resumed {sorted(tags)}"}
 
     return app
+
+
+def _memory(state: EngineState) -> dict:
+    """Bytes held by weights and the KV cache (and, on CUDA, by the allocator overall)."""
+    out = {
+        "weights_bytes": state.weights.weights_bytes(),
+        "kv_cache_bytes": state.scheduler.kv_cache_bytes(),
+    }
+    if state.weights.device.type == "cuda":
+        out["device_allocated_bytes"] = torch.cuda.memory_allocated(state.weights.device)
+    return out
 
 
 def _resolve(fut: asyncio.Future, req: GenRequest) -> None:

@@ -29,8 +29,10 @@ class WeightStore:
         self.model = model
         self.device = device
         self.cpu_backup = cpu_backup
-        self.tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
-        self.tensors.update(dict(model.named_buffers()))
+        # Parameters and persistent buffers (what a checkpoint holds; tied weights appear
+        # under each name). Non-persistent buffers (e.g. rotary inv_freq) are derived, small,
+        # and stay put.
+        self.tensors: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
         self._specs = {name: (t.shape, t.dtype) for name, t in self.tensors.items()}
         self._backup: dict[str, torch.Tensor] | None = None
         self.released = False
@@ -68,7 +70,8 @@ class WeightStore:
         return count
 
     def weights_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        unique = {id(t): t for t in self.tensors.values()}
+        return sum(t.numel() * t.element_size() for t in unique.values())
 
     @torch.no_grad()
     def release(self) -> None:
@@ -77,7 +80,7 @@ class WeightStore:
             return
         if self.cpu_backup:
             self._backup = {n: t.detach().to("cpu", copy=True) for n, t in self.tensors.items()}
-        for tensor in self.tensors.values():
+        for tensor in {id(t): t for t in self.tensors.values()}.values():
             tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
         self.released = True
         if self.device.type == "cuda":
@@ -88,7 +91,11 @@ class WeightStore:
         """Reallocate the storage: from the CPU backup, else uninitialised (re-sync weights)."""
         if not self.released:
             return
+        seen = set()
         for name, tensor in self.tensors.items():
+            if id(tensor) in seen:  # tied: already restored under another name
+                continue
+            seen.add(id(tensor))
             shape, dtype = self._specs[name]
             if self._backup is not None:
                 tensor.data = self._backup[name].to(self.device)

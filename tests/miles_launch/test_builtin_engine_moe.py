@@ -40,28 +40,31 @@ def _router_topk(model, ids: list[int]) -> np.ndarray:
 
 @pytest.mark.slow
 def test_routed_experts_shape_and_values(moe):
+    """A batch of prompts of different lengths (prefilled together, left-padded): each
+    request's experts equal the router top-k of a plain forward over its own sequence."""
     server, model, tok = moe
-    prompt = tok.encode("hello world")
+    prompts = [tok.encode("hello world"), tok.encode("ab"), tok.encode("the quick brown fox")]
     body = {
-        "input_ids": prompt,
+        "input_ids": prompts,
         "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
         "return_routed_experts": True,
     }
-    out = server.post("/generate", body).json()
+    outs = server.post("/generate", body).json()
     cfg = model.config
-    raw = np.frombuffer(base64.b64decode(out["meta_info"]["routed_experts"]), dtype=np.int32)
-    tokens = (
-        len(prompt) + len(out["output_ids"]) - 1
-    )  # every fed position; the last token is never fed
-    routed = raw.reshape(tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok)
-    want = _router_topk(model, prompt + out["output_ids"][:-1])
-    np.testing.assert_array_equal(np.sort(routed, -1), np.sort(want, -1))
-    body["routed_experts_start_len"] = 4
+    shape = (cfg.num_hidden_layers, cfg.num_experts_per_tok)
+    for prompt, out in zip(prompts, outs):
+        raw = np.frombuffer(base64.b64decode(out["meta_info"]["routed_experts"]), dtype=np.int32)
+        tokens = (
+            len(prompt) + len(out["output_ids"]) - 1
+        )  # every fed position; the last token is never fed
+        routed = raw.reshape(tokens, *shape)
+        want = _router_topk(model, prompt + out["output_ids"][:-1])
+        np.testing.assert_array_equal(np.sort(routed, -1), np.sort(want, -1))
+    body.update(input_ids=prompts[0], routed_experts_start_len=4)
     tail = server.post("/generate", body).json()["meta_info"]["routed_experts"]
-    tail = np.frombuffer(base64.b64decode(tail), dtype=np.int32).reshape(
-        -1, cfg.num_hidden_layers, 2
-    )
-    np.testing.assert_array_equal(tail, routed[4:])
+    tail = np.frombuffer(base64.b64decode(tail), dtype=np.int32).reshape(-1, *shape)
+    first = np.frombuffer(base64.b64decode(outs[0]["meta_info"]["routed_experts"]), dtype=np.int32)
+    np.testing.assert_array_equal(tail, first.reshape(-1, *shape)[4:])
 
 
 @pytest.mark.slow

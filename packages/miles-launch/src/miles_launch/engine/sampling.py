@@ -116,25 +116,22 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 
 
 def choose_token(
-    logits: torch.Tensor,
+    logprobs: torch.Tensor,
     params: SamplingParams,
     generator: torch.Generator | None,
     banned: list[int] | None = None,
 ) -> tuple[int, float]:
-    """Pick the next token from one row of logits; return ``(token_id, logprob)``.
-
-    ``banned`` token ids get probability zero (used for ``min_new_tokens``).
-    """
-    logits = logits.float()
+    """Pick the next token from one row ``logprobs = log_softmax(z / T)`` (``T = 1`` when
+    greedy); return ``(token_id, logprob)``. ``banned`` ids (``min_new_tokens``) cannot be
+    chosen; the reported logprob is still that of the untruncated distribution."""
+    scores = logprobs
     if banned:
-        logits = logits.clone()
-        logits[banned] = float("-inf")
+        scores = logprobs.clone()
+        scores[banned] = float("-inf")
     if params.greedy:
-        logprobs = torch.log_softmax(logits, dim=-1)
-        token = int(torch.argmax(logits))
+        token = int(torch.argmax(scores))
         return token, float(logprobs[token])
-    logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
-    probs = logprobs.exp()
+    probs = scores.exp()
     if params.top_k != -1 and params.top_k < probs.numel():
         kth = torch.topk(probs, params.top_k).values[-1]
         probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))

@@ -81,6 +81,7 @@ class RoutedExpertsRecorder:
         config = model.config
         self.num_layers = config.num_hidden_layers
         self.top_k = getattr(config, "num_experts_per_tok", None)
+        self.shape = (self.num_layers, self.top_k)
         self._captured: dict[int, torch.Tensor] = {}
         self._handles = []
         layers = model.model.layers
@@ -274,76 +275,102 @@ class Scheduler:
 
     def _step(self) -> None:
         blocked = bool(self._controls) and self._controls[0].wait_idle
-        while not blocked and self._waiting and len(self._running) < self.max_running:
-            with self._cv:
-                req = self._waiting.popleft()
-            self._prefill(req)
+        admitted = []
+        with self._cv:
+            while (
+                not blocked
+                and self._waiting
+                and len(self._running) + len(admitted) < self.max_running
+            ):
+                admitted.append(self._waiting.popleft())
+        if admitted:
+            self._prefill(admitted)
         if self._running:
             self._decode()
 
     # ---- model work --------------------------------------------------------------------
-    def _prefill(self, req: Request) -> None:
-        if self.weights_released:
-            self._finish(req, abort_reason("weights are released; call /resume_memory_occupation"))
+    def _prefill(self, reqs: list[Request]) -> None:
+        """Prefill new requests as one left-padded batch, then merge them into the batch."""
+        todo = []
+        for req in reqs:
+            if self.weights_released:
+                self._finish(
+                    req, abort_reason("weights are released; call /resume_memory_occupation")
+                )
+            elif req.params.max_new_tokens == 0 or len(req.output_ids) >= req.params.max_new_tokens:
+                self._finish(req, length_reason(req.params.max_new_tokens))
+            elif not req.prompt_ids:
+                self._finish(req, abort_reason("empty prompt"))
+            else:
+                todo.append(req)
+        if not todo:
             return
-        if req.params.max_new_tokens == 0 or len(req.output_ids) >= req.params.max_new_tokens:
-            self._finish(req, length_reason(req.params.max_new_tokens))
-            return
-        ids = req.prompt_ids + req.output_ids
-        if not ids:
-            self._finish(req, abort_reason("empty prompt"))
-            return
-        n = len(ids)
+        seqs = [req.prompt_ids + req.output_ids for req in todo]
+        lengths = [len(ids) for ids in seqs]
+        width = max(lengths)
+        ids = torch.tensor(
+            [[0] * (width - n) + seq for seq, n in zip(seqs, lengths)], device=self.device
+        )
+        mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], device=self.device)
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
         cache = DynamicCache()
         out = self.model(
-            input_ids=torch.tensor([ids], device=self.device),
-            position_ids=torch.arange(n, device=self.device)[None],
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
             use_cache=True,
             **{self._cache_kw: cache},
         )
         if self.recorder is not None:
-            routed = self.recorder.take(n)
-            if req.return_routed_experts:
-                req.routed.extend(routed.unbind(0))
-        self._append_token(req, out.logits[0, -1])
-        if req.finished:
-            return
-        self._merge(req, cache, n)
+            routed = self.recorder.take(len(todo) * width).view(
+                len(todo), width, *self.recorder.shape
+            )
+            for b, req in enumerate(todo):
+                if req.return_routed_experts:
+                    req.routed.extend(routed[b, width - lengths[b] :].unbind(0))
+        self._append_tokens(todo, out.logits[:, -1])
+        keep = [b for b, req in enumerate(todo) if not req.finished]
+        if keep:
+            index = torch.tensor(keep, device=self.device)
+            kv = [
+                (layer.keys.index_select(0, index), layer.values.index_select(0, index))
+                for layer in cache.layers
+            ]
+            self._merge(
+                [todo[b] for b in keep], kv, mask.index_select(0, index), [lengths[b] for b in keep]
+            )
 
-    def _merge(self, req: Request, cache: DynamicCache, n: int) -> None:
-        """Add a prefilled row to the batch, left-padding whichever side is shorter."""
-        new_kv = [(layer.keys, layer.values) for layer in cache.layers]
-        new_mask = torch.ones(1, n, dtype=torch.long, device=self.device)
+    def _merge(self, reqs: list[Request], kv: list, mask: torch.Tensor, lengths: list[int]) -> None:
+        """Add prefilled rows to the batch, left-padding whichever side is shorter."""
         if self._cache is None:
-            merged, mask = new_kv, new_mask
+            merged = kv
         else:
             old_kv = [(layer.keys, layer.values) for layer in self._cache.layers]
-            length = max(self._mask.shape[1], n)
+            width = max(self._mask.shape[1], mask.shape[1])
             merged = [
                 (
-                    torch.cat([_pad_left(ok, length), _pad_left(nk, length)]),
-                    torch.cat([_pad_left(ov, length), _pad_left(nv, length)]),
+                    torch.cat([_pad_left(ok, width), _pad_left(nk, width)]),
+                    torch.cat([_pad_left(ov, width), _pad_left(nv, width)]),
                 )
-                for (ok, ov), (nk, nv) in zip(old_kv, new_kv)
+                for (ok, ov), (nk, nv) in zip(old_kv, kv)
             ]
             mask = torch.cat(
                 [
-                    F.pad(self._mask, (length - self._mask.shape[1], 0)),
-                    F.pad(new_mask, (length - n, 0)),
+                    F.pad(self._mask, (width - self._mask.shape[1], 0)),
+                    F.pad(mask, (width - mask.shape[1], 0)),
                 ]
             )
         self._cache = DynamicCache(ddp_cache_data=merged)
         self._mask = mask
-        self._pos.append(n)
-        self._running.append(req)
+        self._pos.extend(lengths)
+        self._running.extend(reqs)
 
     def _decode(self) -> None:
         batch = len(self._running)
         tokens = torch.tensor([[r.output_ids[-1]] for r in self._running], device=self.device)
         positions = torch.tensor([[p] for p in self._pos], device=self.device)
-        self._mask = torch.cat(
-            [self._mask, torch.ones(batch, 1, dtype=torch.long, device=self.device)], dim=1
-        )
+        ones = torch.ones(batch, 1, dtype=torch.long, device=self.device)
+        self._mask = torch.cat([self._mask, ones], dim=1)
         out = self.model(
             input_ids=tokens,
             position_ids=positions,
@@ -352,14 +379,12 @@ class Scheduler:
             **{self._cache_kw: self._cache},
         )
         routed = self.recorder.take(batch) if self.recorder is not None else None
-        keep = []
         for b, req in enumerate(self._running):
             self._pos[b] += 1
             if routed is not None and req.return_routed_experts:
                 req.routed.append(routed[b])
-            self._append_token(req, out.logits[b, -1])
-            if not req.finished:
-                keep.append(b)
+        self._append_tokens(self._running, out.logits[:, -1])
+        keep = [b for b, req in enumerate(self._running) if not req.finished]
         if len(keep) < batch:
             self._select_rows(keep)
 
@@ -387,12 +412,21 @@ class Scheduler:
         )
 
     # ---- tokens and finishing ----------------------------------------------------------
-    def _append_token(self, req: Request, logits: torch.Tensor) -> None:
+    def _append_tokens(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        """Choose and append one token per request from ``logits`` ``[len(reqs), vocab]``."""
+        temps = torch.tensor(
+            [1.0 if r.params.greedy else r.params.temperature for r in reqs], device=logits.device
+        )
+        logprobs = torch.log_softmax(logits.float() / temps[:, None], dim=-1)
+        for req, row in zip(reqs, logprobs):
+            self._append_token(req, row)
+
+    def _append_token(self, req: Request, logprobs: torch.Tensor) -> None:
         params = req.params
         banned = None
         if len(req.output_ids) < params.min_new_tokens:
             banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_ids))
-        token, logprob = choose_token(logits, params, req.generator, banned)
+        token, logprob = choose_token(logprobs, params, req.generator, banned)
         req.output_ids.append(token)
         req.output_logprobs.append(logprob)
         if not params.ignore_eos and token in self.eos_ids or token in params.stop_token_ids:

@@ -434,17 +434,25 @@ def test_weight_update_window_once_begin_end_is_used(engine, models):
 
 
 def test_weight_update_waits_for_inflight_requests(engine, models):
-    """An update on an unpaused server lets running requests finish on the old weights."""
+    """An update on an unpaused server lets running requests finish on the old weights; a
+    request arriving while the update waits is held back and runs on the new weights."""
     want = reference(models, "old", ("hello",), 150)[0]
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
         running = pool.submit(_long_request, engine)
         _wait_running(engine)
         assert engine.post("/begin_weight_update").status_code == 200
-        r = engine.post("/update_weights_from_disk", {"model_path": str(models["new"][0])})
-        assert r.status_code == 200
+        update = pool.submit(
+            engine.post, "/update_weights_from_disk", {"model_path": str(models["new"][0])}
+        )
+        time.sleep(0.3)
+        late = pool.submit(generate, engine, ("ab",), 4)
+        assert update.result(timeout=60).status_code == 200
         assert (
             running.result(timeout=60)["output_ids"] == want
         )  # not one token from the new weights
+        assert [o["output_ids"] for o in late.result(timeout=60)] == reference(
+            models, "new", ("ab",), 4
+        )
     _assert_generates(engine, models, "new")
     assert (
         engine.post("/update_weights_from_disk", {"model_path": str(models["old"][0])}).status_code

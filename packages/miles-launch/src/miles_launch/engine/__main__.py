@@ -98,6 +98,8 @@ def build_state(config):
     from miles_launch.engine.weights import WeightStore
 
     device = torch.device(config.device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # NCCL weight-update groups use the current device
     dtype = config.dtype if config.dtype == "auto" else getattr(torch, config.dtype)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path)
     model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype).to(device).eval()

@@ -168,7 +168,7 @@ class Scheduler:
 
     def run_control(self, fn: Callable[[], object], wait_idle: bool = False) -> Future:
         """Run ``fn`` on the scheduler thread between steps. With ``wait_idle`` it waits until
-        no request is running or waiting (new admissions stop meanwhile), unless paused."""
+        no request is running (waiting ones are not admitted meanwhile), unless paused."""
         fut: Future = Future()
         with self._cv:
             self._controls.append(_Control(fn, wait_idle, fut))
@@ -243,7 +243,8 @@ class Scheduler:
     def _next_control(self) -> _Control | None:
         if self._controls:
             head = self._controls[0]
-            if not head.wait_idle or self.paused or self._idle():
+            # waiting requests are held back behind a wait_idle control, so only running ones count
+            if not head.wait_idle or self.paused or not self._running:
                 return self._controls.popleft()
         return None
 

@@ -125,6 +125,10 @@ def build_app(state: EngineState) -> FastAPI:
     @app.post("/generate")
     async def generate(request: Request):
         body = await _json_body(request)
+        if body.get("stream"):
+            return _error("generate: stream is not supported by the built-in engine")
+        if body.get("logprob_start_len", -1) not in (-1, None):
+            return _error("generate: only logprob_start_len -1 (output logprobs) is supported")
         prompts, single = _prompts(body, state.tokenizer)
         raw_params = body.get("sampling_params") or {}
         raw_list = raw_params if isinstance(raw_params, list) else [raw_params] * len(prompts)

@@ -13,7 +13,14 @@ import time
 
 import pytest
 import torch
-from engine_testing import EngineProcess, hf_greedy, save_tokenizer, serialize, tiny_qwen3
+from engine_testing import (
+    EngineProcess,
+    free_port,
+    hf_greedy,
+    save_tokenizer,
+    serialize,
+    tiny_qwen3,
+)
 from miles_sync.buckets import dumps_sglang_wire, pack_bucket, to_sglang_metadata
 
 # Each module starts an engine subprocess (torch + transformers import, model load).
@@ -348,7 +355,7 @@ def test_update_from_distributed_gloo(engine, models):
     import torch.distributed as dist
     from miles_launch.engine.weights import join_weight_update_group
 
-    port = engine.port + 1000 if engine.port < 64000 else engine.port - 1000
+    port = free_port()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         joined = pool.submit(
             engine.post,

@@ -9,7 +9,6 @@ carry SGLang's ``{"success": false, "message": ...}``).
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import time
 import uuid
@@ -19,6 +18,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from miles_launch.engine.generate_io import GenerateInputError, format_reply, parse_prompts
 from miles_launch.engine.safe_unpickle import UnsafePayloadError
 from miles_launch.engine.sampling import SamplingParams, SamplingParamsError
 from miles_launch.engine.scheduler import Request as GenRequest
@@ -98,10 +98,8 @@ def build_app(state: EngineState) -> FastAPI:
     app = FastAPI(title="miles built-in engine")
     sched = state.scheduler
 
-    @app.on_event("startup")
-    async def _open_gate() -> None:
-        state.gate = asyncio.Event()
-        state.gate.set()
+    state.gate = asyncio.Event()
+    state.gate.set()
 
     @app.middleware("http")
     async def _api_key(request: Request, call_next):
@@ -110,6 +108,10 @@ def build_app(state: EngineState) -> FastAPI:
             if request.headers.get("authorization") != f"Bearer {key}":
                 return _error("unauthorized: send Authorization: Bearer <api key>", 401)
         return await call_next(request)
+
+    @app.exception_handler(GenerateInputError)
+    async def _generate_input_error(request: Request, exc: GenerateInputError):
+        return _error(str(exc))
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
@@ -129,7 +131,7 @@ def build_app(state: EngineState) -> FastAPI:
             return _error("generate: stream is not supported by the built-in engine")
         if body.get("logprob_start_len", -1) not in (-1, None):
             return _error("generate: only logprob_start_len -1 (output logprobs) is supported")
-        prompts, single = _prompts(body, state.tokenizer)
+        prompts, single = parse_prompts(body, state.tokenizer)
         raw_params = body.get("sampling_params") or {}
         raw_list = raw_params if isinstance(raw_params, list) else [raw_params] * len(prompts)
         if len(raw_list) != len(prompts):
@@ -171,7 +173,7 @@ def build_app(state: EngineState) -> FastAPI:
         await asyncio.gather(*(fut for group in groups for _, fut in group))
         start_len = int(body.get("routed_experts_start_len") or 0)
         replies = [
-            _reply(req, state.weight_version, time.monotonic() - start, start_len)
+            format_reply(req, state.weight_version, time.monotonic() - start, start_len)
             for group in groups
             for req, _ in group
         ]
@@ -448,44 +450,3 @@ def _memory(state: EngineState) -> dict:
 def _resolve(fut: asyncio.Future, req: GenRequest) -> None:
     if not fut.done():
         fut.set_result(req)
-
-
-def _prompts(body: dict, tokenizer) -> tuple[list[list[int]], bool]:
-    """Token ids of each prompt, and whether the request was a single prompt."""
-    text, input_ids = body.get("text"), body.get("input_ids")
-    if (text is None) == (input_ids is None):
-        raise ApiError("generate: give exactly one of text or input_ids")
-    if text is not None:
-        texts = text if isinstance(text, list) else [text]
-        if not all(isinstance(t, str) for t in texts):
-            raise ApiError("generate: text must be a string or a list of strings")
-        return [tokenizer.encode(t) for t in texts], not isinstance(text, list)
-    single = not (input_ids and isinstance(input_ids[0], list))
-    batch = [input_ids] if single else input_ids
-    if not all(isinstance(ids, list) and all(isinstance(t, int) for t in ids) for ids in batch):
-        raise ApiError("generate: input_ids must be a list of ints or a list of lists of ints")
-    return batch, single
-
-
-def _reply(req: GenRequest, weight_version: str, latency: float, routed_start: int) -> dict:
-    meta = {
-        "id": req.rid,
-        "finish_reason": req.finish_reason,
-        "prompt_tokens": len(req.prompt_ids),
-        "completion_tokens": len(req.output_ids),
-        "cached_tokens": 0,
-        "weight_version": weight_version,
-        "e2e_latency": latency,
-    }
-    if req.return_logprob:
-        meta["output_token_logprobs"] = [
-            [lp, tok, None] for lp, tok in zip(req.output_logprobs, req.output_ids)
-        ]
-    if req.return_routed_experts and req.routed:
-        routed = (
-            torch.stack(req.routed[routed_start:])
-            if len(req.routed) > routed_start
-            else torch.empty(0)
-        )
-        meta["routed_experts"] = base64.b64encode(routed.contiguous().numpy().tobytes()).decode()
-    return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}

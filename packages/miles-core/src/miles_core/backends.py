@@ -22,14 +22,16 @@ class BackendNotInstalledError(ImportError):
 
 def available() -> list[str]:
     """Names of the backends whose packages are installed."""
-    return sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
+    return sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
 
 
 def load(name: str) -> type[TrainBackend]:
     """Return the backend class registered under ``name``.
 
     Raises :class:`BackendNotInstalledError` naming the package to install when the backend is
-    known but absent, and :class:`ValueError` for a name no package provides.
+    known but absent (or its package imports a dependency that is absent), :class:`ValueError`
+    for a name no package provides, and :class:`TypeError` when the entry point is not a
+    :class:`TrainBackend` subclass.
     """
     matches = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
     if not matches:
@@ -40,9 +42,21 @@ def load(name: str) -> type[TrainBackend]:
             )
         known = ", ".join(sorted(set(KNOWN_BACKENDS) | set(available())))
         raise ValueError(f"unknown training backend '{name}' (known: {known})")
-    cls = matches[0].load()
-    if not (isinstance(cls, type) and issubclass(cls, TrainBackend)):
-        raise TypeError(
-            f"entry point {matches[0].value} for backend '{name}' is not a TrainBackend"
+    targets = sorted({ep.value for ep in matches})
+    if len(targets) > 1:
+        raise RuntimeError(
+            f"training backend '{name}' is registered by several installed packages "
+            f"({', '.join(targets)}); uninstall all but one"
         )
+    entry = matches[0]
+    try:
+        cls = entry.load()
+    except ImportError as exc:
+        # The backend's package is there but one of its own dependencies is not
+        # (e.g. miles-megatron without megatron-core).
+        raise BackendNotInstalledError(
+            f"training backend '{name}' ({entry.value}) failed to import: {exc}"
+        ) from exc
+    if not (isinstance(cls, type) and issubclass(cls, TrainBackend)):
+        raise TypeError(f"entry point {entry.value} for backend '{name}' is not a TrainBackend")
     return cls

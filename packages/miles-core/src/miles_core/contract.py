@@ -28,6 +28,12 @@ class DataLayout:
     consumes_data: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("dp_rank", "dp_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"DataLayout.{name} must be an int, got {value!r}")
+        if not isinstance(self.consumes_data, bool):
+            raise TypeError(f"DataLayout.consumes_data must be a bool, got {self.consumes_data!r}")
         if self.dp_size < 1:
             raise ValueError(f"DataLayout.dp_size must be >= 1, got {self.dp_size}")
         if not 0 <= self.dp_rank < self.dp_size:

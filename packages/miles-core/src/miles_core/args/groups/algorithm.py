@@ -1,0 +1,114 @@
+"""Batch sizes and the RL algorithm: advantages, policy loss, KL, entropy, TIS.
+
+The formulas are in ``miles_core.advantages`` and ``miles_core.losses``; these are their knobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from miles_core.args.checks import at_least, greater_than, requires, within
+from miles_core.args.flags import ArgGroup, ArgumentError, flag
+
+
+def kl_term_on(args: Any) -> bool:
+    """A KL term is on: as a loss (``--use-kl-loss``) or in the reward (``--kl-coef`` > 0)."""
+    return bool(args.use_kl_loss) or args.kl_coef > 0
+
+
+@dataclass
+class AlgorithmArgs(ArgGroup):
+    title: ClassVar[str] = "batch and algorithm"
+
+    global_batch_size: int | None = flag(
+        None,
+        help="Samples per optimizer step (unset: one rollout's samples / --num-steps-per-rollout).",
+    )
+    num_steps_per_rollout: int = flag(
+        1, help="Optimizer steps per rollout: the rollout's samples are split into this many steps."
+    )
+    micro_batch_size: int = flag(
+        1, help="Samples per micro-batch when --use-dynamic-batch-size is off."
+    )
+    use_dynamic_batch_size: bool = flag(
+        False, help="Form micro-batches by token count under --max-tokens-per-gpu."
+    )
+    max_tokens_per_gpu: int | None = flag(
+        None, help="Token budget of one micro-batch per GPU (x CP with context parallelism)."
+    )
+    loss_type: Literal["policy_loss", "sft_loss", "value_loss"] = flag(
+        "policy_loss", help="Which loss the actor trains on."
+    )
+    advantage_estimator: Literal[
+        "grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"
+    ] = flag("grpo", help="Advantage estimator (ppo needs a critic's values).")
+    normalize_advantages: bool = flag(
+        False, help="Whiten advantages over the response tokens of all DP ranks."
+    )
+    gamma: float = flag(1.0, help="Discount for reinforce_plus_plus returns and GAE.")
+    lambd: float = flag(1.0, help="GAE lambda (ppo).")
+    eps_clip: float = flag(0.2, help="PPO clip range: ratio in [1 - eps, 1 + eps-high].")
+    eps_clip_high: float | None = flag(None, help="Upper PPO clip range (unset: --eps-clip).")
+    eps_clip_c: float | None = flag(
+        None, help="Dual-clip bound c > 1 for negative advantages (unset: off)."
+    )
+    value_clip: float = flag(0.2, help="Clip range of the value loss (ppo critic).")
+    kl_coef: float = flag(
+        0.0, help="KL penalty folded into the reward (exclusive with --use-kl-loss)."
+    )
+    use_kl_loss: bool = flag(False, help="Add a KL loss against the reference model.")
+    kl_loss_coef: float = flag(0.0, help="Weight of the KL loss.")
+    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = flag(
+        "k1", help="KL estimator of the KL loss (k3 = low_var_kl, clamped to +-10)."
+    )
+    entropy_coef: float = flag(0.0, help="Weight of the entropy bonus.")
+    use_tis: bool = flag(
+        False, help="Truncated importance sampling against the rollout engine's log-probs."
+    )
+    tis_clip: float = flag(2.0, help="Upper truncation of the TIS weight.")
+    tis_clip_low: float = flag(0.0, help="Lower truncation of the TIS weight.")
+    calculate_per_token_loss: bool = flag(
+        False, help="Average the loss over tokens (default: per sample, then over samples)."
+    )
+    rollout_temperature: float = flag(
+        1.0, help="Sampling temperature; the trainer's log-probs use the same temperature."
+    )
+
+    @classmethod
+    def validate(cls, args: Any) -> None:
+        at_least(args, "global_batch_size", 1)
+        at_least(args, "num_steps_per_rollout", 1)
+        at_least(args, "micro_batch_size", 1)
+        at_least(args, "max_tokens_per_gpu", 1)
+        requires(args, "use_dynamic_batch_size", "max_tokens_per_gpu")
+        fixed_micro_batches = not args.use_dynamic_batch_size
+        if (
+            fixed_micro_batches
+            and args.global_batch_size is not None
+            and args.global_batch_size % args.micro_batch_size
+        ):
+            raise ArgumentError(
+                f"--global-batch-size ({args.global_batch_size}) must be a multiple of "
+                f"--micro-batch-size ({args.micro_batch_size})"
+            )
+        within(args, "gamma", 0.0, 1.0)
+        within(args, "lambd", 0.0, 1.0)
+        greater_than(args, "eps_clip", 0.0)
+        greater_than(args, "eps_clip_high", 0.0)
+        greater_than(args, "eps_clip_c", 1.0)
+        at_least(args, "value_clip", 0.0)
+        at_least(args, "kl_coef", 0.0)
+        at_least(args, "kl_loss_coef", 0.0)
+        at_least(args, "entropy_coef", 0.0)
+        if args.kl_coef > 0 and args.use_kl_loss:
+            raise ArgumentError(
+                "--kl-coef > 0 (KL in the reward) and --use-kl-loss are mutually exclusive"
+            )
+        greater_than(args, "tis_clip", 0.0)
+        at_least(args, "tis_clip_low", 0.0)
+        if args.tis_clip_low >= args.tis_clip:
+            raise ArgumentError(
+                f"--tis-clip-low ({args.tis_clip_low}) must be < --tis-clip ({args.tis_clip})"
+            )
+        greater_than(args, "rollout_temperature", 0.0)

@@ -1,0 +1,50 @@
+"""Optimizer (AdamW), learning-rate schedule and precision flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from miles_core.args.checks import at_least, exclusive, greater_than, within
+from miles_core.args.flags import ArgGroup, ArgumentError, flag
+
+
+@dataclass
+class OptimizerArgs(ArgGroup):
+    title: ClassVar[str] = "optimizer and precision"
+
+    lr: float = flag(1e-6, help="Peak learning rate.")
+    min_lr: float = flag(0.0, help="Learning rate at the end of the decay.")
+    lr_warmup_iters: int = flag(0, help="Optimizer steps of linear warmup from 0 to --lr.")
+    lr_decay_style: Literal["constant", "cosine", "linear"] = flag(
+        "constant", help="Decay from --lr to --min-lr after warmup."
+    )
+    lr_decay_iters: int | None = flag(
+        None,
+        help="Optimizer steps over which the LR decays (unset: the whole run, when known).",
+    )
+    weight_decay: float = flag(0.01, help="AdamW decoupled weight decay.")
+    adam_beta1: float = flag(0.9, help="AdamW beta1.")
+    adam_beta2: float = flag(0.999, help="AdamW beta2.")
+    adam_eps: float = flag(1e-8, help="AdamW epsilon.")
+    clip_grad: float = flag(1.0, help="Clip the global gradient norm to this value (0: off).")
+    fp16: bool = flag(False, help="Train in fp16 (with loss scaling).")
+    bf16: bool = flag(False, help="Train in bf16 (the FSDP backend's default compute dtype).")
+    seed: int = flag(1234, help="Random seed.")
+
+    @classmethod
+    def validate(cls, args: Any) -> None:
+        exclusive(args, "fp16", "bf16")
+        at_least(args, "lr", 0.0)
+        at_least(args, "min_lr", 0.0)
+        if args.min_lr > args.lr:
+            raise ArgumentError(f"--min-lr ({args.min_lr}) must not exceed --lr ({args.lr})")
+        at_least(args, "lr_warmup_iters", 0)
+        at_least(args, "lr_decay_iters", 1)
+        at_least(args, "weight_decay", 0.0)
+        for dest in ("adam_beta1", "adam_beta2"):
+            within(args, dest, 0.0, 1.0)
+            if getattr(args, dest) == 1.0:
+                raise ArgumentError(f"--{dest.replace('_', '-')} must be < 1")
+        greater_than(args, "adam_eps", 0.0)
+        at_least(args, "clip_grad", 0.0)

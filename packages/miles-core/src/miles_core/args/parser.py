@@ -1,0 +1,207 @@
+"""Composing groups into one argparse CLI, parsing, and the hooks run after parsing.
+
+``parse_args(argv, groups)`` returns a flat ``argparse.Namespace`` with one attribute per declared
+flag plus:
+
+* ``config``: the ``--config`` path or ``None``;
+* ``sglang_passthrough`` / ``router_passthrough``: undeclared ``--sglang-*`` / ``--router-*`` flags;
+* ``explicit_flags``: the dests set on the command line or in the YAML file (so a consumer can warn
+  about an explicit value that another flag overrides).
+
+Order: build (a flag declared twice is an error naming both groups) -> parse (CLI > YAML >
+defaults) -> every group's ``validate`` -> every group's ``resolve_defaults`` -> every group's
+``check_paths``. Every failure is an :class:`ArgumentError` with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from miles_core.args.config_file import find_config_path, load_config
+from miles_core.args.flags import ArgGroup, ArgumentError, FlagSpec, group_flags
+from miles_core.args.passthrough import PASSTHROUGH_PREFIXES, split_passthrough
+
+#: Namespace attributes the framework sets itself; no group may declare them.
+RESERVED_DESTS = frozenset({"config", "help", "explicit_flags", *PASSTHROUGH_PREFIXES.values()})
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors raise ArgumentError instead of printing and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ArgumentError(message)
+
+
+class _ListAction(argparse.Action):
+    """``--f a b`` and ``--f a,b`` (and mixes: ``--f a,b c``) all give ``[a, b, c]``."""
+
+    def __init__(self, option_strings, dest, element_type=str, **kwargs):
+        choices = kwargs.pop("choices", None)
+        super().__init__(option_strings, dest, nargs="+", **kwargs)
+        self.element_type = element_type
+        self.element_choices = choices
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        items = []
+        for value in values:
+            for part in value.split(","):
+                part = part.strip()
+                if not part:
+                    raise argparse.ArgumentError(self, f"empty list item in {value!r}")
+                try:
+                    item = self.element_type(part)
+                except ValueError:
+                    name = self.element_type.__name__
+                    raise argparse.ArgumentError(self, f"invalid {name} value: {part!r}") from None
+                if self.element_choices is not None and item not in self.element_choices:
+                    allowed = ", ".join(map(str, self.element_choices))
+                    raise argparse.ArgumentError(
+                        self, f"invalid choice: {item!r} (choose from {allowed})"
+                    )
+                items.append(item)
+        setattr(namespace, self.dest, items)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` except for unset (``None``) defaults, whose help says what applies."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def _unique_groups(groups: Sequence[type[ArgGroup]]) -> list[type[ArgGroup]]:
+    seen: list[type[ArgGroup]] = []
+    for group in groups:
+        if group not in seen:
+            seen.append(group)
+    return seen
+
+
+def _group_name(group: type[ArgGroup]) -> str:
+    return f"{group.__module__}.{group.__qualname__}"
+
+
+def collect_flags(groups: Sequence[type[ArgGroup]]) -> dict[str, FlagSpec]:
+    """All flags of ``groups`` by dest; a flag declared twice raises naming both groups."""
+    by_option: dict[str, FlagSpec] = {}
+    by_dest: dict[str, FlagSpec] = {}
+    for group in _unique_groups(groups):
+        for spec in group_flags(group):
+            if spec.dest in RESERVED_DESTS:
+                raise ArgumentError(
+                    f"flag {spec.option} of {_group_name(group)} is reserved by miles_core.args"
+                )
+            for option in spec.option_strings():
+                other = by_option.get(option)
+                if other is not None:
+                    raise ArgumentError(
+                        f"flag {option} is declared twice: by {_group_name(other.group)} "
+                        f"and by {_group_name(group)}"
+                    )
+                by_option[option] = spec
+            by_dest[spec.dest] = spec
+    return by_dest
+
+
+def _add_flag(container: Any, spec: FlagSpec, suppress: bool) -> None:
+    # argparse %-formats help texts; a literal "%" in a help text must not break --help
+    kwargs: dict[str, Any] = {"help": spec.meta.help.replace("%", "%%"), "dest": spec.dest}
+    kwargs["default"] = argparse.SUPPRESS if suppress else spec.default
+    if spec.meta.metavar is not None and spec.kind != "bool":
+        kwargs["metavar"] = spec.meta.metavar
+    if spec.kind == "bool":
+        container.add_argument(spec.option, action=argparse.BooleanOptionalAction, **kwargs)
+    elif spec.kind == "list":
+        container.add_argument(
+            spec.option,
+            action=_ListAction,
+            element_type=spec.base_type,
+            choices=spec.choices,
+            **kwargs,
+        )
+    else:
+        container.add_argument(spec.option, type=spec.base_type, choices=spec.choices, **kwargs)
+
+
+def build_parser(
+    groups: Sequence[type[ArgGroup]], *, prog: str | None = None, suppress_defaults: bool = False
+) -> argparse.ArgumentParser:
+    """One argparse parser with an argument group per ArgGroup (``title``), plus ``--config``.
+
+    ``suppress_defaults=True`` leaves unset flags off the namespace (used to find explicit flags).
+    """
+    specs = collect_flags(groups)
+    parser = _RaisingParser(
+        prog=prog,
+        usage="%(prog)s [flags]",
+        allow_abbrev=False,
+        formatter_class=_HelpFormatter,
+        epilog="Undeclared --sglang-<flag> / --router-<flag> flags are passed to SGLang / the router.",
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE.yaml",
+        default=argparse.SUPPRESS if suppress_defaults else None,
+        help="YAML file of flag values (kebab-case or snake_case keys); the command line wins",
+    )
+    sections: dict[type[ArgGroup], Any] = {}
+    for spec in specs.values():
+        if spec.group not in sections:
+            title = spec.group.title or spec.group.__name__
+            sections[spec.group] = parser.add_argument_group(title)
+        _add_flag(sections[spec.group], spec, suppress_defaults)
+    return parser
+
+
+def parse_args(argv: Sequence[str], groups: Sequence[type[ArgGroup]]) -> argparse.Namespace:
+    """Parse ``argv`` (without the program name) against ``groups`` and run every group's hooks.
+
+    Raises :class:`ArgumentError` (one line) on any bad input.
+    """
+    argv = list(argv)
+    groups = _unique_groups(groups)
+    specs = collect_flags(groups)
+    parser = build_parser(groups)
+    declared = {opt for spec in specs.values() for opt in spec.option_strings()}
+
+    remaining, passthrough = split_passthrough(argv, declared)
+    config_path = find_config_path(remaining)
+    config_values: dict[str, Any] = {}
+    if config_path is not None:
+        config_values, config_passthrough = load_config(config_path, specs)
+        for dest, values in config_passthrough.items():
+            passthrough[dest] = {**values, **passthrough[dest]}
+        parser.set_defaults(**config_values)
+
+    args = parser.parse_args(remaining)
+    explicit = vars(build_parser(groups, suppress_defaults=True).parse_args(remaining))
+    args.explicit_flags = frozenset((set(explicit) | set(config_values)) - {"config"})
+    for dest, values in passthrough.items():
+        setattr(args, dest, values)
+
+    for group in groups:
+        group.validate(args)
+    for group in groups:
+        group.resolve_defaults(args)
+    for group in groups:
+        group.check_paths(args)
+    return args
+
+
+def format_error(exc: ArgumentError) -> str:
+    """The one line printed for an argument error: ``error: <message>``."""
+    return "error: " + " ".join(str(exc).split())
+
+
+def parse_args_or_exit(argv: Sequence[str], groups: Sequence[type[ArgGroup]]) -> argparse.Namespace:
+    """:func:`parse_args`, but a bad command line prints one ``error:`` line and exits with 2."""
+    try:
+        return parse_args(argv, groups)
+    except ArgumentError as exc:
+        print(format_error(exc), file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,186 @@
+#!/usr/bin/env python3
+"""Bump one workspace package's version; keep its dependents' ranges admitting it.
+
+    uv run scripts/bump_version.py miles-core minor      # 0.1.0 -> 0.2.0
+
+1. ``[project].version`` in the package's pyproject.toml: major -> (M+1).0.0, minor ->
+   M.(m+1).0, patch -> M.m.(p+1).
+2. A ``## <new version>`` header at the top of the package's CHANGELOG.md (fill in the notes).
+3. Every requirement on the package in the other packages' ``dependencies`` and
+   ``optional-dependencies`` that the new version falls outside of is widened: its lower bound
+   stays, its upper bound becomes the next incompatible release of the new version (``<0.(m+1)``
+   below 1.0, ``<(M+1)`` from 1.0 on). ``miles-core>=0.1,<0.2`` becomes ``miles-core>=0.1,<0.3``
+   after a minor bump of miles-core to 0.2.0. A patch bump never leaves a compatible range.
+
+The pyproject files are edited in place as text (comments and layout kept). Run ``uv lock``
+afterwards. Errors (unknown package, malformed version) print one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+PARTS = ("major", "minor", "patch")
+VERSION_LINE = re.compile(r'^(version\s*=\s*")([^"]+)(")', re.MULTILINE)
+
+
+class BumpError(Exception):
+    """Bad input to the script; the message is printed as one line."""
+
+
+@dataclass
+class Package:
+    name: str  # canonical distribution name
+    version: str
+    pyproject: Path
+
+    @property
+    def changelog(self) -> Path:
+        return self.pyproject.parent / "CHANGELOG.md"
+
+
+def workspace_packages(root: Path) -> dict[str, Package]:
+    """Every package of the workspace (``packages/*`` and ``native``), by canonical name."""
+    found = {}
+    for pyproject in sorted(
+        [*root.glob("packages/*/pyproject.toml"), root / "native" / "pyproject.toml"]
+    ):
+        if not pyproject.is_file():
+            continue
+        project = tomllib.loads(pyproject.read_text()).get("project", {})
+        if "name" in project and "version" in project:
+            name = canonicalize_name(project["name"])
+            found[name] = Package(name=name, version=project["version"], pyproject=pyproject)
+    return found
+
+
+def bumped(version: str, part: str) -> str:
+    parsed = Version(version)
+    if parsed.pre or parsed.post or parsed.dev or parsed.local or len(parsed.release) > 3:
+        raise BumpError(f"version {version} is not plain MAJOR.MINOR.PATCH")
+    major, minor, patch = (list(parsed.release) + [0, 0])[:3]
+    if part == "major":
+        return f"{major + 1}.0.0"
+    if part == "minor":
+        return f"{major}.{minor + 1}.0"
+    return f"{major}.{minor}.{patch + 1}"
+
+
+def next_incompatible(version: str) -> str:
+    """The first release outside ``version``'s compatible range: 0.m -> 0.(m+1), M -> M+1."""
+    major, minor = Version(version).release[:2]
+    return f"0.{minor + 1}" if major == 0 else f"{major + 1}"
+
+
+def widened(requirement: str, new_version: str) -> str | None:
+    """``requirement`` with its upper bound raised to admit ``new_version``; None if it does."""
+    req = Requirement(requirement)
+    if req.specifier.contains(new_version, prereleases=True):
+        return None
+    kept = [spec for spec in req.specifier if spec.operator in (">=", ">", "!=")]
+    dropped = [spec for spec in req.specifier if spec.operator not in (">=", ">", "!=", "<", "<=")]
+    if dropped:
+        raise BumpError(f"requirement '{requirement}' pins with {dropped[0]}; widen it by hand")
+    lower = sorted(kept, key=lambda s: (s.operator != ">=", s.operator))
+    specs = [str(s) for s in lower] + [f"<{next_incompatible(new_version)}"]
+    extras = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
+    marker = f" ; {req.marker}" if req.marker else ""
+    new = f"{req.name}{extras}{','.join(specs)}{marker}"
+    if not Requirement(new).specifier.contains(new_version, prereleases=True):
+        raise BumpError(f"cannot widen '{requirement}' to admit {new_version}; edit it by hand")
+    return new
+
+
+def dependent_requirements(pyproject: Path) -> list[str]:
+    project = tomllib.loads(pyproject.read_text()).get("project", {})
+    reqs = list(project.get("dependencies", []))
+    for group in project.get("optional-dependencies", {}).values():
+        reqs.extend(group)
+    return reqs
+
+
+def add_changelog_header(changelog: Path, name: str, version: str) -> None:
+    header = f"## {version}\n\n"
+    if not changelog.exists():
+        changelog.write_text(f"# Changelog — {name}\n\n{header}")
+        return
+    text = changelog.read_text()
+    if re.search(rf"^## {re.escape(version)}\s*$", text, re.MULTILINE):
+        return
+    first_section = re.search(r"^## ", text, re.MULTILINE)
+    at = first_section.start() if first_section else len(text)
+    if not first_section and not text.endswith("\n\n"):
+        text = text.rstrip("\n") + "\n\n"
+        at = len(text)
+    changelog.write_text(text[:at] + header + text[at:])
+
+
+def bump(root: Path, package: str, part: str) -> list[str]:
+    """Do the bump; returns one line per change made."""
+    if part not in PARTS:
+        raise BumpError(f"PART must be one of {', '.join(PARTS)}, got '{part}'")
+    packages = workspace_packages(root)
+    target = packages.get(canonicalize_name(package))
+    if target is None:
+        raise BumpError(f"unknown package '{package}' (known: {', '.join(sorted(packages))})")
+    new_version = bumped(target.version, part)
+    changes = [f"{target.name}: {target.version} -> {new_version}"]
+
+    text = target.pyproject.read_text()
+    project_at = text.index("[project]")
+    match = VERSION_LINE.search(text, project_at)
+    if match is None or match.group(2) != target.version:
+        raise BumpError(
+            f"{target.pyproject}: no 'version = \"{target.version}\"' line in [project]"
+        )
+    text = text[: match.start(2)] + new_version + text[match.end(2) :]
+    target.pyproject.write_text(text)
+    add_changelog_header(target.changelog, target.name, new_version)
+    changes.append(f"{target.changelog}: added '## {new_version}'")
+
+    for other in packages.values():
+        if other.name == target.name:
+            continue
+        text = other.pyproject.read_text()
+        edited = text
+        for requirement in dependent_requirements(other.pyproject):
+            if canonicalize_name(Requirement(requirement).name) != target.name:
+                continue
+            new = widened(requirement, new_version)
+            if new is None:
+                continue
+            edited = edited.replace(f'"{requirement}"', f'"{new}"')
+            changes.append(f"{other.pyproject}: {requirement} -> {new}")
+        if edited != text:
+            other.pyproject.write_text(edited)
+    return changes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("package", help="distribution name, e.g. miles-core")
+    parser.add_argument("part", choices=PARTS)
+    parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parent.parent)
+    args = parser.parse_args(argv)
+    try:
+        changes = bump(args.root, args.package, args.part)
+    except BumpError as exc:
+        print(f"bump_version: error: {exc}", file=sys.stderr)
+        return 2
+    for line in changes:
+        print(line)
+    print("now run: uv lock")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

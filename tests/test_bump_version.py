@@ -1,0 +1,117 @@
+"""scripts/bump_version.py on a copy of the workspace's pyproject.toml and CHANGELOG.md files."""
+
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "bump_version.py"
+MEMBERS = sorted(p.parent.relative_to(REPO) for p in REPO.glob("packages/*/pyproject.toml")) + [
+    Path("native")
+]
+
+
+@pytest.fixture
+def workspace(tmp_path) -> Path:
+    for member in MEMBERS:
+        (tmp_path / member).mkdir(parents=True)
+        for name in ("pyproject.toml", "CHANGELOG.md"):
+            shutil.copy(REPO / member / name, tmp_path / member / name)
+    return tmp_path
+
+
+def _bump(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args, "--root", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _project(root: Path, member: str) -> dict:
+    return tomllib.loads((root / member / "pyproject.toml").read_text())["project"]
+
+
+def _deps_on(root: Path, name: str) -> dict[str, list[str]]:
+    """Every requirement on ``name`` in the workspace, by member."""
+    found = {}
+    for member in MEMBERS:
+        project = _project(root, str(member))
+        reqs = list(project.get("dependencies", []))
+        for group in project.get("optional-dependencies", {}).values():
+            reqs.extend(group)
+        hits = [r for r in reqs if r.split(">")[0].split("<")[0].split("=")[0] == name]
+        if hits:
+            found[str(member)] = hits
+    return found
+
+
+def test_patch_bump_leaves_dependents_alone(workspace):
+    before = _deps_on(workspace, "miles-core")
+    out = _bump(workspace, "miles-core", "patch")
+    assert out.returncode == 0, out.stderr
+    assert _project(workspace, "packages/miles-core")["version"] == "0.1.1"
+    assert _deps_on(workspace, "miles-core") == before
+    changelog = (workspace / "packages/miles-core/CHANGELOG.md").read_text()
+    assert changelog.index("## 0.1.1") < changelog.index("## 0.1.0")
+    assert changelog.startswith("# Changelog — miles-core\n\n## 0.1.1\n\n## 0.1.0\n")
+
+
+def test_minor_bump_widens_every_dependent(workspace):
+    out = _bump(workspace, "miles-core", "minor")
+    assert out.returncode == 0, out.stderr
+    assert _project(workspace, "packages/miles-core")["version"] == "0.2.0"
+    deps = _deps_on(workspace, "miles-core")
+    assert set(deps) == {
+        "packages/miles-fsdp",
+        "packages/miles-launch",
+        "packages/miles-megatron",
+        "packages/miles-offload",
+        "packages/miles-sync",
+    }
+    for member, reqs in deps.items():
+        assert reqs == ["miles-core>=0.1,<0.3"], member
+    # Other requirements and the rest of the files are untouched.
+    fsdp = (workspace / "packages/miles-fsdp/pyproject.toml").read_text()
+    original = (REPO / "packages/miles-fsdp/pyproject.toml").read_text()
+    assert fsdp == original.replace('"miles-core>=0.1,<0.2"', '"miles-core>=0.1,<0.3"')
+    assert "miles-core: 0.1.0 -> 0.2.0" in out.stdout
+
+
+def test_major_bump_reaches_optional_dependencies(workspace):
+    out = _bump(workspace, "miles-fsdp", "major")
+    assert out.returncode == 0, out.stderr
+    assert _project(workspace, "packages/miles-fsdp")["version"] == "1.0.0"
+    extras = _project(workspace, "packages/miles-launch")["optional-dependencies"]
+    assert extras["fsdp"] == ["miles-fsdp>=0.1,<2"]
+    assert extras["megatron"] == ["miles-megatron>=0.1,<0.2"]
+    # From 1.0 on the range is per major: a later minor bump stays inside it.
+    assert _bump(workspace, "miles-fsdp", "minor").returncode == 0
+    assert _project(workspace, "packages/miles-fsdp")["version"] == "1.1.0"
+    extras = _project(workspace, "packages/miles-launch")["optional-dependencies"]
+    assert extras["fsdp"] == ["miles-fsdp>=0.1,<2"]
+
+
+def test_native_package_bumps_too(workspace):
+    assert _bump(workspace, "miles_native", "minor").returncode == 0
+    assert _project(workspace, "native")["version"] == "0.2.0"
+    assert _deps_on(workspace, "miles-native") == {
+        "packages/miles-offload": ["miles-native>=0.1,<0.3"]
+    }
+
+
+def test_bad_input_is_one_line_and_status_2(workspace):
+    out = _bump(workspace, "miles-nope", "minor")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "bump_version: error: unknown package 'miles-nope' (known: miles-core, miles-fsdp, "
+        "miles-launch, miles-megatron, miles-native, miles-offload, miles-sync)"
+    ]
+    out = _bump(workspace, "miles-core", "huge")
+    assert out.returncode == 2 and "invalid choice: 'huge'" in out.stderr
+    assert _project(workspace, "packages/miles-core")["version"] == "0.1.0"

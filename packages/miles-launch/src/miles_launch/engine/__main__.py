@@ -11,6 +11,8 @@ import logging
 import sys
 import threading
 
+from miles_core.args import ArgumentError
+
 # Heavy imports (torch, transformers, fastapi) happen after the argument checks, so a bad
 # flag fails at once.
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -66,8 +68,7 @@ def parse_args(argv: list[str] | None = None):
 
 
 def _fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+    raise ArgumentError(message)
 
 
 def health_check(scheduler, tokenizer, timeout: float = 300.0) -> None:
@@ -125,7 +126,11 @@ def build_state(config):
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_args(argv)
+    try:
+        config = parse_args(argv)
+    except ArgumentError as exc:  # one line, exit status 2 (as the miles CLI)
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
     import uvicorn
 
     from miles_launch.engine.server import build_app

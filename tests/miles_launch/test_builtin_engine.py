@@ -289,6 +289,7 @@ def test_abort_request_by_rid_prefix(engine):
         victim = pool.submit(_long_request, engine, 300, "victim-123")
         other = pool.submit(_long_request, engine, 40, "other-1")
         _wait_running(engine, 2)
+        assert engine.post("/abort_request", {"rid": ""}).status_code == 200  # a no-op, as SGLang
         r = engine.post("/abort_request", {"rid": "victim"})
         assert r.status_code == 200
         assert victim.result(timeout=60)["meta_info"]["finish_reason"]["type"] == "abort"

@@ -262,8 +262,8 @@ def build_app(state: EngineState) -> FastAPI:
     async def abort_request(request: Request):
         body = await _json_body(request)
         rid, abort_all = str(body.get("rid") or ""), bool(body.get("abort_all", False))
-        if not rid and not abort_all:
-            return _error("abort_request: give rid (matched by prefix) or abort_all: true")
+        if not rid and not abort_all:  # SGLang ignores it: "" would prefix-match everything
+            return {"success": True, "message": "ignored: empty rid without abort_all"}
         n = await control(lambda: sched.abort(rid, abort_all, message="aborted by abort_request"))
         return {"success": True, "message": f"aborted {n} request(s)"}
 

@@ -132,6 +132,12 @@ class Scheduler:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def fully_idle(self) -> bool:
+        """SGLang's precondition for flush and memory release: nothing running, and nothing
+        waiting unless paused (retracted or held-back requests do not count then)."""
+        with self._cv:
+            return not self._running and (self.paused or not self._waiting)
+
     def num_requests(self) -> int:
         with self._cv:
             return len(self._running) + len(self._waiting)

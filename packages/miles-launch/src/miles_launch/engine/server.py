@@ -248,7 +248,7 @@ def build_app(state: EngineState) -> FastAPI:
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
         def flush():
-            if sched.running or sched.num_requests():
+            if not sched.fully_idle():
                 raise ApiError("flush_cache refused: requests are running or waiting")
             sched.drop_kv_cache()
 
@@ -408,7 +408,7 @@ def build_app(state: EngineState) -> FastAPI:
         tags = parse_tags(await _json_body(request))
 
         def release():
-            if sched.num_requests():
+            if not sched.fully_idle():
                 raise ApiError(
                     "release_memory_occupation needs an idle server (requests are running)"
                 )

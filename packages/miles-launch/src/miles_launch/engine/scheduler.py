@@ -192,10 +192,6 @@ class Scheduler:
             for t in (layer.keys, layer.values)
         )
 
-    @property
-    def running(self) -> list[Request]:
-        return self._running
-
     # ---- the loop ----------------------------------------------------------------------
     def _idle(self) -> bool:
         return not self._running and not self._waiting

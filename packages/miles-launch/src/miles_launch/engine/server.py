@@ -151,6 +151,8 @@ def build_app(state: EngineState) -> FastAPI:
             if isinstance(rid, list)
             else [rid if single else f"{rid}-{i}" for i in range(len(prompts))]
         )
+        if len(rids) != len(prompts):
+            return _error(f"rid: {len(rids)} ids for {len(prompts)} prompts")
         await state.gate.wait()
         loop = asyncio.get_running_loop()
         groups: list[list[tuple[GenRequest, asyncio.Future]]] = []

@@ -446,6 +446,8 @@ def test_weight_update_window_once_begin_end_is_used(engine, models):
     assert engine.post("/end_weight_update").status_code == 200
     r = engine.post("/update_weights_from_tensor", body)
     assert r.status_code == 400 and "begin_weight_update" in r.json()["error"]["message"]
+    r = engine.post("/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": []})
+    assert r.status_code == 400 and "begin_weight_update" in r.json()["error"]["message"]
 
 
 def test_weight_update_waits_for_inflight_requests(engine, models):

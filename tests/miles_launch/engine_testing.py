@@ -175,3 +175,13 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
             pad_token_id=0,
         )
     return out[0, len(prompt_ids) :].tolist()
+
+
+def greedy_recompute(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Reference without a KV cache or EOS: each token is the argmax of a full forward pass
+    over everything so far (what ``ignore_eos`` greedy decoding must produce)."""
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt_ids) :]

@@ -16,6 +16,7 @@ import torch
 from engine_testing import (
     EngineProcess,
     free_port,
+    greedy_recompute,
     hf_greedy,
     save_tokenizer,
     serialize,
@@ -476,3 +477,28 @@ def test_weight_update_waits_for_inflight_requests(engine, models):
         == 200
     )
     assert engine.post("/end_weight_update").status_code == 200
+
+
+def test_retract_update_continue_switches_weights_mid_request(engine, models):
+    """The RL step: pause (retract), load new weights, continue. The retracted request keeps
+    its tokens so far (old weights) and continues from a recomputed prefix on the new ones."""
+    tok, new_model = models["tokenizer"], models["new"][1]
+    old = reference(models, "old", ("hello",), 150)[0]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(_long_request, engine)
+        _wait_running(engine)
+        time.sleep(0.2)
+        assert engine.post("/pause_generation", {"mode": "retract"}).status_code == 200
+        r = engine.post("/update_weights_from_disk", {"model_path": str(models["new"][0])})
+        assert r.status_code == 200
+        assert engine.post("/continue_generation").status_code == 200
+        out = running.result(timeout=60)["output_ids"]
+    assert len(out) == 150
+    k = next((i for i, (a, b) in enumerate(zip(out, old)) if a != b), len(out))
+    assert k < 150  # the new weights took over before the end
+    prompt = tok.encode("hello")
+    assert out[k:] == greedy_recompute(new_model, prompt + out[:k], 150 - k)
+    assert (
+        engine.post("/update_weights_from_disk", {"model_path": str(models["old"][0])}).status_code
+        == 200
+    )

@@ -63,3 +63,23 @@ def test_mesh_shape():
     assert mesh_shape(8, 2).dp_shard == 4
     with pytest.raises(ValueError, match="does not divide the world size 8"):
         mesh_shape(8, 3)
+
+
+def test_backend_needs_hf_checkpoint():
+    from miles_fsdp.backend import FSDPBackend
+    from run_args import make_args
+
+    with pytest.raises(ArgumentError, match="needs --hf-checkpoint"):
+        FSDPBackend().init(make_args())
+
+
+def test_decay_iters_default_to_the_whole_run():
+    from miles_fsdp.backend import optimizer_config
+    from run_args import make_args
+
+    args = make_args(num_steps_per_rollout=2)
+    assert optimizer_config(args).lr_decay_iters is None
+    args.num_rollout = 10  # the launcher's flag, when it is in the namespace
+    assert optimizer_config(args).lr_decay_iters == 20
+    args.lr_decay_iters = 7
+    assert optimizer_config(args).lr_decay_iters == 7

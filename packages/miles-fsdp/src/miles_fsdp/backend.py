@@ -41,7 +41,15 @@ def _device() -> torch.device:
 
 
 def optimizer_config(args: Any) -> OptimizerConfig:
-    """The optimizer/schedule part of the parsed flags."""
+    """The optimizer/schedule part of the parsed flags.
+
+    ``--lr-decay-iters`` unset means the whole run when the launcher's ``--num-rollout`` is
+    known: ``num_rollout * --num-steps-per-rollout`` optimizer steps.
+    """
+    decay_iters = args.lr_decay_iters
+    num_rollout = getattr(args, "num_rollout", None)
+    if decay_iters is None and num_rollout:
+        decay_iters = num_rollout * args.num_steps_per_rollout
     return OptimizerConfig(
         lr=args.lr,
         min_lr=args.min_lr,
@@ -52,7 +60,7 @@ def optimizer_config(args: Any) -> OptimizerConfig:
         clip_grad=args.clip_grad,
         lr_warmup_iters=args.lr_warmup_iters,
         lr_decay_style=args.lr_decay_style,
-        lr_decay_iters=args.lr_decay_iters,
+        lr_decay_iters=decay_iters,
     )
 
 
@@ -77,6 +85,8 @@ class FSDPBackend(TrainBackend):
     def init(self, args: Any, role: str = "actor") -> int:
         if role != "actor":
             raise ValueError(f"FSDPBackend supports role 'actor', got {role!r}")
+        if not args.hf_checkpoint:
+            raise ArgumentError("--train-backend fsdp needs --hf-checkpoint (the model directory)")
         self.args = args
         self.device = _device()
         world = dist.get_world_size() if dist.is_initialized() else 1

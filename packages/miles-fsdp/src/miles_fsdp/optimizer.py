@@ -7,8 +7,8 @@ Schedule (``lr_at(step)``, ``step`` counts optimizer steps from 0):
   ``constant``: ``lr``; ``linear``: ``min_lr + (lr - min_lr) * (1 - t)``;
   ``cosine``: ``min_lr + (lr - min_lr) * (1 + cos(pi * t)) / 2``.
 
-``decay_iters`` defaults to the warmup length when unset, so ``linear``/``cosine`` without
-``--lr-decay-iters`` decay to ``min_lr`` immediately after warmup; pass it for a real schedule.
+``decay_iters`` unset (no ``--lr-decay-iters`` and no known run length) falls back to the warmup
+length, so ``linear``/``cosine`` then decay to ``min_lr`` right after warmup.
 """
 
 from __future__ import annotations

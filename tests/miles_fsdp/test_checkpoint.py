@@ -149,3 +149,20 @@ def test_kill_during_save_leaves_previous_iteration_loadable(hf_dir, tmp_path, k
         proc = subprocess.run([sys.executable, "-c", loader], timeout=180, capture_output=True)
         assert proc.returncode == 0, proc.stderr.decode()[-2000:]
         assert proc.stdout.decode().strip().splitlines()[-1] == "next_rollout_id=1"
+
+
+def test_export_hf_shards_with_index(tmp_path):
+    """Several shards (one in memory at a time), an index, and a from_pretrained round trip."""
+    from miles_fsdp.checkpoint import export_hf
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    src = save_tiny_model(tmp_path / "src")
+    state = load_file(str(src / "model.safetensors"))
+    export_hf(state.items(), src, tmp_path / "out", max_shard_bytes=20_000)
+    shards = sorted((tmp_path / "out").glob("model-*.safetensors"))
+    assert len(shards) > 2 and shards[-1].name.endswith(f"-of-{len(shards):05d}.safetensors")
+    assert not list((tmp_path / "out").glob(".export-*"))
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    for name, tensor in state.items():
+        assert torch.equal(model.state_dict()[name], tensor), name

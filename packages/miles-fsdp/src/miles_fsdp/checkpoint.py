@@ -243,10 +243,11 @@ def export_hf(
     """Write a HF directory: safetensors in checkpoint names and dtypes, plus config/tokenizer.
 
     ``weights`` yields ``(hf_name, tensor)`` (a :class:`~miles_fsdp.weight_source.WeightSource`);
-    it is consumed on every rank (gathering is collective) and rank 0 writes. Every non-weight
-    file of ``hf_source`` (config.json, generation_config.json, tokenizer files, custom code) is
-    copied verbatim. Shards hold at most ``max_shard_bytes`` each; an index is written when
-    there is more than one.
+    it is consumed on every rank (gathering is collective) and rank 0 writes. Each shard is
+    written as soon as it holds ``max_shard_bytes``, so rank 0 keeps at most one shard in host
+    memory; with more than one shard they are renamed ``model-0000i-of-0000n.safetensors`` and an
+    index is written. Every non-weight file of ``hf_source`` (config.json,
+    generation_config.json, tokenizer files, custom code) is copied verbatim.
     """
     from safetensors.torch import save_file
 
@@ -254,29 +255,37 @@ def export_hf(
     write = _rank() == 0
     if write:
         out_dir.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    written: list[tuple[Path, list[str], int]] = []
+    shard: dict[str, torch.Tensor] = {}
     size = 0
+
+    def flush() -> None:
+        path = out_dir / f".export-shard-{len(written):05d}.safetensors"
+        save_file(shard, str(path), metadata={"format": "pt"})
+        written.append((path, list(shard), size))
+
     for name, tensor in weights:
         if not write:
             continue
         nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor.detach().cpu().contiguous()
+        if shard and size + nbytes > max_shard_bytes:
+            flush()
+            shard, size = {}, 0
+        shard[name] = tensor.detach().cpu().contiguous()
         size += nbytes
     if write:
-        if len(shards) == 1:
-            save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        if shard or not written:
+            flush()
+        shard = {}
+        if len(written) == 1:
+            os.replace(written[0][0], out_dir / "model.safetensors")
         else:
-            weight_map = {}
-            total = 0
-            for i, shard in enumerate(shards):
-                file_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, str(out_dir / file_name), metadata={"format": "pt"})
-                for name, t in shard.items():
-                    weight_map[name] = file_name
-                    total += t.numel() * t.element_size()
+            weight_map, total = {}, 0
+            for i, (path, names, nbytes) in enumerate(written):
+                file_name = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+                os.replace(path, out_dir / file_name)
+                weight_map.update(dict.fromkeys(names, file_name))
+                total += nbytes
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         for src in Path(hf_source).iterdir():

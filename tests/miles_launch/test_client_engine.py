@@ -3,7 +3,7 @@
 One server (module scope) serves a tiny Qwen3 saved to disk; a second set of weights
 (another seed) is the "new" model of the weight-update tests, which restore the old one
 afterwards. References are transformers' own ``generate`` and a float64 forward pass of the
-same HF model. A second server, started by the API-key test alone, checks authentication.
+same HF model. A second server, started with ``--api-key``, checks authentication.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ PROMPTS = ["hello world", "ab", "the quick brown fox"]
 NEW_TOKENS = 8
 GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0)
 LONG = 400  # tokens of a request that must still be running when the test acts on it
+API_KEY = "s3cret"
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +52,7 @@ def models(tmp_path_factory):
     tok = out["tokenizer"]
     for name in ("old", "new"):  # transformers' greedy generations, the reference
         out[f"{name}_ref"] = [hf_greedy(out[name][1], tok.encode(p), NEW_TOKENS) for p in PROMPTS]
+    assert all(a != b for a, b in zip(out["old_ref"], out["new_ref"]))  # updates are visible
     return out
 
 
@@ -59,6 +61,14 @@ def server(models):
     engine = EngineProcess(
         models["old"][0], "--enable-weights-cpu-backup", "--max-running-requests", "4"
     )
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def keyed_server(models):
+    """The second server: started with ``--api-key``."""
+    engine = EngineProcess(models["old"][0], api_key=API_KEY)
     yield engine
     engine.close()
 
@@ -228,6 +238,27 @@ def test_pause_blocks_generate_until_continue(client, models, mode):
             assert running.result(timeout=60)["meta_info"]["finish_reason"]["type"] == "abort"
 
 
+def test_async_client_pause_continue_and_errors(server, models):
+    async def scenario():
+        async with AsyncEngineClient(server.url, timeout=60.0) as engine:
+            assert await engine.health() is True
+            assert (await engine.get_model_info())["weight_version"] == "default"
+            await engine.pause_generation("in_place")
+            task = asyncio.create_task(engine.generate(PROMPTS[1], sampling_params=GREEDY))
+            done, _ = await asyncio.wait({task}, timeout=0.5)  # a chance for a bug to show
+            assert not done
+            await engine.continue_generation()
+            out = await asyncio.wait_for(task, 60)
+            assert (await engine.flush_cache())["success"] is True
+            with pytest.raises(EngineError) as caught:
+                await engine.generate("ab", sampling_params={"max_new_tokens": 2, "nope": 0})
+            return out, caught.value
+
+    out, err = asyncio.run(scenario())
+    assert out["output_ids"] == models["old_ref"][1]
+    assert err.status_code == 400 and "nope" in err.message
+
+
 def test_flush_cache_idle_and_refused_while_running(client):
     assert client.flush_cache()["success"] is True
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -246,15 +277,14 @@ def test_flush_cache_idle_and_refused_while_running(client):
 def test_abort_request_by_rid_prefix_and_all(client, models):
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         victim = pool.submit(long_request, client, "victim-123")
-        other = pool.submit(long_request, client, "other-1")
-        wait_running(client, 2)
-        assert client.abort_request("victim")["success"] is True  # rid prefix
+        others = [pool.submit(long_request, client, rid) for rid in ("other-1", "other-2")]
+        wait_running(client, 3)
+        reply = client.abort_request("victim")  # matched as a prefix
+        assert reply == {"success": True, "message": "aborted 1 request(s)"}
         assert victim.result(timeout=60)["meta_info"]["finish_reason"]["type"] == "abort"
-        assert not other.done()
-        third = pool.submit(long_request, client, "third-1")
-        wait_running(client, 2)
+        assert not any(fut.done() for fut in others)
         client.abort_request(abort_all=True)
-        for fut in (other, third):
+        for fut in others:
             out = fut.result(timeout=60)
             assert out["meta_info"]["finish_reason"]["type"] == "abort"
             assert len(out["output_ids"]) < LONG
@@ -375,35 +405,31 @@ def test_release_and_resume_memory(client, models):
 
 
 # ---- API key (the second server) ---------------------------------------------------------
-def test_api_key(models):
-    key = "s3cret"
-    server = EngineProcess(models["old"][0], api_key=key)
-    try:
-        with EngineClient(server.url, timeout=60.0) as anonymous:
-            assert anonymous.health() is True  # /health is public, as in SGLang
-            with pytest.raises(EngineError) as caught:
-                anonymous.get_model_info()
-            assert caught.value.status_code in (401, 403)
-            assert "api key" in caught.value.message
-            with pytest.raises(EngineError) as caught:
-                anonymous.generate("ab", sampling_params=GREEDY)
-            assert caught.value.status_code in (401, 403)
-        with EngineClient(server.url, api_key="wrong", timeout=60.0) as wrong:
-            with pytest.raises(EngineError) as caught:
-                wrong.flush_cache()
-            assert caught.value.status_code in (401, 403)
-        with EngineClient(server.url, api_key=key, timeout=60.0) as keyed:
-            assert keyed.get_model_info()["model_path"] == str(models["old"][0])
-            assert greedy_ids(keyed) == models["old_ref"]
+def test_api_key(keyed_server, models):
+    server = keyed_server
+    with EngineClient(server.url, timeout=60.0) as anonymous:
+        assert anonymous.health() is True  # /health is public, as in SGLang
+        with pytest.raises(EngineError) as caught:
+            anonymous.get_model_info()
+        assert caught.value.status_code in (401, 403)
+        assert "api key" in caught.value.message
+        with pytest.raises(EngineError) as caught:
+            anonymous.generate("ab", sampling_params=GREEDY)
+        assert caught.value.status_code in (401, 403)
+    with EngineClient(server.url, api_key="wrong", timeout=60.0) as wrong:
+        with pytest.raises(EngineError) as caught:
+            wrong.flush_cache()
+        assert caught.value.status_code in (401, 403)
+    with EngineClient(server.url, api_key=API_KEY, timeout=60.0) as keyed:
+        assert keyed.get_model_info()["model_path"] == str(models["old"][0])
+        assert greedy_ids(keyed) == models["old_ref"]
 
-        async def keyed_async():
-            async with AsyncEngineClient(server.url, api_key=key, timeout=60.0) as engine:
-                await engine.wait_until_healthy(10)
-                return await asyncio.gather(
-                    *(engine.generate(p, sampling_params=GREEDY) for p in PROMPTS)
-                )
+    async def keyed_async():
+        async with AsyncEngineClient(server.url, api_key=API_KEY, timeout=60.0) as engine:
+            await engine.wait_until_healthy(10)
+            return await asyncio.gather(
+                *(engine.generate(p, sampling_params=GREEDY) for p in PROMPTS)
+            )
 
-        outs = asyncio.run(keyed_async())
-        assert [o["output_ids"] for o in outs] == models["old_ref"]
-    finally:
-        server.close()
+    outs = asyncio.run(keyed_async())
+    assert [o["output_ids"] for o in outs] == models["old_ref"]

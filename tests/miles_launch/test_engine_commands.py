@@ -9,7 +9,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from launch_testing import parse
-
 from miles_launch.engines.builtin_launcher import builtin_engine_command
 from miles_launch.engines.router import external_router_url, register_worker, router_command
 from miles_launch.engines.sglang_launcher import sglang_server_command

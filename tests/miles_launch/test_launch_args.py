@@ -7,11 +7,10 @@ import subprocess
 import sys
 
 import pytest
+from launch_testing import parse
 from miles_core import backends
 from miles_core.args import ArgumentError, installed_groups
-
 from miles_launch.args import launch_groups
-from launch_testing import parse
 
 
 def test_launch_groups_are_installed_under_the_launch_entry_point():

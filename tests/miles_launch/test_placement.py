@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from launch_testing import parse
-
 from miles_launch.placement import nodes_needed, plan_layout
 
 

@@ -6,7 +6,6 @@ import json
 from types import SimpleNamespace
 
 import pytest
-
 from miles_launch.reporting import Reporter, flatten_scalars, summary_line, write_reward_plot
 
 RECORD = {

@@ -8,7 +8,6 @@ import random
 
 import pytest
 import torch
-
 from miles_launch.async_loop import union_overlap
 from miles_launch.demo import save_char_tokenizer
 from miles_launch.rollout.filtering import has_signal

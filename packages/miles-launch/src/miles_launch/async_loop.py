@@ -29,7 +29,7 @@ from typing import Any
 from miles_core.save_trigger import SaveTrigger
 
 from miles_launch.job import Job
-from miles_launch.loop import rollout_stats, run_eval, sampling_config, save_point
+from miles_launch.loop import publish, rollout_stats, run_eval, sampling_config, save_point
 from miles_launch.reporting import mean_train_metrics
 from miles_launch.rollout.filtering import has_signal
 from miles_launch.rollout.generate import GeneratedSample, Generator, to_rollout_batch
@@ -159,7 +159,7 @@ def run_async(job: Job) -> list[dict[str, Any]]:
     """The fully asynchronous loop (module docstring); returns the per-rollout records."""
     args, trainer, engines = job.args, job.trainer, job.engines
     trigger = SaveTrigger(args.save_trigger_sentinel) if args.save_trigger_sentinel else None
-    trainer.update_weights(engines.urls)
+    publish(job)
     version = int(engines.weight_versions()[0])
     job.reporter.print(f"engines ready, weight version {version} (fully async)")
     producer = Producer(job)
@@ -190,7 +190,7 @@ def run_async(job: Job) -> list[dict[str, Any]]:
             job.state.next_rollout_id = rollout_id + 1
             t = time.monotonic()
             if (rollout_id + 1) % args.update_weights_interval == 0:
-                trainer.update_weights(engines.urls)
+                publish(job)
                 version = int(engines.weight_versions()[0])
             times["update"] = time.monotonic() - t
             stats = rollout_stats(groups)

@@ -31,6 +31,7 @@ from miles_launch.rollout.generate import (
     SamplingConfig,
     to_rollout_batch,
 )
+from miles_launch.trainer_group import TrainerFailure
 
 logger = logging.getLogger(__name__)
 
@@ -136,12 +137,21 @@ def save_point(job: Job, rollout_id: int, trigger: SaveTrigger | None) -> bool:
     return True
 
 
+def publish(job: Job) -> None:
+    """``update_weights`` on every rank; when it fails because an engine died, say so."""
+    try:
+        job.trainer.update_weights(job.engines.urls)
+    except TrainerFailure:
+        job.engines.check_alive("while receiving weights")
+        raise
+
+
 def run_sync(job: Job) -> list[dict[str, Any]]:
     """The synchronous loop (module docstring); returns the per-rollout records."""
     args, trainer, engines = job.args, job.trainer, job.engines
     trigger = SaveTrigger(args.save_trigger_sentinel) if args.save_trigger_sentinel else None
     t0 = time.monotonic()
-    trainer.update_weights(engines.urls)
+    publish(job)
     if args.offload_train:
         trainer.sleep()
     version = engines.weight_versions()[0]
@@ -151,6 +161,7 @@ def run_sync(job: Job) -> list[dict[str, Any]]:
         times: dict[str, float] = {}
         position = job.state.data_position
         t = time.monotonic()
+        engines.check_alive("before generation")
         groups, filter_info = collect_rollout(job, rollout_id)
         times["gen"] = time.monotonic() - t
         batch = to_rollout_batch(groups)
@@ -173,7 +184,7 @@ def run_sync(job: Job) -> list[dict[str, Any]]:
             trainer.sleep()
         if args.offload_rollout:
             engines.resume_memory()
-        trainer.update_weights(engines.urls)
+        publish(job)
         if args.offload_train:
             trainer.sleep()
         times["update"] = time.monotonic() - t

@@ -22,6 +22,7 @@ from miles_core.args import (
 )
 from miles_core.backends import BackendNotInstalledError
 from miles_core.checkpoint_layout import CheckpointError
+from miles_core.engine import EngineError
 
 from miles_launch.engines.process import EngineDied
 from miles_launch.rollout.prompts import PromptDataError
@@ -32,6 +33,7 @@ logger = logging.getLogger("miles_launch")
 #: Failures reported as one ``error:`` block (exit status 1) instead of a traceback.
 RUN_ERRORS = (
     EngineDied,
+    EngineError,
     TrainerFailure,
     PromptDataError,
     CheckpointError,

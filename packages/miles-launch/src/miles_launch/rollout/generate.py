@@ -26,6 +26,7 @@ from miles_launch.rollout.prompts import Prompt
 from miles_launch.rollout.rewards import RewardInput, RewardModel
 
 WATCH_INTERVAL_S = 1.0
+DEATH_GRACE_POLLS = 10
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,11 @@ class Generator:
                     try:
                         return task.result()
                     except EngineError:
-                        await self.check_alive("during generation")
+                        # A killed engine drops its connections a moment before its exit
+                        # status can be read: look for a death for a few seconds.
+                        for _ in range(DEATH_GRACE_POLLS):
+                            await self.check_alive("during generation")
+                            await asyncio.sleep(WATCH_INTERVAL_S / 2)
                         raise
                 await self.check_alive("during generation")
         finally:

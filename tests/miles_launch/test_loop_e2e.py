@@ -75,17 +75,40 @@ def demo(tmp_path: Path, *flags: str) -> tuple[float, float, str]:
     last = result.stdout.strip().splitlines()[-1]
     match = LAST_LINE.match(last)
     assert match, last
-    return float(match.group(1)), float(match.group(2)), result.stdout
+    return float(match.group(1)), float(match.group(2)), result.stdout + result.stderr
 
 
-def test_demo_smoke_two_rollouts(tmp_path):
-    first, last, out = demo(tmp_path, "--num-rollout", "2")
-    assert (tmp_path / "reward.png").read_bytes()[:4] == b"\x89PNG"
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """The CI smoke run of the demo: 2 rollouts, disaggregated."""
+    out = tmp_path_factory.mktemp("smoke")
+    return out, *demo(out, "--num-rollout", "2")
+
+
+def _rollout_lines(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if re.match(r"^rollout \d+: reward", line)]
+
+
+def test_demo_smoke_two_rollouts(smoke):
+    out_dir, first, last, out = smoke
+    assert (out_dir / "reward.png").read_bytes()[:4] == b"\x89PNG"
     # the script checked that the engine's weight version rose by one per rollout
-    assert "rollout 0: reward" in out and "rollout 1: reward" in out
-    assert "(generated with weight version [1])" in out
-    assert "(generated with weight version [2])" in out
+    lines = _rollout_lines(out)
+    assert [line.split(" (")[1] for line in lines] == [
+        "generated with weight version [1])",
+        "generated with weight version [2])",
+    ]
     assert 0.0 <= first <= 1.0 and 0.0 <= last <= 1.0
+
+
+def test_colocated_run_matches_the_disaggregated_one(smoke, tmp_path):
+    """--colocate: 2 engines on the trainer's 2 slots, trainer asleep during generation,
+    engine memory released during training, weights over IPC (shared memory on CPU). Same
+    seeds and exact weight transfer: the same samples, so the same reward per rollout."""
+    _, _, _, out = smoke
+    _, _, colocated = demo(tmp_path, "--num-rollout", "2", "--colocate")
+    assert "2 engine(s) x 1 CPU slot, colocated" in colocated
+    assert _rollout_lines(colocated) == _rollout_lines(out)
 
 
 def test_lr_zero_gives_no_rise(tmp_path):

@@ -112,7 +112,13 @@ def test_colocated_run_matches_the_disaggregated_one(smoke, tmp_path):
 
 
 def test_lr_zero_gives_no_rise(tmp_path):
-    first, last, out = demo(tmp_path, "--num-rollout", "6", "--lr", "0")
+    evals = write_demo_prompts(tmp_path / "eval.jsonl", num_prompts=4, seed=7)
+    first, last, out = demo(
+        tmp_path, "--num-rollout", "6", "--lr", "0",
+        "--eval-interval", "3", "--eval-prompt-data", str(evals),
+    )  # fmt: skip
+    assert re.search(r"^eval after rollout 2 \| reward_mean \d\.\d{4}$", out, re.M), out
+    assert re.search(r"^eval after rollout 5 \| reward_mean", out, re.M)
     # the learning demo climbs by >= 0.2 over 12 rollouts; without updates the policy is fixed
     assert first >= 0.05
     assert last < first + 0.1, out
@@ -233,3 +239,20 @@ def test_engine_killed_mid_generation_is_a_clear_error(material, tmp_path):
     ), err[-3000:]
     assert "last lines of" in err and "engine-0.log" in err
     assert "Traceback" not in err.split("error: engine 0")[1]
+
+
+def test_trainer_rank_failure_tears_down_with_one_error(material, tmp_path):
+    """A corrupt weights file fails backend.init on a rank: every rank is killed, the run
+    exits 1 with one error naming the rank and the method, and no engine is left behind."""
+    import shutil
+
+    hf, prompts = material
+    broken = tmp_path / "broken"
+    shutil.copytree(hf, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    result = train((broken, prompts), tmp_path / "m.jsonl", "--num-rollout", "1", timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert re.search(r"^error: trainer rank \d failed in init\(\): ", result.stderr, re.M)
+    assert "model.safetensors" in result.stderr.split("error: trainer rank")[1]
+    assert _engine_pids(str(broken)) == []

@@ -30,7 +30,7 @@ from miles_core.save_trigger import SaveTrigger
 
 from miles_launch.job import Job
 from miles_launch.loop import publish, rollout_stats, run_eval, sampling_config, save_point
-from miles_launch.reporting import mean_train_metrics
+from miles_launch.reporting import rank0_metrics
 from miles_launch.rollout.filtering import has_signal
 from miles_launch.rollout.generate import GeneratedSample, Generator, to_rollout_batch
 
@@ -179,7 +179,7 @@ def run_async(job: Job) -> list[dict[str, Any]]:
                 if s.weight_version is not None
             ]
             t_train = time.monotonic()
-            train_metrics = mean_train_metrics(trainer.train(rollout_id, batch))
+            train_metrics = rank0_metrics(trainer.train(rollout_id, batch))
             window = (t_train, time.monotonic())
             times["train"] = window[1] - window[0]
             overlap = producer.busy_seconds(window)

@@ -23,7 +23,7 @@ from typing import Any
 from miles_core.save_trigger import SaveTrigger, should_save
 
 from miles_launch.job import Job, LauncherState, write_launcher_state
-from miles_launch.reporting import mean_train_metrics
+from miles_launch.reporting import rank0_metrics
 from miles_launch.rollout.filtering import has_signal
 from miles_launch.rollout.generate import (
     GeneratedSample,
@@ -171,7 +171,7 @@ def run_sync(job: Job) -> list[dict[str, Any]]:
             engines.release_memory()
         if args.offload_train:
             trainer.wake_up()
-        train_metrics = mean_train_metrics(trainer.train(rollout_id, batch))
+        train_metrics = rank0_metrics(trainer.train(rollout_id, batch))
         times["train"] = time.monotonic() - t
 
         t = time.monotonic()

@@ -138,7 +138,7 @@ def flatten_scalars(record: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def mean_train_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+def rank0_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """Rank 0's metrics (the backends reduce over DP ranks already) as plain floats."""
     return {k: float(v) for k, v in per_rank[0].items()} if per_rank else {}
 

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from miles_core.engine import AsyncEngineClient, EngineClient, EngineError
+from miles_core.engine import EngineClient, EngineError
 
 from miles_launch.engines.builtin_launcher import builtin_engine_command
 from miles_launch.engines.process import EngineDied, ProcessHost, exit_description
@@ -176,9 +176,6 @@ class EngineSet:
     def generation_urls(self) -> list[str]:
         """Where generation requests go: the router, or each engine in turn."""
         return [self.router_url] if self.router_url else self.urls
-
-    def async_clients(self, timeout: float = 600.0) -> list[AsyncEngineClient]:
-        return [AsyncEngineClient(url, timeout=timeout) for url in self.generation_urls]
 
     def release_memory(self) -> None:
         for url in self.urls:

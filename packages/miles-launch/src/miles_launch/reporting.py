@@ -30,6 +30,7 @@ class Reporter:
         self.num_rollout = num_rollout
         self.show_progress = bool(getattr(args, "progress", True))
         self.jsonl_path = getattr(args, "metrics_jsonl", None)
+        self.train_bar = None  # rollouts trained, made at the first record
         self.tb = None
         tb_dir = getattr(args, "tensorboard_dir", None)
         if tb_dir:
@@ -50,7 +51,8 @@ class Reporter:
     # ------------------------------------------------------------------ progress
     @contextmanager
     def progress(self, desc: str, total: int):
-        """A tqdm bar on stderr (a no-op object with ``--no-progress``)."""
+        """A tqdm bar on stderr (a no-op object with ``--no-progress``): one per generation
+        phase (samples done); a second bar counts the rollouts trained."""
         bar = tqdm(
             total=total,
             desc=desc,
@@ -73,6 +75,16 @@ class Reporter:
         """One rollout's record: the summary line, scalars and the JSONL line."""
         self.print(summary_line(record, self.num_rollout))
         step = int(record["rollout_id"])
+        if self.train_bar is None:
+            self.train_bar = tqdm(
+                total=self.num_rollout,
+                initial=step,
+                desc="rollouts trained",
+                file=sys.stderr,
+                disable=not self.show_progress,
+                dynamic_ncols=True,
+            )
+        self.train_bar.update(1)
         scalars = flatten_scalars(record)
         if self.tb is not None:
             for name, value in scalars.items():
@@ -99,6 +111,8 @@ class Reporter:
                 f.write(json.dumps({"eval_after": rollout_id, **metrics}) + "\n")
 
     def close(self) -> None:
+        if self.train_bar is not None:
+            self.train_bar.close()
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:

@@ -7,6 +7,7 @@ control, resume equivalence, ``--fully-async`` overlap, and an engine killed mid
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -26,6 +27,10 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
         "fsdp" not in backends.available(), reason="the FSDP backend is not installed"
+    ),
+    pytest.mark.skipif(
+        importlib.util.find_spec("miles_sync.weight_sync") is None,
+        reason="miles-sync's WeightPublisher (update_weights) is not installed",
     ),
 ]
 

@@ -178,19 +178,24 @@ def _where() -> tuple[str, list[int]]:
     return ray.util.get_node_ip_address(), [int(g) for g in ray.get_gpu_ids()]
 
 
+def prepare_ray_env() -> None:
+    """Call before the first ``import ray``: under ``uv run``, Ray would otherwise package the
+    working directory and build a fresh virtual environment for every worker (minutes, and it
+    rebuilds the native extension); the workers use this interpreter as it is."""
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+
+
 def init_ray(layout: Layout, address: str | None) -> None:
     """Join ``address`` or start a local Ray sized to the job (logical CPUs = bundles + 1).
 
     Local Ray gets as many logical GPUs as CUDA devices (0 without), a small object store and
     no dashboard, so it starts on a 2-core machine.
     """
+    prepare_ray_env()
     import ray
 
     if ray.is_initialized():
         return
-    # Under `uv run`, Ray would otherwise package the working directory and build a fresh
-    # virtual environment for every worker; the workers use this interpreter as it is.
-    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     env = {"env_vars": {"PYTHONUNBUFFERED": "1"}}
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=True)

@@ -160,9 +160,9 @@ class TrainerGroup:
     # ------------------------------------------------------------------ the contract
     def init(self, args: Any) -> int:
         """Process groups and ``backend.init`` on every rank; the next rollout id."""
-        import ray
-
-        master_addr, master_port = ray.get(self.actors[0].master_endpoint.remote())
+        ((master_addr, master_port),) = self._gather(
+            "master_endpoint", [self.actors[0].master_endpoint.remote()]
+        )
         next_ids = self.call("init", args, master_addr, master_port)
         if len(set(next_ids)) != 1:
             self.teardown()

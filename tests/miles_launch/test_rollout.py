@@ -186,3 +186,59 @@ def test_union_overlap_against_a_fine_grid():
             if any(a <= window[0] + (i + 0.5) * step < b for a, b in intervals)
         )
         assert union_overlap(intervals, window) == pytest.approx(grid, abs=5e-3)
+
+
+def _groups_for(items, n=3):
+    """Engine stand-in: prompt ``i``'s group has equal rewards when ``i`` is even."""
+    out = []
+    for prompt, position in items:
+        rewards = [0.5] * n if prompt.index % 2 == 0 else [0.0, 1.0, 0.5][:n]
+        out.append(
+            [GeneratedSample(prompt, position, [1], [-1.0], "", "stop", 1, r) for r in rewards]
+        )
+    return out
+
+
+def _draw(position, want, max_draws, dynamic_filter, prompts=None):
+    from miles_launch.job import LauncherState
+    from miles_launch.loop import draw_groups
+
+    prompts = prompts or [Prompt(i, str(i), None, (1,)) for i in range(10)]
+    order = PromptOrder(len(prompts), shuffle=False, seed=0)
+    state = LauncherState(0, position)
+    calls = []
+
+    def items_at(start, count):
+        return [(prompts[i], start + j) for j, i in enumerate(order.take(start, count))]
+
+    def generate(items):
+        calls.append([pos for _, pos in items])
+        return _groups_for(items)
+
+    groups, info = draw_groups(
+        state, items_at, generate, want=want, max_draws=max_draws, dynamic_filter=dynamic_filter
+    )
+    return [g[0].prompt.index for g in groups], info, state.data_position, calls
+
+
+def test_without_filter_one_draw_of_the_next_prompts():
+    ids, info, position, calls = _draw(8, want=4, max_draws=1, dynamic_filter=False)
+    assert ids == [8, 9, 0, 1] and position == 12 and calls == [[8, 9, 10, 11]]
+    assert info == {"groups_dropped": 0, "draws": 1}
+
+
+def test_dynamic_filter_drops_flat_groups_and_draws_again():
+    ids, info, position, calls = _draw(0, want=4, max_draws=4, dynamic_filter=True)
+    # draws: 0..3 keeps 1,3; 4,5 keeps 5; 6 drops; 7 keeps -> full
+    assert ids == [1, 3, 5, 7]
+    assert calls == [[0, 1, 2, 3], [4, 5], [6], [7]]
+    assert info == {"groups_dropped": 4, "draws": 4} and position == 8
+    # the draw limit leaves the rollout short rather than drawing forever
+    ids, info, position, _ = _draw(0, want=4, max_draws=2, dynamic_filter=True)
+    assert ids == [1, 3, 5] and info["draws"] == 2 and position == 6
+
+
+def test_dynamic_filter_with_nothing_kept_uses_the_last_draw():
+    flat = [Prompt(2 * i, "p", None, (1,)) for i in range(5)]  # even indices: flat rewards
+    ids, info, position, calls = _draw(0, want=2, max_draws=2, dynamic_filter=True, prompts=flat)
+    assert calls == [[0, 1], [2, 3]] and ids == [4, 6] and info["groups_dropped"] == 4

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from miles_core.save_trigger import SaveTrigger, should_save
@@ -64,36 +65,55 @@ def generate_groups(
 
 
 def collect_rollout(job: Job, rollout_id: int) -> tuple[list[list[GeneratedSample]], dict]:
-    """The groups of one rollout, advancing ``job.state.data_position``.
-
-    Without ``--dynamic-filter``: the next ``--rollout-batch-size`` prompts. With it: groups
-    whose rewards are all equal are dropped and the missing number of prompts is drawn again,
-    at most ``--dynamic-filter-max-draws`` times; when nothing survived, the last draw is used
-    unfiltered (its advantages are zero, the step is a no-op for the policy loss).
-    """
+    """The groups of one rollout (see :func:`draw_groups`), generated on the engines."""
     args = job.args
-    want = args.rollout_batch_size
+    return draw_groups(
+        job.state,
+        lambda start, count: [
+            (job.prompts[i], start + j) for j, i in enumerate(job.order.take(start, count))
+        ],
+        lambda items: generate_groups(
+            job, items, args.n_samples_per_prompt, f"generate {rollout_id + 1}"
+        ),
+        want=args.rollout_batch_size,
+        max_draws=args.dynamic_filter_max_draws if args.dynamic_filter else 1,
+        dynamic_filter=args.dynamic_filter,
+    )
+
+
+def draw_groups(
+    state: LauncherState,
+    items_at: Callable[[int, int], list[tuple[Any, int]]],
+    generate: Callable[[list[tuple[Any, int]]], list[list[GeneratedSample]]],
+    *,
+    want: int,
+    max_draws: int,
+    dynamic_filter: bool,
+) -> tuple[list[list[GeneratedSample]], dict]:
+    """Draw prompt groups from the stream at ``state.data_position`` (advanced by every prompt
+    drawn) until ``want`` are kept.
+
+    Without ``dynamic_filter``: the next ``want`` prompts, once. With it: groups whose rewards
+    are all equal are dropped and the missing number of prompts is drawn again, at most
+    ``max_draws`` times in all; when nothing survived, the last draw is used unfiltered (its
+    advantages are zero, the step is a no-op for the policy loss).
+    """
     kept: list[list[GeneratedSample]] = []
     dropped = draws = 0
     last: list[list[GeneratedSample]] = []
-    while len(kept) < want and draws < (
-        args.dynamic_filter_max_draws if args.dynamic_filter else 1
-    ):
+    while len(kept) < want and draws < max_draws:
         count = want - len(kept)
-        start = job.state.data_position
-        items = [(job.prompts[i], start + j) for j, i in enumerate(job.order.take(start, count))]
-        job.state.data_position += count
+        items = items_at(state.data_position, count)
+        state.data_position += count
         draws += 1
-        last = generate_groups(job, items, args.n_samples_per_prompt, f"generate {rollout_id + 1}")
+        last = generate(items)
         for group in last:
-            if args.dynamic_filter and not has_signal([s.reward for s in group]):
+            if dynamic_filter and not has_signal([s.reward for s in group]):
                 dropped += 1
             else:
                 kept.append(group)
     if not kept:
-        logger.warning(
-            "rollout %d: every group was filtered out; training on the last draw", rollout_id
-        )
+        logger.warning("every group was filtered out; training on the last draw")
         kept = last
     return kept, {"groups_dropped": dropped, "draws": draws}
 

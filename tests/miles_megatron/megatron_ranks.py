@@ -1,0 +1,74 @@
+"""Test support: per-rank bodies for the spawned megatron tests (importable by spawn children)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def parse(argv: list[str]):
+    from miles_core.args import core_groups, parse_args
+    from miles_megatron.args import megatron_groups
+
+    return parse_args(argv, [*core_groups(), *megatron_groups()])
+
+
+def layout_argv(tp: int = 1, ep: int = 1, pp: int = 1) -> list[str]:
+    argv = ["--tensor-model-parallel-size", str(tp), "--expert-model-parallel-size", str(ep)]
+    argv += ["--pipeline-model-parallel-size", str(pp)]
+    return argv + (["--sequence-parallel"] if tp > 1 else [])
+
+
+def build_from_hf(hf_dir: str, argv: list[str]):
+    """Parallel state + model loaded from ``hf_dir``; returns (args, margs, model, bridge)."""
+    from miles_megatron.arch_args import resolve_model_args
+    from miles_megatron.bridge import bridge_for
+    from miles_megatron.hf_weights import HFCheckpoint, load_hf_into_model
+    from miles_megatron.model_config import build_gpt_model
+    from miles_megatron.parallel import initialize_parallel
+
+    args = parse(["--hf-checkpoint", hf_dir, *argv])
+    margs = resolve_model_args(args)
+    initialize_parallel(args, margs)
+    model = build_gpt_model(margs, args)
+    bridge = bridge_for(margs["model_type"])
+    load_hf_into_model(model, HFCheckpoint(hf_dir), bridge, margs, args.tensor_model_parallel_size)
+    return args, margs, model, bridge
+
+
+def causal_logits(model, input_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    s = input_ids.shape[1]
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+    positions = torch.arange(s)[None].expand_as(input_ids)
+    with torch.no_grad():
+        out = model(input_ids, positions, attention_mask=mask)
+    return out[..., :vocab_size]
+
+
+def logits_and_roundtrip(
+    rank: int,
+    world: int,
+    cases: list[tuple[str, str, list[str]]],
+    input_ids: torch.Tensor,
+    references: dict[str, torch.Tensor],
+) -> dict[str, Any]:
+    """For each (label, hf_dir, layout argv): max |megatron - HF| logits and HF->meg->HF exactness."""
+    from miles_megatron.hf_weights import iter_hf_weights
+    from safetensors.torch import load_file
+
+    out: dict[str, Any] = {}
+    for label, hf_dir, argv in cases:
+        _, margs, model, bridge = build_from_hf(hf_dir, argv)
+        logits = causal_logits(model, input_ids, margs["vocab_size"])
+        original = load_file(f"{hf_dir}/model.safetensors")
+        exported = dict(iter_hf_weights(model, bridge, margs))
+        exact = sorted(exported) == sorted(original) and all(
+            torch.equal(exported[k], original[k]) for k in original
+        )
+        out[label] = {
+            "max_diff": (logits - references[label]).abs().max().item(),
+            "roundtrip_exact": exact,
+            "missing": sorted(set(original) - set(exported)),
+        }
+    return out

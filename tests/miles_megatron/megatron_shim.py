@@ -1,0 +1,99 @@
+"""Test support: run megatron-core 0.16 on a CPU-only torch build (gloo). Not used in production.
+
+megatron-core assumes CUDA in a few helpers that the model itself does not need. Measured on
+megatron-core 0.16.1 with the local (non-TransformerEngine) layer spec, three patches suffice for
+GPTModel forward/backward at TP/EP/PP > 1, the DDP wrapper and the distributed optimizer:
+
+1. ``torch.cuda.current_device()`` answers ``cpu``: megatron allocates scratch tensors (the
+   global memory buffer behind sequence-parallel all-gathers, rotary ``inv_freq``, TP gather
+   outputs, DDP buckets) on "the current CUDA device".
+2. The CUDA RNG tracker is replaced by megatron's own inference tracker (``fork()`` is a no-op
+   context): the training tracker snapshots CUDA generator states. Tests run without dropout, so
+   no random stream is lost.
+3. ``torch.cuda.synchronize``, ``torch.cuda.Stream`` / ``stream`` / ``current_stream`` become
+   no-ops: the MoE all-to-all dispatcher keeps a side stream for device-to-host copies, the
+   distributed optimizer and dist-checkpointing synchronise.
+
+Every patch is undone by :func:`uninstall`; :func:`installed` is a context manager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+_SAVED: dict[str, object] = {}
+_CUDA_NAMES = (
+    "current_device",
+    "synchronize",
+    "current_stream",
+    "default_stream",
+    "Stream",
+    "stream",
+)
+
+
+class _NullStream:
+    """Stands in for a CUDA stream: waits and records are no-ops on the CPU."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        return None
+
+    def wait_stream(self, stream: object) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def record_event(self, event: object = None) -> _NullStream:
+        return self  # an "event" whose synchronize() is a no-op
+
+
+def install() -> None:
+    """Apply the patches (idempotent)."""
+    if _SAVED:
+        return
+    from megatron.core.tensor_parallel import random as mrandom
+
+    cuda = torch.cuda
+    for name in _CUDA_NAMES:
+        _SAVED[name] = getattr(cuda, name)
+    cuda.current_device = lambda: torch.device("cpu")
+    cuda.synchronize = lambda device=None: None
+    cuda.current_stream = lambda device=None: _NullStream()
+    cuda.default_stream = lambda device=None: _NullStream()
+    cuda.Stream = _NullStream
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+
+    _SAVED["model_parallel_cuda_manual_seed"] = mrandom.model_parallel_cuda_manual_seed
+
+    def manual_seed(seed: int, *args, **kwargs) -> None:
+        torch.manual_seed(seed)
+        mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+    mrandom.model_parallel_cuda_manual_seed = manual_seed
+    mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def uninstall() -> None:
+    """Undo :func:`install`."""
+    if not _SAVED:
+        return
+    from megatron.core.tensor_parallel import random as mrandom
+
+    for name in _CUDA_NAMES:
+        setattr(torch.cuda, name, _SAVED[name])
+    mrandom.model_parallel_cuda_manual_seed = _SAVED["model_parallel_cuda_manual_seed"]
+    mrandom.initialize_rng_tracker(force_reset=True)
+    _SAVED.clear()
+
+
+@contextlib.contextmanager
+def installed() -> Iterator[None]:
+    install()
+    try:
+        yield
+    finally:
+        uninstall()

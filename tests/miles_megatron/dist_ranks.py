@@ -63,7 +63,7 @@ def spawn_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180)
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=True)
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=False)
         for r in range(world_size)
     ]
     for p in procs:

@@ -72,3 +72,35 @@ def logits_and_roundtrip(
             "missing": sorted(set(original) - set(exported)),
         }
     return out
+
+
+def save_then_reload(
+    rank: int,
+    world: int,
+    hf_dir: str,
+    save_dir: str,
+    save_argv: list[str],
+    load_argv: list[str],
+    input_ids: torch.Tensor,
+) -> dict[str, float]:
+    """Save torch_dist at one layout, reload at another into a freshly initialised model."""
+    import torch.distributed as dist
+    from miles_megatron.arch_args import resolve_model_args
+    from miles_megatron.model_config import build_gpt_model
+    from miles_megatron.parallel import initialize_parallel
+    from miles_megatron.torch_dist import load_model_weights, save_model_weights
+
+    _, margs, model, _ = build_from_hf(hf_dir, save_argv)
+    before = causal_logits(model, input_ids, margs["vocab_size"])
+    save_model_weights(model, save_dir)
+    dist.barrier()
+    args = parse(["--hf-checkpoint", hf_dir, *load_argv])
+    initialize_parallel(args, margs)
+    fresh = build_gpt_model(resolve_model_args(args), args)  # random init
+    random_logits = causal_logits(fresh, input_ids, margs["vocab_size"])
+    load_model_weights(fresh, save_dir)
+    after = causal_logits(fresh, input_ids, margs["vocab_size"])
+    return {
+        "reload_diff": (after - before).abs().max().item(),
+        "random_diff": (random_logits - before).abs().max().item(),
+    }

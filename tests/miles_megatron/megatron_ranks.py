@@ -104,3 +104,13 @@ def save_then_reload(
         "reload_diff": (after - before).abs().max().item(),
         "random_diff": (random_logits - before).abs().max().item(),
     }
+
+
+def convert_both_ways(rank: int, world: int, hf_dir: str, ckpt: str, out: str) -> None:
+    """hf-to-torch-dist at TP=2, then torch-dist-to-hf at TP=1 (DP=2), as the CLI would."""
+    from miles_megatron.convert import hf_to_torch_dist, torch_dist_to_hf
+
+    hf_to_torch_dist(parse(["--hf-checkpoint", hf_dir, "--save", ckpt, *layout_argv(tp=2)]))
+    torch_dist_to_hf(
+        parse(["--hf-checkpoint", hf_dir, "--load", ckpt, "--save", out, *layout_argv(tp=1)])
+    )

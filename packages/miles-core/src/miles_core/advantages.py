@@ -1,0 +1,171 @@
+"""Advantage estimators (``--advantage-estimator``) and their normalization.
+
+Everything here works on response-aligned per-sample tensors (element ``t`` is response token
+``t``). Notation: sample ``i`` has reward ``R_i``, response length ``n``, loss mask ``m_t``,
+prompt group ``g(i)``; ``kl_t`` is a per-token KL estimate (``--kl-coef`` puts ``-kl_coef * m_t *
+kl_t`` into the token rewards of ``reinforce_plus_plus*`` and ``ppo``).
+
+* ``grpo`` / ``gspo``: ``A_t = (R_i - mean_g) / (std_g + 1e-6)`` for every token, with the mean
+  and the (unbiased) standard deviation over the sample's prompt group; a single-sample group
+  has std 0 and advantage 0.
+* ``reinforce_plus_plus``: token rewards ``r_t = -kl_coef * m_t * kl_t + R_i * [t = n - 1]``,
+  ``A_t = G_t = sum_{s >= t} gamma^(s - t) r_s`` (discounted return to the end of the response).
+* ``reinforce_plus_plus_baseline``: as above with ``R_i - mean_g`` in place of ``R_i``.
+* ``ppo``: generalised advantage estimation with critic values ``V_t`` (``V_n = 0``):
+  ``delta_t = r_t + gamma V_{t+1} - V_t``, ``A_t = delta_t + gamma lambd A_{t+1}``, and returns
+  ``A_t + V_t`` for the value loss.
+
+``--normalize-advantages`` then whitens the advantages over all loss tokens of the step on all
+DP ranks (:func:`normalize_advantages`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from miles_core.aggregation import all_reduce_host
+from miles_core.batch import RolloutBatch, group_members
+
+GROUP_STD_EPS = 1e-6
+ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+
+
+@dataclass
+class Advantages:
+    """Per-sample response-aligned advantages and returns (``returns`` equals ``advantages``
+    except for ``ppo``, where it is the value-loss target)."""
+
+    advantages: list[torch.Tensor]
+    returns: list[torch.Tensor]
+
+
+def group_normalized_rewards(
+    rewards: torch.Tensor, group_indices: Sequence[int], scale_by_std: bool = True
+) -> torch.Tensor:
+    """``(R_i - mean_g) / (std_g + 1e-6)`` per sample (only ``R_i - mean_g`` without
+    ``scale_by_std``); unbiased std, 0 for single-sample groups."""
+    rewards = rewards.to(torch.float32)
+    out = torch.zeros_like(rewards)
+    for members in group_members(group_indices).values():
+        r = rewards[members]
+        centered = r - r.mean()
+        if scale_by_std:
+            std = r.std() if len(members) > 1 else torch.zeros(())
+            centered = centered / (std + GROUP_STD_EPS)
+        out[members] = centered
+    return out
+
+
+def discounted_returns(token_rewards: torch.Tensor, gamma: float) -> torch.Tensor:
+    """``G_t = sum_{s >= t} gamma^(s - t) r_s`` over a 1-D response (float64 accumulation)."""
+    out = []
+    running = 0.0
+    for r in reversed(token_rewards.tolist()):
+        running = r + gamma * running
+        out.append(running)
+    return torch.tensor(out[::-1], dtype=token_rewards.dtype)
+
+
+def generalized_advantages(
+    token_rewards: torch.Tensor, values: torch.Tensor, gamma: float, lambd: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over one response: returns ``(A, A + V)`` (see the module docstring)."""
+    rewards, vals = token_rewards.tolist(), values.tolist()
+    adv = [0.0] * len(rewards)
+    running, next_value = 0.0, 0.0
+    for t in range(len(rewards) - 1, -1, -1):
+        delta = rewards[t] + gamma * next_value - vals[t]
+        running = delta + gamma * lambd * running
+        adv[t] = running
+        next_value = vals[t]
+    out = torch.tensor(adv, dtype=token_rewards.dtype)
+    return out, out + values.to(out.dtype)
+
+
+def compute_advantages(
+    batch: RolloutBatch,
+    estimator: str,
+    *,
+    gamma: float = 1.0,
+    lambd: float = 1.0,
+    kl_coef: float = 0.0,
+    kl: Sequence[torch.Tensor] | None = None,
+    values: Sequence[torch.Tensor] | None = None,
+) -> Advantages:
+    """Advantages of every sample of ``batch`` with ``estimator`` (``--advantage-estimator``).
+
+    ``batch`` must hold whole prompt groups for ``grpo``, ``gspo`` and
+    ``reinforce_plus_plus_baseline``. ``kl`` (per-sample, response-aligned, e.g.
+    ``kl_estimate(old_log_probs, ref_log_probs, "k1")``) is needed when ``kl_coef`` != 0;
+    ``values`` (per-sample critic values, response-aligned) for ``ppo``.
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(
+            f"--advantage-estimator must be one of {', '.join(ESTIMATORS)}, got {estimator!r}"
+        )
+    masks = [s.mask for s in batch]
+    if estimator in ("grpo", "gspo"):
+        if kl_coef != 0.0:
+            raise ValueError(
+                f"--kl-coef (KL in the reward) is not used by --advantage-estimator {estimator}; "
+                "use --use-kl-loss with --kl-loss-coef"
+            )
+        scores = group_normalized_rewards(batch.rewards, batch.group_indices)
+        adv = [torch.full((s.response_length,), float(scores[i])) for i, s in enumerate(batch)]
+        return Advantages(adv, [a.clone() for a in adv])
+
+    if kl_coef != 0.0 and kl is None:
+        raise ValueError("--kl-coef needs per-token KL estimates (reference log-probs)")
+    if estimator == "reinforce_plus_plus_baseline":
+        final = group_normalized_rewards(batch.rewards, batch.group_indices, scale_by_std=False)
+    else:
+        final = batch.rewards
+    token_rewards = []
+    for i, s in enumerate(batch):
+        r = torch.zeros(s.response_length, dtype=torch.float32)
+        if kl_coef != 0.0:
+            r = r - kl_coef * masks[i] * kl[i].to(torch.float32)
+        r[-1] += float(final[i])
+        token_rewards.append(r)
+
+    if estimator == "ppo":
+        if values is None:
+            raise ValueError("--advantage-estimator ppo needs critic values for every sample")
+        pairs = [
+            generalized_advantages(r, v.detach().to(torch.float32), gamma, lambd)
+            for r, v in zip(token_rewards, values)
+        ]
+        return Advantages([a for a, _ in pairs], [ret for _, ret in pairs])
+    adv = [discounted_returns(r, gamma) for r in token_rewards]
+    return Advantages(adv, [a.clone() for a in adv])
+
+
+def normalize_advantages(
+    advantages: Sequence[torch.Tensor],
+    loss_masks: Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None = None,
+    eps: float = 1e-8,
+) -> list[torch.Tensor]:
+    """Whiten advantages over the masked tokens of all samples on all ranks of ``group``::
+
+        mu = sum m A / sum m,   var = sum m (A - mu)^2 / sum m,   A' = m (A - mu) / sqrt(var + eps)
+
+    The three sums are all-reduced (float64) when torch.distributed is initialized. Masked-out
+    tokens become 0. With no loss token anywhere the advantages are returned unchanged.
+    """
+    stats = torch.zeros(3, dtype=torch.float64)
+    for a, m in zip(advantages, loss_masks):
+        a64, m64 = a.detach().to(torch.float64), m.to(torch.float64)
+        stats += torch.stack([(a64 * m64).sum(), (a64 * a64 * m64).sum(), m64.sum()])
+    stats = all_reduce_host(stats, dist.ReduceOp.SUM, group)
+    total, total_sq, count = stats.tolist()
+    if count == 0:
+        return [a.clone() for a in advantages]
+    mean = total / count
+    var = max(total_sq / count - mean * mean, 0.0)
+    scale = (var + eps) ** -0.5
+    return [((a - mean) * scale * m).to(a.dtype) for a, m in zip(advantages, loss_masks)]

@@ -1,0 +1,283 @@
+"""Policy, value and SFT losses, as pure functions of per-token tensors.
+
+All inputs are per-token tensors of one shape (typically a packed micro-batch ``[1, T]`` or its
+flattening), aligned as :class:`~miles_core.packing.PackedBatch` aligns them: position ``t`` holds
+the values of the token *predicted* at ``t``. ``loss_mask`` selects the response tokens that train.
+Every loss is reduced with :func:`~miles_core.aggregation.aggregate` against a step-wide
+``denominator`` (:func:`~miles_core.aggregation.loss_denominator`), so micro-batch losses add up.
+
+Metrics are returned the same way: each is this micro-batch's share of the step's token- or
+sequence-mean; summing a metric over micro-batches and DP ranks gives the step value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from miles_core.advantages import ESTIMATORS
+from miles_core.aggregation import aggregate, segment_mean
+from miles_core.kl import KL_TYPES, kl_estimate
+
+LOG_RATIO_CLAMP = 20.0
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The loss settings; each field is the flag of the same name (``temperature`` is
+    ``--rollout-temperature``)."""
+
+    advantage_estimator: str = "grpo"
+    eps_clip: float = 0.2
+    eps_clip_high: float | None = None
+    eps_clip_c: float | None = None
+    value_clip: float = 0.2
+    kl_coef: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "k1"
+    entropy_coef: float = 0.0
+    use_tis: bool = False
+    tis_clip: float = 2.0
+    tis_clip_low: float = 0.0
+    calculate_per_token_loss: bool = False
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.advantage_estimator not in ESTIMATORS:
+            raise ValueError(
+                f"--advantage-estimator must be one of {', '.join(ESTIMATORS)}, "
+                f"got {self.advantage_estimator!r}"
+            )
+        if self.kl_loss_type not in KL_TYPES:
+            raise ValueError(
+                f"--kl-loss-type must be one of {', '.join(KL_TYPES)}, got {self.kl_loss_type!r}"
+            )
+        if self.eps_clip_c is not None and self.eps_clip_c <= 1.0:
+            raise ValueError(f"--eps-clip-c must be > 1 (dual clip), got {self.eps_clip_c}")
+        if self.use_kl_loss and self.kl_coef != 0.0:
+            raise ValueError(
+                "--use-kl-loss and --kl-coef (KL in the reward) are mutually exclusive"
+            )
+        if self.use_tis and not 0.0 <= self.tis_clip_low <= self.tis_clip:
+            raise ValueError(
+                f"--tis-clip-low ({self.tis_clip_low}) must be in [0, --tis-clip ({self.tis_clip})]"
+            )
+        if self.temperature <= 0:
+            raise ValueError(f"--rollout-temperature must be > 0, got {self.temperature}")
+
+    @property
+    def clip_high(self) -> float:
+        return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
+
+    @classmethod
+    def from_args(cls, args) -> LossConfig:
+        """Read the flags from a parsed namespace (attributes missing there keep the defaults)."""
+        values = {}
+        for f in fields(cls):
+            attr = "rollout_temperature" if f.name == "temperature" else f.name
+            if hasattr(args, attr):
+                values[f.name] = getattr(args, attr)
+        return cls(**values)
+
+
+def ppo_clip_loss(
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+    eps_clip_c: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token clipped surrogate loss (PPO), optionally dual-clipped.
+
+    With ``r = exp(clamp(log_ratio, -20, 20))``, ``A`` the advantage, ``e_lo = eps_clip`` and
+    ``e_hi = eps_clip_high`` (default ``eps_clip``)::
+
+        loss = max(-A * r, -A * clamp(r, 1 - e_lo, 1 + e_hi))
+        dual clip (c = eps_clip_c > 1), only where A < 0:  loss = min(loss, -A * c)
+
+    Returns ``(loss, clipped, dual_clipped)``; ``clipped`` is 1.0 where the clipped term was
+    chosen (strictly larger), ``dual_clipped`` where the dual clip bound was active.
+    """
+    high = eps_clip if eps_clip_high is None else eps_clip_high
+    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    unclipped = -advantages * ratio
+    clipped_term = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + high)
+    loss = torch.maximum(unclipped, clipped_term)
+    clipped = (clipped_term > unclipped).float()
+    dual_clipped = torch.zeros_like(clipped)
+    if eps_clip_c is not None:
+        bound = -advantages * eps_clip_c
+        dual = (advantages < 0) & (loss > bound)
+        loss = torch.where(advantages < 0, torch.minimum(loss, bound), loss)
+        dual_clipped = dual.float()
+    return loss, clipped, dual_clipped
+
+
+def gspo_log_ratio(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    sample_ids: torch.Tensor,
+    num_samples: int,
+) -> torch.Tensor:
+    """GSPO's sequence-level log importance ratio, spread over tokens ("GSPO-token").
+
+    ``log s_i = (1 / n_i) * sum_{t in i} m_t (log pi_t - log pi_old_t)`` is the length-normalised
+    sequence log-ratio. Each token gets ``sg[log s_i] + log pi_t - sg[log pi_t]``: its value is
+    ``log s_i`` and its gradient is that of ``log pi_t``, so with sequence-mean aggregation the
+    gradient equals GSPO's ``s_i * (1 / n_i) * sum_t grad log pi_t``.
+    """
+    diff = (log_probs - old_log_probs).reshape(-1)
+    seq = segment_mean(diff.detach(), loss_mask, sample_ids, num_samples)
+    ids = sample_ids.reshape(-1).long().clamp(min=0)
+    flat_lp = log_probs.reshape(-1)
+    out = seq[ids] + flat_lp - flat_lp.detach()
+    return out.reshape(log_probs.shape)
+
+
+def tis_weights(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    tis_clip: float,
+    tis_clip_low: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated importance-sampling weights correcting for the engine/trainer mismatch.
+
+    ``w = clamp(exp(log pi_old - log pi_rollout), tis_clip_low, tis_clip)`` (no gradient), where
+    ``pi_old`` is the trainer's policy at rollout time and ``pi_rollout`` the engine's. The log
+    difference is clamped to +-20 before ``exp``. Returns ``(w, truncated)`` with ``truncated``
+    1.0 where the clamp was active.
+    """
+    raw = (
+        (old_log_probs - rollout_log_probs).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    )
+    w = raw.clamp(tis_clip_low, tis_clip)
+    return w, (w != raw).float()
+
+
+def compute_policy_loss(
+    log_probs: torch.Tensor,
+    *,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    config: LossConfig,
+    denominator: float,
+    sample_ids: torch.Tensor | None = None,
+    num_samples: int | None = None,
+    ref_log_probs: torch.Tensor | None = None,
+    rollout_log_probs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    sample_loss_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The actor loss of one micro-batch::
+
+        loss = agg(w * ppo_clip_loss(log_ratio, A))       w = tis_weights(...) if --use-tis else 1
+               - entropy_coef * agg(entropy)              when entropy is given
+               + kl_loss_coef * agg(kl_estimate(log pi, log pi_ref, --kl-loss-type))  --use-kl-loss
+
+    ``log_ratio`` is ``log pi - log pi_old`` or, for ``--advantage-estimator gspo``,
+    :func:`gspo_log_ratio`. ``agg`` is :func:`~miles_core.aggregation.aggregate` (token mean
+    with ``--calculate-per-token-loss``, else sequence mean, which needs ``sample_ids``;
+    ``sample_loss_tokens`` is passed on to it).
+
+    Metrics (detached, shares of step means): ``loss``, ``pg_loss``, ``pg_clipfrac``,
+    ``pg_dual_clipfrac``, ``ppo_kl`` (approximate KL, mean of ``log pi_old - log pi``), and when
+    applicable ``entropy``, ``kl_loss``, ``tis`` (mean weight), ``tis_clipfrac``.
+    """
+
+    def agg(values: torch.Tensor) -> torch.Tensor:
+        return aggregate(
+            values,
+            loss_mask,
+            denominator,
+            config.calculate_per_token_loss,
+            sample_ids=sample_ids,
+            num_samples=num_samples,
+            sample_loss_tokens=sample_loss_tokens,
+        )
+
+    if config.advantage_estimator == "gspo":
+        if sample_ids is None or num_samples is None:
+            raise ValueError("--advantage-estimator gspo needs sample_ids and num_samples")
+        log_ratio = gspo_log_ratio(log_probs, old_log_probs, loss_mask, sample_ids, num_samples)
+    else:
+        log_ratio = log_probs - old_log_probs
+    pg, clipped, dual_clipped = ppo_clip_loss(
+        log_ratio, advantages, config.eps_clip, config.clip_high, config.eps_clip_c
+    )
+    metrics: dict[str, torch.Tensor] = {}
+    if config.use_tis:
+        if rollout_log_probs is None:
+            raise ValueError("--use-tis needs the rollout log-probs of every sample")
+        w, truncated = tis_weights(
+            old_log_probs, rollout_log_probs, config.tis_clip, config.tis_clip_low
+        )
+        pg = pg * w
+        metrics["tis"] = agg(w).detach()
+        metrics["tis_clipfrac"] = agg(truncated).detach()
+    pg_loss = agg(pg)
+    loss = pg_loss
+    metrics["pg_loss"] = pg_loss.detach()
+    metrics["pg_clipfrac"] = agg(clipped).detach()
+    metrics["pg_dual_clipfrac"] = agg(dual_clipped).detach()
+    metrics["ppo_kl"] = agg((old_log_probs - log_probs).detach())
+    if entropy is not None:
+        ent = agg(entropy)
+        metrics["entropy"] = ent.detach()
+        if config.entropy_coef != 0.0:
+            loss = loss - config.entropy_coef * ent
+    if config.use_kl_loss:
+        if ref_log_probs is None:
+            raise ValueError("--use-kl-loss needs reference log-probs")
+        kl_loss = agg(kl_estimate(log_probs, ref_log_probs, config.kl_loss_type))
+        metrics["kl_loss"] = kl_loss.detach()
+        loss = loss + config.kl_loss_coef * kl_loss
+    metrics["loss"] = loss.detach()
+    return loss, metrics
+
+
+def compute_value_loss(
+    values: torch.Tensor,
+    *,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    loss_mask: torch.Tensor,
+    value_clip: float,
+    denominator: float,
+    per_token_loss: bool,
+    sample_ids: torch.Tensor | None = None,
+    num_samples: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss (critic, ``--advantage-estimator ppo``)::
+
+        v_clip = v_old + clamp(v - v_old, -value_clip, value_clip)
+        loss   = agg(0.5 * max((v - R)^2, (v_clip - R)^2))
+
+    with ``R`` the GAE returns. Metrics: ``value_loss``, ``value_clipfrac`` (where the clipped
+    error was strictly larger).
+    """
+    v_clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    err = (values - returns).square()
+    err_clipped = (v_clipped - returns).square()
+    per_token = 0.5 * torch.maximum(err, err_clipped)
+    clipped = (err_clipped > err).float()
+    loss = aggregate(per_token, loss_mask, denominator, per_token_loss, sample_ids, num_samples)
+    clipfrac = aggregate(clipped, loss_mask, denominator, per_token_loss, sample_ids, num_samples)
+    return loss, {"value_loss": loss.detach(), "value_clipfrac": clipfrac.detach()}
+
+
+def sft_loss(
+    log_probs: torch.Tensor,
+    *,
+    loss_mask: torch.Tensor,
+    denominator: float,
+    per_token_loss: bool,
+    sample_ids: torch.Tensor | None = None,
+    num_samples: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Negative log-likelihood of the masked tokens: ``loss = agg(-log pi_t)``."""
+    loss = aggregate(-log_probs, loss_mask, denominator, per_token_loss, sample_ids, num_samples)
+    return loss, {"sft_loss": loss.detach()}

@@ -1,0 +1,138 @@
+"""Dynamic micro-batching under a per-GPU token budget.
+
+A rank's data for one optimizer step is cut into micro-batches whose total token count (prompt +
+response, before padding) stays within ``--max-tokens-per-gpu`` x ``--context-parallel-size``
+(context parallelism spreads one micro-batch over the CP group). All data-parallel ranks must run
+the same number of micro-batches so that their collectives line up: each rank computes the
+number it needs (:func:`count_micro_batches`, first-fit decreasing), the ranks agree on the
+maximum (:func:`agree_num_micro_batches`, an all-reduce over a gloo group), and each rank then
+splits its data into exactly that many (:func:`make_micro_batches`), balancing token counts with
+Karmarkar-Karp when the budget allows. A rank with fewer samples than micro-batches gets empty
+ones; packing turns those into a block of padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from miles_core.aggregation import all_reduce_host
+from miles_core.batch import RolloutBatch
+from miles_core.partition import karmarkar_karp
+
+
+def micro_batch_budget(max_tokens_per_gpu: int, cp_size: int = 1) -> int:
+    """Tokens one micro-batch may hold: ``max_tokens_per_gpu * cp_size``."""
+    if max_tokens_per_gpu < 1:
+        raise ValueError(f"--max-tokens-per-gpu must be >= 1, got {max_tokens_per_gpu}")
+    if cp_size < 1:
+        raise ValueError(f"--context-parallel-size must be >= 1, got {cp_size}")
+    return max_tokens_per_gpu * cp_size
+
+
+def _check_fits(lengths: Sequence[int], budget: int, source: Sequence[int] | None = None) -> None:
+    for i, n in enumerate(lengths):
+        if n > budget:
+            which = i if source is None else source[i]
+            raise ValueError(
+                f"sample {which} has {n} tokens, more than one micro-batch holds "
+                f"({budget} = --max-tokens-per-gpu x --context-parallel-size)"
+            )
+
+
+def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Bin packing by first-fit decreasing: indices grouped into bins of sum <= ``capacity``."""
+    _check_fits(lengths, capacity)
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for b, load in enumerate(loads):
+            if load + lengths[i] <= capacity:
+                bins[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    return bins
+
+
+def count_micro_batches(batch: RolloutBatch, max_tokens_per_gpu: int, cp_size: int = 1) -> int:
+    """How many micro-batches this rank needs for ``batch`` (at least 1)."""
+    budget = micro_batch_budget(max_tokens_per_gpu, cp_size)
+    _check_fits(batch.total_lengths, budget, batch.source_indices)
+    return max(len(first_fit_decreasing(batch.total_lengths, budget)), 1)
+
+
+def agree_num_micro_batches(local: int, group: dist.ProcessGroup | None = None) -> int:
+    """The maximum of ``local`` over ``group`` (a gloo group; the default group when None).
+
+    Without an initialized process group this is ``local``.
+    """
+    value = torch.tensor([int(local)], dtype=torch.int64)
+    return int(all_reduce_host(value, dist.ReduceOp.MAX, group).item())
+
+
+def make_micro_batches(
+    batch: RolloutBatch,
+    max_tokens_per_gpu: int,
+    cp_size: int = 1,
+    num: int | None = None,
+) -> list[RolloutBatch]:
+    """Split ``batch`` into ``num`` micro-batches (default: :func:`count_micro_batches`), each
+    within the token budget, samples in their original order inside each micro-batch.
+
+    Token counts are balanced with Karmarkar-Karp; where that breaks the budget (tight packings),
+    the first-fit-decreasing packing is used, completed with empty micro-batches. ``num`` must be
+    at least what first-fit decreasing needs.
+    """
+    budget = micro_batch_budget(max_tokens_per_gpu, cp_size)
+    lengths = batch.total_lengths
+    _check_fits(lengths, budget, batch.source_indices)
+    ffd = first_fit_decreasing(lengths, budget)
+    if num is None:
+        num = max(len(ffd), 1)
+    if num < len(ffd):
+        raise ValueError(
+            f"{num} micro-batches cannot hold this rank's {len(batch)} samples within "
+            f"{budget} tokens each (--max-tokens-per-gpu); {len(ffd)} are needed"
+        )
+    bins = karmarkar_karp(lengths, num)
+    if any(sum(lengths[i] for i in b) > budget for b in bins):
+        bins = ffd + [[] for _ in range(num - len(ffd))]
+    bins = sorted((sorted(b) for b in bins), key=lambda b: (not b, b[:1]))
+    return [batch.select(b) for b in bins]
+
+
+def fixed_size_micro_batches(
+    batch: RolloutBatch, micro_batch_size: int, num: int | None = None
+) -> list[RolloutBatch]:
+    """Consecutive micro-batches of ``micro_batch_size`` samples (``--micro-batch-size``, when
+    ``--use-dynamic-batch-size`` is off); the last may be shorter. ``num`` (the maximum over DP
+    ranks) appends empty micro-batches so that every rank runs the same count."""
+    if micro_batch_size < 1:
+        raise ValueError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")
+    n = len(batch)
+    chunks = [
+        batch.select(range(i, min(i + micro_batch_size, n))) for i in range(0, n, micro_batch_size)
+    ]
+    need = max(len(chunks), 1)
+    if num is None:
+        num = need
+    if num < need:
+        raise ValueError(
+            f"{num} micro-batches cannot hold {n} samples at --micro-batch-size {micro_batch_size}"
+        )
+    return chunks + [batch.select([]) for _ in range(num - len(chunks))]
+
+
+def split_steps(batch: RolloutBatch, num_steps: int) -> list[RolloutBatch]:
+    """Cut a rank's shard into ``num_steps`` consecutive optimizer steps
+    (``--num-steps-per-rollout``), sizes differing by at most one sample."""
+    if num_steps < 1:
+        raise ValueError(f"--num-steps-per-rollout must be >= 1, got {num_steps}")
+    n = len(batch)
+    bounds = [n * k // num_steps for k in range(num_steps + 1)]
+    return [batch.select(range(bounds[k], bounds[k + 1])) for k in range(num_steps)]

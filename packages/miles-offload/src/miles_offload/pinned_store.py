@@ -1,0 +1,109 @@
+"""The ``cpu`` target: one group's tensors in a pinned arena, at fixed offsets.
+
+The arena is allocated at the first sleep (the only time pinning is paid) and reused by
+every later sleep while the group's layout (keys, sizes) stays the same; a changed layout
+(for example optimizer state created after the first sleep) allocates a new one.
+"""
+
+from __future__ import annotations
+
+import torch
+from miles_native import CopyEngine, PinnedArena
+
+from miles_offload.state_tensors import MovedTensor
+
+ALIGNMENT = 512  # bytes between slots; DMA-friendly and a multiple of every dtype size
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def layout_of(entries: list[MovedTensor]) -> tuple[tuple[str, int, str], ...]:
+    return tuple((e.key, e.nbytes, str(e.source.dtype)) for e in entries)
+
+
+class PinnedStore:
+    """Host copies of one group in one arena; slot ``i`` belongs to ``entries[i]``."""
+
+    def __init__(self) -> None:
+        self.arena: PinnedArena | None = None
+        self._flat: torch.Tensor | None = None
+        self._layout: tuple = ()
+        self._offsets: list[int] = []
+        self.holds_current = False  # the arena holds the group's present values
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.arena is None else self.arena.nbytes
+
+    def prepare(self, entries: list[MovedTensor]) -> bool:
+        """Fit the arena to ``entries``; returns True when a new arena was allocated."""
+        layout = layout_of(entries)
+        if layout == self._layout and self.arena is not None:
+            return False
+        offsets, end = [], 0
+        for e in entries:
+            offsets.append(end)
+            end = _round_up(end + e.nbytes, ALIGNMENT)
+        self._flat = None
+        self.arena = PinnedArena(max(end, 1), pin=True)
+        self._flat = torch.frombuffer(self.arena, dtype=torch.uint8)
+        self._layout, self._offsets = layout, offsets
+        self.holds_current = False
+        return True
+
+    def owns(self, t: torch.Tensor) -> bool:
+        """True when ``t``'s bytes lie inside this store's arena."""
+        if self.arena is None:
+            return False
+        return self.arena.ptr <= t.data_ptr() < self.arena.ptr + self.arena.nbytes
+
+    def view(self, i: int, e: MovedTensor) -> torch.Tensor:
+        """Slot ``i`` as a tensor shaped like ``e.source`` (contiguous)."""
+        off = self._offsets[i]
+        raw = self._flat[off : off + e.nbytes]
+        return raw.view(e.source.dtype).view(e.source.shape)
+
+    def copy_in(
+        self, entries: list[MovedTensor], engine: CopyEngine, after_stream: int
+    ) -> list[torch.Tensor]:
+        """Enqueue device -> arena copies; returns the slot views (valid once synchronized)."""
+        views = [self.view(i, e) for i, e in enumerate(entries)]
+        dst, src, size = [], [], []
+        for v, e in zip(views, entries):
+            if e.nbytes == 0:
+                continue
+            if e.source.is_contiguous():
+                dst.append(v.data_ptr())
+                src.append(e.source.data_ptr())
+                size.append(e.nbytes)
+            else:
+                v.copy_(e.source, non_blocking=True)
+        engine.submit(dst, src, size, to_device=False, after_stream=after_stream)
+        return views
+
+    def copy_out(
+        self,
+        entries: list[MovedTensor],
+        device: torch.device,
+        engine: CopyEngine,
+        after_stream: int,
+    ) -> list[torch.Tensor]:
+        """Allocate device tensors and enqueue arena -> device copies (``e.source`` in the arena)."""
+        out, dst, src, size = [], [], [], []
+        for e in entries:
+            t = torch.empty(e.source.shape, dtype=e.source.dtype, device=device)
+            out.append(t)
+            if e.nbytes:
+                dst.append(t.data_ptr())
+                src.append(e.source.data_ptr())
+                size.append(e.nbytes)
+        engine.submit(dst, src, size, to_device=True, after_stream=after_stream)
+        return out
+
+    def close(self) -> None:
+        """Drop this store's references; the memory goes when no tensor views it any more."""
+        self._flat = None
+        self.arena = None
+        self._layout = ()

@@ -1,0 +1,148 @@
+"""Dynamic micro-batching under the token budget, and the agreed count across gloo ranks."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from miles_core.batch import RolloutBatch, Sample
+from miles_core.micro_batch import (
+    agree_num_micro_batches,
+    count_micro_batches,
+    first_fit_decreasing,
+    fixed_size_micro_batches,
+    make_micro_batches,
+    micro_batch_budget,
+    split_steps,
+)
+from miles_core.partition import karmarkar_karp
+
+
+def _batch(lengths):
+    return RolloutBatch(
+        [
+            Sample(tokens=torch.zeros(n, dtype=torch.long), response_length=1, reward=0.0)
+            for n in lengths
+        ]
+    )
+
+
+def _check(batch, mbs, budget, num):
+    assert len(mbs) == num
+    seen = []
+    for mb in mbs:
+        assert mb.total_tokens <= budget
+        assert list(mb.source_indices) == sorted(mb.source_indices)
+        seen += mb.source_indices
+    assert sorted(seen) == list(range(len(batch)))
+
+
+def test_micro_batches_respect_budget_and_count():
+    rng = random.Random(0)
+    for _ in range(200):
+        budget = rng.randint(50, 400)
+        lengths = [rng.randint(2, budget) for _ in range(rng.randint(0, 30))]
+        batch = _batch(lengths)
+        need = count_micro_batches(batch, budget)
+        assert need == max(len(first_fit_decreasing(lengths, budget)), 1)
+        assert need >= -(-sum(lengths) // budget)  # never fewer than the volume bound
+        _check(batch, make_micro_batches(batch, budget), budget, need)
+        more = need + rng.randint(0, 5)  # another DP rank needed more: we must match it
+        _check(batch, make_micro_batches(batch, budget, num=more), budget, more)
+
+
+def test_tight_budget_falls_back_to_first_fit():
+    # 38 tokens in 3 micro-batches of 13: Karmarkar-Karp's balanced split overflows one of them,
+    # first-fit decreasing finds {12}, {9, 4}, {8, 3, 2}
+    lengths = [9, 12, 2, 4, 3, 8]
+    assert max(sum(lengths[i] for i in p) for p in karmarkar_karp(lengths, 3)) > 13
+    mbs = make_micro_batches(_batch(lengths), 13, num=3)
+    got = sorted(sorted(lengths[i] for i in mb.source_indices) for mb in mbs)
+    assert got == [[2, 3, 8], [4, 9], [12]]
+
+
+def test_fewer_samples_than_micro_batches_gives_empty_ones():
+    mbs = make_micro_batches(_batch([5, 7]), 100, num=4)
+    assert [len(mb) for mb in mbs] == [1, 1, 0, 0]
+    assert len(make_micro_batches(_batch([]), 100)) == 1
+
+
+def test_context_parallel_multiplies_the_budget_and_errors_name_flags():
+    batch = _batch([300, 300, 300, 300])
+    assert count_micro_batches(batch, 300) == 4
+    assert count_micro_batches(batch, 300, cp_size=2) == 2
+    assert micro_batch_budget(300, 4) == 1200
+    with pytest.raises(ValueError, match="sample 1 has 300 tokens.*--max-tokens-per-gpu"):
+        count_micro_batches(_batch([10, 300]), 200)
+    with pytest.raises(ValueError, match="2 are needed"):
+        make_micro_batches(batch, 600, num=1)
+    with pytest.raises(ValueError, match="--context-parallel-size"):
+        micro_batch_budget(10, 0)
+
+
+def test_fixed_size_micro_batches():
+    batch = _batch(list(range(2, 9)))
+    mbs = fixed_size_micro_batches(batch, 3)
+    assert [list(mb.source_indices) for mb in mbs] == [[0, 1, 2], [3, 4, 5], [6]]
+    assert [len(mb) for mb in fixed_size_micro_batches(batch, 3, num=4)] == [3, 3, 1, 0]
+    with pytest.raises(ValueError, match="--micro-batch-size"):
+        fixed_size_micro_batches(batch, 3, num=2)
+
+
+def test_split_steps():
+    steps = split_steps(_batch(list(range(2, 12))), 3)
+    assert [len(s) for s in steps] == [3, 3, 4]
+    assert [i for s in steps for i in s.source_indices] == list(range(10))
+    with pytest.raises(ValueError, match="--num-steps-per-rollout"):
+        split_steps(_batch([3]), 0)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _agree_worker(rank, world, port, out_dir):
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=60),
+    )  # fmt: skip
+    try:
+        lengths = [[100] * 3, [100] * 9][rank]
+        batch = _batch(lengths)
+        local = count_micro_batches(batch, 200)
+        num = agree_num_micro_batches(local, group=dist.new_group(backend="gloo"))
+        mbs = make_micro_batches(batch, 200, num=num)
+        torch.save(
+            {"local": local, "num": num, "sizes": [mb.total_tokens for mb in mbs]},
+            os.path.join(out_dir, f"{rank}.pt"),
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ranks_agree_on_the_maximum(tmp_path):
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_agree_worker, args=(r, 2, port, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        assert p.exitcode == 0
+    results = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
+    assert [r["local"] for r in results] == [2, 5]
+    assert all(r["num"] == 5 and len(r["sizes"]) == 5 for r in results)
+    assert sorted(results[0]["sizes"]) == [0, 0, 100, 100, 100]
+    assert agree_num_micro_batches(3) == 3  # no process group: the local count

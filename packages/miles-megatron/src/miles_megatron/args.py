@@ -98,7 +98,17 @@ class MegatronArgs(ArgGroup):
 
     @classmethod
     def check_paths(cls, args: Any) -> None:
-        check_parallel_sizes(args, world_size_of(args), model_args=resolve_model_args(args))
+        from miles_megatron.arch_args import explicit_arch_args
+
+        # the architecture is checked when one is described (the backend's init requires it)
+        from miles_megatron.bridge import BridgeError
+
+        if getattr(args, "hf_checkpoint", None) or explicit_arch_args(args):
+            try:
+                margs = resolve_model_args(args)
+            except BridgeError as exc:
+                raise ArgumentError(str(exc)) from exc
+            check_parallel_sizes(args, world_size_of(args), model_args=margs)
 
 
 def world_size_of(args: Any) -> int | None:

@@ -114,3 +114,24 @@ def convert_both_ways(rank: int, world: int, hf_dir: str, ckpt: str, out: str) -
     torch_dist_to_hf(
         parse(["--hf-checkpoint", hf_dir, "--load", ckpt, "--save", out, *layout_argv(tp=1)])
     )
+
+
+def packed_log_probs_match(
+    rank: int, world: int, hf_dir: str, samples: list, references: list[torch.Tensor]
+) -> float:
+    """Response log-probs of a THD-packed micro-batch at TP=2 vs per-sample HF references."""
+    from miles_core.batch import RolloutBatch
+    from miles_megatron.packed_forward import rollout_log_probs
+
+    _, margs, model, _ = build_from_hf(hf_dir, layout_argv(tp=2))
+    batch = RolloutBatch(samples)
+    out = rollout_log_probs(
+        model,
+        [batch],
+        len(batch),
+        {i: i for i in range(len(batch))},
+        margs["vocab_size"],
+        0.7,
+        torch.device("cpu"),
+    )
+    return max((a - b).abs().max().item() for a, b in zip(out, references, strict=True))

@@ -135,3 +135,9 @@ def packed_log_probs_match(
         torch.device("cpu"),
     )
     return max((a - b).abs().max().item() for a, b in zip(out, references, strict=True))
+
+
+def backend_run(rank: int, world: int, hf_dir: str, save: str, tp: int) -> dict:
+    from backend_reference import run_backend
+
+    return run_backend(hf_dir, save, tp)

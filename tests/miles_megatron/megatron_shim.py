@@ -51,6 +51,48 @@ class _NullStream:
         return self  # an "event" whose synchronize() is a no-op
 
 
+#: megatron-core modules that write ``device="cuda"`` literally (optimizer state scalars, grad
+#: clipping, DDP buffers); their ``torch`` global becomes :class:`_CpuTorch`.
+_CUDA_LITERAL_MODULES = (
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.utils",
+)
+
+
+class _CpuTorch:
+    """``torch`` for one module, with ``device="cuda"`` in tensor factories read as the CPU."""
+
+    _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "zeros_like", "empty_like")
+
+    def __getattr__(self, name: str) -> object:
+        value = getattr(torch, name)
+        if name not in self._FACTORIES:
+            return value
+
+        def factory(*args: object, **kwargs: object) -> torch.Tensor:
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return value(*args, **kwargs)
+
+        return factory
+
+
+def _cuda_type_name(self: torch.Tensor, dtype: object = None, *args: object, **kwargs: object):
+    """``Tensor.type()`` answering ``torch.cuda.FloatTensor`` for a CPU float tensor.
+
+    megatron's optimizers accept parameters by these type strings; with an argument it is the
+    ordinary cast.
+    """
+    original = _SAVED["Tensor.type"]
+    if dtype is None and not args and not kwargs:
+        name = original(self)
+        return name if self.is_cuda else name.replace("torch.", "torch.cuda.", 1)
+    return original(self, dtype, *args, **kwargs)
+
+
 def install() -> None:
     """Apply the patches (idempotent)."""
     if _SAVED:
@@ -76,6 +118,18 @@ def install() -> None:
     mrandom.model_parallel_cuda_manual_seed = manual_seed
     mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
+    import importlib
+
+    for name in _CUDA_LITERAL_MODULES:
+        module = importlib.import_module(name)
+        _SAVED["torch@" + name] = module.torch
+        module.torch = _CpuTorch()
+
+    _SAVED["Tensor.type"] = torch.Tensor.type
+    torch.Tensor.type = _cuda_type_name
+    _SAVED["Tensor.cuda"] = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+
 
 def uninstall() -> None:
     """Undo :func:`install`."""
@@ -86,6 +140,12 @@ def uninstall() -> None:
     for name in _CUDA_NAMES:
         setattr(torch.cuda, name, _SAVED[name])
     mrandom.model_parallel_cuda_manual_seed = _SAVED["model_parallel_cuda_manual_seed"]
+    import importlib
+
+    for name in _CUDA_LITERAL_MODULES:
+        importlib.import_module(name).torch = _SAVED["torch@" + name]
+    torch.Tensor.type = _SAVED["Tensor.type"]
+    torch.Tensor.cuda = _SAVED["Tensor.cuda"]
     mrandom.initialize_rng_tracker(force_reset=True)
     _SAVED.clear()
 

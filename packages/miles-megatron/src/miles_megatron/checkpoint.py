@@ -3,8 +3,8 @@ shared ``iter_XXXXXXX/`` layout of :mod:`miles_core.checkpoint_layout`.
 
 The save after rollout ``r`` is iteration ``r + 1``; meta.json records ``next_rollout_id``.
 Rank 0 prepares the directory and commits the tracker only after every rank has written.
-Model tensors are parallelism-agnostic; optimizer state is saved in megatron-core's
-``dp_reshardable`` form, so a resume with another TP/PP layout needs ``--no-load-optim``.
+Model tensors and the distributed-optimizer state (``fully_reshardable``) are
+parallelism-agnostic: a TP=2 save resumes at TP=1.
 """
 
 from __future__ import annotations
@@ -14,7 +14,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from miles_megatron.torch_dist import _save_strategy
+from miles_megatron.torch_dist import save_strategy
+
+#: Distributed-optimizer state in megatron-core's fully reshardable form (any TP/PP/DP on load).
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def _state(model, optimizer, scheduler, with_optim: bool) -> dict[str, Any]:
@@ -22,7 +25,9 @@ def _state(model, optimizer, scheduler, with_optim: bool) -> dict[str, Any]:
     model_sd = module.sharded_state_dict()
     state: dict[str, Any] = {"model": model_sd}
     if with_optim:
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=False)
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model_sd, is_loading=False, metadata=OPTIMIZER_METADATA
+        )
         state["opt_param_scheduler"] = scheduler.state_dict()
     return state
 
@@ -45,7 +50,7 @@ def save_checkpoint(
     dist.barrier()
     target = iteration_dir(save_dir, iteration)
     state = _state(model, optimizer, scheduler, save_optim)
-    dist_checkpointing.save(state, str(target), sharded_strategy=_save_strategy(True))
+    dist_checkpointing.save(state, str(target), sharded_strategy=save_strategy(True))
     dist.barrier()
     if dist.get_rank() == 0:
         meta = CheckpointMeta(
@@ -63,6 +68,24 @@ def save_checkpoint(
     return target
 
 
+def _materialize_optimizer_state(optimizer) -> None:
+    """Give a fresh optimizer its Adam state tensors so a checkpoint can be loaded into them.
+
+    megatron-core's torch-Adam path (no TransformerEngine/Apex) creates no ``step`` entry until
+    the first step, and ``DistributedOptimizer.state_dict`` needs one; megatron's own
+    ``_init_optimizer_states_with_dummy_values`` takes one zero-gradient step, whose values the
+    load then overwrites.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if (
+            inner is not None
+            and not inner.state
+            and hasattr(opt, "_init_optimizer_states_with_dummy_values")
+        ):
+            opt._init_optimizer_states_with_dummy_values()
+
+
 def load_checkpoint(path: Path, model, optimizer, scheduler, load_optim: bool) -> None:
     """Fill model (and optimizer / schedule) from an iteration directory."""
     from megatron.core import dist_checkpointing
@@ -73,8 +96,11 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, load_optim: bool) -
     with_optim = load_optim and has_optim
     state = _state(model, optimizer, scheduler, with_optim=False)
     if with_optim:
+        _materialize_optimizer_state(optimizer)
         model_sd = state["model"]
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model_sd, is_loading=True, metadata=OPTIMIZER_METADATA
+        )
     loaded = dist_checkpointing.load(state, str(path))
     module = model.module if hasattr(model, "module") else model
     module.load_state_dict(loaded["model"], strict=False)

@@ -15,7 +15,7 @@ import torch
 from miles_megatron.sharding import unwrap
 
 
-def _save_strategy(synchronous: bool):
+def save_strategy(synchronous: bool):
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     # thread_count=1 writes from the calling thread: the gloo/CPU path has no async copy engine
@@ -31,7 +31,7 @@ def save_model_weights(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {"model": unwrap(model).sharded_state_dict(prefix="")}
-    dist_checkpointing.save(state, str(directory), sharded_strategy=_save_strategy(synchronous))
+    dist_checkpointing.save(state, str(directory), sharded_strategy=save_strategy(synchronous))
 
 
 def load_model_weights(model: torch.nn.Module, directory: str | Path) -> None:

@@ -189,6 +189,10 @@ RULES = [
         ["--stream-optimizer-bucket-numel", "0"],
         "--stream-optimizer-bucket-numel must be >= 1, got 0",
     ),
+    (
+        ["--stream-optimizer-min-numel", "-1"],
+        "--stream-optimizer-min-numel must be >= 0, got -1",
+    ),
     # sync
     (["--update-weight-buffer-size", "0"], "--update-weight-buffer-size must be >= 1, got 0"),
     (

@@ -1,0 +1,114 @@
+"""Flags owned by the FSDP backend (the shared ones live in ``miles_core.args``)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from miles_core.args import ArgGroup, ArgumentError, flag
+
+#: Model-parallel dimensions this backend does not have (all data parallel).
+UNSUPPORTED_PARALLEL = (
+    ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+    ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+    ("context_parallel_size", "--context-parallel-size"),
+    ("expert_model_parallel_size", "--expert-model-parallel-size"),
+    ("expert_tensor_parallel_size", "--expert-tensor-parallel-size"),
+)
+
+
+def _trainer_world_size(args: Any) -> int | None:
+    """Number of trainer ranks when known at parse time (launcher placement or torchrun env)."""
+    nodes = getattr(args, "actor_num_nodes", None)
+    per_node = getattr(args, "actor_num_gpus_per_node", None)
+    if nodes and per_node:
+        return int(nodes) * int(per_node)
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return None
+
+
+@dataclass
+class FSDPArgs(ArgGroup):
+    title: ClassVar[str] = "FSDP backend"
+
+    dp_replicate_size: int = flag(
+        1,
+        metavar="N",
+        help="Replicas of the sharded model (HSDP); dp_shard = world size / N shards within one.",
+    )
+    fsdp_cpu_offload: bool = flag(
+        False,
+        help="FSDP2 CPUOffloadPolicy: parameters, gradients and optimizer state in host memory; "
+        "the optimizer step runs on the CPU.",
+    )
+    fsdp_cpu_backend: Literal["gloo"] = flag(
+        "gloo", help="Process-group backend for CPU collectives of --fsdp-cpu-offload."
+    )
+    gradient_checkpointing: bool = flag(
+        False, help="Recompute activations in backward (HF gradient checkpointing, non-reentrant)."
+    )
+    attn_implementation: (
+        Literal["flash_attention_2", "flash_attention_3", "sdpa", "eager"] | None
+    ) = flag(
+        None,
+        help="transformers attention backend (unset: flash_attention_2 when flash_attn "
+        "imports on a GPU, else sdpa).",
+    )
+    keep_fp32_master: bool = flag(
+        True,
+        help="Keep fp32 master weights and optimizer state (--no-keep-fp32-master holds them in "
+        "the compute dtype to save memory).",
+    )
+    fsdp_compute_dtype: Literal["bf16", "fp16", "fp32"] | None = flag(
+        None,
+        help="Override the compute dtype (unset: bf16, or fp16 with --fp16); fp32 is for "
+        "numerics checks and CPU runs.",
+    )
+    use_pytorch_profiler: bool = flag(
+        False, help="Trace optimizer steps --profile-step-start..end with torch.profiler."
+    )
+    profile_step_start: int = flag(2, help="First optimizer step traced by the profiler.")
+    profile_step_end: int = flag(4, help="Optimizer step at which the profiler trace stops.")
+    record_memory_history: bool = flag(
+        False, help="Record CUDA allocator history and dump a snapshot (--memory-snapshot-path)."
+    )
+    memory_snapshot_path: str = flag(
+        "memory_snapshot.pickle", metavar="PATH", help="Where the memory snapshot is written."
+    )
+    tensorboard_dir: str | None = flag(
+        None, metavar="DIR", help="Write profiler traces and step metrics under this directory."
+    )
+
+    @classmethod
+    def validate(cls, args: Any) -> None:
+        for dest, option in UNSUPPORTED_PARALLEL:
+            size = getattr(args, dest, None)
+            if size is not None and size > 1:
+                raise ArgumentError(
+                    f"{option} {size}: the FSDP backend is data parallel only; "
+                    "use --train-backend megatron for model parallelism"
+                )
+        if args.dp_replicate_size < 1:
+            raise ArgumentError(f"--dp-replicate-size must be >= 1, got {args.dp_replicate_size}")
+        world = _trainer_world_size(args)
+        if world is not None and world % args.dp_replicate_size:
+            raise ArgumentError(
+                f"--dp-replicate-size {args.dp_replicate_size} does not divide the "
+                f"{world} trainer ranks"
+            )
+        if args.fsdp_cpu_offload and getattr(args, "stream_optimizer_state_to_disk", False):
+            raise ArgumentError(
+                "--stream-optimizer-state-to-disk and --fsdp-cpu-offload are mutually exclusive"
+            )
+        if args.profile_step_end <= args.profile_step_start:
+            raise ArgumentError(
+                f"--profile-step-end ({args.profile_step_end}) must exceed "
+                f"--profile-step-start ({args.profile_step_start})"
+            )
+
+
+def fsdp_groups() -> list[type[ArgGroup]]:
+    """The ``miles.arg_groups`` entry point of the FSDP backend."""
+    return [FSDPArgs]

@@ -1,0 +1,292 @@
+"""FSDPBackend: the HF model trained verbatim under PyTorch FSDP2 (``--train-backend fsdp``)."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from miles_core.args import ArgumentError
+from miles_core.contract import DataLayout, TrainBackend
+from torch import nn
+
+from miles_fsdp.adaptations import Adaptation, adaptation_for
+from miles_fsdp.checkpoint import Checkpointer, TrainState, export_hf
+from miles_fsdp.loading import (
+    HFCheckpointInfo,
+    build_meta_model,
+    fill_sharded_model,
+    finish_lazy_init,
+    load_config,
+    read_full_state,
+    resolve_attn_implementation,
+    validate_on_rank0,
+)
+from miles_fsdp.mesh import MeshShape, build_mesh, mesh_shape
+from miles_fsdp.optimizer import OptimizerConfig, build_optimizer
+from miles_fsdp.precision import PrecisionConfig, resolve_precision
+from miles_fsdp.profiling import TrainProfiler
+from miles_fsdp.weight_source import WeightSource
+from miles_fsdp.wrapping import apply_fsdp
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    return torch.device("cpu")
+
+
+def optimizer_config(args: Any) -> OptimizerConfig:
+    """The optimizer/schedule part of the parsed flags.
+
+    ``--lr-decay-iters`` unset means the whole run when the launcher's ``--num-rollout`` is
+    known: ``num_rollout * --num-steps-per-rollout`` optimizer steps.
+    """
+    decay_iters = args.lr_decay_iters
+    num_rollout = getattr(args, "num_rollout", None)
+    if decay_iters is None and num_rollout:
+        decay_iters = num_rollout * args.num_steps_per_rollout
+    return OptimizerConfig(
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        lr_warmup_iters=args.lr_warmup_iters,
+        lr_decay_style=args.lr_decay_style,
+        lr_decay_iters=decay_iters,
+    )
+
+
+class FSDPBackend(TrainBackend):
+    """One trainer rank of the FSDP2 backend. See docs/miles-fsdp.md."""
+
+    name = "fsdp"
+
+    @classmethod
+    def arg_groups(cls) -> Sequence[type]:
+        from miles_fsdp.args import FSDPArgs
+
+        return (FSDPArgs,)
+
+    def __init__(self) -> None:
+        self.args: Any = None
+        self.model: nn.Module | None = None
+        self.mover: Any = None
+        self.publisher: Any = None
+
+    # ------------------------------------------------------------------ init
+    def init(self, args: Any, role: str = "actor") -> int:
+        if role != "actor":
+            raise ValueError(f"FSDPBackend supports role 'actor', got {role!r}")
+        if not args.hf_checkpoint:
+            raise ArgumentError("--train-backend fsdp needs --hf-checkpoint (the model directory)")
+        self.args = args
+        self.device = _device()
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        try:
+            self.shape: MeshShape = mesh_shape(world, args.dp_replicate_size)
+        except ValueError as exc:
+            raise ArgumentError(str(exc)) from exc
+        if args.fsdp_cpu_offload and dist.is_initialized():
+            if "gloo" not in str(dist.get_backend()) and self.device.type == "cuda":
+                raise RuntimeError(
+                    "--fsdp-cpu-offload needs a CPU backend in the default process group: "
+                    f"init it with backend 'cpu:{args.fsdp_cpu_backend},cuda:nccl'"
+                )
+        self.mesh = build_mesh(self.shape, self.device.type)
+        # CPU collectives of the RL math (counts, denominators) run on gloo.
+        self.cpu_group = None
+        if dist.is_initialized() and dist.get_backend() != "gloo":
+            self.cpu_group = dist.new_group(backend="gloo")
+        self.profiler = TrainProfiler(args)
+        torch.manual_seed(args.seed)
+        random.seed(args.seed)
+
+        self.info: HFCheckpointInfo = validate_on_rank0(args.hf_checkpoint)
+        self.hf_dir = Path(args.hf_checkpoint)
+        self.config = load_config(self.hf_dir)
+        self.adaptation: Adaptation = adaptation_for(self.config.model_type)
+        precision = resolve_precision(
+            args.fp16, getattr(args, "fsdp_compute_dtype", None), args.keep_fp32_master
+        )
+        for policy in self.adaptation.precision_policies:
+            precision = policy(self.config, precision)
+        self.precision: PrecisionConfig = precision
+        self.attn_implementation = resolve_attn_implementation(args.attn_implementation)
+
+        self.model = self._build_model()
+        self.optimizer, self.scheduler = build_optimizer(self.model, optimizer_config(args))
+        self.checkpointer = Checkpointer(self.model, self.optimizer, self.scheduler)
+        self.state = TrainState()
+        if args.load:
+            loaded = self.checkpointer.load(
+                args.load,
+                load_optim=args.load_optim,
+                load_rng=args.load_rng,
+                ckpt_step=getattr(args, "ckpt_step", None),
+            )
+            self.state = loaded if loaded is not None else TrainState()
+        return self.state.next_rollout_id
+
+    def _build_model(self) -> nn.Module:
+        config, adaptation, precision = self.config, self.adaptation, self.precision
+        for patch in adaptation.model_patches:
+            patch(config)
+        model = build_meta_model(config, precision.master_dtype, self.attn_implementation)
+        for patch in adaptation.model_instance_patches + adaptation.packing_patches:
+            patch(model, config)
+        if self.args.gradient_checkpointing:
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24
+                model.activation_checkpointing_enable({"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable({"use_reentrant": False})
+        apply_fsdp(
+            model,
+            self.mesh,
+            precision.mixed_precision_policy(),
+            cpu_offload=self.args.fsdp_cpu_offload,
+        )
+        state = buffers = None
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            state, buffers = read_full_state(
+                self.hf_dir,
+                config,
+                precision.master_dtype,
+                self.attn_implementation,
+                adaptation.post_load_fixups,
+            )
+        target = torch.device("cpu") if self.args.fsdp_cpu_offload else self.device
+        fill_sharded_model(model, target, state, buffers)
+        del state, buffers
+        finish_lazy_init(model)
+        model.train()
+        return model
+
+    # ------------------------------------------------------------------ layout
+    def data_layout(self) -> DataLayout:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return DataLayout(dp_rank=rank, dp_size=self.shape.world_size)
+
+    # ------------------------------------------------------------------ training
+    def train(self, rollout_id: int, batch: Any) -> dict[str, float]:
+        """Train on this rank's shard of rollout ``rollout_id`` (see :mod:`.rollout_train`)."""
+        from miles_fsdp.rollout_train import RolloutContext, train_rollout
+
+        self.wake_up()
+        ctx = RolloutContext(
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            args=self.args,
+            device=self.device,
+            dp_size=self.shape.world_size,
+            cpu_group=self.cpu_group,
+            attn_implementation=self.attn_implementation,
+            compute_dtype=self.precision.compute_dtype,
+        )
+        self.profiler.before(self.state.global_step)
+        metrics, steps, micro = train_rollout(ctx, batch)
+        self.state.global_step += steps
+        self.state.micro_step += micro
+        self.state.next_rollout_id = rollout_id + 1
+        self.profiler.after(self.state.global_step, metrics)
+        return metrics
+
+    def update_weights(self, engines: Sequence[Any]) -> None:
+        """Publish the current weights to ``engines`` through miles-sync (every rank calls)."""
+        from miles_sync.ranks import RankContext
+        from miles_sync.weight_sync import SyncConfig, WeightPublisher
+
+        self.wake_up()
+        if self.publisher is None:
+            self.publisher = WeightPublisher(
+                SyncConfig.from_args(self.args), RankContext.from_default_group()
+            )
+        self.publisher.update_weights(self.weight_source(), list(engines))
+
+    # ------------------------------------------------------------------ weights
+    def weight_source(self, gather_bytes: int = 256 << 20) -> WeightSource:
+        """The current weights in checkpoint names/dtypes (collective iteration)."""
+        return WeightSource(
+            model=self.model,
+            config=self.config,
+            adaptation=self.adaptation,
+            tensor_dtypes=self.info.tensor_dtypes,
+            default_dtype=self._config_dtype(),
+            gather_bytes=gather_bytes,
+            device=self.device,
+        )
+
+    def _config_dtype(self) -> torch.dtype:
+        """The config's dtype (for tensors the checkpoint does not name), bf16 if unset."""
+        dtype = getattr(self.config, "dtype", None)
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype, None)
+        return dtype if isinstance(dtype, torch.dtype) else torch.bfloat16
+
+    def export_hf(self, out_dir: str | os.PathLike) -> None:
+        """Write the current weights as a HF directory loadable by ``from_pretrained``."""
+        export_hf(self.weight_source(), self.hf_dir, out_dir)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_model(self, rollout_id: int, force_sync: bool = False) -> None:
+        if not self.args.save:
+            raise ValueError("save_model needs --save")
+        self.state.next_rollout_id = max(self.state.next_rollout_id, rollout_id + 1)
+        self.checkpointer.save(
+            self.args.save,
+            rollout_id,
+            self.state,
+            save_optim=self.args.save_optim,
+            async_save=self.args.async_save and not force_sync,
+        )
+        if force_sync:
+            self.checkpointer.finalize()
+
+    # ------------------------------------------------------------------ memory
+    def sleep(self) -> None:
+        """Move parameters, buffers and AdamW state off the device (miles-offload's mover:
+        ``--offload-train-target cpu|disk``). Idempotent; a no-op under ``--fsdp-cpu-offload``,
+        where FSDP already keeps everything in host memory."""
+        if self.mover is None:
+            from miles_offload.device_mover import DeviceMover
+            from miles_offload.offload_target import OffloadTarget
+
+            self.mover = DeviceMover(
+                {"actor": self.model},
+                [self.optimizer],
+                target=OffloadTarget.from_args(self.args),
+                device=self.device,
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        self.mover.sleep()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        """Bring back what :meth:`sleep` moved. Idempotent."""
+        if self.mover is not None:
+            self.mover.wake_up()
+
+    @property
+    def asleep(self) -> bool:
+        return self.mover is not None and self.mover.is_asleep
+
+    def close(self) -> None:
+        if self.model is not None:
+            self.checkpointer.finalize()
+            self.profiler.close()
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
+        if self.mover is not None:
+            self.mover.close()
+            self.mover = None
+        self.model = None

@@ -1,0 +1,172 @@
+"""One rollout's training on one rank: log-probs, advantages, then the optimizer steps.
+
+Built on miles-core's RL math (batch, micro-batching, THD packing, advantages, losses); nothing
+here re-derives a formula. Flow of :func:`train_rollout` for this rank's shard:
+
+1. micro-batches under ``--max-tokens-per-gpu`` (``--use-dynamic-batch-size``) or of
+   ``--micro-batch-size`` samples; the count is the max over DP ranks so collectives line up;
+2. with more than one step per rollout: the current policy's log-probs of every response token
+   at ``--rollout-temperature`` (no grad) become ``old_log_probs``; with one step the loss uses
+   ``log_probs.detach()`` instead, which is the same value without a second forward;
+3. advantages (``--advantage-estimator``, ``--normalize-advantages`` over all DP ranks);
+4. ``--num-steps-per-rollout`` optimizer steps, each over its slice of the shard, with the
+   loss denominator of the whole step across DP ranks (see :mod:`miles_fsdp.train_step`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from miles_core.advantages import compute_advantages, normalize_advantages
+from miles_core.aggregation import loss_denominator
+from miles_core.batch import RolloutBatch
+from miles_core.log_probs import entropy_from_logits, token_log_probs
+from miles_core.losses import LossConfig, compute_policy_loss
+from miles_core.micro_batch import (
+    agree_num_micro_batches,
+    count_micro_batches,
+    fixed_size_micro_batches,
+    make_micro_batches,
+    split_steps,
+)
+from miles_core.packing import PackedBatch, pack_thd, packed_attention_kwargs, unpack_response
+from torch import nn
+
+from miles_fsdp.train_step import StepResult, optimizer_step
+
+
+@dataclass
+class RolloutContext:
+    """What :func:`train_rollout` needs from the backend."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    args: Any
+    device: torch.device
+    dp_size: int
+    cpu_group: Any
+    attn_implementation: str
+    compute_dtype: torch.dtype
+
+
+def split_micro_batches(ctx: RolloutContext, batch: RolloutBatch) -> list[RolloutBatch]:
+    """This rank's micro-batches of ``batch``, as many as the busiest DP rank needs."""
+    args = ctx.args
+    if args.use_dynamic_batch_size:
+        local = count_micro_batches(batch, args.max_tokens_per_gpu)
+        num = agree_num_micro_batches(local, group=ctx.cpu_group)
+        return make_micro_batches(batch, args.max_tokens_per_gpu, num=num)
+    local = max(-(-len(batch) // args.micro_batch_size), 1)
+    num = agree_num_micro_batches(local, group=ctx.cpu_group)
+    return fixed_size_micro_batches(batch, args.micro_batch_size, num=num)
+
+
+def packed_logits(ctx: RolloutContext, packed: PackedBatch) -> torch.Tensor:
+    """Logits ``[1, T, V]`` of a packed row, attention kept inside each sample."""
+    kwargs = packed_attention_kwargs(packed, ctx.attn_implementation, dtype=ctx.compute_dtype)
+    return ctx.model(input_ids=packed.input_ids, **kwargs).logits
+
+
+@torch.no_grad()
+def policy_log_probs(ctx: RolloutContext, batch: RolloutBatch) -> list[torch.Tensor]:
+    """Per-sample response log-probs of the current policy at ``--rollout-temperature``."""
+    out: list[torch.Tensor | None] = [None] * len(batch)
+    index = {src: i for i, src in enumerate(batch.source_indices)}
+    for mb in split_micro_batches(ctx, batch):
+        packed = pack_thd(mb).to(ctx.device)
+        logits = packed_logits(ctx, packed)
+        lp = token_log_probs(logits, packed.targets, ctx.args.rollout_temperature)
+        for src, values in zip(mb.source_indices, unpack_response(packed, lp)):
+            out[index[src]] = values.float().cpu()
+    return out  # type: ignore[return-value]
+
+
+def _loss_of(ctx: RolloutContext, config: LossConfig, denominator: float, detach_old: bool):
+    def loss_of(model: nn.Module, mb: RolloutBatch):
+        packed = pack_thd(mb).to(ctx.device)
+        logits = packed_logits(ctx, packed)
+        log_probs = token_log_probs(logits, packed.targets, config.temperature)
+        if config.entropy_coef != 0.0:
+            entropy = entropy_from_logits(logits, config.temperature)
+        else:  # metric only: no graph through the full-vocabulary softmax
+            with torch.no_grad():
+                entropy = entropy_from_logits(logits.detach(), config.temperature)
+        fields = packed.fields
+        return compute_policy_loss(
+            log_probs,
+            old_log_probs=log_probs.detach() if detach_old else fields["old_log_probs"],
+            advantages=fields["advantages"],
+            loss_mask=packed.loss_mask,
+            config=config,
+            denominator=denominator,
+            sample_ids=packed.sample_ids,
+            num_samples=packed.num_samples,
+            ref_log_probs=fields.get("ref_log_probs"),
+            rollout_log_probs=fields.get("rollout_log_probs"),
+            entropy=entropy,
+            sample_loss_tokens=packed.sample_loss_tokens,
+        )
+
+    return loss_of
+
+
+def train_rollout(ctx: RolloutContext, batch: RolloutBatch) -> tuple[dict[str, float], int, int]:
+    """Train on this rank's shard of one rollout; returns (metrics, steps, micro-batches).
+
+    Metrics: the loss parts of :func:`compute_policy_loss` averaged over the steps, ``grad_norm``
+    and ``lr`` of the last step, ``tokens_per_s`` (this rank) and ``peak_memory_gb`` on CUDA.
+    """
+    args = ctx.args
+    config = LossConfig.from_args(args)
+    start = time.perf_counter()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    num_steps = args.num_steps_per_rollout
+    detach_old = num_steps == 1
+    if not detach_old:
+        batch = batch.with_fields(old_log_probs=policy_log_probs(ctx, batch))
+    adv = compute_advantages(
+        batch,
+        args.advantage_estimator,
+        gamma=args.gamma,
+        lambd=args.lambd,
+        kl_coef=args.kl_coef,
+    )
+    advantages = adv.advantages
+    if args.normalize_advantages:
+        advantages = normalize_advantages(advantages, [s.mask for s in batch], group=ctx.cpu_group)
+    batch = batch.with_fields(advantages=advantages)
+
+    results: list[StepResult] = []
+    num_micro = 0
+    for step_batch in split_steps(batch, num_steps):
+        denominator = loss_denominator(
+            step_batch, config.calculate_per_token_loss, group=ctx.cpu_group
+        )
+        micro_batches = split_micro_batches(ctx, step_batch)
+        num_micro += len(micro_batches)
+        results.append(
+            optimizer_step(
+                ctx.model,
+                ctx.optimizer,
+                ctx.scheduler,
+                micro_batches,
+                _loss_of(ctx, config, denominator, detach_old),
+                dp_size=ctx.dp_size,
+                clip_grad=args.clip_grad,
+            )
+        )
+    elapsed = time.perf_counter() - start
+    metrics: dict[str, float] = {}
+    for key in results[0].parts:
+        metrics[key] = sum(r.parts[key] for r in results) / len(results)
+    metrics["grad_norm"] = results[-1].grad_norm
+    metrics["lr"] = results[-1].lr
+    metrics["tokens_per_s"] = batch.total_tokens / elapsed if elapsed > 0 else 0.0
+    if torch.cuda.is_available():
+        metrics["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return metrics, len(results), num_micro

@@ -1,0 +1,82 @@
+"""One optimizer step over a list of micro-batches, FSDP2-aware.
+
+Loss scaling (why the update does not depend on the DP size or the micro-batch split): the
+caller's ``loss_of(model, mb)`` returns the micro-batch's *contribution* to the step loss, i.e.
+``sum(token_losses in mb) / D`` where ``D`` is the step's global denominator (summed over all
+data-parallel ranks and micro-batches). The step loss ``L = sum over ranks, micro-batches`` of
+those contributions. Each rank back-propagates ``dp_size * contribution`` because FSDP2 averages
+gradients over the data-parallel ranks (reduce-scatter then divide by ``dp_size``), so the
+reduced gradient is exactly ``dL/dw`` whatever the split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from miles_fsdp.optimizer import clip_grad_norm
+
+LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass
+class StepResult:
+    """Metrics of one optimizer step; ``parts`` hold DP-summed loss contributions."""
+
+    loss: float
+    parts: dict[str, float]
+    grad_norm: float
+    lr: float
+
+
+def all_reduce_sum(values: dict[str, torch.Tensor], group: Any = None) -> dict[str, float]:
+    """Sum scalar metrics over the data-parallel ranks (one collective for all of them)."""
+    if not values:
+        return {}
+    keys = sorted(values)
+    flat = torch.stack([values[k].detach().float().reshape(()) for k in keys])
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        device = flat.device
+        if dist.get_backend(group) == "nccl" and device.type != "cuda":
+            flat = flat.cuda()
+        dist.all_reduce(flat, group=group)
+    return dict(zip(keys, flat.cpu().tolist()))
+
+
+def optimizer_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    micro_batches: Sequence[Any],
+    loss_of: LossFn,
+    dp_size: int,
+    clip_grad: float,
+) -> StepResult:
+    """Accumulate the gradients of ``micro_batches``, clip, step AdamW and the LR schedule.
+
+    ``loss_of`` returns ``(contribution, parts)``: the scalar to back-propagate (see the module
+    docstring) and named scalar parts (already global-denominator scaled) for the metrics.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    total: torch.Tensor | float = 0.0
+    parts: dict[str, torch.Tensor] = {}
+    for mb in micro_batches:
+        contribution, mb_parts = loss_of(model, mb)
+        (contribution * dp_size).backward()
+        # accumulated where they live: no host synchronisation per micro-batch
+        total = total + contribution.detach().float()
+        for k, v in mb_parts.items():
+            parts[k] = parts[k] + v.detach().float() if k in parts else v.detach().float()
+    grad_norm = clip_grad_norm(model, clip_grad)
+    lr = optimizer.param_groups[0]["lr"]
+    if torch.isfinite(torch.tensor(grad_norm)):
+        optimizer.step()
+    scheduler.step()
+    reduced = all_reduce_sum({"step_loss": torch.as_tensor(total), **parts})
+    loss = reduced.pop("step_loss")
+    return StepResult(loss=loss, parts=reduced, grad_norm=grad_norm, lr=lr)

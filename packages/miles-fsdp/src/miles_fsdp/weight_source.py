@@ -1,0 +1,69 @@
+"""The trainer's weights as the checkpoint names them: ``(hf_name, tensor)`` pairs.
+
+This is what weight sync (miles-sync) and :func:`export_hf` consume; neither imports FSDP.
+Parameters are gathered from their shards a group at a time (``gather_bytes`` of full tensors
+at most, one tensor if it alone is larger), passed through the architecture's param
+transforms, and cast to the dtype each tensor has in the original checkpoint (names unknown to
+the checkpoint take ``default_dtype``). The output head is left out when it is tied to the input
+embedding, as ``save_pretrained`` does. Collective: every rank iterates in lock step and every
+rank receives the full tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from miles_fsdp.adaptations import Adaptation, apply_param_transforms
+from miles_fsdp.wrapping import embeddings_tied
+
+
+@dataclass
+class WeightSource:
+    """Iterate a sharded model's weights in checkpoint form (see the module docstring)."""
+
+    model: nn.Module
+    config: Any
+    adaptation: Adaptation
+    tensor_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    default_dtype: torch.dtype = torch.bfloat16
+    gather_bytes: int = 256 << 20
+    device: torch.device | None = None
+
+    def _named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        skip: set[str] = set()
+        if embeddings_tied(self.model):
+            head = self.model.get_output_embeddings()
+            skip = {f"{n}.weight" for n, m in self.model.named_modules() if m is head}
+        return [(n, t) for n, t in self.model.state_dict().items() if n not in skip]
+
+    def _full(self, tensor: torch.Tensor) -> torch.Tensor:
+        if isinstance(tensor, DTensor):
+            if self.device is not None and tensor.device != self.device:
+                tensor = tensor.to(self.device)
+            return tensor.full_tensor()
+        return tensor
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        group: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, tensor in self._named_tensors():
+            group.append((name, tensor))
+            size += tensor.numel() * tensor.element_size()
+            if size >= self.gather_bytes:
+                yield from self._emit(group)
+                group, size = [], 0
+        if group:
+            yield from self._emit(group)
+
+    def _emit(self, group: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        gathered = [(name, self._full(tensor).detach()) for name, tensor in group]
+        for name, full in gathered:
+            for out_name, out in apply_param_transforms(self.adaptation, name, full, self.config):
+                dtype = self.tensor_dtypes.get(out_name, self.default_dtype)
+                yield out_name, out.to(dtype).contiguous()

@@ -1,0 +1,56 @@
+"""/generate input parsing and reply formatting (SGLang's shapes)."""
+
+from __future__ import annotations
+
+import base64
+
+import torch
+
+from miles_launch.engine.scheduler import Request
+
+
+class GenerateInputError(ValueError):
+    """A /generate body SGLang would reject (answered with 400)."""
+
+
+def parse_prompts(body: dict, tokenizer) -> tuple[list[list[int]], bool]:
+    """Token ids of each prompt, and whether the request was a single prompt."""
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (input_ids is None):
+        raise GenerateInputError("generate: give exactly one of text or input_ids")
+    if text is not None:
+        texts = text if isinstance(text, list) else [text]
+        if not all(isinstance(t, str) for t in texts):
+            raise GenerateInputError("generate: text must be a string or a list of strings")
+        return [tokenizer.encode(t) for t in texts], not isinstance(text, list)
+    single = not (input_ids and isinstance(input_ids[0], list))
+    batch = [input_ids] if single else input_ids
+    if not all(isinstance(ids, list) and all(isinstance(t, int) for t in ids) for ids in batch):
+        raise GenerateInputError(
+            "generate: input_ids must be a list of ints or a list of lists of ints"
+        )
+    return batch, single
+
+
+def format_reply(req: Request, weight_version: str, latency: float, routed_start: int) -> dict:
+    meta = {
+        "id": req.rid,
+        "finish_reason": req.finish_reason,
+        "prompt_tokens": len(req.prompt_ids),
+        "completion_tokens": len(req.output_ids),
+        "cached_tokens": 0,
+        "weight_version": weight_version,
+        "e2e_latency": latency,
+    }
+    if req.return_logprob:
+        meta["output_token_logprobs"] = [
+            [lp, tok, None] for lp, tok in zip(req.output_logprobs, req.output_ids)
+        ]
+    if req.return_routed_experts and req.routed:
+        routed = (
+            torch.stack(req.routed[routed_start:])
+            if len(req.routed) > routed_start
+            else torch.empty(0)
+        )
+        meta["routed_experts"] = base64.b64encode(routed.contiguous().numpy().tobytes()).decode()
+    return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}

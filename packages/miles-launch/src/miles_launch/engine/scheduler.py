@@ -1,0 +1,429 @@
+"""Continuous batching over a HF causal LM with one shared, left-padded KV cache.
+
+One scheduler thread owns the model. Each iteration it (1) runs pending control operations
+(weight updates, pause, abort, memory release) when their preconditions hold, (2) admits
+waiting requests up to ``max_running_requests``, each prefilled alone and merged into the
+running batch, and (3) runs one batched decode step for every running request.
+
+Batch layout: the running requests share a ``transformers.DynamicCache`` whose rows are
+left-padded to a common length ``L``; ``mask[b, j] = 1`` where row ``b`` holds a real token.
+A decode step feeds each row's last token at its own position ``pos[b]`` (the number of
+real tokens of the row) with the attention mask ``[mask, 1]``; padded slots get zero
+attention weight, so each row computes exactly what it would compute alone. Rows leave
+the batch between steps (finished or aborted) by indexing the cache's batch dimension.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from miles_launch.engine.routed_experts import RoutedExpertsRecorder
+from miles_launch.engine.sampling import (
+    SamplingParams,
+    abort_reason,
+    choose_token,
+    find_stop_string,
+    length_reason,
+    make_generator,
+    stop_reason,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Request:
+    """One sequence to generate (a /generate call with ``n > 1`` or a batch makes several)."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_done: Callable[[Request], None]
+    return_logprob: bool = False
+    return_routed_experts: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    finish_reason: dict | None = None
+    text: str = ""
+    # Per fed position: int32 [num_layers, top_k] expert ids (routed experts capture).
+    routed: list[torch.Tensor] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class _Control:
+    fn: Callable[[], object]
+    wait_idle: bool
+    future: Future
+
+
+class Scheduler:
+    """Owns the model on one thread; everything that touches it runs there."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        device: torch.device,
+        max_running_requests: int = 64,
+        enable_routed_experts: bool = False,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+        self.max_running = max_running_requests
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self.recorder = RoutedExpertsRecorder(model) if enable_routed_experts else None
+        # transformers >= 5.2x names the cache argument ``cache``; older ones ``past_key_values``.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.weights_released = False
+        self.paused = False
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._cache: DynamicCache | None = None
+        self._mask: torch.Tensor | None = None  # [B, L] int64
+        self._pos: list[int] = []
+        self._controls: deque[_Control] = deque()
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
+
+    # ---- public API (any thread) ------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=30)
+
+    def submit(self, requests: list[Request]) -> None:
+        for req in requests:
+            req.generator = make_generator(req.params, self.device)
+        with self._cv:
+            self._waiting.extend(requests)
+            self._cv.notify_all()
+
+    def run_control(self, fn: Callable[[], object], wait_idle: bool = False) -> Future:
+        """Run ``fn`` on the scheduler thread between steps. With ``wait_idle`` it waits until
+        no request is running (waiting ones are not admitted meanwhile), unless paused."""
+        fut: Future = Future()
+        with self._cv:
+            self._controls.append(_Control(fn, wait_idle, fut))
+            self._cv.notify_all()
+        return fut
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def fully_idle(self) -> bool:
+        """SGLang's precondition for flush and memory release: nothing running, and nothing
+        waiting unless paused (retracted or held-back requests do not count then)."""
+        with self._cv:
+            return not self._running and (self.paused or not self._waiting)
+
+    def num_requests(self) -> int:
+        with self._cv:
+            return len(self._running) + len(self._waiting)
+
+    # ---- operations run on the scheduler thread (wrap them with run_control) -----------
+    def abort(self, rid_prefix: str = "", abort_all: bool = False, message: str = "aborted") -> int:
+        """Finish waiting and running requests whose rid starts with ``rid_prefix``."""
+        match = (lambda r: True) if abort_all else (lambda r: r.rid.startswith(rid_prefix))
+        with self._cv:
+            hits = [r for r in self._waiting if match(r)]
+            self._waiting = deque(r for r in self._waiting if not match(r))
+        keep = [i for i, r in enumerate(self._running) if not match(r)]
+        hits += [r for r in self._running if match(r)]
+        self._select_rows(keep)
+        for req in hits:
+            self._finish(req, abort_reason(message))
+        return len(hits)
+
+    def pause(self, mode: str) -> None:
+        if mode == "abort":
+            self.abort(abort_all=True, message="aborted by pause_generation")
+        elif mode == "retract":
+            retracted = list(self._running)
+            self._select_rows([])
+            with self._cv:
+                for req in reversed(retracted):
+                    req.routed.clear()
+                    self._waiting.appendleft(req)
+        elif mode != "in_place":
+            raise ValueError(
+                f"pause_generation mode must be abort, retract or in_place, got {mode!r}"
+            )
+        self.paused = True
+
+    def unpause(self) -> None:
+        self.paused = False
+
+    def drop_kv_cache(self) -> None:
+        """Free the batch cache (only valid with no running request)."""
+        if self._running:
+            raise RuntimeError("cannot drop the KV cache while requests are running")
+        self._cache, self._mask, self._pos = None, None, []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def kv_cache_bytes(self) -> int:
+        if self._cache is None:
+            return 0
+        return sum(
+            t.numel() * t.element_size()
+            for layer in self._cache.layers
+            for t in (layer.keys, layer.values)
+        )
+
+    # ---- the loop ----------------------------------------------------------------------
+    def _idle(self) -> bool:
+        return not self._running and not self._waiting
+
+    def _next_control(self) -> _Control | None:
+        if self._controls:
+            head = self._controls[0]
+            # waiting requests are held back behind a wait_idle control, so only running ones count
+            if not head.wait_idle or self.paused or not self._running:
+                return self._controls.popleft()
+        return None
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop:
+                    control = self._next_control()
+                    if control is not None:
+                        break
+                    if not self.paused and not self._idle():
+                        break
+                    self._cv.wait()
+                if self._stop:
+                    break
+            if control is not None:
+                if control.future.set_running_or_notify_cancel():
+                    try:
+                        control.future.set_result(control.fn())
+                    except BaseException as exc:  # reported to the HTTP caller
+                        control.future.set_exception(exc)
+                continue
+            try:
+                with torch.no_grad():
+                    self._step()
+            except Exception as exc:  # a failed step aborts what it was running
+                logger.exception("engine step failed")
+                self.abort(abort_all=True, message=f"engine error: {exc}")
+
+    def _step(self) -> None:
+        blocked = bool(self._controls) and self._controls[0].wait_idle
+        admitted = []
+        with self._cv:
+            while (
+                not blocked
+                and self._waiting
+                and len(self._running) + len(admitted) < self.max_running
+            ):
+                admitted.append(self._waiting.popleft())
+        if admitted:
+            self._prefill(admitted)
+        if self._running:
+            self._decode()
+
+    # ---- model work --------------------------------------------------------------------
+    def _prefill(self, reqs: list[Request]) -> None:
+        """Prefill new requests as one left-padded batch, then merge them into the batch."""
+        todo = []
+        for req in reqs:
+            if self.weights_released:
+                self._finish(
+                    req, abort_reason("weights are released; call /resume_memory_occupation")
+                )
+            elif req.params.max_new_tokens == 0 or len(req.output_ids) >= req.params.max_new_tokens:
+                self._finish(req, length_reason(req.params.max_new_tokens))
+            elif not req.prompt_ids:
+                self._finish(req, abort_reason("empty prompt"))
+            else:
+                todo.append(req)
+        if not todo:
+            return
+        seqs = [req.prompt_ids + req.output_ids for req in todo]
+        lengths = [len(ids) for ids in seqs]
+        width = max(lengths)
+        ids = torch.tensor(
+            [[0] * (width - n) + seq for seq, n in zip(seqs, lengths)], device=self.device
+        )
+        mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], device=self.device)
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            **{self._cache_kw: cache},
+        )
+        if self.recorder is not None:
+            routed = self.recorder.take(len(todo) * width).view(
+                len(todo), width, *self.recorder.shape
+            )
+            for b, req in enumerate(todo):
+                if req.return_routed_experts:
+                    req.routed.extend(routed[b, width - lengths[b] :].unbind(0))
+        self._append_tokens(todo, out.logits[:, -1])
+        keep = [b for b, req in enumerate(todo) if not req.finished]
+        if keep:
+            index = torch.tensor(keep, device=self.device)
+            kv = [
+                (layer.keys.index_select(0, index), layer.values.index_select(0, index))
+                for layer in cache.layers
+            ]
+            self._merge(
+                [todo[b] for b in keep], kv, mask.index_select(0, index), [lengths[b] for b in keep]
+            )
+
+    def _merge(self, reqs: list[Request], kv: list, mask: torch.Tensor, lengths: list[int]) -> None:
+        """Add prefilled rows to the batch, left-padding whichever side is shorter."""
+        if self._cache is None:
+            merged = kv
+        else:
+            old_kv = [(layer.keys, layer.values) for layer in self._cache.layers]
+            width = max(self._mask.shape[1], mask.shape[1])
+            merged = [
+                (
+                    torch.cat([_pad_left(ok, width), _pad_left(nk, width)]),
+                    torch.cat([_pad_left(ov, width), _pad_left(nv, width)]),
+                )
+                for (ok, ov), (nk, nv) in zip(old_kv, kv)
+            ]
+            mask = torch.cat(
+                [
+                    F.pad(self._mask, (width - self._mask.shape[1], 0)),
+                    F.pad(mask, (width - mask.shape[1], 0)),
+                ]
+            )
+        self._cache = DynamicCache(ddp_cache_data=merged)
+        self._mask = mask
+        self._pos.extend(lengths)
+        self._running.extend(reqs)
+
+    def _decode(self) -> None:
+        batch = len(self._running)
+        tokens = torch.tensor([[r.output_ids[-1]] for r in self._running], device=self.device)
+        positions = torch.tensor([[p] for p in self._pos], device=self.device)
+        ones = torch.ones(batch, 1, dtype=torch.long, device=self.device)
+        self._mask = torch.cat([self._mask, ones], dim=1)
+        out = self.model(
+            input_ids=tokens,
+            position_ids=positions,
+            attention_mask=self._mask,
+            use_cache=True,
+            **{self._cache_kw: self._cache},
+        )
+        routed = self.recorder.take(batch) if self.recorder is not None else None
+        for b, req in enumerate(self._running):
+            self._pos[b] += 1
+            if routed is not None and req.return_routed_experts:
+                req.routed.append(routed[b])
+        self._append_tokens(self._running, out.logits[:, -1])
+        keep = [b for b, req in enumerate(self._running) if not req.finished]
+        if len(keep) < batch:
+            self._select_rows(keep)
+
+    def _select_rows(self, keep: list[int]) -> None:
+        """Keep only these batch rows; drop columns that became padding in every row."""
+        if len(keep) == len(self._running):
+            return
+        self._running = [self._running[i] for i in keep]
+        self._pos = [self._pos[i] for i in keep]
+        if not keep:
+            self._cache, self._mask = None, None
+            return
+        index = torch.tensor(keep, device=self.device)
+        mask = self._mask.index_select(0, index)
+        first = int((mask.sum(0) > 0).nonzero()[0])
+        self._mask = mask[:, first:]
+        self._cache = DynamicCache(
+            ddp_cache_data=[
+                (
+                    layer.keys.index_select(0, index)[:, :, first:],
+                    layer.values.index_select(0, index)[:, :, first:],
+                )
+                for layer in self._cache.layers
+            ]
+        )
+
+    # ---- tokens and finishing ----------------------------------------------------------
+    def _append_tokens(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        """Choose and append one token per request from ``logits`` ``[len(reqs), vocab]``."""
+        temps = torch.tensor(
+            [1.0 if r.params.greedy else r.params.temperature for r in reqs], device=logits.device
+        )
+        logprobs = torch.log_softmax(logits.float() / temps[:, None], dim=-1)
+        for req, row in zip(reqs, logprobs):
+            self._append_token(req, row)
+
+    def _append_token(self, req: Request, logprobs: torch.Tensor) -> None:
+        params = req.params
+        banned = None
+        if len(req.output_ids) < params.min_new_tokens:
+            banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_ids))
+        token, logprob = choose_token(logprobs, params, req.generator, banned)
+        req.output_ids.append(token)
+        req.output_logprobs.append(logprob)
+        if not params.ignore_eos and token in self.eos_ids or token in params.stop_token_ids:
+            text = self._decode_text(
+                req.output_ids if params.no_stop_trim else req.output_ids[:-1], params
+            )
+            self._finish(req, stop_reason(token), text)
+            return
+        if params.stop:
+            text = self._decode_text(req.output_ids, params)
+            hit = find_stop_string(text, params.stop)
+            if hit is not None:
+                stop, pos = hit
+                self._finish(req, stop_reason(stop), text if params.no_stop_trim else text[:pos])
+                return
+        if len(req.output_ids) >= params.max_new_tokens:
+            self._finish(req, length_reason(params.max_new_tokens))
+
+    def _decode_text(self, ids: list[int], params: SamplingParams) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+
+    def _finish(self, req: Request, reason: dict, text: str | None = None) -> None:
+        req.finish_reason = reason
+        req.text = text if text is not None else self._decode_text(req.output_ids, req.params)
+        req.on_done(req)
+
+
+def _pad_left(t: torch.Tensor, length: int) -> torch.Tensor:
+    """Pad dim -2 (sequence) of a ``[B, H, S, D]`` cache tensor on the left to ``length``."""
+    return F.pad(t, (0, 0, length - t.shape[-2], 0))
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif eos:
+            ids.update(int(e) for e in eos)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids

@@ -1,0 +1,454 @@
+"""The built-in engine's HTTP API: SGLang's endpoints, bodies, replies and status codes.
+
+Every handler that touches the model hands a closure to the :class:`Scheduler` thread
+(:meth:`Scheduler.run_control`); handlers themselves only parse, validate and format.
+Errors are ``{"error": {"message": ...}}`` with status 400 (weight-update endpoints also
+carry SGLang's ``{"success": false, "message": ...}``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from miles_launch.engine.generate_io import GenerateInputError, format_reply, parse_prompts
+from miles_launch.engine.safe_unpickle import UnsafePayloadError
+from miles_launch.engine.sampling import SamplingParams, SamplingParamsError
+from miles_launch.engine.scheduler import Request as GenRequest
+from miles_launch.engine.scheduler import Scheduler
+from miles_launch.engine.weights import (
+    WeightStore,
+    decode_tensor_payload,
+    destroy_weight_update_group,
+    join_weight_update_group,
+    receive_broadcast,
+)
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+PUBLIC_PATHS = {"/health", "/health_generate"}
+
+
+@dataclass
+class EngineConfig:
+    """Server arguments (reported flattened by /get_server_info)."""
+
+    model_path: str
+    tokenizer_path: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    device: str = "cpu"
+    dtype: str = "auto"
+    weight_version: str = "default"
+    tp_size: int = 1
+    max_running_requests: int = 64
+    enable_memory_saver: bool = False
+    enable_weights_cpu_backup: bool = False
+    enable_return_routed_experts: bool = False
+
+
+class ApiError(Exception):
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class EngineState:
+    config: EngineConfig
+    tokenizer: object
+    scheduler: Scheduler
+    weights: WeightStore
+    weight_version: str
+    healthy: bool = False
+    groups: dict = field(default_factory=dict)
+    update_window_used: bool = False
+    update_window_open: bool = False
+    gate: asyncio.Event | None = None  # set = /generate admits; cleared by pause_generation
+
+
+def _error(message: str, status: int = 400, success_field: bool = False) -> JSONResponse:
+    body: dict = {"error": {"message": message}}
+    if success_field:
+        body.update(success=False, message=message)
+    return JSONResponse(body, status_code=status)
+
+
+async def _json_body(request: Request) -> dict:
+    raw = await request.body()
+    if not raw.strip():
+        raise ApiError(f"{request.url.path}: missing request body (send at least {{}})")
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ApiError(f"{request.url.path}: body is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ApiError(f"{request.url.path}: body must be a JSON object")
+    return body
+
+
+def build_app(state: EngineState) -> FastAPI:
+    app = FastAPI(title="miles built-in engine")
+    sched = state.scheduler
+
+    state.gate = asyncio.Event()
+    state.gate.set()
+
+    @app.middleware("http")
+    async def _api_key(request: Request, call_next):
+        key = state.config.api_key
+        if key and request.url.path not in PUBLIC_PATHS:
+            if request.headers.get("authorization") != f"Bearer {key}":
+                return _error("unauthorized: send Authorization: Bearer <api key>", 401)
+        return await call_next(request)
+
+    @app.exception_handler(GenerateInputError)
+    async def _generate_input_error(request: Request, exc: GenerateInputError):
+        return _error(str(exc))
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        weights = request.url.path.startswith(
+            ("/update_weights", "/init_weights", "/destroy_weights")
+        )
+        return _error(str(exc), exc.status, success_field=weights)
+
+    async def control(fn, wait_idle: bool = False):
+        return await asyncio.wrap_future(sched.run_control(fn, wait_idle=wait_idle))
+
+    # ---- generation -----------------------------------------------------------------------
+    @app.post("/generate")
+    async def generate(request: Request):
+        body = await _json_body(request)
+        if body.get("stream"):
+            return _error("generate: stream is not supported by the built-in engine")
+        if body.get("logprob_start_len", -1) not in (-1, None):
+            return _error("generate: only logprob_start_len -1 (output logprobs) is supported")
+        prompts, single = parse_prompts(body, state.tokenizer)
+        raw_params = body.get("sampling_params") or {}
+        raw_list = raw_params if isinstance(raw_params, list) else [raw_params] * len(prompts)
+        if len(raw_list) != len(prompts):
+            return _error(f"sampling_params: {len(raw_list)} entries for {len(prompts)} prompts")
+        try:
+            params = [SamplingParams.from_request(p) for p in raw_list]
+        except SamplingParamsError as exc:
+            return _error(str(exc))
+        want_routed = bool(body.get("return_routed_experts", False))
+        if want_routed and not state.config.enable_return_routed_experts:
+            return _error(
+                "return_routed_experts needs the server flag --enable-return-routed-experts"
+            )
+        rid = body.get("rid") or uuid.uuid4().hex
+        rids = (
+            rid
+            if isinstance(rid, list)
+            else [rid if single else f"{rid}-{i}" for i in range(len(prompts))]
+        )
+        if len(rids) != len(prompts):
+            return _error(f"rid: {len(rids)} ids for {len(prompts)} prompts")
+        await state.gate.wait()
+        loop = asyncio.get_running_loop()
+        groups: list[list[tuple[GenRequest, asyncio.Future]]] = []
+        for prompt, p, r in zip(prompts, params, rids):
+            group = []
+            for j in range(p.n):
+                fut = loop.create_future()
+                req = GenRequest(
+                    rid=r if p.n == 1 else f"{r}-{j}",
+                    prompt_ids=prompt,
+                    params=p,
+                    on_done=lambda req, fut=fut: loop.call_soon_threadsafe(_resolve, fut, req),
+                    return_logprob=bool(body.get("return_logprob", False)),
+                    return_routed_experts=want_routed,
+                )
+                group.append((req, fut))
+            groups.append(group)
+        start = time.monotonic()
+        sched.submit([req for group in groups for req, _ in group])
+        await asyncio.gather(*(fut for group in groups for _, fut in group))
+        start_len = int(body.get("routed_experts_start_len") or 0)
+        replies = [
+            format_reply(req, state.weight_version, time.monotonic() - start, start_len)
+            for group in groups
+            for req, _ in group
+        ]
+        return replies[0] if single and len(replies) == 1 else replies
+
+    # ---- health and info ----------------------------------------------------------------
+    @app.get("/health")
+    @app.get("/health_generate")
+    async def health():
+        if state.healthy and sched.alive():
+            return JSONResponse({}, status_code=200)
+        return _error("engine not healthy", 503)
+
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    async def model_info():
+        return {
+            "model_path": state.config.model_path,
+            "tokenizer_path": state.config.tokenizer_path,
+            "is_generation": True,
+            "weight_version": state.weight_version,
+        }
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def server_info():
+        from miles_launch import __version__
+
+        info = {k: v for k, v in asdict(state.config).items() if k != "api_key"}
+        info.update(
+            version=__version__,
+            engine="miles-builtin",
+            weight_version=state.weight_version,
+            memory=_memory(state),
+            num_requests=sched.num_requests(),
+            paused=sched.paused,
+        )
+        return info
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request):
+        body = await _json_body(request)
+        if "new_version" not in body:
+            return _error("update_weight_version: field new_version is required")
+        if body.get("abort_all_requests", True):
+            await control(
+                lambda: sched.abort(abort_all=True, message="aborted by update_weight_version")
+            )
+        state.weight_version = str(body["new_version"])
+        return {"success": True, "message": f"weight version set to {state.weight_version}"}
+
+    # ---- pause / flush / abort ------------------------------------------------------------
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request):
+        body = await _json_body(request)
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            return _error(
+                f"pause_generation: mode must be abort, retract or in_place, got {mode!r}"
+            )
+        state.gate.clear()
+        await control(lambda: sched.pause(mode))
+        return {"success": True, "message": f"generation paused ({mode})"}
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request):
+        await _json_body(request)
+        await control(sched.unpause)
+        state.gate.set()
+        return {"success": True, "message": "generation continued"}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        def flush():
+            if not sched.fully_idle():
+                raise ApiError("flush_cache refused: requests are running or waiting")
+            sched.drop_kv_cache()
+
+        try:
+            await control(flush)
+        except ApiError as exc:
+            return _error(str(exc))
+        return JSONResponse({"success": True, "message": "cache flushed"})
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        body = await _json_body(request)
+        rid, abort_all = str(body.get("rid") or ""), bool(body.get("abort_all", False))
+        if not rid and not abort_all:  # SGLang ignores it: "" would prefix-match everything
+            return {"success": True, "message": "ignored: empty rid without abort_all"}
+        n = await control(lambda: sched.abort(rid, abort_all, message="aborted by abort_request"))
+        return {"success": True, "message": f"aborted {n} request(s)"}
+
+    # ---- weight updates -------------------------------------------------------------------
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(request: Request):
+        await _json_body(request)
+        state.update_window_used = state.update_window_open = True
+        return {"success": True, "message": "weight update window open"}
+
+    @app.post("/end_weight_update")
+    async def end_weight_update(request: Request):
+        await _json_body(request)
+        if not state.update_window_open:
+            return _error("end_weight_update without begin_weight_update", success_field=True)
+        state.update_window_open = False
+        return {"success": True, "message": "weight update window closed"}
+
+    def check_window(endpoint: str) -> None:
+        if state.update_window_used and not state.update_window_open:
+            raise ApiError(
+                f"{endpoint} must be wrapped by /begin_weight_update and /end_weight_update"
+            )
+
+    async def apply_update(body: dict, load) -> dict:
+        """Run ``load()`` on the scheduler thread: after in-flight requests finish, or at once
+        (aborting them) with ``abort_all_requests``, or at once on a paused server."""
+        abort_all = bool(body.get("abort_all_requests", False))
+
+        def run():
+            if abort_all:
+                sched.abort(abort_all=True, message="aborted by a weight update")
+            count = load()
+            if body.get("weight_version") is not None:
+                state.weight_version = str(body["weight_version"])
+            return count
+
+        try:
+            count = await control(run, wait_idle=not abort_all)
+        except (KeyError, ValueError, RuntimeError, FileNotFoundError) as exc:
+            return _error(f"weight update failed: {exc}", success_field=True)
+        return {"success": True, "message": f"updated {count} tensors", "num_paused_requests": 0}
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request):
+        body = await _json_body(request)
+        check_window("update_weights_from_tensor")
+        try:
+            named = await asyncio.to_thread(
+                decode_tensor_payload, body.get("serialized_named_tensors"), body.get("load_format")
+            )
+        except (UnsafePayloadError, ValueError, RuntimeError, OSError) as exc:
+            return _error(f"update_weights_from_tensor: {exc}", success_field=True)
+        return await apply_update(body, lambda: state.weights.load_named(named))
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request):
+        body = await _json_body(request)
+        if not body.get("model_path"):
+            return _error(
+                "update_weights_from_disk: field model_path is required", success_field=True
+            )
+        return await apply_update(body, lambda: state.weights.load_from_disk(body["model_path"]))
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request):
+        body = await _json_body(request)
+        missing = [
+            k
+            for k in ("master_address", "master_port", "rank_offset", "world_size")
+            if k not in body
+        ]
+        if missing:
+            return _error(
+                f"init_weights_update_group: missing field(s) {missing}", success_field=True
+            )
+        name = body.get("group_name", "weight_update_group")
+        backend = body.get("backend", "nccl")
+        if state.config.device == "cpu" and backend == "nccl":
+            backend = "gloo"
+        if name in state.groups:
+            return _error(f"weight update group {name!r} already exists", success_field=True)
+        try:
+            state.groups[name] = await asyncio.to_thread(
+                join_weight_update_group,
+                body["master_address"],
+                int(body["master_port"]),
+                int(body["rank_offset"]),
+                int(body["world_size"]),
+                name,
+                backend,
+            )
+        except Exception as exc:  # a failed rendezvous is reported, the server lives on
+            return _error(f"Failed to initialize custom process group: {exc}", success_field=True)
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request):
+        body = await _json_body(request)
+        check_window("update_weights_from_distributed")
+        name = body.get("group_name", "weight_update_group")
+        if name not in state.groups:
+            return _error(
+                f"no weight update group {name!r}; call /init_weights_update_group",
+                success_field=True,
+            )
+        pg, device = state.groups[name], torch.device(state.config.device)
+
+        def load():
+            named = receive_broadcast(
+                pg,
+                body.get("names", []),
+                body.get("dtypes", []),
+                body.get("shapes", []),
+                body.get("load_format"),
+                device,
+            )
+            return state.weights.load_named(named)
+
+        return await apply_update(body, load)
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request):
+        body = await _json_body(request)
+        name = body.get("group_name", "weight_update_group")
+        pg = state.groups.pop(name, None)
+        if pg is None:
+            return _error(f"no weight update group {name!r}", success_field=True)
+        await asyncio.to_thread(destroy_weight_update_group, pg)
+        return {"success": True, "message": f"destroyed {name}"}
+
+    # ---- memory ---------------------------------------------------------------------------
+    def parse_tags(body: dict) -> set[str]:
+        tags = set(body.get("tags") or MEMORY_TAGS)
+        unknown = tags - set(MEMORY_TAGS)
+        if unknown:
+            raise ApiError(f"tags: unknown {sorted(unknown)}; known {list(MEMORY_TAGS)}")
+        return tags
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(request: Request):
+        tags = parse_tags(await _json_body(request))
+
+        def release():
+            if not sched.fully_idle():
+                raise ApiError(
+                    "release_memory_occupation needs an idle server (requests are running)"
+                )
+            if "kv_cache" in tags:
+                sched.drop_kv_cache()
+            if "weights" in tags:
+                state.weights.release()
+                sched.weights_released = True
+
+        await control(release)
+        return {"success": True, "message": f"released {sorted(tags)}"}
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(request: Request):
+        tags = parse_tags(await _json_body(request))
+
+        def resume():
+            if "weights" in tags:
+                state.weights.resume()
+                sched.weights_released = False
+
+        await control(resume)
+        return {"success": True, "message": f"resumed {sorted(tags)}"}
+
+    return app
+
+
+def _memory(state: EngineState) -> dict:
+    """Bytes held by weights and the KV cache (and, on CUDA, by the allocator overall)."""
+    out = {
+        "weights_bytes": state.weights.weights_bytes(),
+        "kv_cache_bytes": state.scheduler.kv_cache_bytes(),
+    }
+    if state.weights.device.type == "cuda":
+        out["device_allocated_bytes"] = torch.cuda.memory_allocated(state.weights.device)
+    return out
+
+
+def _resolve(fut: asyncio.Future, req: GenRequest) -> None:
+    if not fut.done():
+        fut.set_result(req)

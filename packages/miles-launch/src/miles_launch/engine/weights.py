@@ -1,0 +1,207 @@
+"""Weights of the built-in engine: updates (tensor / distributed / disk) and memory release.
+
+Every update ends in :meth:`WeightStore.load_named`: each ``(name, tensor)`` is copied into
+the parameter (or buffer) of that HF name, cast to the parameter's dtype. A name the model
+does not have, or a shape that differs, fails the whole call with a message naming it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from miles_sync.buckets import bucket_layout, unpack_bucket
+from safetensors.torch import load_file
+
+from miles_launch.engine.safe_unpickle import UnsafePayloadError, decode_serialized
+
+WEIGHT_UPDATE_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+class WeightStore:
+    """The model's parameters and buffers by HF name, with release/resume of their memory."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, cpu_backup: bool = False):
+        self.model = model
+        self.device = device
+        self.cpu_backup = cpu_backup
+        # Parameters and persistent buffers (what a checkpoint holds; tied weights appear
+        # under each name). Non-persistent buffers (e.g. rotary inv_freq) are derived, small,
+        # and stay put.
+        self.tensors: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
+        self._specs = {name: (t.shape, t.dtype) for name, t in self.tensors.items()}
+        self._backup: dict[str, torch.Tensor] | None = None
+        self.released = False
+
+    @torch.no_grad()
+    def load_named(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        if self.released:
+            raise RuntimeError("weights are released; call /resume_memory_occupation first")
+        count = 0
+        for name, tensor in named_tensors:
+            target = self.tensors.get(name)
+            if target is None:
+                raise KeyError(f"model has no parameter or buffer named {name!r}")
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"{name}: shape {tuple(tensor.shape)} != model's {tuple(target.shape)}"
+                )
+            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+            count += 1
+        return count
+
+    def load_from_disk(self, model_path: str) -> int:
+        """Load every ``*.safetensors`` file of a HF checkpoint directory."""
+        path = Path(model_path)
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"model_path {model_path!r} holds no *.safetensors file")
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            names = set(json.loads(index.read_text())["weight_map"].values())
+            files = [path / n for n in sorted(names)]
+        count = 0
+        for file in files:
+            count += self.load_named(load_file(str(file), device="cpu").items())
+        return count
+
+    def weights_bytes(self) -> int:
+        unique = {id(t): t for t in self.tensors.values()}
+        return sum(t.numel() * t.element_size() for t in unique.values())
+
+    @torch.no_grad()
+    def release(self) -> None:
+        """Free every parameter/buffer's storage (backing it up on the CPU first if asked)."""
+        if self.released:
+            return
+        if self.cpu_backup:
+            self._backup = {n: t.detach().to("cpu", copy=True) for n, t in self.tensors.items()}
+        for tensor in {id(t): t for t in self.tensors.values()}.values():
+            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        self.released = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @torch.no_grad()
+    def resume(self) -> None:
+        """Reallocate the storage: from the CPU backup, else uninitialised (re-sync weights)."""
+        if not self.released:
+            return
+        seen = set()
+        for name, tensor in self.tensors.items():
+            if id(tensor) in seen:  # tied: already restored under another name
+                continue
+            seen.add(id(tensor))
+            shape, dtype = self._specs[name]
+            if self._backup is not None:
+                tensor.data = self._backup[name].to(self.device)
+            else:
+                tensor.data = torch.empty(shape, dtype=dtype, device=self.device)
+        self._backup = None
+        self.released = False
+
+
+# ---- /update_weights_from_tensor ------------------------------------------------------------
+def decode_tensor_payload(
+    serialized: list, load_format: str | None
+) -> list[tuple[str, torch.Tensor]]:
+    """``serialized_named_tensors`` (one entry per TP rank; this engine has one) -> named tensors.
+
+    ``load_format`` ``None``/``"direct"``: the entry is a list of ``(name, tensor)``;
+    ``"flattened_bucket"``: a dict ``{"flattened_tensor": uint8 1-D, "metadata": [...]}``.
+    """
+    if not isinstance(serialized, list) or len(serialized) != 1:
+        n = len(serialized) if isinstance(serialized, list) else type(serialized).__name__
+        raise ValueError(
+            f"serialized_named_tensors must hold one entry (this engine has tp size 1), got {n}"
+        )
+    payload = decode_serialized(serialized[0])
+    if load_format in (None, "direct"):
+        if not isinstance(payload, (list, tuple)) or not all(
+            isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[1], torch.Tensor)
+            for item in payload
+        ):
+            raise UnsafePayloadError("direct payload must be a list of (name, tensor) pairs")
+        return [(str(name), tensor) for name, tensor in payload]
+    if load_format == "flattened_bucket":
+        if not isinstance(payload, dict) or {"flattened_tensor", "metadata"} - payload.keys():
+            raise UnsafePayloadError(
+                "flattened_bucket payload must be a dict with flattened_tensor and metadata"
+            )
+        return unpack_bucket(payload["flattened_tensor"], payload["metadata"])
+    raise ValueError(
+        f"load_format must be null, 'direct' or 'flattened_bucket', got {load_format!r}"
+    )
+
+
+# ---- /init_weights_update_group and /update_weights_from_distributed -------------------------
+def join_weight_update_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str,
+    is_master: bool = False,
+    timeout: datetime.timedelta = WEIGHT_UPDATE_TIMEOUT,
+):
+    """A process group on ``PrefixStore(group_name, TCPStore(master_address, master_port))``.
+
+    This is how SGLang's engine joins (its ``init_custom_process_group``): rank 0 (the
+    trainer, ``is_master=True``) hosts the store, engines join with ``is_master=False``. The
+    group needs no default process group. Blocks until all ``world_size`` ranks joined.
+    """
+    from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
+
+    store = dist.TCPStore(
+        master_address, int(master_port), world_size, is_master=is_master, timeout=timeout
+    )
+    store = dist.PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(
+        world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout
+    )
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def destroy_weight_update_group(pg) -> None:
+    dist.destroy_process_group(pg)
+
+
+def receive_broadcast(
+    pg,
+    names: list[str],
+    dtypes: list[str],
+    shapes: list[list[int]],
+    load_format: str | None,
+    device: torch.device,
+) -> list[tuple[str, torch.Tensor]]:
+    """Receive tensors broadcast from rank 0: one per name in list order, or (flattened_bucket)
+    one uint8 bucket laid out by :func:`miles_sync.buckets.bucket_layout`."""
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise ValueError(
+            f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}"
+        )
+    torch_dtypes = []
+    for dtype in dtypes:
+        value = getattr(torch, str(dtype).removeprefix("torch."), None)
+        if not isinstance(value, torch.dtype):
+            raise ValueError(f"dtypes: unknown dtype {dtype!r}")
+        torch_dtypes.append(value)
+    if load_format == "flattened_bucket":
+        metadata, total = bucket_layout(zip(names, shapes, torch_dtypes))
+        flat = torch.empty(total, dtype=torch.uint8, device=device)
+        dist.broadcast(flat, src=0, group=pg)
+        return unpack_bucket(flat, metadata)
+    if load_format not in (None, "direct"):
+        raise ValueError(f"load_format must be null or 'flattened_bucket', got {load_format!r}")
+    out = []
+    for name, dtype, shape in zip(names, torch_dtypes, shapes):
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(tensor, src=0, group=pg)
+        out.append((name, tensor))
+    return out

@@ -1,0 +1,261 @@
+"""Benchmark: FSDPBackend.train vs a plain, strong FSDP2 loop, in one run.
+
+    torchrun --nproc-per-node 1 scripts/bench_fsdp_train.py --out bench_fsdp_1gpu.json
+    torchrun --nproc-per-node 2 scripts/bench_fsdp_train.py --out bench_fsdp_2gpu.json
+
+Both sides train the same Qwen3-0.6B-shaped random model (written once as a HF directory) on the
+same synthetic rollouts (~``--tokens-per-gpu`` tokens per GPU per optimizer step, THD-packed by
+miles-core), bf16 compute / fp32 master and reduction, the same attention implementation.
+The plain loop is built the strong way: ``fully_shard`` per decoder layer and the root,
+``MixedPrecisionPolicy(bf16, fp32)``, fused AdamW, packed rows with ``packed_attention_kwargs``,
+a policy-gradient loss on token log-probs. Reported per side: tokens/s per GPU, MFU (model FLOPs
+``6 N + 6 L d s`` per token against ``--peak-tflops``), peak memory. Prints a table and writes
+JSON; it asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def qwen3_06b_config():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+    )
+
+
+def write_model(path: str) -> None:
+    from tokenizers import Tokenizer, models
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(qwen3_06b_config(), dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    tok = Tokenizer(models.WordLevel(vocab={"<unk>": 0, "<eos>": 1}, unk_token="<unk>"))
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>"
+    ).save_pretrained(path)
+
+
+def make_rollout(tokens_per_gpu: int, world: int, steps: int, seed: int):
+    """Samples of 512..2048 tokens, ~tokens_per_gpu per GPU per step, groups of 4."""
+    from miles_core.batch import RolloutBatch, Sample
+
+    g = torch.Generator().manual_seed(seed)
+    samples, total, target = [], 0, tokens_per_gpu * world * steps
+    while total < target:
+        length = int(torch.randint(512, 2049, (1,), generator=g))
+        response = length // 2
+        samples.append(
+            Sample(
+                tokens=torch.randint(2, 151936, (length,), generator=g),
+                response_length=response,
+                reward=float(torch.rand((), generator=g)),
+                group_index=len(samples) // 4,
+            )
+        )
+        total += length
+    while len(samples) % 4:
+        samples.pop()
+    return RolloutBatch(samples)
+
+
+def flops_per_token(cfg, seq_len: float) -> float:
+    n_params = (
+        cfg.num_hidden_layers
+        * (
+            cfg.hidden_size
+            * cfg.head_dim
+            * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)
+            + 3 * cfg.hidden_size * cfg.intermediate_size
+        )
+        + cfg.vocab_size * cfg.hidden_size
+    )
+    attention = 6 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
+    return 6 * n_params + attention
+
+
+def run_backend(hf_dir, shard, args, world):
+    from miles_core.args import core_groups, parse_args
+    from miles_fsdp.args import fsdp_groups
+    from miles_fsdp.backend import FSDPBackend
+
+    argv = [
+        "--hf-checkpoint",
+        hf_dir,
+        "--bf16",
+        "--lr",
+        "1e-6",
+        "--use-dynamic-batch-size",
+        "--max-tokens-per-gpu",
+        str(args.tokens_per_gpu),
+        "--global-batch-size",
+        str(len(shard) * world),
+        "--num-steps-per-rollout",
+        str(args.steps),
+        "--advantage-estimator",
+        "grpo",
+    ]
+    if args.attn:
+        argv += ["--attn-implementation", args.attn]
+    backend = FSDPBackend()
+    backend.init(parse_args(argv, [*core_groups(), *fsdp_groups()]))
+    times = []
+    for rollout in range(args.warmup + args.iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        backend.train(rollout, shard)
+        torch.cuda.synchronize()
+        if rollout >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    attn = backend.attn_implementation
+    backend.close()
+    return times, attn
+
+
+def run_plain(hf_dir, shard, args, attn):
+    """The strong hand-written FSDP2 loop."""
+    from miles_core.log_probs import token_log_probs
+    from miles_core.micro_batch import make_micro_batches, split_steps
+    from miles_core.packing import pack_thd, packed_attention_kwargs
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    model = AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, attn_implementation=attn
+    ).to(device)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    rewards = torch.tensor([s.reward for s in shard])
+    times = []
+    for it in range(args.warmup + args.iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for step in split_steps(shard, args.steps):
+            optimizer.zero_grad(set_to_none=True)
+            n_tokens = step.num_loss_tokens
+            for mb in make_micro_batches(step, args.tokens_per_gpu):
+                packed = pack_thd(mb).to(device)
+                kwargs = packed_attention_kwargs(packed, attn, dtype=torch.bfloat16)
+                logits = model(input_ids=packed.input_ids, **kwargs).logits
+                logp = token_log_probs(logits, packed.targets)
+                adv = (rewards.mean() - 0.5).to(device)
+                loss = -(adv * logp * packed.loss_mask).sum() / n_tokens
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+        torch.cuda.synchronize()
+        if it >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    del model, optimizer
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens-per-gpu", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=2, help="optimizer steps per rollout")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument(
+        "--attn", default=None, help="attention implementation (default: backend's)"
+    )
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak per GPU")
+    parser.add_argument("--out", default="bench_fsdp_train.json")
+    args = parser.parse_args()
+
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    box = [tempfile.mkdtemp(prefix="bench_fsdp_") if rank == 0 else None]
+    dist.broadcast_object_list(box)
+    hf_dir = box[0]
+    if rank == 0:
+        write_model(hf_dir)
+    dist.barrier()
+
+    from miles_core.partition import partition_for_dp
+
+    rollout = make_rollout(args.tokens_per_gpu, world, args.steps, seed=1)
+    shard = partition_for_dp(rollout, world)[rank]
+    tokens = shard.total_tokens
+    cfg = qwen3_06b_config()
+    seq_len = statistics.mean(shard.total_lengths)
+
+    results = {}
+    torch.cuda.reset_peak_memory_stats()
+    times, attn = run_backend(hf_dir, shard, args, world)
+    results["miles-fsdp"] = (times, torch.cuda.max_memory_allocated())
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    results["plain FSDP2 loop"] = (
+        run_plain(hf_dir, shard, args, attn),
+        torch.cuda.max_memory_allocated(),
+    )
+
+    rows = {}
+    for name, (times, peak) in results.items():
+        tps = tokens / statistics.median(times)
+        rows[name] = {
+            "tokens_per_s_per_gpu": tps,
+            "mfu": tps * flops_per_token(cfg, seq_len) / (args.peak_tflops * 1e12),
+            "peak_memory_gb": peak / 2**30,
+            "seconds_per_rollout": statistics.median(times),
+        }
+    ratio = (
+        rows["miles-fsdp"]["tokens_per_s_per_gpu"]
+        / rows["plain FSDP2 loop"]["tokens_per_s_per_gpu"]
+    )
+    if rank == 0:
+        print(
+            f"\n{world} GPU(s), {torch.cuda.get_device_name()}, attn={attn}, "
+            f"{tokens} tokens/GPU/rollout, {args.steps} steps/rollout"
+        )
+        print(f"{'':20s} {'tok/s/GPU':>12s} {'MFU':>7s} {'peak GB':>8s}")
+        for name, r in rows.items():
+            print(
+                f"{name:20s} {r['tokens_per_s_per_gpu']:12.0f} {r['mfu']:7.1%} {r['peak_memory_gb']:8.2f}"
+            )
+        print(f"ratio miles-fsdp / plain: {ratio:.3f} (target >= 0.95)")
+        report = {
+            "gpus": world,
+            "device": torch.cuda.get_device_name(),
+            "attn_implementation": attn,
+            "tokens_per_gpu_per_rollout": tokens,
+            "steps_per_rollout": args.steps,
+            "results": rows,
+            "ratio": ratio,
+            "torch": torch.__version__,
+        }
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Programs run on each gloo rank by the multi-rank tests (importable by spawned children)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from miles_fsdp.backend import FSDPBackend
+from miles_fsdp.train_step import optimizer_step
+from run_args import make_args
+from torch.distributed.tensor import DTensor
+
+
+def nll_contribution(denominator: int):
+    """Token NLL summed over a (B, T) micro-batch, divided by the step's global token count."""
+
+    def loss_of(model, ids: torch.Tensor):
+        ids = ids.to(next(model.parameters()).device)
+        logits = model(input_ids=ids).logits[:, :-1].float()
+        nll = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum"
+        )
+        return nll / denominator, {"nll": nll.detach() / denominator}
+
+    return loss_of
+
+
+def full_grads(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
+    return out
+
+
+def full_params(model) -> dict[str, torch.Tensor]:
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
+
+
+def my_rows(data: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s share of the global batch: rows ``rank::world``."""
+    return data[rank::world]
+
+
+def gradients_program(rank, world, hf_dir, data, dp_replicate, micro_splits, out_file):
+    """One optimizer step (lr 0) over the global batch ``data``; save full grads per split."""
+    backend = FSDPBackend()
+    backend.init(
+        make_args(hf_checkpoint=hf_dir, dp_replicate_size=dp_replicate, lr=0.0, clip_grad=0.0)
+    )
+    rows = my_rows(data, rank, world)
+    denominator = data.shape[0] * (data.shape[1] - 1)
+    results = {}
+    for n_micro in micro_splits:
+        micro = list(rows.chunk(n_micro))
+        step = optimizer_step(
+            backend.model,
+            backend.optimizer,
+            backend.scheduler,
+            micro,
+            nll_contribution(denominator),
+            dp_size=world,
+            clip_grad=0.0,
+        )
+        results[n_micro] = {"grads": full_grads(backend.model), "loss": step.loss}
+    if rank == 0:
+        torch.save(results, out_file)
+    backend.close()
+
+
+def train_rollouts(backend, data, rollout_ids, rank, world, losses):
+    denominator = data.shape[0] * (data.shape[1] - 1)
+    for rollout_id in rollout_ids:
+        noise = torch.randint(0, data.max().item() + 1, (1,)).item()  # exercises the RNG state
+        batch = (data + noise + rollout_id) % (data.max() + 1)
+        rows = my_rows(batch, rank, world)
+        step = optimizer_step(
+            backend.model,
+            backend.optimizer,
+            backend.scheduler,
+            list(rows.chunk(2)),
+            nll_contribution(denominator),
+            dp_size=world,
+            clip_grad=1.0,
+        )
+        losses.append(step.loss)
+        backend.state.global_step += 1
+        backend.state.micro_step += 2
+        backend.state.next_rollout_id = rollout_id + 1
+
+
+def optimizer_tensors(backend) -> dict[str, torch.Tensor]:
+    out = {}
+    for i, state in enumerate(backend.optimizer.state.values()):
+        for key, value in state.items():
+            v = value.full_tensor() if isinstance(value, DTensor) else value
+            out[f"{i}.{key}"] = v.detach().clone()
+    return out
+
+
+def resume_program(rank, world, hf_dir, data, save_dir, modes, out_file):
+    """Run each of ``modes`` with a fresh backend, in these same ranks; save all results.
+
+    "straight": 3 rollouts. "first": 2 rollouts + save. "resume": load + 1 rollout.
+    "resume-no-optim": load with --no-load-optim and record the state without training.
+    """
+    results = {}
+    for mode in modes:
+        args = dict(hf_checkpoint=hf_dir, lr_warmup_iters=2, lr_decay_style="cosine")
+        args.update(lr_decay_iters=6, save=f"{save_dir}/{mode}")
+        if mode.startswith("resume"):
+            args["load"] = f"{save_dir}/first"
+        if mode == "resume-no-optim":
+            args["load_optim"] = False
+        if mode == "first":  # committed by close(): exercises --async-save
+            args["async_save"] = True
+        backend = FSDPBackend()
+        start = backend.init(make_args(**args))
+        losses: list[float] = []
+        if mode == "straight":
+            train_rollouts(backend, data, [0, 1, 2], rank, world, losses)
+        elif mode == "first":
+            train_rollouts(backend, data, [0, 1], rank, world, losses)
+            backend.save_model(1)
+        elif mode == "resume":
+            train_rollouts(backend, data, [start], rank, world, losses)
+        results[mode] = {
+            "start": start,
+            "losses": losses,
+            "params": full_params(backend.model),
+            "optim": optimizer_tensors(backend),
+            "lr": backend.optimizer.param_groups[0]["lr"],
+            "scheduler_epoch": backend.scheduler.last_epoch,
+        }
+        backend.close()
+    if rank == 0:
+        torch.save(results, out_file)
+
+
+def export_program(rank, world, hf_dir, out_dir, out_file):
+    backend = FSDPBackend()
+    backend.init(make_args(hf_checkpoint=hf_dir))
+    params = full_params(backend.model)
+    backend.export_hf(out_dir)
+    if rank == 0:
+        torch.save(params, out_file)
+    backend.close()
+
+
+def rollout_program(rank, world, hf_dir, samples, configs, out_file):
+    """Train one rollout per config (fresh backend each); save final weights and metrics."""
+    from miles_core.batch import RolloutBatch
+    from miles_core.partition import partition_for_dp
+
+    results = {}
+    for label, overrides in configs.items():
+        backend = FSDPBackend()
+        backend.init(make_args(hf_checkpoint=hf_dir, **overrides))
+        shards = partition_for_dp(RolloutBatch(samples), world, keep_groups=True)
+        metrics = backend.train(0, shards[rank])
+        results[label] = {"params": full_params(backend.model), "metrics": metrics}
+        backend.close()
+    if rank == 0:
+        torch.save(results, out_file)

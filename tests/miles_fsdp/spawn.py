@@ -1,0 +1,56 @@
+"""Run a function on N gloo ranks (torch.multiprocessing spawn) with a timeout."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(
+    rank: int, world_size: int, init_file: str, backend: str, fn: Callable, args: tuple
+) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["LOCAL_RANK"] = str(rank)
+    import torch
+
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
+    try:
+        fn(rank, world_size, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(
+    world_size: int, fn: Callable, *args, timeout: float = 120.0, backend: str = "gloo"
+) -> None:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` ranks; raise if any fails.
+
+    ``backend="nccl"`` pins rank ``r`` to GPU ``r`` (tests/gpu).
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(
+            _entry,
+            args=(world_size, os.path.join(tmp, "init"), backend, fn, args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise TimeoutError(f"{world_size}-rank run did not finish within {timeout}s")

@@ -1,0 +1,82 @@
+"""--fsdp-cpu-offload and --gradient-checkpointing change where and when, never what."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from miles_fsdp.backend import FSDPBackend
+from miles_fsdp.train_step import optimizer_step
+from rank_programs import full_params, nll_contribution
+from run_args import make_args
+from tiny_models import save_tiny_model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory):
+    init = tmp_path_factory.mktemp("pg") / "init"
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _two_steps(hf_dir, data, sleep_between=False, **flags):
+    backend = FSDPBackend()
+    backend.init(make_args(hf_checkpoint=hf_dir, **flags))
+    model = backend.model
+    on = (
+        model.is_activation_checkpointing
+        if hasattr(type(model), "is_activation_checkpointing")
+        else model.is_gradient_checkpointing
+    )
+    assert on == flags.get("gradient_checkpointing", False)
+    losses = []
+    for _ in range(2):
+        if sleep_between:
+            for _cycle in range(2):
+                backend.sleep()
+                backend.sleep()  # idempotent
+                assert backend.asleep
+                backend.wake_up()
+                backend.wake_up()
+                assert not backend.asleep
+        step = optimizer_step(
+            backend.model,
+            backend.optimizer,
+            backend.scheduler,
+            list(data.chunk(2)),
+            nll_contribution(data.numel() - data.shape[0]),
+            dp_size=1,
+            clip_grad=1.0,
+        )
+        losses.append(step.loss)
+    params = full_params(backend.model)
+    backend.close()
+    return losses, params
+
+
+def test_cpu_offload_and_checkpointing_train_identically(one_rank_group, tmp_path):
+    hf_dir = str(save_tiny_model(tmp_path / "m"))
+    data = torch.randint(0, 64, (4, 10), generator=torch.Generator().manual_seed(5))
+    base_losses, base = _two_steps(hf_dir, data)
+    for flags in ({"fsdp_cpu_offload": True}, {"gradient_checkpointing": True}):
+        losses, params = _two_steps(hf_dir, data, **flags)
+        assert losses == base_losses, flags
+        for name, value in base.items():
+            assert torch.equal(value, params[name]), (flags, name)
+
+
+@pytest.mark.parametrize("target", ["cpu", "disk"])
+def test_sleep_wake_cycles_do_not_change_training(one_rank_group, tmp_path, target):
+    hf_dir = str(save_tiny_model(tmp_path / "m"))
+    data = torch.randint(0, 64, (4, 10), generator=torch.Generator().manual_seed(5))
+    base_losses, base = _two_steps(hf_dir, data)
+    flags = {"offload_train_target": target, "offload_train_disk_dir": str(tmp_path / "off")}
+    if target == "disk":
+        flags["offload_train"] = True
+    losses, params = _two_steps(hf_dir, data, sleep_between=True, **flags)
+    assert losses == base_losses
+    for name, value in base.items():
+        assert torch.equal(value, params[name]), name

@@ -1,0 +1,147 @@
+"""The flattened bucket codec: bit-exact round trips, alignment, the planner's bound, and
+pickling under SGLang's class path."""
+
+import io
+import pickle
+import pickletools
+
+import pytest
+import torch
+from miles_sync.buckets import (
+    FlattenedTensorMetadata,
+    dumps_sglang_wire,
+    pack_bucket,
+    plan_buckets,
+    tensor_nbytes,
+    to_sglang_metadata,
+    unpack_bucket,
+)
+
+
+class _SGLangNamesUnpickler(pickle.Unpickler):
+    """Stands in for SGLang's receiver: its dataclass has the same six fields."""
+
+    def find_class(self, module, name):
+        if (module, name) == ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"):
+            return FlattenedTensorMetadata
+        return super().find_class(module, name)
+
+
+def _mixed():
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("a.int8", torch.randint(-128, 127, (3,), dtype=torch.int8, generator=g)),
+        ("b.f32", torch.randn(2, generator=g)),
+        ("c.bf16", torch.randn(3, generator=g).to(torch.bfloat16)),
+        ("d.i64", torch.randint(0, 1 << 40, (1,), generator=g)),
+        ("e.bool", torch.tensor([True, False, True])),
+        ("f.f16", torch.randn(2, 2, generator=g).half()),
+        ("g.empty", torch.empty(0, 4)),
+        ("h.f64", torch.randn(2, 3, generator=g, dtype=torch.float64).t()),  # non-contiguous
+    ]
+
+
+def test_round_trip_mixed_dtypes_bit_exact():
+    named = _mixed()
+    flat, meta = pack_bucket(named)
+    assert flat.dtype == torch.uint8 and flat.dim() == 1
+    out = unpack_bucket(flat, meta)
+    assert [n for n, _ in out] == [n for n, _ in named]
+    for (_, want), (_, got) in zip(named, out):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        # bit-exact: compare the raw bytes, not values (NaN-safe, -0.0-safe)
+        assert bytes(got.contiguous().view(-1).view(torch.uint8).numpy()) == bytes(
+            want.contiguous().view(-1).view(torch.uint8).numpy()
+        )
+
+
+def test_layout_offsets_are_aligned_byte_ranges():
+    named = [
+        ("x", torch.ones(3, dtype=torch.int8)),
+        ("y", torch.ones(2, dtype=torch.float32)),
+        ("z", torch.ones(1, dtype=torch.bfloat16)),
+        ("w", torch.ones(1, dtype=torch.int64)),
+    ]
+    flat, meta = pack_bucket(named)
+    # by hand: int8 [0,3); float32 aligned to 4 -> [4,12); bf16 [12,14); int64 aligned to 8 -> [16,24)
+    assert [(m.start_idx, m.end_idx, m.numel) for m in meta] == [
+        (0, 3, 3),
+        (4, 12, 8),
+        (12, 14, 2),
+        (16, 24, 8),
+    ]
+    assert flat.numel() == 24
+    assert flat[3].item() == 0 and flat[14:16].tolist() == [0, 0]  # padding is zero
+    for m in meta:
+        assert m.start_idx % m.dtype.itemsize == 0
+
+
+def test_unpack_rejects_bad_metadata():
+    flat, meta = pack_bucket([("x", torch.ones(2)), ("y", torch.ones(2))])
+    bad = FlattenedTensorMetadata("y", torch.Size([3]), torch.float32, 8, 20, 12)
+    with pytest.raises(ValueError, match="'y'"):
+        unpack_bucket(flat, [meta[0], bad])
+    unaligned = FlattenedTensorMetadata("x", torch.Size([1]), torch.float32, 2, 6, 4)
+    with pytest.raises(ValueError, match="not aligned"):
+        unpack_bucket(flat, [unaligned])
+
+
+def _packed_size(group):
+    return pack_bucket(group)[0].numel()
+
+
+def test_planner_bound_order_and_oversize_alone():
+    g = torch.Generator().manual_seed(1)
+    sizes = [5, 17, 3, 64, 1, 1, 30, 8, 100, 2, 7]
+    dtypes = [torch.int8, torch.float32, torch.bfloat16, torch.int64]
+    named = [(f"t{i}", torch.randn(n, generator=g).to(dtypes[i % 4])) for i, n in enumerate(sizes)]
+    bound = 128
+    groups = list(plan_buckets(iter(named), bound))
+    assert [n for grp in groups for n, _ in grp] == [n for n, _ in named]
+    for grp in groups:
+        if len(grp) > 1:
+            assert _packed_size(grp) <= bound
+        else:
+            assert _packed_size(grp) <= bound or tensor_nbytes(grp[0][1]) > bound
+    oversize = [grp for grp in groups if _packed_size(grp) > bound]
+    assert oversize and all(
+        len(grp) == 1 for grp in oversize
+    )  # t3 (64 x int64) and t8 travel alone
+    # maximality: the planner closes a group only when the next tensor would not fit
+    for grp, nxt in zip(groups, groups[1:]):
+        assert _packed_size(grp + nxt[:1]) > bound
+
+
+def test_planner_rejects_nonpositive_bound():
+    with pytest.raises(ValueError, match="max_bytes"):
+        list(plan_buckets([("a", torch.ones(1))], 0))
+
+
+def test_sglang_class_path_pickles_and_reconstructs():
+    flat, meta = pack_bucket([("a", torch.arange(3, dtype=torch.int16)), ("b", torch.ones(2))])
+    wire = to_sglang_metadata(meta)
+    data = dumps_sglang_wire({"flattened_tensor": flat, "metadata": wire})
+    globals_named = set()
+    strings, memo, last = [], [], None  # string pushes, memo slots, the last pushed string
+    for op, arg, _ in pickletools.genops(io.BytesIO(data)):
+        if "UNICODE" in op.name:
+            strings.append(arg)
+            last = arg
+        elif op.name == "MEMOIZE":
+            memo.append(last)
+        elif op.name in ("BINGET", "LONG_BINGET"):
+            last = memo[arg]
+            if last is not None:
+                strings.append(last)
+        elif op.name == "STACK_GLOBAL":
+            globals_named.add((strings[-2], strings[-1]))
+            last = None
+        else:
+            last = None
+    assert ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata") in globals_named
+    assert not any(mod.startswith("miles_sync") for mod, _ in globals_named)
+    # what SGLang does on receipt: slice, view as dtype, reshape
+    back = _SGLangNamesUnpickler(io.BytesIO(data)).load()
+    for m, want in zip(back["metadata"], [torch.arange(3, dtype=torch.int16), torch.ones(2)]):
+        got = back["flattened_tensor"][m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape)
+        assert torch.equal(got, want)

@@ -23,7 +23,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+def _entry(
+    rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, shim: bool
+) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -42,7 +44,8 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
         import megatron_shim
 
         torch.set_num_threads(1)
-        megatron_shim.install()
+        if shim:
+            megatron_shim.install()
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         try:
             result = fn(rank, world_size, *args)
@@ -57,13 +60,18 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def spawn_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results."""
+def spawn_ranks(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 180, shim: bool = True
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results.
+
+    ``shim=False`` leaves torch as it is (for code that is not megatron-core, e.g. FSDP).
+    """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=False)
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, shim), daemon=False)
         for r in range(world_size)
     ]
     for p in procs:

@@ -141,3 +141,30 @@ def backend_run(rank: int, world: int, hf_dir: str, save: str, tp: int) -> dict:
     from backend_reference import run_backend
 
     return run_backend(hf_dir, save, tp)
+
+
+BOTH_BACKENDS_FLAGS = [
+    "--lr", "1e-3", "--weight-decay", "0", "--entropy-coef", "0.01", "--micro-batch-size", "2",
+    "--advantage-estimator", "grpo",
+]  # fmt: skip
+
+
+def rollout_losses(rank: int, world: int, backend_name: str, hf_dir: str, rollouts: int):
+    """Per-rollout losses of ``backend_name`` ("megatron" at TP=world, or "fsdp") on one batch."""
+    from backend_reference import samples
+    from miles_core.args import core_groups, parse_args
+    from miles_core.backends import load
+    from miles_core.batch import RolloutBatch
+
+    cls = load(backend_name)
+    argv = ["--hf-checkpoint", hf_dir, *BOTH_BACKENDS_FLAGS]
+    if backend_name == "megatron":
+        argv += layout_argv(tp=world)
+    else:
+        argv += ["--attn-implementation", "sdpa", "--fsdp-compute-dtype", "fp32"]
+    backend = cls()
+    backend.init(parse_args(argv, [*core_groups(), *cls.arg_groups()]))
+    batch = RolloutBatch(samples())
+    losses = [backend.train(r, batch)["loss"] for r in range(rollouts)]
+    backend.close()
+    return losses

@@ -145,7 +145,28 @@ def backend_run(rank: int, world: int, hf_dir: str, save: str, tp: int) -> dict:
 
 BOTH_BACKENDS_FLAGS = [
     "--lr", "1e-3", "--weight-decay", "0", "--entropy-coef", "0.01", "--micro-batch-size", "2",
-    "--advantage-estimator", "grpo",
+    "--advantage-estimator", "grpo", "--num-steps-per-rollout", "2",
+]  # fmt: skip
+
+HOOK_CALLS: list[tuple] = []
+
+
+def init_hook(args, model, optimizer) -> None:
+    HOOK_CALLS.append(("init", type(optimizer).__name__))
+
+
+def log_prob_hook(args, model, batch) -> None:
+    HOOK_CALLS.append(("log_prob", len(batch)))
+
+
+def train_step_hook(args, rollout_id, step, model, optimizer) -> None:
+    HOOK_CALLS.append(("train_step", rollout_id, step))
+
+
+HOOK_FLAGS = [
+    "--custom-megatron-init-path", "megatron_ranks:init_hook",
+    "--custom-megatron-before-log-prob-hook-path", "megatron_ranks:log_prob_hook",
+    "--custom-megatron-before-train-step-hook-path", "megatron_ranks:train_step_hook",
 ]  # fmt: skip
 
 
@@ -159,7 +180,7 @@ def rollout_losses(rank: int, world: int, backend_name: str, hf_dir: str, rollou
     cls = load(backend_name)
     argv = ["--hf-checkpoint", hf_dir, *BOTH_BACKENDS_FLAGS]
     if backend_name == "megatron":
-        argv += layout_argv(tp=world)
+        argv += layout_argv(tp=world) + HOOK_FLAGS
     else:
         argv += ["--attn-implementation", "sdpa", "--fsdp-compute-dtype", "fp32"]
     backend = cls()
@@ -167,4 +188,4 @@ def rollout_losses(rank: int, world: int, backend_name: str, hf_dir: str, rollou
     batch = RolloutBatch(samples())
     losses = [backend.train(r, batch)["loss"] for r in range(rollouts)]
     backend.close()
-    return losses
+    return losses, list(HOOK_CALLS)

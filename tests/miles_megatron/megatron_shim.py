@@ -1,8 +1,9 @@
 """Test support: run megatron-core 0.16 on a CPU-only torch build (gloo). Not used in production.
 
 megatron-core assumes CUDA in a few helpers that the model itself does not need. Measured on
-megatron-core 0.16.1 with the local (non-TransformerEngine) layer spec, three patches suffice for
-GPTModel forward/backward at TP/EP/PP > 1, the DDP wrapper and the distributed optimizer:
+megatron-core 0.16.1 with the local (non-TransformerEngine) layer spec, these patches suffice for
+GPTModel forward/backward at TP/EP > 1, the DDP wrapper, the distributed optimizer (step and
+fully reshardable state save/load) and dist-checkpointing:
 
 1. ``torch.cuda.current_device()`` answers ``cpu``: megatron allocates scratch tensors (the
    global memory buffer behind sequence-parallel all-gathers, rotary ``inv_freq``, TP gather
@@ -13,6 +14,14 @@ GPTModel forward/backward at TP/EP/PP > 1, the DDP wrapper and the distributed o
 3. ``torch.cuda.synchronize``, ``torch.cuda.Stream`` / ``stream`` / ``current_stream`` become
    no-ops: the MoE all-to-all dispatcher keeps a side stream for device-to-host copies, the
    distributed optimizer and dist-checkpointing synchronise.
+4. Modules that write ``device="cuda"`` literally (optimizer scalars, grad clipping, DDP
+   buffers, the l2-norm fallback) see a ``torch`` whose tensor factories map it to the CPU, and
+   ``Tensor.cuda()`` returns the tensor (the optimizer-state gather).
+5. ``Tensor.type()`` names a CPU float tensor ``torch.cuda.FloatTensor``: the optimizers accept
+   parameters by these type strings.
+
+Not covered (measured to need more): pipeline parallelism's p2p schedule was not tried;
+the MoE all-to-all dispatcher hands gloo tensor split sizes (use ``allgather`` on CPU).
 
 Every patch is undone by :func:`uninstall`; :func:`installed` is a context manager.
 """

@@ -189,3 +189,27 @@ def rollout_losses(rank: int, world: int, backend_name: str, hf_dir: str, rollou
     losses = [backend.train(r, batch)["loss"] for r in range(rollouts)]
     backend.close()
     return losses, list(HOOK_CALLS)
+
+
+def reference_pass(rank: int, world: int, hf_dir: str) -> dict:
+    """Train 2 rollouts with --ref-load + KL loss, then the reference log-prob pass."""
+    from backend_reference import samples
+    from miles_core.batch import RolloutBatch
+    from miles_megatron.backend import MegatronBackend
+
+    argv = ["--hf-checkpoint", hf_dir, "--ref-load", hf_dir, "--use-kl-loss"]
+    argv += ["--kl-loss-coef", "0.5", *BOTH_BACKENDS_FLAGS, *layout_argv(tp=world)]
+    argv += ["--num-steps-per-rollout", "1"]  # rollout 0's only step: actor == reference
+    backend = MegatronBackend()
+    backend.init(parse(argv))
+    batch = RolloutBatch(samples())
+    metrics = [backend.train(r, batch) for r in range(2)]
+    before = {k: v.clone() for k, v in backend.hf_weights()}
+    ref = backend.reference_log_probs(batch)
+    after = dict(backend.hf_weights())
+    backend.close()
+    return {
+        "kl": [m["kl_loss"] for m in metrics],
+        "ref": [t.tolist() for t in ref],  # plain lists: no shared-memory handles to the parent
+        "actor_restored": all(torch.equal(before[k], after[k]) for k in before),
+    }

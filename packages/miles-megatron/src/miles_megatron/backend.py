@@ -15,7 +15,11 @@ each log-prob pass; ``--custom-megatron-before-train-step-hook-path``
 ``f(args, rollout_id, step, model, optimizer)`` before each optimizer step.
 
 Not yet here (see docs/miles-megatron.md): PP > 1 and CP > 1 training, ``update_weights`` (needs
-miles-sync), ``sleep``/``wake_up`` (needs miles-offload), the reference model.
+miles-sync), ``sleep``/``wake_up`` (needs miles-offload), ``--kl-coef``.
+
+Reference model: with ``--ref-load`` (``--ref-mode ref``) the reference's shards are kept on
+the host and swapped in for the reference log-prob pass (:mod:`miles_megatron.reference_model`);
+``train`` attaches ``ref_log_probs`` for the KL loss (``--use-kl-loss``).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from miles_megatron.hf_weights import HFCheckpoint, iter_hf_weights, load_hf_int
 from miles_megatron.model_config import build_gpt_model, import_function, transformer_config
 from miles_megatron.optimizer import build_optimizer, wrap_ddp
 from miles_megatron.parallel import destroy_parallel, initialize_parallel
+from miles_megatron.reference_model import ReferenceModel, wants_reference
 
 
 class MegatronBackend(TrainBackend):
@@ -56,6 +61,10 @@ class MegatronBackend(TrainBackend):
 
     # ------------------------------------------------------------------ init
     def init(self, args: Any, role: str = "actor") -> int:
+        if getattr(args, "kl_coef", 0.0):
+            raise ArgumentError(
+                "megatron backend: --kl-coef (KL in the reward) is not supported yet"
+            )
         if role != "actor":
             raise ArgumentError(f"the megatron backend trains role 'actor' only, not {role!r}")
         if args.pipeline_model_parallel_size > 1 or args.context_parallel_size > 1:
@@ -102,6 +111,11 @@ class MegatronBackend(TrainBackend):
             )
             next_rollout_id = resumed.meta.next_rollout_id
             self.global_step = resumed.meta.global_step
+        self.reference = None
+        if wants_reference(args):
+            self.reference = ReferenceModel.load(
+                self.model, args.ref_load, self.bridge, self.margs, args.tensor_model_parallel_size
+            )
         self._before_log_prob = self._hook("custom_megatron_before_log_prob_hook_path")
         self._before_train_step = self._hook("custom_megatron_before_train_step_hook_path")
         init_hook = self._hook("custom_megatron_init_path")
@@ -142,12 +156,45 @@ class MegatronBackend(TrainBackend):
 
     # ------------------------------------------------------------------ train
     def train(self, rollout_id: int, batch: Any) -> dict[str, float]:
-        from megatron.core import parallel_state as ps
-
-        from miles_megatron.train_step import TrainContext, train_rollout
+        from miles_megatron.train_step import train_rollout
 
         batch = self._share_with_tp_peers(batch)
-        ctx = TrainContext(
+        ctx = self._context()
+        if self.reference is not None:
+            batch = batch.with_fields(ref_log_probs=self.reference_log_probs(batch, ctx))
+        metrics = train_rollout(ctx, rollout_id, batch)
+        self.global_step += int(metrics["steps"])
+        interval = getattr(self.args, "ref_update_interval", None)
+        if self.reference is not None and interval and (rollout_id + 1) % interval == 0:
+            self.reference.update_from(self.model)
+        return metrics
+
+    def reference_log_probs(self, batch: Any, ctx: Any = None) -> list[torch.Tensor]:
+        """Per-sample response log-probs of the reference policy (``--ref-load``)."""
+        from miles_megatron.packed_forward import rollout_log_probs
+        from miles_megatron.train_step import split_micro_batches
+
+        ctx = ctx or self._context()
+        if ctx.before_log_prob_hook is not None:
+            ctx.before_log_prob_hook(self.args, self.model, batch)
+        index = {src: i for i, src in enumerate(batch.source_indices)}
+        with self.reference.swapped_in(self.model):
+            return rollout_log_probs(
+                self.model,
+                split_micro_batches(ctx, batch),
+                len(batch),
+                index,
+                ctx.vocab_size,
+                self.args.rollout_temperature,
+                self.device,
+            )
+
+    def _context(self):
+        from megatron.core import parallel_state as ps
+
+        from miles_megatron.train_step import TrainContext
+
+        return TrainContext(
             model=self.model,
             optimizer=self.optimizer,
             scheduler=self.scheduler,
@@ -159,9 +206,6 @@ class MegatronBackend(TrainBackend):
             before_log_prob_hook=self._before_log_prob,
             before_train_step_hook=self._before_train_step,
         )
-        metrics = train_rollout(ctx, rollout_id, batch)
-        self.global_step += int(metrics["steps"])
-        return metrics
 
     # ------------------------------------------------------------------ weights
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

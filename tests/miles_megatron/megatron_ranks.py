@@ -213,3 +213,12 @@ def reference_pass(rank: int, world: int, hf_dir: str) -> dict:
         "ref": [t.tolist() for t in ref],  # plain lists: no shared-memory handles to the parent
         "actor_restored": all(torch.equal(before[k], after[k]) for k in before),
     }
+
+
+SPEC_CALLS: list[tuple] = []
+
+
+def custom_spec(args, config, vp_stage):
+    """A ``--spec`` function for the tests: records its arguments, returns a marker."""
+    SPEC_CALLS.append((args.spec, config, vp_stage))
+    return "custom-spec"

@@ -170,3 +170,19 @@ def test_mark_param_dtype_survives_the_bf16_cast():
     assert module.bias.dtype == torch.bfloat16
     assert restore_marked_dtypes(module) == 1
     assert module.bias.dtype == torch.float32 and module.weight.dtype == torch.bfloat16
+
+
+def test_spec_flag_calls_the_named_function():
+    from megatron_ranks import SPEC_CALLS, parse
+    from miles_megatron.model_config import layer_spec
+
+    args = parse(["--spec", "megatron_ranks", "custom_spec"])
+    assert layer_spec({}, "config", args, vp_stage=None) == "custom-spec"
+    assert SPEC_CALLS[-1] == (["megatron_ranks", "custom_spec"], "config", None)
+    args = parse(["--spec", "megatron_ranks", "no_such_function"])
+    with pytest.raises(
+        ArgumentError, match="--spec megatron_ranks:no_such_function: cannot import"
+    ):
+        layer_spec({}, None, args)
+    with pytest.raises(ArgumentError, match="--spec takes two values"):
+        parse(["--spec", "megatron_ranks"])

@@ -222,3 +222,31 @@ def custom_spec(args, config, vp_stage):
     """A ``--spec`` function for the tests: records its arguments, returns a marker."""
     SPEC_CALLS.append((args.spec, config, vp_stage))
     return "custom-spec"
+
+
+def sleep_between_rollouts(rank: int, world: int, hf_dir: str) -> list[dict]:
+    """Two runs of 2 rollouts: sleeping (twice: idempotence) and waking in between, and not."""
+    return [_two_rollouts(hf_dir, world, sleep=True), _two_rollouts(hf_dir, world, sleep=False)]
+
+
+def _two_rollouts(hf_dir: str, world: int, sleep: bool) -> dict:
+    from backend_reference import samples
+    from miles_core.batch import RolloutBatch
+    from miles_megatron.backend import MegatronBackend
+
+    backend = MegatronBackend()
+    backend.init(parse(["--hf-checkpoint", hf_dir, *BOTH_BACKENDS_FLAGS, *layout_argv(tp=world)]))
+    batch = RolloutBatch(samples())
+    losses = [backend.train(0, batch)["loss"]]
+    awake_bytes = backend.sleeper.device_bytes()
+    asleep_bytes = None
+    if sleep:
+        backend.sleep()
+        backend.sleep()
+        asleep_bytes = backend.sleeper.device_bytes()
+        backend.wake_up()
+        backend.wake_up()
+    losses.append(backend.train(1, batch)["loss"])
+    weights = {k: v.tolist() for k, v in backend.hf_weights()}
+    backend.close()
+    return {"losses": losses, "awake": awake_bytes, "asleep": asleep_bytes, "weights": weights}

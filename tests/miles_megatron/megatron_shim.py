@@ -16,7 +16,8 @@ fully reshardable state save/load) and dist-checkpointing:
    distributed optimizer and dist-checkpointing synchronise.
 4. Modules that write ``device="cuda"`` literally (optimizer scalars, grad clipping, DDP
    buffers, the l2-norm fallback) see a ``torch`` whose tensor factories map it to the CPU, and
-   ``Tensor.cuda()`` returns the tensor (the optimizer-state gather).
+   ``Tensor.cuda()`` returns the tensor and ``Tensor.pin_memory()`` a copy (the optimizer-state gather,
+   the DDP buffers' host copies on sleep).
 5. ``Tensor.type()`` names a CPU float tensor ``torch.cuda.FloatTensor``: the optimizers accept
    parameters by these type strings.
 
@@ -138,6 +139,8 @@ def install() -> None:
     torch.Tensor.type = _cuda_type_name
     _SAVED["Tensor.cuda"] = torch.Tensor.cuda
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    _SAVED["Tensor.pin_memory"] = torch.Tensor.pin_memory
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self.clone()  # a copy, as pinning
 
 
 def uninstall() -> None:
@@ -155,6 +158,7 @@ def uninstall() -> None:
         importlib.import_module(name).torch = _SAVED["torch@" + name]
     torch.Tensor.type = _SAVED["Tensor.type"]
     torch.Tensor.cuda = _SAVED["Tensor.cuda"]
+    torch.Tensor.pin_memory = _SAVED["Tensor.pin_memory"]
     mrandom.initialize_rng_tracker(force_reset=True)
     _SAVED.clear()
 

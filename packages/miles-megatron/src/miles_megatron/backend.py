@@ -15,7 +15,7 @@ each log-prob pass; ``--custom-megatron-before-train-step-hook-path``
 ``f(args, rollout_id, step, model, optimizer)`` before each optimizer step.
 
 Not yet here (see docs/miles-megatron.md): PP > 1 and CP > 1 training, ``update_weights`` (needs
-miles-sync), ``sleep``/``wake_up`` (needs miles-offload), ``--kl-coef``.
+miles-sync), the disk offload target, ``--kl-coef``.
 
 Reference model: with ``--ref-load`` (``--ref-mode ref``) the reference's shards are kept on
 the host and swapped in for the reference log-prob pass (:mod:`miles_megatron.reference_model`);
@@ -41,6 +41,7 @@ from miles_megatron.model_config import build_gpt_model, import_function, transf
 from miles_megatron.optimizer import build_optimizer, wrap_ddp
 from miles_megatron.parallel import destroy_parallel, initialize_parallel
 from miles_megatron.reference_model import ReferenceModel, wants_reference
+from miles_megatron.sleep_wake import SleepWake
 
 
 class MegatronBackend(TrainBackend):
@@ -65,6 +66,8 @@ class MegatronBackend(TrainBackend):
             raise ArgumentError(
                 "megatron backend: --kl-coef (KL in the reward) is not supported yet"
             )
+        if getattr(args, "offload_train_target", "cpu") == "disk":
+            raise ArgumentError("megatron backend: --offload-train-target disk is not wired yet")
         if role != "actor":
             raise ArgumentError(f"the megatron backend trains role 'actor' only, not {role!r}")
         if args.pipeline_model_parallel_size > 1 or args.context_parallel_size > 1:
@@ -102,6 +105,7 @@ class MegatronBackend(TrainBackend):
             restore_marked_dtypes(model)
         self.model = wrap_ddp(model, config, args)
         self.optimizer, self.scheduler = build_optimizer(self.model, args)
+        self.sleeper = SleepWake(self.model, self.optimizer)
         next_rollout_id = 0
         if resumed is not None:
             from miles_megatron.checkpoint import load_checkpoint
@@ -247,10 +251,11 @@ class MegatronBackend(TrainBackend):
 
     # ------------------------------------------------------------------ memory
     def sleep(self) -> None:
-        raise NotImplementedError("MegatronBackend.sleep needs miles-offload (not yet available)")
+        """Release the model's and optimizer's device memory (:mod:`miles_megatron.sleep_wake`)."""
+        self.sleeper.sleep()
 
     def wake_up(self) -> None:
-        raise NotImplementedError("MegatronBackend.wake_up needs miles-offload (not yet available)")
+        self.sleeper.wake_up()
 
     def close(self) -> None:
         destroy_parallel()

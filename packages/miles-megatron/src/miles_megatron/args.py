@@ -1,0 +1,184 @@
+"""The Megatron backend's own flags, its validation, and the group list of its entry point.
+
+``megatron_groups()`` (the ``miles.arg_groups`` entry point ``megatron``) returns, in order:
+:class:`MegatronArgs`, :class:`~miles_megatron.arch_args.ArchitectureArgs` and the groups
+generated from megatron-core's config dataclasses (:mod:`miles_megatron.generated_flags`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from miles_core.args import ArgGroup, ArgumentError, flag
+
+from miles_megatron.arch_args import (
+    ArchitectureArgs,
+    resolve_model_args,
+    transformer_engine_available,
+)
+
+
+@dataclass
+class MegatronArgs(ArgGroup):
+    title: ClassVar[str] = "Megatron backend"
+
+    spec: list[str] | None = flag(
+        None,
+        metavar="MODULE FUNCTION",
+        help="Custom layer spec: FUNCTION(args, config, vp_stage) in MODULE returns a ModuleSpec.",
+    )
+    sequence_parallel: bool = flag(
+        False, help="Sequence parallelism inside TP groups (recommended with TP > 1)."
+    )
+    custom_megatron_init_path: str | None = flag(
+        None, help="module:function called as f(args, model, optimizer) after the model is built."
+    )
+    custom_megatron_before_log_prob_hook_path: str | None = flag(
+        None, help="module:function called as f(args, model, batch) before each log-prob pass."
+    )
+    custom_megatron_before_train_step_hook_path: str | None = flag(
+        None,
+        help="module:function called as f(args, rollout_id, step, model, optimizer) "
+        "before each optimizer step's forward/backward.",
+    )
+    ref_update_interval: int | None = flag(
+        None, help="Copy the actor into the reference model every N rollouts (unset: never)."
+    )
+
+    @classmethod
+    def validate(cls, args: Any) -> None:
+        if args.spec is not None and len(args.spec) != 2:
+            raise ArgumentError("--spec takes two values: MODULE FUNCTION")
+        for dest in (
+            "custom_megatron_init_path",
+            "custom_megatron_before_log_prob_hook_path",
+            "custom_megatron_before_train_step_hook_path",
+        ):
+            value = getattr(args, dest)
+            if value is not None and ":" not in value:
+                option = "--" + dest.replace("_", "-")
+                raise ArgumentError(f"{option} {value}: expected module:function")
+        if args.ref_update_interval is not None and args.ref_update_interval < 1:
+            raise ArgumentError("--ref-update-interval must be >= 1")
+        tp = args.tensor_model_parallel_size
+        if tp > 1 and not args.sequence_parallel:
+            warnings.warn(
+                "--tensor-model-parallel-size > 1 without --sequence-parallel: activations are "
+                "replicated across the TP group (pass --sequence-parallel unless the recipe says "
+                "otherwise)",
+                stacklevel=2,
+            )
+        if args.context_parallel_size > 1 and not transformer_engine_available():
+            raise ArgumentError(
+                "--context-parallel-size > 1 needs TransformerEngine, which is not installed"
+            )
+        if getattr(args, "use_precision_aware_optimizer", None) and not (
+            transformer_engine_available()
+        ):
+            raise ArgumentError(
+                "--use-precision-aware-optimizer needs TransformerEngine, which is not installed"
+            )
+        if getattr(args, "use_precision_aware_optimizer", None) and getattr(
+            args, "rematerialize_param_from_master_weight", False
+        ):
+            raise ArgumentError(
+                "--rematerialize-param-from-master-weight excludes --use-precision-aware-optimizer"
+            )
+        world = world_size_of(args)
+        check_parallel_sizes(args, world, model_args=None)
+        if args.num_attention_heads is not None and args.num_attention_heads % tp:
+            raise ArgumentError(
+                f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                f"--tensor-model-parallel-size {tp}"
+            )
+
+    @classmethod
+    def check_paths(cls, args: Any) -> None:
+        from miles_megatron.arch_args import explicit_arch_args
+
+        # the architecture is checked when one is described (the backend's init requires it)
+        from miles_megatron.bridge import BridgeError
+
+        if getattr(args, "hf_checkpoint", None) or explicit_arch_args(args):
+            try:
+                margs = resolve_model_args(args)
+            except BridgeError as exc:
+                raise ArgumentError(str(exc)) from exc
+            check_parallel_sizes(args, world_size_of(args), model_args=margs)
+
+
+def world_size_of(args: Any) -> int | None:
+    """The trainer's world size when known at argument time (launcher flags or WORLD_SIZE)."""
+    nodes = getattr(args, "actor_num_nodes", None)
+    per_node = getattr(args, "actor_num_gpus_per_node", None)
+    if nodes and per_node:
+        return int(nodes) * int(per_node)
+    env = os.environ.get("WORLD_SIZE")
+    return int(env) if env else None
+
+
+def check_parallel_sizes(args: Any, world_size: int | None, model_args: dict | None) -> None:
+    """Reject parallel layouts megatron-core cannot build; errors name the flags.
+
+    ``world_size`` None skips the divisibility of the world; ``model_args`` None skips the
+    checks against the architecture.
+    """
+    tp = args.tensor_model_parallel_size
+    pp = args.pipeline_model_parallel_size
+    cp = args.context_parallel_size
+    ep = args.expert_model_parallel_size
+    etp = args.expert_tensor_parallel_size or tp
+    if world_size is not None:
+        if world_size % (tp * pp * cp):
+            raise ArgumentError(
+                f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+                f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp}"
+            )
+        if world_size % (etp * ep * pp):
+            raise ArgumentError(
+                f"world size {world_size} is not divisible by --expert-tensor-parallel-size {etp}"
+                f" x --expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp}"
+            )
+    if model_args is None:
+        return
+    heads, groups = model_args["num_attention_heads"], model_args["num_query_groups"]
+    if heads % tp:
+        raise ArgumentError(
+            f"attention heads ({heads}) not divisible by --tensor-model-parallel-size {tp}"
+        )
+    if groups % tp:
+        raise ArgumentError(
+            f"query groups ({groups}) not divisible by --tensor-model-parallel-size {tp}"
+        )
+    experts = model_args.get("num_experts")
+    if not experts and (ep > 1 or (args.expert_tensor_parallel_size or 1) > tp):
+        raise ArgumentError(
+            "--expert-model-parallel-size / --expert-tensor-parallel-size on a dense model "
+            "(no --num-experts)"
+        )
+    if experts and tp > 1 and not getattr(args, "sequence_parallel", False):
+        raise ArgumentError(
+            "MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (megatron-core)"
+        )
+    if experts and experts % ep:
+        raise ArgumentError(
+            f"experts ({experts}) not divisible by --expert-model-parallel-size {ep}"
+        )
+    if model_args["num_layers"] % pp:
+        raise ArgumentError(
+            f"layers ({model_args['num_layers']}) not divisible by "
+            f"--pipeline-model-parallel-size {pp}"
+        )
+
+
+@functools.cache
+def megatron_groups() -> list[type[ArgGroup]]:
+    """The ``megatron`` entry point's groups: own flags, architecture, generated."""
+    from miles_megatron.generated_flags import generated_groups
+
+    own = [MegatronArgs, ArchitectureArgs]
+    return [*own, *generated_groups(own)]

@@ -1,0 +1,262 @@
+"""``MegatronBackend``: the megatron-core training backend behind miles-core's contract.
+
+Per rank: megatron's parallel state (TP x PP x CP x EP x ETP, DP = rest), the GPTModel chunk
+built from the bridge's architecture (local spec), weights from ``--load`` (torch_dist) or else
+``--hf-checkpoint`` (converted in memory), megatron-core DDP with contiguous grad buffers and the
+distributed optimizer, and the LR schedule. ``train`` runs miles-core's RL math
+(:mod:`miles_megatron.train_step`).
+
+Data layout: TP (and CP) peers share a data-parallel rank; only the TP-rank-0 of each DP rank
+consumes the launcher's shard and broadcasts it to its TP peers inside :meth:`train`.
+
+Hooks (``module:function``): ``--custom-megatron-init-path`` ``f(args, model, optimizer)`` once
+after init; ``--custom-megatron-before-log-prob-hook-path`` ``f(args, model, batch)`` before
+each log-prob pass; ``--custom-megatron-before-train-step-hook-path``
+``f(args, rollout_id, step, model, optimizer)`` before each optimizer step.
+
+Not yet here (see docs/miles-megatron.md): PP > 1 and CP > 1 training, ``update_weights`` (needs
+miles-sync), the disk offload target, ``--kl-coef``.
+
+Reference model: with ``--ref-load`` (``--ref-mode ref``) the reference's shards are kept on
+the host and swapped in for the reference log-prob pass (:mod:`miles_megatron.reference_model`);
+``train`` attaches ``ref_log_probs`` for the KL loss (``--use-kl-loss``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from miles_core.args import ArgumentError
+from miles_core.contract import DataLayout, TrainBackend
+
+from miles_megatron.arch_args import resolve_model_args
+from miles_megatron.bridge import bridge_for
+from miles_megatron.fp32_params import restore_marked_dtypes
+from miles_megatron.hf_weights import HFCheckpoint, iter_hf_weights, load_hf_into_model
+from miles_megatron.model_config import build_gpt_model, import_function, transformer_config
+from miles_megatron.optimizer import build_optimizer, wrap_ddp
+from miles_megatron.parallel import destroy_parallel, initialize_parallel
+from miles_megatron.reference_model import ReferenceModel, wants_reference
+from miles_megatron.sleep_wake import SleepWake
+
+
+class MegatronBackend(TrainBackend):
+    name = "megatron"
+
+    @classmethod
+    def arg_groups(cls) -> Sequence[type]:
+        from miles_megatron.args import megatron_groups
+
+        return megatron_groups()
+
+    def __init__(self) -> None:
+        self.args: Any = None
+        self.model: Any = None
+        self.optimizer: Any = None
+        self.scheduler: Any = None
+        self.global_step = 0
+
+    # ------------------------------------------------------------------ init
+    def init(self, args: Any, role: str = "actor") -> int:
+        if getattr(args, "kl_coef", 0.0):
+            raise ArgumentError(
+                "megatron backend: --kl-coef (KL in the reward) is not supported yet"
+            )
+        if getattr(args, "offload_train_target", "cpu") == "disk":
+            raise ArgumentError("megatron backend: --offload-train-target disk is not wired yet")
+        if role != "actor":
+            raise ArgumentError(f"the megatron backend trains role 'actor' only, not {role!r}")
+        if args.pipeline_model_parallel_size > 1 or args.context_parallel_size > 1:
+            raise ArgumentError(
+                "megatron backend: training with --pipeline-model-parallel-size or "
+                "--context-parallel-size > 1 is not implemented yet"
+            )
+        self.args = args
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        self.margs = resolve_model_args(args)
+        self.bridge = bridge_for(self.margs.get("model_type") or "")
+        initialize_parallel(args, self.margs)
+        config = transformer_config(self.margs, args)
+        model = build_gpt_model(self.margs, args, config)
+        resumed = self._resolve_load()
+        if resumed is None:
+            if not args.hf_checkpoint:
+                raise ArgumentError("megatron backend needs --hf-checkpoint or --load")
+            load_hf_into_model(
+                model,
+                HFCheckpoint(args.hf_checkpoint),
+                self.bridge,
+                self.margs,
+                args.tensor_model_parallel_size,
+            )
+        model = model.to(self.device)
+        if config.bf16 or config.fp16:
+            from megatron.core.transformer.module import Float16Module
+
+            model = Float16Module(config, model)
+            restore_marked_dtypes(model)
+        self.model = wrap_ddp(model, config, args)
+        self.optimizer, self.scheduler = build_optimizer(self.model, args)
+        self.sleeper = SleepWake(self.model, self.optimizer)
+        next_rollout_id = 0
+        if resumed is not None:
+            from miles_megatron.checkpoint import load_checkpoint
+
+            load_checkpoint(
+                resumed.path, self.model, self.optimizer, self.scheduler, args.load_optim
+            )
+            next_rollout_id = resumed.meta.next_rollout_id
+            self.global_step = resumed.meta.global_step
+        self.reference = None
+        if wants_reference(args):
+            self.reference = ReferenceModel.load(
+                self.model, args.ref_load, self.bridge, self.margs, args.tensor_model_parallel_size
+            )
+        self._before_log_prob = self._hook("custom_megatron_before_log_prob_hook_path")
+        self._before_train_step = self._hook("custom_megatron_before_train_step_hook_path")
+        init_hook = self._hook("custom_megatron_init_path")
+        if init_hook is not None:
+            init_hook(args, self.model, self.optimizer)
+        return next_rollout_id
+
+    def _resolve_load(self):
+        if not getattr(self.args, "load", None):
+            return None
+        from miles_core.checkpoint_layout import resolve_load
+
+        return resolve_load(self.args.load, getattr(self.args, "ckpt_step", None))
+
+    def _hook(self, dest: str):
+        path = getattr(self.args, dest, None)
+        return import_function(path, "--" + dest.replace("_", "-")) if path else None
+
+    # ------------------------------------------------------------------ data
+    def data_layout(self) -> DataLayout:
+        from megatron.core import parallel_state as ps
+
+        return DataLayout(
+            dp_rank=ps.get_data_parallel_rank(),
+            dp_size=ps.get_data_parallel_world_size(),
+            consumes_data=ps.get_tensor_model_parallel_rank() == 0,
+        )
+
+    def _share_with_tp_peers(self, batch: Any) -> Any:
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_tensor_model_parallel_group()
+        if dist.get_world_size(group) == 1:
+            return batch
+        box = [batch if ps.get_tensor_model_parallel_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=ps.get_tensor_model_parallel_src_rank(), group=group)
+        return box[0]
+
+    # ------------------------------------------------------------------ train
+    def train(self, rollout_id: int, batch: Any) -> dict[str, float]:
+        from miles_megatron.train_step import train_rollout
+
+        batch = self._share_with_tp_peers(batch)
+        ctx = self._context()
+        if self.reference is not None:
+            batch = batch.with_fields(ref_log_probs=self.reference_log_probs(batch, ctx))
+        metrics = train_rollout(ctx, rollout_id, batch)
+        self.global_step += int(metrics["steps"])
+        interval = getattr(self.args, "ref_update_interval", None)
+        if self.reference is not None and interval and (rollout_id + 1) % interval == 0:
+            self.reference.update_from(self.model)
+        return metrics
+
+    def reference_log_probs(self, batch: Any, ctx: Any = None) -> list[torch.Tensor]:
+        """Per-sample response log-probs of the reference policy (``--ref-load``)."""
+        from miles_megatron.packed_forward import rollout_log_probs
+        from miles_megatron.train_step import split_micro_batches
+
+        ctx = ctx or self._context()
+        if ctx.before_log_prob_hook is not None:
+            ctx.before_log_prob_hook(self.args, self.model, batch)
+        index = {src: i for i, src in enumerate(batch.source_indices)}
+        with self.reference.swapped_in(self.model):
+            return rollout_log_probs(
+                self.model,
+                split_micro_batches(ctx, batch),
+                len(batch),
+                index,
+                ctx.vocab_size,
+                self.args.rollout_temperature,
+                self.device,
+            )
+
+    def _context(self):
+        from megatron.core import parallel_state as ps
+
+        from miles_megatron.train_step import TrainContext
+
+        return TrainContext(
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            args=self.args,
+            device=self.device,
+            vocab_size=self.margs["vocab_size"],
+            dp_size=ps.get_data_parallel_world_size(),
+            dp_group_gloo=ps.get_data_parallel_group_gloo(),
+            before_log_prob_hook=self._before_log_prob,
+            before_train_step_hook=self._before_train_step,
+        )
+
+    # ------------------------------------------------------------------ weights
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named weights of this PP stage (collective over TP/EP; see :attr:`is_weight_source`)."""
+        return iter_hf_weights(self.model, self.bridge, self.margs)
+
+    @property
+    def is_weight_source(self) -> bool:
+        """One source rank per PP stage: TP rank 0, EP rank 0, DP rank 0."""
+        from megatron.core import parallel_state as ps
+
+        return (
+            ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_expert_model_parallel_rank() == 0
+            and ps.get_data_parallel_rank() == 0
+        )
+
+    def update_weights(self, engines: Sequence[Any]) -> None:
+        raise NotImplementedError(
+            "MegatronBackend.update_weights needs miles-sync's publisher (not yet available); "
+            "hf_weights() is the weight source it will publish"
+        )
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_model(self, rollout_id: int, force_sync: bool = False) -> None:
+        from miles_megatron.checkpoint import save_checkpoint
+
+        if not self.args.save:
+            raise ValueError("save_model needs --save")
+        save_checkpoint(
+            self.args.save,
+            rollout_id,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.args.save_optim,
+            {"global_step": self.global_step},
+        )
+
+    # ------------------------------------------------------------------ memory
+    def sleep(self) -> None:
+        """Release the model's and optimizer's device memory (:mod:`miles_megatron.sleep_wake`)."""
+        self.sleeper.sleep()
+
+    def wake_up(self) -> None:
+        self.sleeper.wake_up()
+
+    def close(self) -> None:
+        destroy_parallel()
+        self.model = self.optimizer = self.scheduler = None

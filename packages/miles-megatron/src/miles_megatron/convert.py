@@ -1,0 +1,134 @@
+"""``python -m miles_megatron.convert hf-to-torch-dist|torch-dist-to-hf``: offline conversion.
+
+Runs on one process or under ``torchrun`` (gloo on CPUs, NCCL on GPUs); the parallel-size
+flags pick the layout the conversion runs at (any layout writes the same torch_dist checkpoint).
+
+    python -m miles_megatron.convert hf-to-torch-dist --hf-checkpoint HF --save OUT [flags]
+    python -m miles_megatron.convert torch-dist-to-hf --load CKPT --hf-checkpoint HF --save OUT
+
+``hf-to-torch-dist`` writes ``OUT/iter_0000000/`` and commits it through the shared tracker, so
+``--load OUT`` resumes from it. ``torch-dist-to-hf`` reads the iteration the tracker of
+``--load`` names (or ``--ckpt-step``), takes the architecture and tokenizer from
+``--hf-checkpoint`` (or the architecture flags) and writes ``OUT/model.safetensors``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+
+def _setup(args: Any):
+    from miles_megatron.arch_args import resolve_model_args
+    from miles_megatron.bridge import bridge_for
+    from miles_megatron.model_config import build_gpt_model
+    from miles_megatron.parallel import initialize_parallel
+
+    margs = resolve_model_args(args)
+    initialize_parallel(args, margs)
+    model = build_gpt_model(margs, args)
+    return margs, model, bridge_for(margs.get("model_type") or "")
+
+
+def hf_to_torch_dist(args: Any) -> Path:
+    """Convert ``--hf-checkpoint`` into a torch_dist checkpoint under ``--save``."""
+    from miles_core.checkpoint_layout import commit_iteration, iteration_dir, prepare_iteration_dir
+
+    from miles_megatron.hf_weights import HFCheckpoint, load_hf_into_model
+    from miles_megatron.torch_dist import save_model_weights
+
+    margs, model, bridge = _setup(args)
+    load_hf_into_model(
+        model, HFCheckpoint(args.hf_checkpoint), bridge, margs, args.tensor_model_parallel_size
+    )
+    if dist.get_rank() == 0:
+        prepare_iteration_dir(args.save, 0)
+    dist.barrier()
+    save_model_weights(model, iteration_dir(args.save, 0))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        commit_iteration(args.save, 0, _meta())
+    dist.barrier()
+    return iteration_dir(args.save, 0)
+
+
+def _meta():
+    from miles_core.checkpoint_layout import CheckpointMeta
+
+    return CheckpointMeta(
+        iteration=0,
+        rollout_id=-1,
+        next_rollout_id=0,
+        global_step=0,
+        micro_step=0,
+        world_size=dist.get_world_size(),
+        backend="megatron",
+        extra={"converted_from": "hf"},
+    )
+
+
+def torch_dist_to_hf(args: Any) -> Path:
+    """Convert the torch_dist checkpoint of ``--load`` into an HF directory at ``--save``."""
+    from megatron.core import parallel_state as ps
+    from miles_core.checkpoint_layout import resolve_load
+
+    from miles_megatron.hf_weights import iter_hf_weights, save_hf_checkpoint
+    from miles_megatron.torch_dist import load_model_weights
+
+    if args.pipeline_model_parallel_size != 1:
+        raise SystemExit("torch-dist-to-hf runs with --pipeline-model-parallel-size 1")
+    margs, model, bridge = _setup(args)
+    resolved = resolve_load(args.load, getattr(args, "ckpt_step", None))
+    if resolved is None:
+        raise SystemExit(f"--load {args.load}: no committed checkpoint (no tracker)")
+    load_model_weights(model, resolved.path)
+    tensors = list(iter_hf_weights(model, bridge, margs))
+    out = Path(args.save)
+    if ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0:
+        save_hf_checkpoint(out, tensors, source_dir=args.hf_checkpoint)
+    dist.barrier()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from miles_core.args import core_groups, parse_args_or_exit
+
+    from miles_megatron.args import megatron_groups
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"hf-to-torch-dist": hf_to_torch_dist, "torch-dist-to-hf": torch_dist_to_hf}
+    if not argv or argv[0] not in commands:
+        print(
+            f"usage: python -m miles_megatron.convert {{{','.join(commands)}}} ...", file=sys.stderr
+        )
+        return 2
+    args = parse_args_or_exit(argv[1:], [*core_groups(), *megatron_groups()])
+    if not args.save:
+        print("error: --save is required", file=sys.stderr)
+        return 2
+    started = not dist.is_initialized()
+    if started:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        import torch
+
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        commands[argv[0]](args)
+    finally:
+        from miles_megatron.parallel import destroy_parallel
+
+        destroy_parallel()
+        if started:
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

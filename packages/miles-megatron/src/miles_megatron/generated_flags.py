@@ -1,0 +1,122 @@
+"""Flags generated from megatron-core's config dataclasses.
+
+Every field of ``TransformerConfig``, ``OptimizerConfig`` and ``DistributedDataParallelConfig``
+whose type is a plain scalar (int, float, str, bool, a Literal of strings, a list of int/str,
+or their Optional forms) becomes a kebab-case flag (``moe_router_dtype`` ->
+``--moe-router-dtype``), unless a flag of that name is already declared (miles-core's groups,
+:mod:`miles_megatron.arch_args`, :mod:`miles_megatron.args`) or the backend sets the field
+itself (:data:`BACKEND_OWNED_FIELDS`). Every generated flag defaults to unset: megatron-core's
+own default applies, and only a value given on the command line is passed on
+(:func:`config_overrides`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Iterable
+from typing import Any, Literal
+
+from miles_core.args import ArgGroup, collect_flags, core_groups, flag, make_group
+
+#: Fields the backend derives from other flags; never flags of their own.
+BACKEND_OWNED_FIELDS = frozenset(
+    {
+        "use_distributed_optimizer",  # always on
+        "params_dtype",
+        "pipeline_dtype",
+        "autocast_dtype",
+        "num_moe_experts",  # --num-experts
+        "gated_linear_unit",  # --swiglu
+        "activation_func",
+        "layernorm_epsilon",  # --norm-epsilon
+        "add_bias_linear",  # --disable-bias-linear
+        "variable_seq_lengths",
+        "timers",
+    }
+)
+
+_SCALARS = (int, float, str, bool)
+
+
+def _flag_annotation(annotation: Any) -> Any | None:
+    """The ``X | None`` annotation a config field's flag gets, or None to skip the field."""
+    inner = annotation
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        members = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(members) != 1:
+            return None
+        inner = members[0]
+    inner_origin = typing.get_origin(inner)
+    if inner in _SCALARS:
+        return inner | None
+    if inner_origin is Literal:
+        values = typing.get_args(inner)
+        if values and all(isinstance(v, str) for v in values):
+            return typing.Optional[inner]  # noqa: UP045  (a Literal cannot use |)
+        return None
+    if inner_origin in (list, typing.List):  # noqa: UP006
+        (element,) = typing.get_args(inner) or (None,)
+        if element in (int, str):
+            return list[element] | None
+    return None
+
+
+def _default_text(field: dataclasses.Field) -> str:
+    if field.default is not dataclasses.MISSING:
+        return repr(field.default)
+    return "computed"
+
+
+def config_classes() -> list[type]:
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return [TransformerConfig, OptimizerConfig, DistributedDataParallelConfig]
+
+
+def generated_groups(declared: Iterable[type[ArgGroup]] = ()) -> list[type[ArgGroup]]:
+    """One group per megatron-core config class, skipping names already declared."""
+    taken = set(collect_flags([*core_groups(), *declared]))
+    taken |= BACKEND_OWNED_FIELDS
+    groups = []
+    for cls in config_classes():
+        hints = typing.get_type_hints(cls)
+        triples = []
+        for field in dataclasses.fields(cls):
+            if field.name.startswith("_") or field.name in taken:
+                continue
+            annotation = _flag_annotation(hints[field.name])
+            if annotation is None:
+                continue
+            help_text = (
+                f"megatron-core {cls.__name__}.{field.name} (default {_default_text(field)})."
+            )
+            triples.append((field.name, annotation, flag(None, help=help_text)))
+            taken.add(field.name)
+        groups.append(
+            make_group(
+                f"Generated{cls.__name__}Args",
+                f"megatron-core {cls.__name__} fields",
+                triples,
+                module=__name__,
+            )
+        )
+    return groups
+
+
+def config_overrides(args: Any, config_cls: type) -> dict[str, Any]:
+    """Values of ``config_cls``'s generated flags that were set (not None)."""
+    group_name = f"Generated{config_cls.__name__}Args"
+    from miles_megatron.args import megatron_groups
+
+    (group,) = [g for g in megatron_groups() if g.__name__ == group_name]
+    out = {}
+    for field in dataclasses.fields(group):
+        value = getattr(args, field.name, None)
+        if value is not None:
+            out[field.name] = value
+    return out

@@ -1,0 +1,47 @@
+"""megatron-core ``dist_checkpointing`` in the ``torch_dist`` format, model weights only.
+
+The model's ``sharded_state_dict()`` describes every tensor by its global shape and this rank's
+offset, so a checkpoint written at one TP/PP/EP layout loads at any other. ``save_model_weights``
+writes ``*.distcp`` files into one directory (the caller's ``iter_XXXXXXX/``, see
+:mod:`miles_core.checkpoint_layout`); ``load_model_weights`` fills the current model from one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from miles_megatron.sharding import unwrap
+
+
+def save_strategy(synchronous: bool):
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    # thread_count=1 writes from the calling thread: the gloo/CPU path has no async copy engine
+    return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1 if synchronous else 2)
+
+
+def save_model_weights(
+    model: torch.nn.Module, directory: str | Path, synchronous: bool = True
+) -> None:
+    """Write this model's weights (a collective over every rank) into ``directory``."""
+    from megatron.core import dist_checkpointing
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {"model": unwrap(model).sharded_state_dict(prefix="")}
+    dist_checkpointing.save(state, str(directory), sharded_strategy=save_strategy(synchronous))
+
+
+def load_model_weights(model: torch.nn.Module, directory: str | Path) -> None:
+    """Fill this model's weights from a ``torch_dist`` directory written at any layout."""
+    from megatron.core import dist_checkpointing
+
+    module = unwrap(model)
+    state = {"model": module.sharded_state_dict(prefix="")}
+    loaded = dist_checkpointing.load(state, str(directory))
+    missing, unexpected = module.load_state_dict(loaded["model"], strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing:
+        raise RuntimeError(f"torch_dist checkpoint {directory} lacks {missing[:5]}")

@@ -1,0 +1,180 @@
+"""One rollout's optimizer steps on megatron-core: DDP grad buffers + the distributed optimizer.
+
+Loss scaling is miles-core's (docs/rl-math.md): each micro-batch's loss is its contribution
+``sum(token losses) / D`` with the step's global denominator ``D``; megatron-core's DDP divides
+the reduced gradients by the data-parallel size, so each rank back-propagates
+``dp_size * contribution`` and the reduced gradient is exactly ``dL/dw`` for any split.
+TP peers compute identical (vocabulary-gathered) logits and losses; metrics are summed over
+the data-parallel group only.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from miles_core.advantages import compute_advantages, normalize_advantages
+from miles_core.aggregation import loss_denominator
+from miles_core.batch import RolloutBatch
+from miles_core.log_probs import entropy_from_logits, token_log_probs
+from miles_core.losses import LossConfig, compute_policy_loss
+from miles_core.micro_batch import (
+    agree_num_micro_batches,
+    count_micro_batches,
+    fixed_size_micro_batches,
+    make_micro_batches,
+    split_steps,
+)
+from miles_core.packing import pack_thd
+
+from miles_megatron.packed_forward import packed_logits, rollout_log_probs
+
+
+@dataclass
+class TrainContext:
+    """What a rollout's training needs from the backend."""
+
+    model: torch.nn.Module  # the DDP-wrapped GPTModel
+    optimizer: Any  # megatron-core DistributedOptimizer (or ChainedOptimizer)
+    scheduler: Any  # OptimizerParamScheduler
+    args: Any
+    device: torch.device
+    vocab_size: int
+    dp_size: int
+    dp_group_gloo: Any
+    before_log_prob_hook: Any = None
+    before_train_step_hook: Any = None
+
+
+def split_micro_batches(ctx: TrainContext, batch: RolloutBatch) -> list[RolloutBatch]:
+    """This rank's micro-batches, as many as the busiest DP rank needs."""
+    args = ctx.args
+    if args.use_dynamic_batch_size:
+        local = count_micro_batches(batch, args.max_tokens_per_gpu)
+        num = agree_num_micro_batches(local, group=ctx.dp_group_gloo)
+        return make_micro_batches(batch, args.max_tokens_per_gpu, num=num)
+    local = max(-(-len(batch) // args.micro_batch_size), 1)
+    num = agree_num_micro_batches(local, group=ctx.dp_group_gloo)
+    return fixed_size_micro_batches(batch, args.micro_batch_size, num=num)
+
+
+def _sum_over_dp(values: dict[str, torch.Tensor], group: Any) -> dict[str, float]:
+    if not values:
+        return {}
+    keys = sorted(values)
+    flat = torch.stack([values[k].detach().float().reshape(()).cpu() for k in keys])
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(flat, group=group)
+    return dict(zip(keys, flat.tolist(), strict=True))
+
+
+def optimizer_step(
+    ctx: TrainContext, step_batch: RolloutBatch, config: LossConfig, detach_old: bool
+) -> dict[str, float]:
+    """Forward/backward every micro-batch of ``step_batch``, then one optimizer step."""
+    from megatron.core.distributed import finalize_model_grads
+
+    denominator = loss_denominator(step_batch, config.calculate_per_token_loss, ctx.dp_group_gloo)
+    model = ctx.model
+    model.zero_grad_buffer()
+    ctx.optimizer.zero_grad()
+    total = torch.zeros((), dtype=torch.float32)
+    parts: dict[str, torch.Tensor] = {}
+    for mb in split_micro_batches(ctx, step_batch):
+        packed = pack_thd(mb).to(ctx.device)
+        logits = packed_logits(model, packed, ctx.vocab_size)
+        log_probs = token_log_probs(logits, packed.targets, config.temperature)
+        if config.entropy_coef != 0.0:
+            entropy = entropy_from_logits(logits, config.temperature)
+        else:
+            with torch.no_grad():
+                entropy = entropy_from_logits(logits.detach(), config.temperature)
+        fields = packed.fields
+        loss, metrics = compute_policy_loss(
+            log_probs,
+            old_log_probs=log_probs.detach() if detach_old else fields["old_log_probs"],
+            advantages=fields["advantages"],
+            loss_mask=packed.loss_mask,
+            config=config,
+            denominator=denominator,
+            sample_ids=packed.sample_ids,
+            num_samples=packed.num_samples,
+            ref_log_probs=fields.get("ref_log_probs"),
+            rollout_log_probs=fields.get("rollout_log_probs"),
+            entropy=entropy,
+            sample_loss_tokens=packed.sample_loss_tokens,
+        )
+        (loss * ctx.dp_size).backward()
+        total = total + loss.detach().float().cpu()
+        for k, v in metrics.items():
+            v = v.detach().float().cpu()
+            parts[k] = parts[k] + v if k in parts else v
+    finalize_model_grads([model])
+    lr = ctx.optimizer.param_groups[0]["lr"]
+    update_ok, grad_norm, _ = ctx.optimizer.step()
+    if update_ok:
+        ctx.scheduler.step(increment=1)
+    reduced = _sum_over_dp({"step_loss": total, **parts}, ctx.dp_group_gloo)
+    return {
+        **reduced,
+        "loss": reduced.pop("step_loss"),
+        "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+        "lr": lr,
+    }
+
+
+def train_rollout(ctx: TrainContext, rollout_id: int, batch: RolloutBatch) -> dict[str, float]:
+    """This rank's shard of one rollout: old log-probs, advantages, then the optimizer steps.
+
+    Returns the mean over steps of each loss metric, the last step's ``grad_norm`` and ``lr``,
+    ``steps``, ``tokens_per_s`` (this rank) and ``step_losses``-free scalars only.
+    """
+    args = ctx.args
+    config = LossConfig.from_args(args)
+    start = time.perf_counter()
+    model = ctx.model
+    model.train()
+    num_steps = args.num_steps_per_rollout
+    detach_old = num_steps == 1
+    if not detach_old:
+        if ctx.before_log_prob_hook is not None:
+            ctx.before_log_prob_hook(args, model, batch)
+        index = {src: i for i, src in enumerate(batch.source_indices)}
+        batch = batch.with_fields(
+            old_log_probs=rollout_log_probs(
+                model,
+                split_micro_batches(ctx, batch),
+                len(batch),
+                index,
+                ctx.vocab_size,
+                args.rollout_temperature,
+                ctx.device,
+            )
+        )
+    adv = compute_advantages(
+        batch, args.advantage_estimator, gamma=args.gamma, lambd=args.lambd, kl_coef=args.kl_coef
+    )
+    advantages = adv.advantages
+    if args.normalize_advantages:
+        advantages = normalize_advantages(
+            advantages, [s.mask for s in batch], group=ctx.dp_group_gloo
+        )
+    batch = batch.with_fields(advantages=advantages)
+    results = []
+    for step, step_batch in enumerate(split_steps(batch, num_steps)):
+        if ctx.before_train_step_hook is not None:
+            ctx.before_train_step_hook(args, rollout_id, step, model, ctx.optimizer)
+        results.append(optimizer_step(ctx, step_batch, config, detach_old))
+    metrics: dict[str, float] = {}
+    for key in results[0]:
+        if key in ("grad_norm", "lr"):
+            metrics[key] = results[-1][key]
+        else:
+            metrics[key] = sum(r[key] for r in results) / len(results)
+    tokens = sum(len(s.tokens) for s in batch)
+    metrics["steps"] = float(len(results))
+    metrics["tokens_per_s"] = tokens / max(time.perf_counter() - start, 1e-9)
+    return metrics

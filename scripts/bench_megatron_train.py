@@ -1,0 +1,137 @@
+"""Benchmark: MegatronBackend.train vs FSDPBackend.train on one Qwen3-1.7B-shaped random model.
+
+    torchrun --nproc-per-node 1 scripts/bench_megatron_train.py --out bench_megatron_1gpu.json
+    torchrun --nproc-per-node 2 scripts/bench_megatron_train.py --tp 2 --out bench_megatron_2gpu.json
+
+Both backends train the same random model (written once as a HF directory; megatron converts it
+in memory through its bridge) on the same synthetic rollouts (``--tokens-per-gpu`` tokens per GPU
+per optimizer step, THD-packed by miles-core), bf16 with fp32 master weights and reduction.
+Reported per backend: tokens/s per GPU, MFU (``6 N + 6 L h d s`` FLOPs per token against
+``--peak-tflops``), peak memory. Prints a table and writes JSON; asserts nothing about speed.
+Megatron runs its local (non-TransformerEngine) spec with an explicit block-causal mask, so its
+attention costs ``T^2`` memory per micro-batch: keep ``--tokens-per-gpu`` moderate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_fsdp_train import flops_per_token, make_rollout  # noqa: E402  (same-directory script)
+
+
+def qwen3_17b_config():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+    )
+
+
+def write_model(path: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(qwen3_17b_config(), dtype=torch.bfloat16).save_pretrained(path)
+
+
+def run(name: str, hf_dir: str, shard, args, world: int) -> list[float]:
+    from miles_core.args import core_groups, parse_args
+    from miles_core.backends import load
+
+    cls = load(name)
+    argv = ["--hf-checkpoint", hf_dir, "--bf16", "--lr", "1e-6", "--advantage-estimator", "grpo"]
+    argv += ["--use-dynamic-batch-size", "--max-tokens-per-gpu", str(args.tokens_per_gpu)]
+    argv += ["--num-steps-per-rollout", str(args.steps)]
+    if name == "megatron":
+        argv += ["--tensor-model-parallel-size", str(args.tp)]
+        argv += ["--sequence-parallel"] if args.tp > 1 else []
+    backend = cls()
+    backend.init(parse_args(argv, [*core_groups(), *cls.arg_groups()]))
+    layout = backend.data_layout()
+    times = []
+    for rollout in range(args.warmup + args.iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        backend.train(rollout, shard if layout.consumes_data else None)
+        torch.cuda.synchronize()
+        if rollout >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    backend.close()
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", default="megatron,fsdp")
+    parser.add_argument("--tp", type=int, default=1, help="megatron tensor-parallel size")
+    parser.add_argument("--tokens-per-gpu", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=2, help="optimizer steps per rollout")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak per GPU")
+    parser.add_argument("--out", default="bench_megatron_train.json")
+    args = parser.parse_args()
+
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    box = [tempfile.mkdtemp(prefix="bench_megatron_") if rank == 0 else None]
+    dist.broadcast_object_list(box)
+    hf_dir = box[0]
+    if rank == 0:
+        write_model(hf_dir)
+    dist.barrier()
+    cfg = qwen3_17b_config()
+    results = {}
+    for name in args.backends.split(","):
+        dp = world // args.tp if name == "megatron" else world
+        rollout = make_rollout(args.tokens_per_gpu, dp, args.steps, seed=1)
+        from miles_core.partition import partition_for_dp
+
+        dp_rank = rank // args.tp if name == "megatron" else rank
+        shard = partition_for_dp(rollout, dp, keep_groups=True)[dp_rank]
+        torch.cuda.reset_peak_memory_stats()
+        times = run(name, hf_dir, shard, args, world)
+        tokens = rollout.total_tokens / world  # per GPU
+        seconds = statistics.median(times)
+        mean_len = rollout.total_tokens / len(rollout)
+        mfu = tokens * flops_per_token(cfg, mean_len) / seconds / (args.peak_tflops * 1e12)
+        results[name] = {
+            "tokens_per_s_per_gpu": tokens / seconds,
+            "mfu": mfu,
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "seconds_per_rollout": seconds,
+        }
+    if rank == 0:
+        print(f"{'backend':10s} {'tok/s/GPU':>10s} {'MFU':>6s} {'peak GiB':>9s}  (world {world})")
+        for name, r in results.items():
+            print(
+                f"{name:10s} {r['tokens_per_s_per_gpu']:10.0f} {r['mfu']:6.1%} "
+                f"{r['peak_memory_gib']:9.1f}"
+            )
+        Path(args.out).write_text(json.dumps({"world": world, "tp": args.tp, **results}, indent=2))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Test support: MegatronBackend against an HF model trained with torch AdamW (same math).
+
+The reference writes the loss from the formulas: GRPO advantages ``(R - mean_g) / (std_g +
+1e-6)``, the PPO term at ratio 1 (one update per rollout) and the sequence mean
+``(1/S) sum_i (1/n_i) sum_t -A_i r_it``; then ``clip_grad_norm_(1.0)`` and ``AdamW`` (weight
+decay 0). Used by tests/miles_megatron/test_backend.py (gloo) and tests/gpu (NCCL).
+"""
+
+from __future__ import annotations
+
+import torch
+
+LR = 1e-3
+REWARDS = (1.0, 0.0, 0.5, 2.0)  # two prompt groups of two samples
+GROUPS = (0, 0, 1, 1)
+ROLLOUTS = 2
+
+
+def samples():
+    from miles_core.batch import Sample
+
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    for i, (length, response) in enumerate(((12, 5), (9, 3), (15, 7), (7, 4))):
+        tokens = torch.randint(0, 96, (length,), generator=gen)
+        out.append(
+            Sample(
+                tokens=tokens, response_length=response, reward=REWARDS[i], group_index=GROUPS[i]
+            )
+        )
+    return out
+
+
+def backend_argv(hf_dir: str, save: str, tp: int, load: str | None = None) -> list[str]:
+    argv = ["--hf-checkpoint", hf_dir, "--save", save, "--lr", str(LR), "--weight-decay", "0"]
+    argv += ["--tensor-model-parallel-size", str(tp), "--micro-batch-size", "2"]
+    argv += ["--advantage-estimator", "grpo"] + (["--sequence-parallel"] if tp > 1 else [])
+    return argv + (["--load", load] if load else [])
+
+
+def run_backend(hf_dir: str, save: str, tp: int) -> dict:
+    """On every rank: train ROLLOUTS rollouts at ``tp``, save, resume at TP=1 from the save."""
+    from megatron_ranks import parse
+    from miles_core.batch import RolloutBatch
+    from miles_megatron.backend import MegatronBackend
+
+    backend = MegatronBackend()
+    first_id = backend.init(parse(backend_argv(hf_dir, save, tp=tp)))
+    layout = backend.data_layout()
+    batch = RolloutBatch(samples()) if layout.consumes_data else None
+    metrics = [backend.train(r, batch) for r in range(ROLLOUTS)]
+    weights = {k: v.detach().cpu().clone() for k, v in backend.hf_weights()}
+    backend.save_model(ROLLOUTS - 1)
+    backend.close()
+    resumed = MegatronBackend()
+    next_id = resumed.init(parse(backend_argv(hf_dir, save + "_2", tp=1, load=save)))
+    reloaded = {k: v.detach().cpu() for k, v in resumed.hf_weights()}
+    resumed.close()
+    return {
+        "first_id": first_id,
+        "layout": layout,
+        "metrics": metrics,
+        "next_id": next_id,
+        "reload_exact": sorted(reloaded) == sorted(weights)
+        and all(torch.equal(reloaded[k], weights[k]) for k in weights),
+        "weights": weights,
+    }
+
+
+def reference(hf_dir: str, device: str = "cpu"):
+    """``([(loss, grad_norm)] per rollout, final HF state dict)`` of the HF + AdamW run."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
+    )
+    data = samples()
+    rewards = torch.tensor(REWARDS, dtype=torch.float64)
+    adv = []
+    for i, g in enumerate(GROUPS):
+        members = rewards[[j for j, h in enumerate(GROUPS) if h == g]]
+        adv.append(float((rewards[i] - members.mean()) / (members.std() + 1e-6)))
+    steps = []
+    for _ in range(ROLLOUTS):
+        opt.zero_grad()
+        loss = torch.zeros((), device=device)
+        for s, a in zip(data, adv, strict=True):
+            tokens = s.tokens.to(device)
+            logits = model(input_ids=tokens[None]).logits[0].float()
+            lp = torch.log_softmax(logits[:-1], -1).gather(-1, tokens[1:, None])[:, 0]
+            lp = lp[-s.response_length :]
+            ratio = torch.exp(lp - lp.detach())
+            loss = loss + (-a * ratio).sum() / s.response_length / len(data)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        steps.append((loss.item(), norm.item()))
+    return steps, {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def check(results: list[dict], hf_dir: str, device: str = "cpu") -> None:
+    ref_steps, ref_weights = reference(hf_dir, device)
+    for rank, r in enumerate(results):
+        assert r["first_id"] == 0 and r["next_id"] == ROLLOUTS and r["reload_exact"], rank
+        for m, (loss, norm) in zip(r["metrics"], ref_steps, strict=True):
+            assert abs(m["loss"] - loss) < 1e-5, (m, loss)
+            assert abs(m["grad_norm"] - norm) < 1e-4 * max(norm, 1.0), (m, norm)
+    weights = results[0]["weights"]
+    assert sorted(weights) == sorted(ref_weights)
+    worst = max((weights[k] - ref_weights[k]).abs().max().item() for k in weights)
+    assert worst < 1e-4, worst  # Adam's first steps move ~lr = 1e-3 per weight

@@ -1,0 +1,252 @@
+"""Test support: per-rank bodies for the spawned megatron tests (importable by spawn children)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def parse(argv: list[str]):
+    from miles_core.args import core_groups, parse_args
+    from miles_megatron.args import megatron_groups
+
+    return parse_args(argv, [*core_groups(), *megatron_groups()])
+
+
+def layout_argv(tp: int = 1, ep: int = 1, pp: int = 1) -> list[str]:
+    argv = ["--tensor-model-parallel-size", str(tp), "--expert-model-parallel-size", str(ep)]
+    argv += ["--pipeline-model-parallel-size", str(pp)]
+    return argv + (["--sequence-parallel"] if tp > 1 else [])
+
+
+def build_from_hf(hf_dir: str, argv: list[str]):
+    """Parallel state + model loaded from ``hf_dir``; returns (args, margs, model, bridge)."""
+    from miles_megatron.arch_args import resolve_model_args
+    from miles_megatron.bridge import bridge_for
+    from miles_megatron.hf_weights import HFCheckpoint, load_hf_into_model
+    from miles_megatron.model_config import build_gpt_model
+    from miles_megatron.parallel import initialize_parallel
+
+    args = parse(["--hf-checkpoint", hf_dir, *argv])
+    margs = resolve_model_args(args)
+    initialize_parallel(args, margs)
+    model = build_gpt_model(margs, args)
+    bridge = bridge_for(margs["model_type"])
+    load_hf_into_model(model, HFCheckpoint(hf_dir), bridge, margs, args.tensor_model_parallel_size)
+    return args, margs, model, bridge
+
+
+def causal_logits(model, input_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    s = input_ids.shape[1]
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+    positions = torch.arange(s)[None].expand_as(input_ids)
+    with torch.no_grad():
+        out = model(input_ids, positions, attention_mask=mask)
+    return out[..., :vocab_size]
+
+
+def logits_and_roundtrip(
+    rank: int,
+    world: int,
+    cases: list[tuple[str, str, list[str]]],
+    input_ids: torch.Tensor,
+    references: dict[str, torch.Tensor],
+) -> dict[str, Any]:
+    """For each (label, hf_dir, layout argv): max |megatron - HF| logits and HF->meg->HF exactness."""
+    from miles_megatron.hf_weights import iter_hf_weights
+    from safetensors.torch import load_file
+
+    out: dict[str, Any] = {}
+    for label, hf_dir, argv in cases:
+        _, margs, model, bridge = build_from_hf(hf_dir, argv)
+        logits = causal_logits(model, input_ids, margs["vocab_size"])
+        original = load_file(f"{hf_dir}/model.safetensors")
+        exported = dict(iter_hf_weights(model, bridge, margs))
+        exact = sorted(exported) == sorted(original) and all(
+            torch.equal(exported[k], original[k]) for k in original
+        )
+        out[label] = {
+            "max_diff": (logits - references[label]).abs().max().item(),
+            "roundtrip_exact": exact,
+            "missing": sorted(set(original) - set(exported)),
+        }
+    return out
+
+
+def save_then_reload(
+    rank: int,
+    world: int,
+    hf_dir: str,
+    save_dir: str,
+    save_argv: list[str],
+    load_argv: list[str],
+    input_ids: torch.Tensor,
+) -> dict[str, float]:
+    """Save torch_dist at one layout, reload at another into a freshly initialised model."""
+    import torch.distributed as dist
+    from miles_megatron.arch_args import resolve_model_args
+    from miles_megatron.model_config import build_gpt_model
+    from miles_megatron.parallel import initialize_parallel
+    from miles_megatron.torch_dist import load_model_weights, save_model_weights
+
+    _, margs, model, _ = build_from_hf(hf_dir, save_argv)
+    before = causal_logits(model, input_ids, margs["vocab_size"])
+    save_model_weights(model, save_dir)
+    dist.barrier()
+    args = parse(["--hf-checkpoint", hf_dir, *load_argv])
+    initialize_parallel(args, margs)
+    fresh = build_gpt_model(resolve_model_args(args), args)  # random init
+    random_logits = causal_logits(fresh, input_ids, margs["vocab_size"])
+    load_model_weights(fresh, save_dir)
+    after = causal_logits(fresh, input_ids, margs["vocab_size"])
+    return {
+        "reload_diff": (after - before).abs().max().item(),
+        "random_diff": (random_logits - before).abs().max().item(),
+    }
+
+
+def convert_both_ways(rank: int, world: int, hf_dir: str, ckpt: str, out: str) -> None:
+    """hf-to-torch-dist at TP=2, then torch-dist-to-hf at TP=1 (DP=2), as the CLI would."""
+    from miles_megatron.convert import hf_to_torch_dist, torch_dist_to_hf
+
+    hf_to_torch_dist(parse(["--hf-checkpoint", hf_dir, "--save", ckpt, *layout_argv(tp=2)]))
+    torch_dist_to_hf(
+        parse(["--hf-checkpoint", hf_dir, "--load", ckpt, "--save", out, *layout_argv(tp=1)])
+    )
+
+
+def packed_log_probs_match(
+    rank: int, world: int, hf_dir: str, samples: list, references: list[torch.Tensor]
+) -> float:
+    """Response log-probs of a THD-packed micro-batch at TP=2 vs per-sample HF references."""
+    from miles_core.batch import RolloutBatch
+    from miles_megatron.packed_forward import rollout_log_probs
+
+    _, margs, model, _ = build_from_hf(hf_dir, layout_argv(tp=2))
+    batch = RolloutBatch(samples)
+    out = rollout_log_probs(
+        model,
+        [batch],
+        len(batch),
+        {i: i for i in range(len(batch))},
+        margs["vocab_size"],
+        0.7,
+        torch.device("cpu"),
+    )
+    return max((a - b).abs().max().item() for a, b in zip(out, references, strict=True))
+
+
+def backend_run(rank: int, world: int, hf_dir: str, save: str, tp: int) -> dict:
+    from backend_reference import run_backend
+
+    return run_backend(hf_dir, save, tp)
+
+
+BOTH_BACKENDS_FLAGS = [
+    "--lr", "1e-3", "--weight-decay", "0", "--entropy-coef", "0.01", "--micro-batch-size", "2",
+    "--advantage-estimator", "grpo", "--num-steps-per-rollout", "2",
+]  # fmt: skip
+
+HOOK_CALLS: list[tuple] = []
+
+
+def init_hook(args, model, optimizer) -> None:
+    HOOK_CALLS.append(("init", type(optimizer).__name__))
+
+
+def log_prob_hook(args, model, batch) -> None:
+    HOOK_CALLS.append(("log_prob", len(batch)))
+
+
+def train_step_hook(args, rollout_id, step, model, optimizer) -> None:
+    HOOK_CALLS.append(("train_step", rollout_id, step))
+
+
+HOOK_FLAGS = [
+    "--custom-megatron-init-path", "megatron_ranks:init_hook",
+    "--custom-megatron-before-log-prob-hook-path", "megatron_ranks:log_prob_hook",
+    "--custom-megatron-before-train-step-hook-path", "megatron_ranks:train_step_hook",
+]  # fmt: skip
+
+
+def rollout_losses(rank: int, world: int, backend_name: str, hf_dir: str, rollouts: int):
+    """Per-rollout losses of ``backend_name`` ("megatron" at TP=world, or "fsdp") on one batch."""
+    from backend_reference import samples
+    from miles_core.args import core_groups, parse_args
+    from miles_core.backends import load
+    from miles_core.batch import RolloutBatch
+
+    cls = load(backend_name)
+    argv = ["--hf-checkpoint", hf_dir, *BOTH_BACKENDS_FLAGS]
+    if backend_name == "megatron":
+        argv += layout_argv(tp=world) + HOOK_FLAGS
+    else:
+        argv += ["--attn-implementation", "sdpa", "--fsdp-compute-dtype", "fp32"]
+    backend = cls()
+    backend.init(parse_args(argv, [*core_groups(), *cls.arg_groups()]))
+    batch = RolloutBatch(samples())
+    losses = [backend.train(r, batch)["loss"] for r in range(rollouts)]
+    backend.close()
+    return losses, list(HOOK_CALLS)
+
+
+def reference_pass(rank: int, world: int, hf_dir: str) -> dict:
+    """Train 2 rollouts with --ref-load + KL loss, then the reference log-prob pass."""
+    from backend_reference import samples
+    from miles_core.batch import RolloutBatch
+    from miles_megatron.backend import MegatronBackend
+
+    argv = ["--hf-checkpoint", hf_dir, "--ref-load", hf_dir, "--use-kl-loss"]
+    argv += ["--kl-loss-coef", "0.5", *BOTH_BACKENDS_FLAGS, *layout_argv(tp=world)]
+    argv += ["--num-steps-per-rollout", "1"]  # rollout 0's only step: actor == reference
+    backend = MegatronBackend()
+    backend.init(parse(argv))
+    batch = RolloutBatch(samples())
+    metrics = [backend.train(r, batch) for r in range(2)]
+    before = {k: v.clone() for k, v in backend.hf_weights()}
+    ref = backend.reference_log_probs(batch)
+    after = dict(backend.hf_weights())
+    backend.close()
+    return {
+        "kl": [m["kl_loss"] for m in metrics],
+        "ref": [t.tolist() for t in ref],  # plain lists: no shared-memory handles to the parent
+        "actor_restored": all(torch.equal(before[k], after[k]) for k in before),
+    }
+
+
+SPEC_CALLS: list[tuple] = []
+
+
+def custom_spec(args, config, vp_stage):
+    """A ``--spec`` function for the tests: records its arguments, returns a marker."""
+    SPEC_CALLS.append((args.spec, config, vp_stage))
+    return "custom-spec"
+
+
+def sleep_between_rollouts(rank: int, world: int, hf_dir: str) -> list[dict]:
+    """Two runs of 2 rollouts: sleeping (twice: idempotence) and waking in between, and not."""
+    return [_two_rollouts(hf_dir, world, sleep=True), _two_rollouts(hf_dir, world, sleep=False)]
+
+
+def _two_rollouts(hf_dir: str, world: int, sleep: bool) -> dict:
+    from backend_reference import samples
+    from miles_core.batch import RolloutBatch
+    from miles_megatron.backend import MegatronBackend
+
+    backend = MegatronBackend()
+    backend.init(parse(["--hf-checkpoint", hf_dir, *BOTH_BACKENDS_FLAGS, *layout_argv(tp=world)]))
+    batch = RolloutBatch(samples())
+    losses = [backend.train(0, batch)["loss"]]
+    awake_bytes = backend.sleeper.device_bytes()
+    asleep_bytes = None
+    if sleep:
+        backend.sleep()
+        backend.sleep()
+        asleep_bytes = backend.sleeper.device_bytes()
+        backend.wake_up()
+        backend.wake_up()
+    losses.append(backend.train(1, batch)["loss"])
+    weights = {k: v.tolist() for k, v in backend.hf_weights()}
+    backend.close()
+    return {"losses": losses, "awake": awake_bytes, "asleep": asleep_bytes, "weights": weights}

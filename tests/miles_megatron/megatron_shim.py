@@ -1,0 +1,172 @@
+"""Test support: run megatron-core 0.16 on a CPU-only torch build (gloo). Not used in production.
+
+megatron-core assumes CUDA in a few helpers that the model itself does not need. Measured on
+megatron-core 0.16.1 with the local (non-TransformerEngine) layer spec, these patches suffice for
+GPTModel forward/backward at TP/EP > 1, the DDP wrapper, the distributed optimizer (step and
+fully reshardable state save/load) and dist-checkpointing:
+
+1. ``torch.cuda.current_device()`` answers ``cpu``: megatron allocates scratch tensors (the
+   global memory buffer behind sequence-parallel all-gathers, rotary ``inv_freq``, TP gather
+   outputs, DDP buckets) on "the current CUDA device".
+2. The CUDA RNG tracker is replaced by megatron's own inference tracker (``fork()`` is a no-op
+   context): the training tracker snapshots CUDA generator states. Tests run without dropout, so
+   no random stream is lost.
+3. ``torch.cuda.synchronize``, ``torch.cuda.Stream`` / ``stream`` / ``current_stream`` become
+   no-ops: the MoE all-to-all dispatcher keeps a side stream for device-to-host copies, the
+   distributed optimizer and dist-checkpointing synchronise.
+4. Modules that write ``device="cuda"`` literally (optimizer scalars, grad clipping, DDP
+   buffers, the l2-norm fallback) see a ``torch`` whose tensor factories map it to the CPU, and
+   ``Tensor.cuda()`` returns the tensor and ``Tensor.pin_memory()`` a copy (the optimizer-state gather,
+   the DDP buffers' host copies on sleep).
+5. ``Tensor.type()`` names a CPU float tensor ``torch.cuda.FloatTensor``: the optimizers accept
+   parameters by these type strings.
+
+Not covered (measured to need more): pipeline parallelism's p2p schedule was not tried;
+the MoE all-to-all dispatcher hands gloo tensor split sizes (use ``allgather`` on CPU).
+
+Every patch is undone by :func:`uninstall`; :func:`installed` is a context manager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+_SAVED: dict[str, object] = {}
+_CUDA_NAMES = (
+    "current_device",
+    "synchronize",
+    "current_stream",
+    "default_stream",
+    "Stream",
+    "stream",
+)
+
+
+class _NullStream:
+    """Stands in for a CUDA stream: waits and records are no-ops on the CPU."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        return None
+
+    def wait_stream(self, stream: object) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def record_event(self, event: object = None) -> _NullStream:
+        return self  # an "event" whose synchronize() is a no-op
+
+
+#: megatron-core modules that write ``device="cuda"`` literally (optimizer state scalars, grad
+#: clipping, DDP buffers); their ``torch`` global becomes :class:`_CpuTorch`.
+_CUDA_LITERAL_MODULES = (
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.utils",
+)
+
+
+class _CpuTorch:
+    """``torch`` for one module, with ``device="cuda"`` in tensor factories read as the CPU."""
+
+    _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "zeros_like", "empty_like")
+
+    def __getattr__(self, name: str) -> object:
+        value = getattr(torch, name)
+        if name not in self._FACTORIES:
+            return value
+
+        def factory(*args: object, **kwargs: object) -> torch.Tensor:
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return value(*args, **kwargs)
+
+        return factory
+
+
+def _cuda_type_name(self: torch.Tensor, dtype: object = None, *args: object, **kwargs: object):
+    """``Tensor.type()`` answering ``torch.cuda.FloatTensor`` for a CPU float tensor.
+
+    megatron's optimizers accept parameters by these type strings; with an argument it is the
+    ordinary cast.
+    """
+    original = _SAVED["Tensor.type"]
+    if dtype is None and not args and not kwargs:
+        name = original(self)
+        return name if self.is_cuda else name.replace("torch.", "torch.cuda.", 1)
+    return original(self, dtype, *args, **kwargs)
+
+
+def install() -> None:
+    """Apply the patches (idempotent)."""
+    if _SAVED:
+        return
+    from megatron.core.tensor_parallel import random as mrandom
+
+    cuda = torch.cuda
+    for name in _CUDA_NAMES:
+        _SAVED[name] = getattr(cuda, name)
+    cuda.current_device = lambda: torch.device("cpu")
+    cuda.synchronize = lambda device=None: None
+    cuda.current_stream = lambda device=None: _NullStream()
+    cuda.default_stream = lambda device=None: _NullStream()
+    cuda.Stream = _NullStream
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+
+    _SAVED["model_parallel_cuda_manual_seed"] = mrandom.model_parallel_cuda_manual_seed
+
+    def manual_seed(seed: int, *args, **kwargs) -> None:
+        torch.manual_seed(seed)
+        mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+    mrandom.model_parallel_cuda_manual_seed = manual_seed
+    mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+    import importlib
+
+    for name in _CUDA_LITERAL_MODULES:
+        module = importlib.import_module(name)
+        _SAVED["torch@" + name] = module.torch
+        module.torch = _CpuTorch()
+
+    _SAVED["Tensor.type"] = torch.Tensor.type
+    torch.Tensor.type = _cuda_type_name
+    _SAVED["Tensor.cuda"] = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    _SAVED["Tensor.pin_memory"] = torch.Tensor.pin_memory
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self.clone()  # a copy, as pinning
+
+
+def uninstall() -> None:
+    """Undo :func:`install`."""
+    if not _SAVED:
+        return
+    from megatron.core.tensor_parallel import random as mrandom
+
+    for name in _CUDA_NAMES:
+        setattr(torch.cuda, name, _SAVED[name])
+    mrandom.model_parallel_cuda_manual_seed = _SAVED["model_parallel_cuda_manual_seed"]
+    import importlib
+
+    for name in _CUDA_LITERAL_MODULES:
+        importlib.import_module(name).torch = _SAVED["torch@" + name]
+    torch.Tensor.type = _SAVED["Tensor.type"]
+    torch.Tensor.cuda = _SAVED["Tensor.cuda"]
+    torch.Tensor.pin_memory = _SAVED["Tensor.pin_memory"]
+    mrandom.initialize_rng_tracker(force_reset=True)
+    _SAVED.clear()
+
+
+@contextlib.contextmanager
+def installed() -> Iterator[None]:
+    install()
+    try:
+        yield
+    finally:
+        uninstall()

@@ -27,7 +27,12 @@ from miles_fsdp.loading import (
     validate_on_rank0,
 )
 from miles_fsdp.mesh import MeshShape, build_mesh, mesh_shape
-from miles_fsdp.optimizer import OptimizerConfig, build_optimizer
+from miles_fsdp.optimizer import (
+    OptimizerConfig,
+    build_optimizer,
+    build_streamed_optimizer,
+    is_streamed,
+)
 from miles_fsdp.precision import PrecisionConfig, resolve_precision
 from miles_fsdp.profiling import TrainProfiler
 from miles_fsdp.weight_source import WeightSource
@@ -122,7 +127,12 @@ class FSDPBackend(TrainBackend):
         self.attn_implementation = resolve_attn_implementation(args.attn_implementation)
 
         self.model = self._build_model()
-        self.optimizer, self.scheduler = build_optimizer(self.model, optimizer_config(args))
+        if getattr(args, "stream_optimizer_state_to_disk", False):
+            self.optimizer, self.scheduler = build_streamed_optimizer(
+                self.model, optimizer_config(args), args
+            )
+        else:
+            self.optimizer, self.scheduler = build_optimizer(self.model, optimizer_config(args))
         self.checkpointer = Checkpointer(self.model, self.optimizer, self.scheduler)
         self.state = TrainState()
         if args.load:
@@ -254,7 +264,9 @@ class FSDPBackend(TrainBackend):
     def sleep(self) -> None:
         """Move parameters, buffers and AdamW state off the device (miles-offload's mover:
         ``--offload-train-target cpu|disk``). Idempotent; a no-op under ``--fsdp-cpu-offload``,
-        where FSDP already keeps everything in host memory."""
+        where FSDP already keeps everything in host memory. With
+        ``--stream-optimizer-state-to-disk`` the streamed state is in files already: the mover
+        moves only the small parameters' on-device AdamW state (``optimizer.state``)."""
         if self.mover is None:
             from miles_offload.device_mover import DeviceMover
             from miles_offload.offload_target import OffloadTarget
@@ -289,4 +301,6 @@ class FSDPBackend(TrainBackend):
         if self.mover is not None:
             self.mover.close()
             self.mover = None
+        if self.model is not None and is_streamed(self.optimizer):
+            self.optimizer.close()  # removes its working bucket files
         self.model = None

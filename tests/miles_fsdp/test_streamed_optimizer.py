@@ -12,8 +12,8 @@ import pytest
 import torch
 from spawn import run_ranks
 from streamed_programs import streamed_program
-from tiny_models import save_tiny_model
 from test_train import make_samples
+from tiny_models import save_tiny_model
 
 pytestmark = pytest.mark.slow
 

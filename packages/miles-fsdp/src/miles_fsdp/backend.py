@@ -15,6 +15,7 @@ from miles_core.contract import DataLayout, TrainBackend
 from torch import nn
 
 from miles_fsdp.adaptations import Adaptation, adaptation_for
+from miles_fsdp.adaptations.moe import apply_moe_kernel, install_routing_replay, resolve_moe_kernel
 from miles_fsdp.checkpoint import Checkpointer, TrainState, export_hf
 from miles_fsdp.loading import (
     HFCheckpointInfo,
@@ -125,6 +126,10 @@ class FSDPBackend(TrainBackend):
             precision = policy(self.config, precision)
         self.precision: PrecisionConfig = precision
         self.attn_implementation = resolve_attn_implementation(args.attn_implementation)
+        self.moe_kernel = resolve_moe_kernel(
+            getattr(args, "moe_kernel", None), self.config.model_type, self.device.type
+        )
+        self.routing_replay = None
 
         self.model = self._build_model()
         if getattr(args, "stream_optimizer_state_to_disk", False):
@@ -152,6 +157,9 @@ class FSDPBackend(TrainBackend):
         model = build_meta_model(config, precision.master_dtype, self.attn_implementation)
         for patch in adaptation.model_instance_patches + adaptation.packing_patches:
             patch(model, config)
+        apply_moe_kernel(model, self.moe_kernel)
+        if getattr(self.args, "use_rollout_routing_replay", False):
+            self.routing_replay = install_routing_replay(model, config)
         if self.args.gradient_checkpointing:
             if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24
                 model.activation_checkpointing_enable({"use_reentrant": False})
@@ -200,6 +208,7 @@ class FSDPBackend(TrainBackend):
             cpu_group=self.cpu_group,
             attn_implementation=self.attn_implementation,
             compute_dtype=self.precision.compute_dtype,
+            routing_replay=self.routing_replay,
         )
         self.profiler.before(self.state.global_step)
         metrics, steps, micro = train_rollout(ctx, batch)

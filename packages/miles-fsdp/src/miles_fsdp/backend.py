@@ -157,7 +157,7 @@ class FSDPBackend(TrainBackend):
         model = build_meta_model(config, precision.master_dtype, self.attn_implementation)
         for patch in adaptation.model_instance_patches + adaptation.packing_patches:
             patch(model, config)
-        apply_moe_kernel(model, self.moe_kernel)
+        apply_moe_kernel(model, self.moe_kernel, self.device.type)
         if getattr(self.args, "use_rollout_routing_replay", False):
             self.routing_replay = install_routing_replay(model, config)
         if self.args.gradient_checkpointing:

@@ -67,11 +67,17 @@ def resolve_moe_kernel(requested: str | None, model_type: str, device_type: str)
     return "fused" if device_type == "cuda" else "eager"
 
 
-def apply_moe_kernel(model: nn.Module, kernel: str | None) -> None:
+def apply_moe_kernel(model: nn.Module, kernel: str | None, device_type: str) -> None:
     """Run the experts of ``model`` on ``kernel`` (before sharding; ``None``: leave as built)."""
     if kernel == "fused":
+        from miles_native.kernels.fused_moe import INTERPRETED
         from miles_native.kernels.hf_experts import use_fused_experts
 
+        if device_type != "cuda" and not INTERPRETED:
+            raise ArgumentError(
+                "--moe-kernel fused on the CPU runs the Triton kernels under the interpreter "
+                "only: set TRITON_INTERPRET=1 before starting, or use --moe-kernel eager"
+            )
         use_fused_experts(model)
     elif kernel == "eager":
         model.set_experts_implementation("eager")

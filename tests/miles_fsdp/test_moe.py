@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,6 +27,23 @@ def test_moe_kernel_resolution():
     assert resolve_moe_kernel(None, "qwen3", "cuda") is None
     with pytest.raises(ArgumentError, match="--moe-kernel fused: model_type 'qwen3'"):
         resolve_moe_kernel("fused", "qwen3", "cuda")
+
+
+@pytest.mark.slow  # a fresh interpreter importing triton
+def test_fused_on_cpu_without_interpreter_is_refused():
+    code = (
+        "from miles_core.args import ArgumentError\n"
+        "from miles_fsdp.adaptations.moe import apply_moe_kernel\n"
+        "try:\n"
+        "    apply_moe_kernel(None, 'fused', 'cpu')\n"
+        "except ArgumentError as err:\n"
+        "    print(err)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert "set TRITON_INTERPRET=1" in out.stdout, out.stderr
 
 
 def moe_samples(n: int, seed: int = 11):

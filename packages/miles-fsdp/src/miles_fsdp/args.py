@@ -66,6 +66,17 @@ class FSDPArgs(ArgGroup):
         help="Override the compute dtype (unset: bf16, or fp16 with --fp16); fp32 is for "
         "numerics checks and CPU runs.",
     )
+    moe_kernel: Literal["fused", "eager"] | None = flag(
+        None,
+        help="Expert kernels of MoE models (qwen3_moe, qwen3_5_moe, glm4_moe_lite): fused "
+        "Triton kernels or transformers' eager loop (unset: fused on GPU, eager on CPU).",
+    )
+    use_rollout_routing_replay: bool = flag(
+        False,
+        help="R3: route each token to the experts the rollout engine chose (samples' "
+        "routed_experts) instead of the trainer's own top-k; weights still come from the "
+        "trainer's router.",
+    )
     use_pytorch_profiler: bool = flag(
         False, help="Trace optimizer steps --profile-step-start..end with torch.profiler."
     )

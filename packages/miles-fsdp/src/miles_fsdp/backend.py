@@ -15,6 +15,7 @@ from miles_core.contract import DataLayout, TrainBackend
 from torch import nn
 
 from miles_fsdp.adaptations import Adaptation, adaptation_for
+from miles_fsdp.adaptations.moe import apply_moe_kernel, install_routing_replay, resolve_moe_kernel
 from miles_fsdp.checkpoint import Checkpointer, TrainState, export_hf
 from miles_fsdp.loading import (
     HFCheckpointInfo,
@@ -27,7 +28,12 @@ from miles_fsdp.loading import (
     validate_on_rank0,
 )
 from miles_fsdp.mesh import MeshShape, build_mesh, mesh_shape
-from miles_fsdp.optimizer import OptimizerConfig, build_optimizer
+from miles_fsdp.optimizer import (
+    OptimizerConfig,
+    build_optimizer,
+    build_streamed_optimizer,
+    is_streamed,
+)
 from miles_fsdp.precision import PrecisionConfig, resolve_precision
 from miles_fsdp.profiling import TrainProfiler
 from miles_fsdp.weight_source import WeightSource
@@ -120,9 +126,18 @@ class FSDPBackend(TrainBackend):
             precision = policy(self.config, precision)
         self.precision: PrecisionConfig = precision
         self.attn_implementation = resolve_attn_implementation(args.attn_implementation)
+        self.moe_kernel = resolve_moe_kernel(
+            getattr(args, "moe_kernel", None), self.config.model_type, self.device.type
+        )
+        self.routing_replay = None
 
         self.model = self._build_model()
-        self.optimizer, self.scheduler = build_optimizer(self.model, optimizer_config(args))
+        if getattr(args, "stream_optimizer_state_to_disk", False):
+            self.optimizer, self.scheduler = build_streamed_optimizer(
+                self.model, optimizer_config(args), args
+            )
+        else:
+            self.optimizer, self.scheduler = build_optimizer(self.model, optimizer_config(args))
         self.checkpointer = Checkpointer(self.model, self.optimizer, self.scheduler)
         self.state = TrainState()
         if args.load:
@@ -142,6 +157,9 @@ class FSDPBackend(TrainBackend):
         model = build_meta_model(config, precision.master_dtype, self.attn_implementation)
         for patch in adaptation.model_instance_patches + adaptation.packing_patches:
             patch(model, config)
+        apply_moe_kernel(model, self.moe_kernel, self.device.type)
+        if getattr(self.args, "use_rollout_routing_replay", False):
+            self.routing_replay = install_routing_replay(model, config)
         if self.args.gradient_checkpointing:
             if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24
                 model.activation_checkpointing_enable({"use_reentrant": False})
@@ -190,6 +208,7 @@ class FSDPBackend(TrainBackend):
             cpu_group=self.cpu_group,
             attn_implementation=self.attn_implementation,
             compute_dtype=self.precision.compute_dtype,
+            routing_replay=self.routing_replay,
         )
         self.profiler.before(self.state.global_step)
         metrics, steps, micro = train_rollout(ctx, batch)
@@ -254,7 +273,9 @@ class FSDPBackend(TrainBackend):
     def sleep(self) -> None:
         """Move parameters, buffers and AdamW state off the device (miles-offload's mover:
         ``--offload-train-target cpu|disk``). Idempotent; a no-op under ``--fsdp-cpu-offload``,
-        where FSDP already keeps everything in host memory."""
+        where FSDP already keeps everything in host memory. With
+        ``--stream-optimizer-state-to-disk`` the streamed state is in files already: the mover
+        moves only the small parameters' on-device AdamW state (``optimizer.state``)."""
         if self.mover is None:
             from miles_offload.device_mover import DeviceMover
             from miles_offload.offload_target import OffloadTarget
@@ -289,4 +310,6 @@ class FSDPBackend(TrainBackend):
         if self.mover is not None:
             self.mover.close()
             self.mover = None
+        if self.model is not None and is_streamed(self.optimizer):
+            self.optimizer.close()  # removes its working bucket files
         self.model = None

@@ -4,6 +4,8 @@ An iteration directory holds::
 
     iter_XXXXXXX/model/          DCP, sharded model state (master dtype)
     iter_XXXXXXX/optimizer/      DCP, AdamW state           (absent with --no-save-optim)
+                                 or, with --stream-optimizer-state-to-disk, the streamed
+                                 AdamW's rank*/ bucket files and manifest.json
     iter_XXXXXXX/lr_scheduler/   scheduler state (rank 0)   (absent with --no-save-optim)
     iter_XXXXXXX/rng.pt          every rank's RNG states
     iter_XXXXXXX/meta.json       counters, written last
@@ -14,7 +16,10 @@ rank 0 prepares the directory, every rank writes, rank 0 commits (meta.json, fsy
 last). A kill at any point leaves the previously tracked iteration loadable.
 
 Loading: ``--no-load-optim`` skips AdamW state only (a saved scheduler is still restored, so the
-LR continues); ``--no-load-rng`` skips ``rng.pt``.
+LR continues); ``--no-load-rng`` skips ``rng.pt``. Optimizer state is loaded in the format it was
+saved in: a streamed checkpoint needs ``--stream-optimizer-state-to-disk`` and a DCP one needs it
+off (either mismatch is refused, naming ``--no-load-optim`` as the way to start the optimizer
+fresh).
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
+from miles_fsdp.optimizer import is_streamed
 
 
 @dataclass
@@ -97,6 +104,15 @@ def _gather_rng() -> list[dict[str, Any]]:
     return out
 
 
+def refuse_streamed_checkpoint(optim_dir: Path) -> None:
+    """Raise when ``optim_dir`` holds streamed-AdamW state but this run keeps AdamW in memory."""
+    if any(optim_dir.glob("rank*/manifest.json")):
+        raise ValueError(
+            f"{optim_dir}: optimizer state written with --stream-optimizer-state-to-disk; resume "
+            "with that flag, or pass --no-load-optim to start the optimizer fresh"
+        )
+
+
 class Checkpointer:
     """Save and load FSDP training state for one rank (all methods are collective)."""
 
@@ -137,7 +153,10 @@ class Checkpointer:
         _barrier()
         target = save_dir / f"iter_{iteration:07d}"
         writes = {"model": {"model": get_model_state_dict(self.model)}}
-        if save_optim:
+        streamed = is_streamed(self.optimizer)
+        if save_optim and streamed:  # every rank copies its bucket files (synchronous)
+            self.optimizer.save(str(target / "optimizer"))
+        elif save_optim:
             writes["optimizer"] = {
                 "optimizer": get_optimizer_state_dict(self.model, self.optimizer)
             }
@@ -167,7 +186,10 @@ class Checkpointer:
             micro_step=state.micro_step,
             world_size=len(rng),
             backend="fsdp",
-            extra={"has_optimizer": save_optim},
+            extra={
+                "has_optimizer": save_optim,
+                "optimizer_format": "streamed" if streamed else "dcp",
+            },
         )
         self.pending = PendingSave(save_dir, meta, futures)
         if not async_save:
@@ -205,7 +227,10 @@ class Checkpointer:
         model_sd = {"model": get_model_state_dict(self.model)}
         dcp.load(model_sd, checkpoint_id=str(iter_dir / "model"))
         set_model_state_dict(self.model, model_sd["model"])
-        if load_optim and (iter_dir / "optimizer").is_dir():
+        if load_optim and (iter_dir / "optimizer").is_dir() and is_streamed(self.optimizer):
+            self.optimizer.load(str(iter_dir / "optimizer"))  # refuses a DCP checkpoint
+        elif load_optim and (iter_dir / "optimizer").is_dir():
+            refuse_streamed_checkpoint(iter_dir / "optimizer")
             optim_sd = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
             dcp.load(optim_sd, checkpoint_id=str(iter_dir / "optimizer"))
             set_optimizer_state_dict(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -73,10 +74,56 @@ def build_optimizer(
         fused=True if on_cuda else None,
         foreach=None if on_cuda else True,
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
+    return optimizer, build_scheduler(optimizer, cfg)
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimizerConfig
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """The ``LambdaLR`` that sets every param group's LR to :func:`lr_at` of the step."""
+    return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_at(step, cfg) / cfg.lr if cfg.lr else 0.0
     )
-    return optimizer, scheduler
+
+
+def build_streamed_optimizer(
+    model: nn.Module, cfg: OptimizerConfig, args: Any
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """``--stream-optimizer-state-to-disk``: miles-offload's streamed AdamW plus the same schedule.
+
+    Masters and moments of the parameters with at least ``--stream-optimizer-min-numel``
+    elements live in bucket files under ``--offload-train-disk-dir``; the arithmetic (and the
+    fused / foreach choice) is that of :func:`build_optimizer`, so with fp32 moments the
+    weights are bit-identical. Hyperparameters come from ``cfg`` like the in-memory AdamW's.
+    """
+    from miles_offload.streamed_adam import StreamedAdamConfig, StreamedAdamW
+
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    on_cuda = bool(params) and all(p.device.type == "cuda" for _, p in params)
+    config = StreamedAdamConfig(
+        disk_dir=args.offload_train_disk_dir,
+        moment_dtype=args.stream_optimizer_state_moment_dtype,
+        bucket_numel=args.stream_optimizer_bucket_numel,
+        min_numel=args.stream_optimizer_min_numel,
+        foreach=None if on_cuda else True,
+        fused=True if on_cuda else None,
+    )
+    optimizer = StreamedAdamW(
+        params,
+        lr=cfg.lr,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay,
+        config=config,
+    )
+    return optimizer, build_scheduler(optimizer, cfg)
+
+
+def is_streamed(optimizer: Any) -> bool:
+    """Whether ``optimizer`` keeps its state in files (checkpointed with ``save``/``load``)."""
+    from miles_offload.streamed_adam import StreamedAdamW
+
+    return isinstance(optimizer, StreamedAdamW)
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:

@@ -35,6 +35,7 @@ from miles_core.micro_batch import (
 from miles_core.packing import PackedBatch, pack_thd, packed_attention_kwargs, unpack_response
 from torch import nn
 
+from miles_fsdp.adaptations.moe import RoutingReplay
 from miles_fsdp.train_step import StepResult, optimizer_step
 
 
@@ -51,6 +52,8 @@ class RolloutContext:
     cpu_group: Any
     attn_implementation: str
     compute_dtype: torch.dtype
+    #: ``--use-rollout-routing-replay``: the patched routers' source of expert ids
+    routing_replay: RoutingReplay | None = None
 
 
 def split_micro_batches(ctx: RolloutContext, batch: RolloutBatch) -> list[RolloutBatch]:
@@ -66,7 +69,17 @@ def split_micro_batches(ctx: RolloutContext, batch: RolloutBatch) -> list[Rollou
 
 
 def packed_logits(ctx: RolloutContext, packed: PackedBatch) -> torch.Tensor:
-    """Logits ``[1, T, V]`` of a packed row, attention kept inside each sample."""
+    """Logits ``[1, T, V]`` of a packed row, attention kept inside each sample.
+
+    With routing replay the MoE routers take the row's ``routed_experts`` (the engine's ids).
+    """
+    if ctx.routing_replay is not None:
+        if packed.routed_experts is None:
+            raise ValueError(
+                "--use-rollout-routing-replay: samples carry no routed_experts (ask the engine "
+                "for them: return_routed_experts, --enable-return-routed-experts)"
+            )
+        ctx.routing_replay.set(packed.routed_experts)
     kwargs = packed_attention_kwargs(packed, ctx.attn_implementation, dtype=ctx.compute_dtype)
     return ctx.model(input_ids=packed.input_ids, **kwargs).logits
 

@@ -1,0 +1,126 @@
+"""MoE per architecture: the expert kernel (``--moe-kernel``) and routing replay (R3).
+
+Two small registries, filled by the spec files of the MoE architectures:
+
+* :func:`register_fused_experts` marks a ``model_type`` whose experts module is transformers'
+  batched 3-D experts, which miles-native's fused Triton kernels can run
+  (:mod:`miles_native.kernels.hf_experts`); :func:`apply_moe_kernel` switches the model to them
+  or to transformers' eager loop before sharding. Weight names and shapes do not change, so
+  publication (per-expert names, :mod:`.fused_experts`) is the same with either kernel.
+* :func:`register_routing_adapter` registers ``adapter(model, config, replay) -> int``, which
+  patches the model's routers to take their top-k expert ids from a :class:`RoutingReplay`
+  (the rollout engine's) and returns how many routers it patched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from miles_core.args import ArgumentError
+from torch import nn
+
+MOE_KERNELS = ("fused", "eager")
+
+_FUSED_EXPERTS: set[str] = set()
+_ROUTING_ADAPTERS: dict[str, Callable[[nn.Module, Any, RoutingReplay], int]] = {}
+
+
+def register_fused_experts(model_types: str | tuple[str, ...]) -> None:
+    """Declare that ``model_types`` keep transformers' batched experts (fused kernels apply)."""
+    types = (model_types,) if isinstance(model_types, str) else model_types
+    _FUSED_EXPERTS.update(types)
+
+
+def register_routing_adapter(model_types: str | tuple[str, ...]) -> Callable:
+    """Register the routing-replay adapter of ``model_types`` (decorator)."""
+    types = (model_types,) if isinstance(model_types, str) else model_types
+
+    def decorator(fn: Callable) -> Callable:
+        for model_type in types:
+            _ROUTING_ADAPTERS[model_type] = fn
+        return fn
+
+    return decorator
+
+
+def resolve_moe_kernel(requested: str | None, model_type: str, device_type: str) -> str | None:
+    """The expert kernel of this run: ``"fused"``, ``"eager"`` or ``None`` (not a MoE we adapt).
+
+    Unset ``--moe-kernel``: fused on CUDA, eager on the CPU (the kernels run there only under
+    Triton's interpreter). ``fused`` asked for a model without batched experts is an error.
+    """
+    from miles_fsdp.adaptations import specs  # noqa: F401  (registers the shipped specs)
+
+    if requested is not None and requested not in MOE_KERNELS:
+        raise ArgumentError(f"--moe-kernel must be one of {MOE_KERNELS}, got {requested!r}")
+    if model_type not in _FUSED_EXPERTS:
+        if requested == "fused":
+            raise ArgumentError(
+                f"--moe-kernel fused: model_type {model_type!r} has no batched experts the "
+                f"fused kernels support (supported: {sorted(_FUSED_EXPERTS)})"
+            )
+        return None
+    if requested is not None:
+        return requested
+    return "fused" if device_type == "cuda" else "eager"
+
+
+def apply_moe_kernel(model: nn.Module, kernel: str | None, device_type: str) -> None:
+    """Run the experts of ``model`` on ``kernel`` (before sharding; ``None``: leave as built)."""
+    if kernel == "fused":
+        from miles_native.kernels.fused_moe import INTERPRETED
+        from miles_native.kernels.hf_experts import use_fused_experts
+
+        if device_type != "cuda" and not INTERPRETED:
+            raise ArgumentError(
+                "--moe-kernel fused on the CPU runs the Triton kernels under the interpreter "
+                "only: set TRITON_INTERPRET=1 before starting, or use --moe-kernel eager"
+            )
+        use_fused_experts(model)
+    elif kernel == "eager":
+        model.set_experts_implementation("eager")
+
+
+class RoutingReplay:
+    """The rollout engine's routed experts for the packed row being forwarded.
+
+    ``set(routed)`` with int ``[T, num_hidden_layers, top_k]`` (``PackedBatch.routed_experts``)
+    before a forward; a patched router of decoder layer ``l`` then routes the ``T`` tokens to
+    ``routed[:, l]``. The ids stay set until the next ``set`` so that activation recomputation
+    in backward (gradient checkpointing) replays the same ids.
+    """
+
+    def __init__(self) -> None:
+        self.routed: torch.Tensor | None = None
+
+    def set(self, routed: torch.Tensor | None) -> None:
+        self.routed = routed
+
+    def layer_ids(self, layer: int, num_tokens: int) -> torch.Tensor | None:
+        """Layer ``layer``'s replayed ids ``[num_tokens, top_k]`` (int64), or ``None`` if unset."""
+        if self.routed is None:
+            return None
+        if self.routed.shape[0] != num_tokens or layer >= self.routed.shape[1]:
+            raise ValueError(
+                f"--use-rollout-routing-replay: routed experts of shape {tuple(self.routed.shape)}"
+                f" do not cover layer {layer} over {num_tokens} tokens"
+            )
+        return self.routed[:, layer].long()
+
+
+def install_routing_replay(model: nn.Module, config: Any) -> RoutingReplay:
+    """Patch ``model``'s routers through its architecture's adapter; return the shared replay."""
+    from miles_fsdp.adaptations import specs  # noqa: F401
+
+    adapter = _ROUTING_ADAPTERS.get(config.model_type)
+    if adapter is None:
+        raise ArgumentError(
+            f"--use-rollout-routing-replay: no routing adapter for model_type "
+            f"{config.model_type!r} (supported: {sorted(_ROUTING_ADAPTERS)})"
+        )
+    replay = RoutingReplay()
+    if adapter(model, config, replay) == 0:
+        raise ValueError(f"routing adapter of {config.model_type!r} found no router to patch")
+    return replay

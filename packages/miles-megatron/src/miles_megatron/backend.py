@@ -59,6 +59,7 @@ class MegatronBackend(TrainBackend):
         self.optimizer: Any = None
         self.scheduler: Any = None
         self.global_step = 0
+        self._publisher: Any = None
 
     # ------------------------------------------------------------------ init
     def init(self, args: Any, role: str = "actor") -> int:
@@ -228,10 +229,20 @@ class MegatronBackend(TrainBackend):
         )
 
     def update_weights(self, engines: Sequence[Any]) -> None:
-        raise NotImplementedError(
-            "MegatronBackend.update_weights needs miles-sync's publisher (not yet available); "
-            "hf_weights() is the weight source it will publish"
-        )
+        """Publish the HF-named weights to ``engines`` through miles-sync (every rank calls).
+
+        :meth:`hf_weights` gathers full tensors over TP/EP on every rank, which is the source
+        protocol miles-sync's publisher expects; rank 0 drives the publish round.
+        """
+        from miles_sync.ranks import RankContext
+        from miles_sync.weight_sync import SyncConfig, WeightPublisher
+
+        self.wake_up()
+        if self._publisher is None:
+            self._publisher = WeightPublisher(
+                SyncConfig.from_args(self.args), RankContext.from_default_group()
+            )
+        self._publisher.update_weights(self.hf_weights(), list(engines))
 
     # ------------------------------------------------------------------ checkpoints
     def save_model(self, rollout_id: int, force_sync: bool = False) -> None:
@@ -258,5 +269,8 @@ class MegatronBackend(TrainBackend):
         self.sleeper.wake_up()
 
     def close(self) -> None:
+        if self._publisher is not None:
+            self._publisher.close()
+            self._publisher = None
         destroy_parallel()
         self.model = self.optimizer = self.scheduler = None

@@ -48,7 +48,7 @@ def _rank(rank: int, world: int, port: int, hf_dir: str, save: str, queue) -> No
 
 def test_train_matches_hf_adamw_and_resumes_at_tp1(tmp_path):
     from backend_reference import check
-    from tiny_models import make_tiny_hf
+    from megatron_tiny_models import make_tiny_hf
 
     hf_dir = str(make_tiny_hf("qwen3", tmp_path / "hf"))
     world = min(2, torch.cuda.device_count())

@@ -8,7 +8,7 @@ import pytest
 from backend_reference import check
 from dist_ranks import spawn_ranks
 from megatron_ranks import backend_run
-from tiny_models import make_tiny_hf
+from megatron_tiny_models import make_tiny_hf
 
 
 @pytest.mark.slow

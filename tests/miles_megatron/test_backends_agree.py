@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from dist_ranks import spawn_ranks
 from megatron_ranks import rollout_losses
-from tiny_models import make_tiny_hf
+from megatron_tiny_models import make_tiny_hf
 
 pytest.importorskip("miles_fsdp")
 

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from megatron_tiny_models import FAMILIES, make_tiny_hf
 from miles_core.args import ArgumentError
 from miles_megatron.arch_args import resolve_model_args
 from miles_megatron.bridge import (
@@ -20,7 +21,6 @@ from miles_megatron.bridge import (
 from miles_megatron.bridge.rules import merge_qkv, split_qkv
 from miles_megatron.model_args import model_args
 from safetensors.torch import load_file
-from tiny_models import FAMILIES, make_tiny_hf
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,9 @@ import pytest
 import torch
 from dist_ranks import spawn_ranks
 from megatron_ranks import convert_both_ways
+from megatron_tiny_models import make_tiny_hf
 from miles_core.checkpoint_layout import read_tracker
 from safetensors.torch import load_file
-from tiny_models import make_tiny_hf
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import pytest
 import torch
 from dist_ranks import spawn_ranks
 from megatron_ranks import layout_argv, logits_and_roundtrip
-from tiny_models import FAMILIES, hf_logits, make_tiny_hf
+from megatron_tiny_models import FAMILIES, hf_logits, make_tiny_hf
 
 
 @pytest.fixture(scope="module")

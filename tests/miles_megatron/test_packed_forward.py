@@ -7,8 +7,8 @@ import pytest
 import torch
 from dist_ranks import spawn_ranks
 from megatron_ranks import packed_log_probs_match
+from megatron_tiny_models import make_tiny_hf
 from miles_core.batch import Sample
-from tiny_models import make_tiny_hf
 
 
 @pytest.mark.slow

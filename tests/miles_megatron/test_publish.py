@@ -18,8 +18,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent.parent / "miles_sync"))
 
 from dist_ranks import spawn_ranks  # noqa: E402
+from megatron_tiny_models import make_tiny_hf  # noqa: E402
 from sync_testing import Engine, save_tokenizer  # noqa: E402
-from tiny_models import make_tiny_hf  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

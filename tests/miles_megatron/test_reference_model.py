@@ -9,7 +9,7 @@ import torch
 from backend_reference import samples
 from dist_ranks import spawn_ranks
 from megatron_ranks import reference_pass
-from tiny_models import make_tiny_hf
+from megatron_tiny_models import make_tiny_hf
 
 
 @pytest.mark.slow

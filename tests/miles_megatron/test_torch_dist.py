@@ -6,7 +6,7 @@ import pytest
 import torch
 from dist_ranks import spawn_ranks
 from megatron_ranks import layout_argv, save_then_reload
-from tiny_models import make_tiny_hf
+from megatron_tiny_models import make_tiny_hf
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from miles_fsdp.backend import FSDPBackend
-from rank_programs import full_grads, full_params, my_rows, nll_contribution
+from rank_programs import full_params, my_rows, nll_contribution
 from run_args import make_args
 from torch.distributed.tensor import DTensor
 
@@ -132,6 +132,7 @@ def lora_program(rank, world, hf_dir, adapter_dir, data, save_dir, out_file):
         lora_target_modules=["q_proj", "v_proj", "down_proj"],
         lora_adapter_path=[adapter_dir],
         clip_grad=0.0,
+        adam_eps=1e-5,
         save=save_dir,
     )
     backend = FSDPBackend()
@@ -157,8 +158,11 @@ def lora_program(rank, world, hf_dir, adapter_dir, data, save_dir, out_file):
         dp_size=world,
         clip_grad=0.0,
     )
-    grads = {n: g for n, g in full_grads(model).items() if n in res["trainable"]}
-    res["grads"] = grads
+    res["grads"] = {
+        n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
     res["grad_dtypes"] = {
         n: p.grad.dtype for n, p in model.named_parameters() if p.grad is not None
     }
@@ -174,11 +178,12 @@ def lora_program(rank, world, hf_dir, adapter_dir, data, save_dir, out_file):
     backend.init(make_args(load=save_dir, **flags))
     res["resumed"] = full_params(backend.model)
     backend.close()
+    res["dtype"] = first_forward_disabled(rank, world, hf_dir, data)
     if rank == 0:
         torch.save(res, out_file)
 
 
-def lora_dtype_program(rank, world, hf_dir, data, out_file):
+def first_forward_disabled(rank, world, hf_dir, data):
     """bf16 compute, fp32 master: a first forward with adapters disabled, then a step."""
     from miles_fsdp.roles import adapters_disabled
     from miles_fsdp.train_step import optimizer_step
@@ -203,5 +208,4 @@ def lora_dtype_program(rank, world, hf_dir, data, out_file):
     dtypes = {n: p.grad.dtype for n, p in model.named_parameters() if p.grad is not None}
     param_dtypes = {n: p.dtype for n, p in model.named_parameters() if p.requires_grad}
     backend.close()
-    if rank == 0:
-        torch.save({"grad": dtypes, "param": param_dtypes}, out_file)
+    return {"grad": dtypes, "param": param_dtypes}

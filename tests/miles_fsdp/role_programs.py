@@ -209,3 +209,67 @@ def first_forward_disabled(rank, world, hf_dir, data):
     param_dtypes = {n: p.dtype for n, p in model.named_parameters() if p.requires_grad}
     backend.close()
     return {"grad": dtypes, "param": param_dtypes}
+
+
+#: What the prepare hook saw (per process), read back by roles_program.
+SEEN: dict = {}
+
+
+def record_prepare(ctx, batch):
+    """--custom-prepare-path hook: runs the teacher under no_grad and records the context."""
+    teacher = ctx.teacher_models["model"]
+    with torch.no_grad():
+        out = teacher(input_ids=batch[0].tokens[None].to(ctx.device)).logits
+    SEEN.update(
+        models=sorted(ctx.models),
+        reference=sorted(ctx.reference_models),
+        teacher=sorted(ctx.teacher_models),
+        teacher_requires_grad=out.requires_grad,
+    )
+    return batch
+
+
+def roles_program(rank, world, hf_dir, ref_dir, ref_adapter, teacher_dir, data, out_file):
+    """Actor + reference (with adapter) + CPU-offloaded teacher; logits, hooks, KL, sleep."""
+    backend = FSDPBackend()
+    backend.init(
+        make_args(
+            hf_checkpoint=hf_dir,
+            ref_load=ref_dir,
+            ref_mode="ref",
+            ref_lora_adapter_path=[ref_adapter],
+            teacher_load=teacher_dir,
+            teacher_cpu_offload=True,
+            custom_prepare_path="role_programs:record_prepare",
+            use_kl_loss=True,
+            kl_loss_coef=0.1,
+            advantage_estimator="grpo",
+        )
+    )
+    rows = my_rows(data, rank, world)
+    res: dict = {}
+
+    def logits():
+        with torch.no_grad():
+            return {
+                "actor": backend.model(input_ids=rows).logits.clone(),
+                "reference": backend.frozen["reference"](input_ids=rows).logits.clone(),
+                "teacher": backend.frozen["teacher"](input_ids=rows).logits.clone(),
+            }
+
+    res["logits"] = logits()
+    res["frozen"] = {
+        role: (m.training, any(p.requires_grad for p in m.parameters()))
+        for role, m in backend.frozen.items()
+    }
+    res["metrics"] = backend.train(0, my_shard(make_samples(), rank, world))
+    res["seen"] = dict(SEEN)
+    res["trained"] = logits()
+    for _ in range(2):
+        backend.sleep()
+        backend.wake_up()
+    res["skipped"] = list(backend.mover.skipped)
+    res["after_sleep"] = logits()
+    backend.close()
+    if rank == 0:
+        torch.save(res, out_file)

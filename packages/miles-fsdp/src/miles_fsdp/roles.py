@@ -68,10 +68,17 @@ class FrozenSource:
     cpu_offload: bool = False
 
 
+def ref_mode(args: Any) -> str:
+    """``--ref-mode``, or the mode the other flags imply when it is unset."""
+    from miles_core.args.groups.roles import derived_ref_mode
+
+    return args.ref_mode or derived_ref_mode(args)
+
+
 def frozen_sources(args: Any) -> list[FrozenSource]:
     """The frozen roles the flags ask for (``--ref-mode ref``, ``--teacher-load``)."""
     out = []
-    if args.ref_mode == "ref":
+    if ref_mode(args) == "ref":
         out.append(
             FrozenSource(
                 "reference",

@@ -39,7 +39,7 @@ from miles_core.micro_batch import (
 from miles_core.packing import PackedBatch, pack_thd, packed_attention_kwargs, unpack_response
 from torch import nn
 
-from miles_fsdp.roles import reference_forward
+from miles_fsdp.roles import ref_mode, reference_forward
 from miles_fsdp.train_step import StepResult, optimizer_step
 
 
@@ -151,7 +151,7 @@ def train_rollout(ctx: RolloutContext, batch: RolloutBatch) -> tuple[dict[str, f
     elif not detach_old:
         batch = batch.with_fields(old_log_probs=policy_log_probs(ctx, batch))
     if kl_term_on(args):
-        with reference_forward(ctx.model, ctx.reference, args.ref_mode) as ref:
+        with reference_forward(ctx.model, ctx.reference, ref_mode(args)) as ref:
             batch = batch.with_fields(ref_log_probs=policy_log_probs(ctx, batch, ref))
     adv = compute_advantages(
         batch,

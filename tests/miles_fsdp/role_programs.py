@@ -273,3 +273,39 @@ def roles_program(rank, world, hf_dir, ref_dir, ref_adapter, teacher_dir, data, 
     backend.close()
     if rank == 0:
         torch.save(res, out_file)
+
+
+def sleep_cycles_program(rank, world, hf_dir, ref_dir, teacher_dir, data, out_file):
+    """3 rollouts with every role (EMA, reference, teacher); once never slept, once with a
+    sleep/wake after each rollout. Records the actor, EMA and every role's logits per cycle."""
+    results = {}
+    for label in ("control", "slept"):
+        backend = FSDPBackend()
+        backend.init(
+            make_args(
+                hf_checkpoint=hf_dir,
+                ref_load=ref_dir,
+                ref_mode="ref",
+                teacher_load=teacher_dir,
+                custom_prepare_path="role_programs:record_prepare",
+                use_kl_loss=True,
+                kl_loss_coef=0.1,
+                **EMA_FLAGS,
+            )
+        )
+        rows = my_rows(data, rank, world).to(backend.device)
+        cycles = []
+        for rollout_id in range(3):
+            backend.train(rollout_id, my_shard(make_samples(seed=rollout_id), rank, world))
+            if label == "slept":
+                backend.sleep()
+                backend.wake_up()
+            with torch.no_grad():
+                roles = {"actor": backend.model, **backend.frozen}
+                logits = {r: m(input_ids=rows).logits.cpu() for r, m in roles.items()}
+            params = {n: v.cpu() for n, v in full_params(backend.model).items()}
+            cycles.append({"logits": logits, "params": params, "ema": full_ema(backend)})
+        results[label] = cycles
+        backend.close()
+    if rank == 0:
+        torch.save(results, out_file)

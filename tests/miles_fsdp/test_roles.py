@@ -88,3 +88,37 @@ def test_frozen_role_of_another_family_rejected(tmp_path):
         ArgumentError, match="the reference is a 'qwen3_moe' model, the actor a 'qwen3' one"
     ):
         build_frozen_model(FrozenSource("reference", other), build)
+
+
+def test_hooks_load_by_module_and_name():
+    from miles_fsdp.hooks import HookContext, Hooks, load_hook
+
+    assert load_hook("role_programs:record_prepare", "--custom-prepare-path").__name__ == (
+        "record_prepare"
+    )
+    assert load_hook("role_programs.record_prepare", "--custom-prepare-path").__name__ == (
+        "record_prepare"
+    )
+    hooks = Hooks.from_args(
+        make_args(custom_loss_function_path="role_programs:record_prepare"),
+        HookContext(args=None, device=torch.device("cpu")),
+    )
+    assert hooks.prepare is None and hooks.loss.__name__ == "record_prepare"
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("nosuchmodule_xyz:f", "--custom-loss-function-path nosuchmodule_xyz:f: cannot import"),
+        (
+            "role_programs:nope",
+            "--custom-loss-function-path role_programs:nope: role_programs has no function nope",
+        ),
+        ("plain", "--custom-loss-function-path plain: expected module:function"),
+    ],
+)
+def test_hook_errors_name_the_flag(spec, message):
+    from miles_fsdp.hooks import load_hook
+
+    with pytest.raises(ArgumentError, match=message):
+        load_hook(spec, "--custom-loss-function-path")

@@ -122,3 +122,34 @@ def test_backend_ema_two_ranks(tmp_path):
         res["legacy_params"]["lm_head.weight"], final_params["lm_head.weight"]
     )
     assert res["legacy_updates"] == 0
+
+
+def test_ema_state_sleeps_with_the_optimizers():
+    from miles_offload.device_mover import DeviceMover
+
+    torch.manual_seed(1)
+    model = nn.Linear(4, 3)
+    adam = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    adam.step()
+    ema = EMAOptimizer(model.parameters(), EMASchedule(init=0.5))
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    ema.update(0)
+    before = {id(p): ema.state[p]["ema"].clone() for p in ema.params()}
+    mover = DeviceMover({"actor": model}, [adam, ema], device="cpu")
+
+    def nbytes(tensors):
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    params = nbytes(model.parameters())
+    adam_bytes = nbytes(v for st in adam.state.values() for v in st.values() if v.dim() > 0)
+    ema_bytes = nbytes(st["ema"] for st in ema.state.values())
+    for _ in range(2):
+        mover.sleep()
+        moved = mover.last.bytes_copied
+        mover.wake_up()
+        for p in ema.params():
+            torch.testing.assert_close(ema.state[p]["ema"], before[id(p)], atol=0, rtol=0)
+    assert moved >= params + adam_bytes + ema_bytes
+    mover.close()

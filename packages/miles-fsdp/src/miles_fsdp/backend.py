@@ -83,6 +83,8 @@ class FSDPBackend(TrainBackend):
     def __init__(self) -> None:
         self.args: Any = None
         self.model: nn.Module | None = None
+        self.frozen: dict[str, nn.Module] = {}  # "reference", "teacher": frozen roles
+        self.ema: Any = None  # EMAOptimizer under --use-ema
         self.mover: Any = None
         self.publisher: Any = None
 

@@ -1,0 +1,274 @@
+"""Flags the launcher owns: placement, engines, rollout and output (``launch`` entry point).
+
+``--colocate`` and ``--train-backend`` are miles-core's (shared placement group); the offload
+tri-states are resolved by miles-core's offload group. ``--tensorboard-dir`` is declared by the
+backends (``miles_fsdp`` has it); the launcher reads it when present.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from miles_core.args import ArgGroup, ArgumentError, flag
+from miles_core.args.checks import at_least, requires, within
+
+logger = logging.getLogger(__name__)
+
+REWARD_TYPES = ("math", "label-char-fraction")
+
+
+@dataclass
+class LaunchPlacementArgs(ArgGroup):
+    title: ClassVar[str] = "placement (launcher)"
+
+    actor_num_nodes: int = flag(1, metavar="N", help="Nodes of the trainer.")
+    actor_num_gpus_per_node: int = flag(
+        1, metavar="N", help="Trainer ranks (GPUs, or CPU bundles without a GPU) per node."
+    )
+    rollout_num_gpus: int | None = flag(
+        None,
+        metavar="N",
+        help="GPUs of all engines together (unset: one engine of --rollout-num-gpus-per-engine). "
+        "Ignored under --colocate: the engines use the trainer's GPUs.",
+    )
+    rollout_num_gpus_per_engine: int = flag(
+        1, metavar="N", help="GPUs per engine (SGLang --tp-size)."
+    )
+    num_gpus_per_node: int = flag(
+        8, metavar="N", help="GPUs per node (set it on nodes with fewer than 8 usable GPUs)."
+    )
+    ray_address: str | None = flag(
+        None,
+        metavar="ADDR",
+        help="Join this Ray cluster (e.g. 'auto' or 'ip:6379'); unset: start a local Ray sized "
+        "to the job.",
+    )
+
+    @classmethod
+    def validate(cls, args: Any) -> None:
+        for dest in (
+            "actor_num_nodes",
+            "actor_num_gpus_per_node",
+            "rollout_num_gpus_per_engine",
+            "num_gpus_per_node",
+        ):
+            at_least(args, dest, 1)
+        at_least(args, "rollout_num_gpus", 1)
+        if args.actor_num_gpus_per_node > args.num_gpus_per_node:
+            raise ArgumentError(
+                f"--actor-num-gpus-per-node {args.actor_num_gpus_per_node} exceeds "
+                f"--num-gpus-per-node {args.num_gpus_per_node}"
+            )
+        if args.rollout_num_gpus_per_engine > args.num_gpus_per_node:
+            raise ArgumentError(
+                f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine} exceeds "
+                f"--num-gpus-per-node {args.num_gpus_per_node} (an engine spans one node)"
+            )
+        if args.colocate:
+            trainer = args.actor_num_nodes * args.actor_num_gpus_per_node
+            if trainer % args.rollout_num_gpus_per_engine:
+                raise ArgumentError(
+                    f"--colocate: --rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}"
+                    f" does not divide the {trainer} trainer GPUs"
+                )
+        elif args.rollout_num_gpus is not None:
+            if args.rollout_num_gpus % args.rollout_num_gpus_per_engine:
+                raise ArgumentError(
+                    f"--rollout-num-gpus {args.rollout_num_gpus} is not a multiple of "
+                    f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}"
+                )
+
+    @classmethod
+    def resolve_defaults(cls, args: Any) -> None:
+        trainer = args.actor_num_nodes * args.actor_num_gpus_per_node
+        if args.colocate:
+            if args.rollout_num_gpus is not None and args.rollout_num_gpus != trainer:
+                logger.warning(
+                    "--colocate: --rollout-num-gpus %d ignored, reconciled to the %d trainer GPUs",
+                    args.rollout_num_gpus,
+                    trainer,
+                )
+            args.rollout_num_gpus = trainer
+            for dest in ("offload_train", "offload_rollout"):
+                if dest in args.explicit_flags and not getattr(args, dest):
+                    logger.warning(
+                        "--colocate with --no-%s: both sides keep their memory resident; "
+                        "they may not fit together",
+                        dest.replace("_", "-"),
+                    )
+        elif args.rollout_num_gpus is None:
+            args.rollout_num_gpus = args.rollout_num_gpus_per_engine
+
+
+@dataclass
+class EngineLaunchArgs(ArgGroup):
+    title: ClassVar[str] = "rollout engines"
+
+    rollout_engine: Literal["sglang", "builtin"] | None = flag(
+        None,
+        help="Inference engine: SGLang (python -m sglang.launch_server) or the built-in "
+        "transformers engine (unset: sglang when importable, else builtin).",
+    )
+    sglang_router_ip: str | None = flag(
+        None, metavar="IP", help="External router address: engines register there (no own router)."
+    )
+    sglang_router_port: int | None = flag(None, metavar="PORT", help="External router port.")
+    sglang_mem_fraction_static: float | None = flag(
+        None,
+        metavar="F",
+        help="SGLang --mem-fraction-static (unset: 0.8 under --colocate, else SGLang's default).",
+    )
+    sglang_context_length: int | None = flag(
+        None, metavar="N", help="SGLang --context-length: serve beyond config.json's max context."
+    )
+    engine_startup_timeout: float = flag(
+        600.0, metavar="S", help="Seconds an engine (or the router) may take to become healthy."
+    )
+
+    @classmethod
+    def validate(cls, args: Any) -> None:
+        from miles_launch.engines.sglang_launcher import check_passthrough
+
+        check_passthrough(args.sglang_passthrough)
+        if (args.sglang_router_ip is None) != (args.sglang_router_port is None):
+            raise ArgumentError("--sglang-router-ip and --sglang-router-port go together")
+        within(args, "sglang_mem_fraction_static", 0.01, 1.0)
+        at_least(args, "sglang_context_length", 1)
+        if args.rollout_engine == "builtin" and args.rollout_num_gpus_per_engine > 1:
+            raise ArgumentError(
+                f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}: the built-in "
+                "engine serves on one device; use --rollout-engine sglang"
+            )
+
+    @classmethod
+    def resolve_defaults(cls, args: Any) -> None:
+        if args.rollout_engine is None:
+            args.rollout_engine = "sglang" if sglang_importable() else "builtin"
+        if args.colocate and args.sglang_mem_fraction_static is None:
+            args.sglang_mem_fraction_static = 0.8
+        if args.colocate and args.rollout_engine == "sglang":
+            args.sglang_passthrough.setdefault("cuda-graph-backend-prefill", "disabled")
+
+
+def sglang_importable() -> bool:
+    """Whether ``sglang`` can be imported here (checked without importing it)."""
+    from importlib.util import find_spec
+
+    return find_spec("sglang") is not None
+
+
+@dataclass
+class RolloutArgs(ArgGroup):
+    title: ClassVar[str] = "rollout"
+
+    prompt_data: str | None = flag(
+        None, metavar="JSONL", help="Prompt set: one JSON object per line."
+    )
+    input_key: str = flag("prompt", help="Key of the prompt in each --prompt-data line.")
+    label_key: str | None = flag("label", help="Key of the label (reward reference), if any.")
+    apply_chat_template: bool = flag(
+        False, help="Wrap each prompt as a user message with the tokenizer's chat template."
+    )
+    rollout_shuffle: bool = flag(True, help="Shuffle the prompts each epoch (seeded by --seed).")
+    num_rollout: int = flag(1, metavar="N", help="Rollouts (generate + train) to run in total.")
+    rollout_batch_size: int = flag(8, metavar="N", help="Prompts per rollout.")
+    n_samples_per_prompt: int = flag(4, metavar="N", help="Responses sampled per prompt (a group).")
+    rollout_top_p: float = flag(1.0, help="Top-p of rollout sampling.")
+    rollout_top_k: int = flag(-1, help="Top-k of rollout sampling (-1: all tokens).")
+    rollout_max_response_len: int = flag(
+        1024, metavar="N", help="Most tokens generated per response."
+    )
+    rm_type: Literal["math", "label-char-fraction"] | None = flag(
+        None,
+        help="Built-in reward: math (exact match of the final answer with the label) or "
+        "label-char-fraction (share of the --rollout-max-response-len positions holding a "
+        "character of the label; the demo's).",
+    )
+    custom_rm_path: str | None = flag(
+        None,
+        metavar="MODULE:FUNC",
+        help="Reward function f(RewardInput) -> float (sync or async); replaces --rm-type.",
+    )
+    dynamic_filter: bool = flag(
+        False,
+        help="Drop prompt groups whose rewards are all equal (no learning signal) and draw "
+        "more prompts until the rollout is full.",
+    )
+    dynamic_filter_max_draws: int = flag(
+        4, metavar="N", help="Most prompt batches drawn per rollout under --dynamic-filter."
+    )
+    eval_interval: int | None = flag(None, metavar="N", help="Evaluate every N rollouts.")
+    eval_prompt_data: str | None = flag(
+        None, metavar="JSONL", help="Evaluation prompts (same keys as --prompt-data)."
+    )
+    n_samples_per_eval_prompt: int = flag(1, metavar="N", help="Responses per eval prompt.")
+    fully_async: bool = flag(
+        False,
+        help="Keep generating while the trainer steps (disaggregated only); weights are "
+        "published every --update-weights-interval rollouts.",
+    )
+    update_weights_interval: int = flag(
+        1, metavar="N", help="Publish weights to the engines every N rollouts (--fully-async)."
+    )
+
+    @classmethod
+    def validate(cls, args: Any) -> None:
+        for dest in (
+            "num_rollout",
+            "rollout_batch_size",
+            "n_samples_per_prompt",
+            "rollout_max_response_len",
+            "dynamic_filter_max_draws",
+            "n_samples_per_eval_prompt",
+            "update_weights_interval",
+        ):
+            at_least(args, dest, 1)
+        at_least(args, "eval_interval", 1)
+        if not 0.0 < args.rollout_top_p <= 1.0:
+            raise ArgumentError(f"--rollout-top-p must be in (0, 1], got {args.rollout_top_p}")
+        if args.fully_async and args.colocate:
+            raise ArgumentError(
+                "--fully-async cannot be used with --colocate: generation and training "
+                "must run on separate GPUs"
+            )
+        if args.rm_type and args.custom_rm_path:
+            raise ArgumentError("--rm-type and --custom-rm-path are mutually exclusive")
+        if args.custom_rm_path and ":" not in args.custom_rm_path:
+            raise ArgumentError(
+                f"--custom-rm-path {args.custom_rm_path!r}: expected MODULE:FUNCTION"
+            )
+        requires(args, "eval_interval", "eval_prompt_data")
+        requires(args, "eval_prompt_data", "eval_interval")
+
+    @classmethod
+    def check_paths(cls, args: Any) -> None:
+        from pathlib import Path
+
+        if args.prompt_data is None:
+            raise ArgumentError("--prompt-data is required (a JSONL file of prompts)")
+        for dest in ("prompt_data", "eval_prompt_data"):
+            value = getattr(args, dest)
+            if value is not None and not Path(value).is_file():
+                raise ArgumentError(f"--{dest.replace('_', '-')} {value}: no such file")
+
+
+@dataclass
+class OutputArgs(ArgGroup):
+    title: ClassVar[str] = "output"
+
+    metrics_jsonl: str | None = flag(
+        None,
+        metavar="PATH",
+        help="Append one JSON object per rollout (metrics, timings, prompt ids, weight version).",
+    )
+    progress: bool = flag(True, help="Progress bars for generation and training (stderr).")
+    use_wandb: bool = flag(False, help="Log the per-rollout metrics to Weights & Biases.")
+    wandb_project: str = flag("miles", help="W&B project.")
+    wandb_run_name: str | None = flag(None, help="W&B run name.")
+
+
+def launch_groups() -> list[type[ArgGroup]]:
+    """The ``miles.arg_groups`` entry point ``launch``."""
+    return [LaunchPlacementArgs, EngineLaunchArgs, RolloutArgs, OutputArgs]

@@ -1,0 +1,224 @@
+"""The fully asynchronous loop (``--fully-async``, ``train_async`` in the seeds).
+
+Generation never waits for a training step: a producer thread keeps ``--rollout-batch-size``
+prompt groups in flight on the engines and queues each group as it completes (it holds back
+while a whole rollout of completed groups is already queued, so samples are at most about one
+publication stale). The driver
+takes the next ``--rollout-batch-size`` completed groups, trains on them while the producer
+keeps generating, and publishes weights every ``--update-weights-interval`` rollouts (the
+publisher pauses the engines around the swap; requests in flight resume on the new weights).
+
+Each sample records the weight version it was generated with; its *staleness* is the
+engines' version at training time minus that version (0 = on-policy). Each rollout logs the
+mean and max staleness and the *overlap*: the seconds of its training during which at least
+one generation request was running, out of the training time.
+
+Disaggregated only (``--colocate`` is rejected at argument validation). On resume, groups that
+were in flight when the checkpoint was written are skipped (their prompts were drawn).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+from miles_core.save_trigger import SaveTrigger
+
+from miles_launch.job import Job
+from miles_launch.loop import publish, rollout_stats, run_eval, sampling_config, save_point
+from miles_launch.reporting import rank0_metrics
+from miles_launch.rollout.filtering import has_signal
+from miles_launch.rollout.generate import GeneratedSample, Generator, to_rollout_batch
+
+logger = logging.getLogger(__name__)
+
+
+def union_overlap(intervals: list[tuple[float, float]], window: tuple[float, float]) -> float:
+    """Seconds of ``window`` covered by the union of ``intervals``."""
+    lo, hi = window
+    clipped = sorted((max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi)
+    covered, end = 0.0, lo
+    for a, b in clipped:
+        a = max(a, end)
+        if b > a:
+            covered += b - a
+            end = b
+    return covered
+
+
+class Producer:
+    """The generation thread: its own asyncio loop, a fixed number of groups in flight."""
+
+    def __init__(self, job: Job):
+        self.job = job
+        self.out: queue.Queue = queue.Queue()
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.request_intervals: list[tuple[float, float]] = []
+        self.in_flight_since: dict[int, float] = {}
+        self.dropped = 0
+        self.thread = threading.Thread(target=self._run, name="miles-producer", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _next_item(self):
+        state = self.job.state
+        position = state.data_position
+        state.data_position += 1
+        return self.job.prompts[self.job.order.index_at(position)], position
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as error:  # handed to the driver
+            self.out.put(error)
+
+    async def _main(self) -> None:
+        args = self.job.args
+        cfg = sampling_config(args)
+        gen = Generator(self.job.engines.generation_urls, self.job.reward, self._explain_failure)
+        counter = 0
+
+        async def one_group() -> None:
+            nonlocal counter
+            while not self.stop.is_set():
+                # Backpressure: at most one rollout of completed groups waits for the trainer.
+                while self.out.qsize() >= args.rollout_batch_size and not self.stop.is_set():
+                    await asyncio.sleep(0.05)
+                if self.stop.is_set():
+                    return
+                prompt, position = self._next_item()
+                key = counter
+                counter += 1
+                start = time.monotonic()
+                with self.lock:
+                    self.in_flight_since[key] = start
+                try:
+                    group = await gen.group(prompt, position, args.n_samples_per_prompt, cfg)
+                finally:
+                    with self.lock:
+                        del self.in_flight_since[key]
+                        self.request_intervals.append((start, time.monotonic()))
+                if args.dynamic_filter and not has_signal([s.reward for s in group]):
+                    self.dropped += 1
+                    continue
+                self.out.put(group)
+
+        try:
+            work = asyncio.gather(*(one_group() for _ in range(args.rollout_batch_size)))
+            watcher = asyncio.ensure_future(self._watch())
+            done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            for task in (work, watcher):
+                if not task.done():
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+            for task in done:
+                task.result()  # raise what failed
+        finally:
+            await gen.aclose()
+
+    async def _explain_failure(self, when: str) -> None:
+        """Failed requests are explained by :meth:`_watch` (the engine death it finds)."""
+        await self.job.engines.acheck_alive(when)
+
+    async def _watch(self) -> None:
+        while not self.stop.is_set():
+            await self.job.engines.acheck_alive("during generation")
+            await asyncio.sleep(1.0)
+
+    def take(self, count: int) -> list[list[GeneratedSample]]:
+        """The next ``count`` completed groups (raises what the producer raised)."""
+        groups = []
+        while len(groups) < count:
+            item = self.out.get()
+            if isinstance(item, BaseException):
+                raise item
+            groups.append(item)
+        return groups
+
+    def busy_seconds(self, window: tuple[float, float]) -> float:
+        """Seconds of ``window`` during which some group was being generated."""
+        now = time.monotonic()
+        with self.lock:
+            intervals = list(self.request_intervals) + [
+                (s, now) for s in self.in_flight_since.values()
+            ]
+        return union_overlap(intervals, window)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=60)
+
+
+def run_async(job: Job) -> list[dict[str, Any]]:
+    """The fully asynchronous loop (module docstring); returns the per-rollout records."""
+    args, trainer, engines = job.args, job.trainer, job.engines
+    trigger = SaveTrigger(args.save_trigger_sentinel) if args.save_trigger_sentinel else None
+    publish(job)
+    version = int(engines.weight_versions()[0])
+    job.reporter.print(f"engines ready, weight version {version} (fully async)")
+    producer = Producer(job)
+    producer.start()
+    records = []
+    try:
+        for rollout_id in range(job.state.next_rollout_id, args.num_rollout):
+            times: dict[str, float] = {}
+            t = time.monotonic()
+            groups = producer.take(args.rollout_batch_size)
+            times["wait"] = time.monotonic() - t
+            batch = to_rollout_batch(groups)
+            staleness = [
+                version - s.weight_version
+                for g in groups
+                for s in g
+                if s.weight_version is not None
+            ]
+            t_train = time.monotonic()
+            train_metrics = rank0_metrics(trainer.train(rollout_id, batch))
+            window = (t_train, time.monotonic())
+            times["train"] = window[1] - window[0]
+            overlap = producer.busy_seconds(window)
+
+            t = time.monotonic()
+            saved = save_point(job, rollout_id, trigger)
+            times["save"] = time.monotonic() - t
+            job.state.next_rollout_id = rollout_id + 1
+            t = time.monotonic()
+            if (rollout_id + 1) % args.update_weights_interval == 0:
+                publish(job)
+                version = int(engines.weight_versions()[0])
+            times["update"] = time.monotonic() - t
+            stats = rollout_stats(groups)
+            stats.update(
+                staleness_mean=sum(staleness) / max(len(staleness), 1),
+                staleness_max=max(staleness, default=0),
+                overlap_s=overlap,
+                groups_dropped=producer.dropped,
+            )
+            record = {
+                "rollout_id": rollout_id,
+                "prompt_ids": [g[0].prompt.index for g in groups],
+                "rollout": stats,
+                "train": train_metrics,
+                "time": times,
+                "weight_version": version,
+                "saved": saved,
+            }
+            job.reporter.rollout(record)
+            logger.info(
+                "rollout %d: generation overlapped %.2fs of %.2fs training",
+                rollout_id,
+                overlap,
+                times["train"],
+            )
+            records.append(record)
+            if args.eval_interval and (rollout_id + 1) % args.eval_interval == 0:
+                job.reporter.eval(rollout_id, run_eval(job, rollout_id))
+    finally:
+        producer.close()
+    return records

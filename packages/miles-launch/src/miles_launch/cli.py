@@ -1,0 +1,34 @@
+"""The ``miles`` console script: ``miles train [flags]`` (see ``miles train --help``)."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: miles <command> [flags]
+
+commands:
+  train    run an RL job (miles train --help lists every flag)
+"""
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        sys.exit(0 if argv else 2)
+    if argv[0] == "--version":
+        from miles_launch import __version__
+
+        print(f"miles-launch {__version__}")
+        return
+    command, rest = argv[0], argv[1:]
+    if command != "train":
+        print(f"error: unknown command {command!r} (commands: train)", file=sys.stderr)
+        sys.exit(2)
+    from miles_launch.train import main as train_main
+
+    train_main(rest)
+
+
+if __name__ == "__main__":
+    main()

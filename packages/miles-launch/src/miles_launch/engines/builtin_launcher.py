@@ -1,0 +1,40 @@
+"""The command line of one built-in engine (``python -m miles_launch.engine``).
+
+The built-in engine serves the HF model with transformers on one device; ``--sglang-*``
+passthrough flags do not apply to it (they are logged and ignored).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def builtin_engine_command(
+    args: Any, *, host: str, port: int, device: str, python: str = sys.executable
+) -> list[str]:
+    """``python -m miles_launch.engine ...`` for one engine of this job."""
+    if args.sglang_passthrough:
+        logger.warning(
+            "built-in engine: ignoring SGLang flags %s",
+            " ".join(f"--sglang-{k}" for k in args.sglang_passthrough),
+        )
+    cmd = [
+        python,
+        "-m",
+        "miles_launch.engine",
+        "--model-path",
+        str(args.hf_checkpoint),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--device",
+        device,
+    ]
+    if args.offload_rollout:
+        cmd.append("--enable-memory-saver")
+    return cmd

@@ -1,0 +1,211 @@
+"""The job's engines: launched on their bundles, health-checked, watched, stopped.
+
+``EngineSet.launch()`` starts one process per engine (SGLang or built-in) through a
+:class:`~miles_launch.engines.process.ProcessHost` actor on the engine's first bundle, with
+``CUDA_VISIBLE_DEVICES`` naming the GPUs of all its bundles; waits until every ``/health``
+answers 200; then starts the SGLang router (or registers with an external one). Any engine
+that exits, at start or later, raises :class:`~miles_launch.engines.process.EngineDied` with
+its log tail (:meth:`EngineSet.check_alive`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from miles_core.engine import EngineClient, EngineError
+
+from miles_launch.engines.builtin_launcher import builtin_engine_command
+from miles_launch.engines.process import EngineDied, ProcessHost, exit_description
+from miles_launch.engines.router import external_router_url, register_worker, router_command
+from miles_launch.engines.sglang_launcher import sglang_server_command
+from miles_launch.placement import ENGINE_HOST_SHARE, Placement
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineProcess:
+    """One launched engine (or the router): its URL, host actor, pid and log path."""
+
+    name: str
+    url: str
+    host: Any  # the ProcessHost actor
+    pid: int
+    log_path: str
+
+
+class EngineSet:
+    """All engines of the job (see the module docstring)."""
+
+    def __init__(self, args: Any, placement: Placement):
+        self.args = args
+        self.placement = placement
+        self.engines: list[EngineProcess] = []
+        self.router: EngineProcess | None = None
+        self.router_url: str | None = None
+
+    # ------------------------------------------------------------------ start
+    def launch(self) -> None:
+        import ray
+
+        layout = self.placement.layout
+        host_cls = ray.remote(ProcessHost)
+        for k, bundles in enumerate(layout.engine_bundles()):
+            first = self.placement.bundle(bundles[0])
+            options: dict[str, Any] = dict(
+                num_cpus=ENGINE_HOST_SHARE, scheduling_strategy=self.placement.strategy(first)
+            )
+            if layout.use_gpu:
+                options["num_gpus"] = ENGINE_HOST_SHARE
+            host = host_cls.options(**options).remote(f"engine-{k}")
+            ip, port = ray.get(host.endpoint.remote())
+            env = {}
+            if layout.use_gpu:
+                gpus = [g for b in bundles for g in self.placement.info(b).gpu_ids]
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+            cmd = self.engine_command(ip, port)
+            pid, log_path = ray.get(host.start.remote(cmd, env))
+            url = f"http://{ip}:{port}"
+            self.engines.append(EngineProcess(f"engine {k}", url, host, pid, log_path))
+            logger.info("engine %d: %s (pid %d, log %s)", k, url, pid, log_path)
+        self.wait_healthy(self.engines)
+        self._start_router()
+
+    def engine_command(self, host: str, port: int) -> list[str]:
+        if self.args.rollout_engine == "sglang":
+            return sglang_server_command(self.args, host=host, port=port)
+        device = "cuda:0" if self.placement.layout.use_gpu else "cpu"
+        return builtin_engine_command(self.args, host=host, port=port, device=device)
+
+    def _start_router(self) -> None:
+        """SGLang: own router in front, or registration with the external one. Built-in:
+        none (the driver spreads requests over the engines itself)."""
+        import ray
+
+        if self.args.rollout_engine != "sglang":
+            return
+        external = external_router_url(self.args)
+        if external is not None:
+            for engine in self.engines:
+                register_worker(external, engine.url)
+            self.router_url = external
+            return
+        host = ray.remote(ProcessHost).options(num_cpus=0).remote("router")
+        ip, port = ray.get(host.endpoint.remote())
+        cmd = router_command(
+            self.args, host=ip, port=port, worker_urls=[e.url for e in self.engines]
+        )
+        pid, log_path = ray.get(host.start.remote(cmd, {}))
+        self.router = EngineProcess("router", f"http://{ip}:{port}", host, pid, log_path)
+        self.wait_healthy([self.router])
+        self.router_url = self.router.url
+
+    def wait_healthy(self, processes: list[EngineProcess]) -> None:
+        """Poll ``/health`` of each until 200; a process that exits meanwhile, or the
+        ``--engine-startup-timeout``, raises naming it (with its log tail)."""
+        deadline = time.monotonic() + self.args.engine_startup_timeout
+        waiting = list(processes)
+        clients = {p.url: EngineClient(p.url, timeout=5.0, retries=0) for p in waiting}
+        try:
+            while waiting:
+                for proc in list(waiting):
+                    self._raise_if_dead(proc, "while starting")
+                    try:
+                        if clients[proc.url].health(timeout=5.0):
+                            waiting.remove(proc)
+                    except EngineError:
+                        pass
+                if not waiting:
+                    break
+                if time.monotonic() > deadline:
+                    names = ", ".join(p.name for p in waiting)
+                    raise EngineDied(
+                        f"{names} not healthy after --engine-startup-timeout "
+                        f"{self.args.engine_startup_timeout:.0f}s; log: {waiting[0].log_path}\n"
+                        + self._tail(waiting[0])
+                    )
+                time.sleep(0.5)
+        finally:
+            for client in clients.values():
+                client.close()
+
+    # ------------------------------------------------------------------ watching
+    def _tail(self, proc: EngineProcess) -> str:
+        import ray
+
+        try:
+            return ray.get(proc.host.log_tail.remote(), timeout=10)
+        except Exception as error:  # the host actor itself is gone
+            return f"(log tail unavailable: {error}; log: {proc.log_path})"
+
+    def _raise_if_dead(self, proc: EngineProcess, when: str) -> None:
+        import ray
+
+        code = ray.get(proc.host.poll.remote())
+        if code is not None:
+            raise EngineDied(
+                f"{proc.name} ({proc.url}, pid {proc.pid}) {exit_description(code)} {when}; "
+                f"last lines of {proc.log_path}:\n{self._tail(proc)}"
+            )
+
+    def check_alive(self, when: str = "during the run") -> None:
+        """Raise :class:`EngineDied` if any engine (or the router) has exited."""
+        for proc in self.all_processes():
+            self._raise_if_dead(proc, when)
+
+    async def acheck_alive(self, when: str) -> None:
+        """:meth:`check_alive` for asyncio code (awaits the host actors)."""
+        for proc in self.all_processes():
+            code = await proc.host.poll.remote()
+            if code is not None:
+                self._raise_if_dead(proc, when)
+
+    def all_processes(self) -> list[EngineProcess]:
+        return self.engines + ([self.router] if self.router is not None else [])
+
+    # ------------------------------------------------------------------ URLs and memory
+    @property
+    def urls(self) -> list[str]:
+        """Every engine's own URL (what weight updates address)."""
+        return [e.url for e in self.engines]
+
+    @property
+    def generation_urls(self) -> list[str]:
+        """Where generation requests go: the router, or each engine in turn."""
+        return [self.router_url] if self.router_url else self.urls
+
+    def release_memory(self) -> None:
+        for url in self.urls:
+            with EngineClient(url) as client:
+                client.release_memory_occupation()
+
+    def resume_memory(self) -> None:
+        for url in self.urls:
+            with EngineClient(url) as client:
+                client.resume_memory_occupation()
+
+    def weight_versions(self) -> list[str]:
+        """``weight_version`` of every engine (``/get_model_info``)."""
+        versions = []
+        for url in self.urls:
+            with EngineClient(url) as client:
+                versions.append(str(client.get_model_info()["weight_version"]))
+        return versions
+
+    # ------------------------------------------------------------------ stop
+    def shutdown(self) -> None:
+        import ray
+
+        for proc in reversed(self.all_processes()):
+            try:
+                ray.get(proc.host.stop.remote(), timeout=30)
+            except Exception as error:
+                logger.warning("stopping %s: %s", proc.name, error)
+            try:
+                ray.kill(proc.host)
+            except Exception:
+                pass
+        self.engines, self.router = [], None

@@ -1,0 +1,101 @@
+"""An engine (or router) process on its node, with its log and death detection.
+
+:class:`ProcessHost` runs inside a small Ray actor placed on the engine's bundle: it picks a
+free port there, starts the command in its own session with stdout and stderr in a log file,
+and answers :meth:`ProcessHost.poll` (exit status or None) and :meth:`ProcessHost.log_tail`.
+The driver turns an exit into :class:`EngineDied`, whose message carries the log tail.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+
+#: Lines of the log quoted when a process dies.
+TAIL_LINES = 30
+
+
+class EngineDied(RuntimeError):
+    """An engine or router process exited; the message names it and quotes its log tail."""
+
+
+def exit_description(returncode: int) -> str:
+    """``"exit status 3"`` or ``"killed by SIGKILL"``."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit status {returncode}"
+
+
+def read_tail(path: str | os.PathLike, lines: int = TAIL_LINES) -> str:
+    """The last ``lines`` lines of a text file ('' when missing)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 64 * 1024))
+            data = f.read().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return ""
+    return "\n".join(data.splitlines()[-lines:])
+
+
+class ProcessHost:
+    """One child process and its log (``ray.remote``-wrapped by the engine set)."""
+
+    def __init__(self, name: str, log_dir: str | None = None):
+        self.name = name
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="miles-engines-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.log_dir / f"{name}.log"
+        self.process: subprocess.Popen | None = None
+
+    def endpoint(self) -> tuple[str, int]:
+        """This node's IP and a free port on it."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def start(self, cmd: list[str], env: dict[str, str]) -> tuple[int, str]:
+        """Start ``cmd`` with ``env`` added; returns (pid, log path)."""
+        log = open(self.log_path, "ab")  # noqa: SIM115 (the child keeps it)
+        log.write(f"$ {' '.join(cmd)}\n".encode())
+        log.flush()
+        self.process = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
+            start_new_session=True,
+        )
+        log.close()
+        return self.process.pid, str(self.log_path)
+
+    def poll(self) -> int | None:
+        """The exit status, or None while it runs."""
+        return None if self.process is None else self.process.poll()
+
+    def log_tail(self, lines: int = TAIL_LINES) -> str:
+        return read_tail(self.log_path, lines)
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM the process group, SIGKILL after ``timeout``; returns the exit status."""
+        if self.process is None or self.process.poll() is not None:
+            return None if self.process is None else self.process.returncode
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            return self.process.wait(timeout)
+        except ProcessLookupError:
+            return self.process.poll()

@@ -1,0 +1,59 @@
+"""The SGLang router in front of the engines, or an external one the engines register with.
+
+Own router: ``python -m sglang_router.launch_router --host H --port P --worker-urls URL...``
+followed by every ``--router-<x>`` as ``--<x>``. External router (``--sglang-router-ip`` and
+``--sglang-router-port``): no router is started; each engine is registered once healthy, with
+``POST /workers {"url": ...}`` (sglang-router >= 0.3) or, when that route is missing,
+``POST /add_worker?url=...`` (older routers).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import httpx
+from miles_core.args import ArgumentError, passthrough_to_argv
+
+RESERVED = ("host", "port", "worker-urls")
+
+
+def router_command(
+    args: Any, *, host: str, port: int, worker_urls: list[str], python: str = sys.executable
+) -> list[str]:
+    """``python -m sglang_router.launch_router ...`` for this job's engines."""
+    for key in args.router_passthrough:
+        if key in RESERVED:
+            raise ArgumentError(f"--router-{key} is set by miles")
+    cmd = [
+        python,
+        "-m",
+        "sglang_router.launch_router",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--worker-urls",
+        *worker_urls,
+    ]
+    return cmd + passthrough_to_argv(args.router_passthrough)
+
+
+def external_router_url(args: Any) -> str | None:
+    """``http://IP:PORT`` of ``--sglang-router-ip/--sglang-router-port``, or None."""
+    if args.sglang_router_ip is None:
+        return None
+    return f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
+
+
+def register_worker(router_url: str, worker_url: str, timeout: float = 30.0) -> None:
+    """Add ``worker_url`` to the router at ``router_url`` (new API first, then the old one)."""
+    with httpx.Client(base_url=router_url, timeout=timeout) as http:
+        response = http.post("/workers", json={"url": worker_url})
+        if response.status_code in (404, 405):
+            response = http.post("/add_worker", params={"url": worker_url})
+        if response.status_code >= 400:
+            raise RuntimeError(
+                f"router {router_url} refused worker {worker_url}: "
+                f"HTTP {response.status_code} {response.text[:200]}"
+            )

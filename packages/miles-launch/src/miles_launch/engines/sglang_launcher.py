@@ -1,0 +1,63 @@
+"""The command line of one SGLang server (``python -m sglang.launch_server``).
+
+Miles sets ``--model-path`` (from ``--hf-checkpoint``), ``--tp-size`` (from
+``--rollout-num-gpus-per-engine``), ``--host`` and ``--port``; ``--sglang-mem-fraction-static``
+and ``--sglang-context-length`` are declared flags turned into ``--mem-fraction-static`` and
+``--context-length``; every undeclared ``--sglang-<x>`` is passed through as ``--<x>``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from miles_core.args import ArgumentError, passthrough_to_argv
+
+#: Flags of ``sglang.launch_server`` that miles sets itself: a ``--sglang-<x>`` for one of them
+#: is an error naming the miles flag to use instead.
+RESERVED = {
+    "model-path": "--hf-checkpoint",
+    "tp-size": "--rollout-num-gpus-per-engine",
+    "tensor-parallel-size": "--rollout-num-gpus-per-engine",
+    "host": "(set by miles)",
+    "port": "(set by miles)",
+}
+
+
+def check_passthrough(passthrough: dict[str, Any]) -> None:
+    """Refuse ``--sglang-<x>`` for a flag miles sets itself (one line naming both)."""
+    for key in passthrough:
+        if key in RESERVED:
+            raise ArgumentError(
+                f"--sglang-{key} is set by miles: use {RESERVED[key]}"
+                if RESERVED[key].startswith("--")
+                else f"--sglang-{key} is set by miles per engine"
+            )
+
+
+def sglang_server_command(
+    args: Any, *, host: str, port: int, python: str = sys.executable
+) -> list[str]:
+    """``python -m sglang.launch_server ...`` for one engine of this job."""
+    check_passthrough(args.sglang_passthrough)
+    cmd = [
+        python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(args.hf_checkpoint),
+        "--tp-size",
+        str(args.rollout_num_gpus_per_engine),
+        "--host",
+        host,
+        "--port",
+        str(port),
+    ]
+    if args.sglang_mem_fraction_static is not None:
+        cmd += ["--mem-fraction-static", str(args.sglang_mem_fraction_static)]
+    if args.sglang_context_length is not None:
+        cmd += ["--context-length", str(args.sglang_context_length)]
+    if args.offload_rollout and "enable-memory-saver" not in args.sglang_passthrough:
+        cmd.append("--enable-memory-saver")
+    cmd += passthrough_to_argv(args.sglang_passthrough)
+    return cmd

@@ -1,0 +1,181 @@
+"""One training job: its pieces set up in order, torn down in reverse, and its data position.
+
+Setup order (what can fail on a bad file fails before Ray starts): tokenizer and prompts ->
+reward function -> Ray and the placement group -> trainer ranks (``init``, which resumes from
+``--load``) -> engines (health-checked) . Teardown closes the trainer (or kills it after a
+failure), stops the engines, removes the placement group and shuts down the Ray it started.
+
+Resume: the launcher keeps its own state next to the backend's checkpoint, written before
+``save_model`` so that it exists whenever the tracker names the iteration::
+
+    <save>/launcher/iter_0000003.json    {"next_rollout_id": 3, "data_position": 24}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from miles_core.checkpoint_layout import atomic_write_text, iteration_dir_name, resolve_load
+
+from miles_launch.engines.engine_set import EngineSet
+from miles_launch.placement import Layout, Placement, init_ray, plan_layout, prepare_ray_env
+from miles_launch.reporting import Reporter
+from miles_launch.rollout.prompts import Prompt, PromptOrder, load_prompts
+from miles_launch.rollout.rewards import RewardModel
+from miles_launch.trainer_group import TrainerGroup
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LauncherState:
+    """What the launcher needs to resume: the next rollout and the next prompt position."""
+
+    next_rollout_id: int
+    data_position: int
+
+
+def launcher_state_path(save_dir: str | Path, iteration: int) -> Path:
+    return Path(save_dir) / "launcher" / f"{iteration_dir_name(iteration)}.json"
+
+
+def write_launcher_state(save_dir: str | Path, state: LauncherState) -> Path:
+    """Write the state a checkpoint of iteration ``state.next_rollout_id`` resumes with."""
+    path = launcher_state_path(save_dir, state.next_rollout_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(state.__dict__))
+    return path
+
+
+def read_launcher_state(args: Any, next_rollout_id: int) -> LauncherState:
+    """The resumed state: the launcher file of the loaded iteration, or, when there is none
+    (a checkpoint written without the launcher), the position an unfiltered run reaches."""
+    default = LauncherState(next_rollout_id, next_rollout_id * args.rollout_batch_size)
+    if not args.load or next_rollout_id == 0:
+        return default
+    resolved = resolve_load(args.load, getattr(args, "ckpt_step", None))
+    if resolved is None:
+        return default
+    path = launcher_state_path(args.load, resolved.iteration)
+    if not path.is_file():
+        logger.warning("%s missing: resuming at data position %d", path, default.data_position)
+        return default
+    data = json.loads(path.read_text())
+    state = LauncherState(int(data["next_rollout_id"]), int(data["data_position"]))
+    if state.next_rollout_id != next_rollout_id:
+        raise RuntimeError(
+            f"{path}: next_rollout_id {state.next_rollout_id} differs from the trainer's "
+            f"{next_rollout_id}"
+        )
+    return state
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+@dataclass
+class Job:
+    """Everything a loop drives (built by :meth:`Job.setup`)."""
+
+    args: Any
+    layout: Layout
+    tokenizer: Any
+    prompts: list[Prompt]
+    order: PromptOrder
+    eval_prompts: list[Prompt] | None
+    reward: RewardModel
+    reporter: Reporter
+    placement: Placement | None = None
+    trainer: TrainerGroup | None = None
+    engines: EngineSet | None = None
+    state: LauncherState = field(default_factory=lambda: LauncherState(0, 0))
+    started_ray: bool = False
+
+    @classmethod
+    def setup(cls, args: Any) -> Job:
+        prepare_ray_env()
+        import ray
+        import torch
+
+        tokenizer = load_tokenizer(args.hf_checkpoint)
+        prompts = load_prompts(
+            args.prompt_data, tokenizer, args.input_key, args.label_key, args.apply_chat_template
+        )
+        eval_prompts = None
+        if args.eval_prompt_data:
+            eval_prompts = load_prompts(
+                args.eval_prompt_data,
+                tokenizer,
+                args.input_key,
+                args.label_key,
+                args.apply_chat_template,
+            )
+        reward = RewardModel(args.rm_type, args.custom_rm_path)
+        use_gpu = torch.cuda.is_available()
+        started = not ray.is_initialized() and not args.ray_address
+        layout = plan_layout(args, use_gpu)
+        init_ray(layout, args.ray_address)
+        if args.ray_address:
+            use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+            layout = plan_layout(args, use_gpu)
+        job = cls(
+            args=args,
+            layout=layout,
+            tokenizer=tokenizer,
+            prompts=prompts,
+            order=PromptOrder(len(prompts), args.rollout_shuffle, args.seed),
+            eval_prompts=eval_prompts,
+            reward=reward,
+            reporter=Reporter(args, args.num_rollout),
+            started_ray=started,
+        )
+        try:
+            job._start()
+        except BaseException:
+            job.teardown(failed=True)
+            raise
+        return job
+
+    def _start(self) -> None:
+        args = self.args
+        logger.info(
+            "layout: %d trainer ranks, %d engine(s) x %d %s, %s",
+            self.layout.num_trainer_ranks,
+            self.layout.num_engines,
+            self.layout.gpus_per_engine,
+            "GPU" if self.layout.use_gpu else "CPU slot",
+            "colocated" if self.layout.colocate else "disaggregated",
+        )
+        self.placement = Placement(self.layout)
+        self.trainer = TrainerGroup(self.placement, args.train_backend)
+        next_rollout_id = self.trainer.init(args)
+        self.state = read_launcher_state(args, next_rollout_id)
+        if args.offload_train:
+            self.trainer.sleep()
+        self.engines = EngineSet(args, self.placement)
+        self.engines.launch()
+
+    def teardown(self, failed: bool = False) -> None:
+        import ray
+
+        try:
+            if self.trainer is not None:  # first: closing leaves the engines' weight groups
+                if failed:
+                    self.trainer.teardown()
+                else:
+                    self.trainer.close()
+        finally:
+            if self.engines is not None:
+                self.engines.shutdown()
+        if self.placement is not None:
+            self.placement.remove()
+        self.reporter.close()
+        if self.started_ray and ray.is_initialized():
+            ray.shutdown()

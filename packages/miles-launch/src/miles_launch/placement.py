@@ -1,0 +1,216 @@
+"""Where trainer ranks and engines run: the bundle layout and its Ray placement group.
+
+One placement group holds one bundle per device: ``{GPU: 1, CPU: 1}``, or ``{CPU: 1}`` when the
+job runs without GPUs (then a "GPU" below is a CPU slot). Bundles are sorted by node, then by
+GPU id, and used in that order:
+
+* disaggregated (default): bundles ``0 .. T-1`` are the trainer's (``T = --actor-num-nodes x
+  --actor-num-gpus-per-node``, rank ``r`` on bundle ``r``), bundles ``T .. T+R-1`` the engines'
+  (``R = --rollout-num-gpus``), engine ``k`` on ``T + k*g .. T + (k+1)*g - 1`` with
+  ``g = --rollout-num-gpus-per-engine``;
+* ``--colocate``: ``T`` bundles; engine ``k`` shares bundles ``k*g .. (k+1)*g - 1`` with the
+  trainer ranks there (``R`` is reconciled to ``T``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: Share of a bundle's CPU/GPU taken by a trainer actor and by an engine host actor. Both fit
+#: in one bundle (colocated) and a trainer alone still gets the device.
+TRAINER_SHARE = 0.5
+ENGINE_HOST_SHARE = 0.25
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The bundle plan of a job (pure arithmetic over the flags)."""
+
+    num_trainer_ranks: int
+    num_engines: int
+    gpus_per_engine: int
+    colocate: bool
+    use_gpu: bool
+
+    @property
+    def num_bundles(self) -> int:
+        if self.colocate:
+            return self.num_trainer_ranks
+        return self.num_trainer_ranks + self.num_engines * self.gpus_per_engine
+
+    def trainer_bundles(self) -> list[int]:
+        """Bundle index of each trainer rank (in sorted order)."""
+        return list(range(self.num_trainer_ranks))
+
+    def engine_bundles(self) -> list[list[int]]:
+        """Bundle indices of each engine (in sorted order)."""
+        start = 0 if self.colocate else self.num_trainer_ranks
+        g = self.gpus_per_engine
+        return [list(range(start + k * g, start + (k + 1) * g)) for k in range(self.num_engines)]
+
+    def bundle_resources(self) -> dict[str, float]:
+        return {"GPU": 1.0, "CPU": 1.0} if self.use_gpu else {"CPU": 1.0}
+
+
+def plan_layout(args: Any, use_gpu: bool) -> Layout:
+    """The :class:`Layout` of the parsed flags (``rollout_num_gpus`` already reconciled)."""
+    trainer = args.actor_num_nodes * args.actor_num_gpus_per_node
+    g = args.rollout_num_gpus_per_engine
+    total_rollout = trainer if args.colocate else args.rollout_num_gpus
+    if total_rollout % g:
+        raise ValueError(
+            f"--rollout-num-gpus {total_rollout} is not a multiple of "
+            f"--rollout-num-gpus-per-engine {g}"
+        )
+    return Layout(
+        num_trainer_ranks=trainer,
+        num_engines=total_rollout // g,
+        gpus_per_engine=g,
+        colocate=bool(args.colocate),
+        use_gpu=use_gpu,
+    )
+
+
+def nodes_needed(layout: Layout, gpus_per_node: int) -> int:
+    """Nodes of ``gpus_per_node`` devices the layout fills (for the log line and checks)."""
+    return -(-layout.num_bundles // gpus_per_node)
+
+
+@dataclass(frozen=True)
+class BundleInfo:
+    """Where a bundle landed: its node and (with GPUs) the physical GPU ids it holds."""
+
+    index: int  # index in the placement group
+    node_id: str
+    node_ip: str
+    gpu_ids: tuple[int, ...]
+
+
+class Placement:
+    """The job's placement group with its bundles in sorted order.
+
+    ``bundle(i)`` is the placement-group bundle index of the ``i``-th sorted bundle; use it with
+    :meth:`strategy`.
+    """
+
+    def __init__(self, layout: Layout, timeout_s: float = 300.0):
+        import ray
+        from ray.util.placement_group import placement_group
+
+        self.layout = layout
+        bundles = [layout.bundle_resources() for _ in range(layout.num_bundles)]
+        self.group = placement_group(bundles, strategy="PACK")
+        ready, _ = ray.wait([self.group.ready()], timeout=timeout_s)
+        if not ready:
+            available = ray.available_resources()
+            raise RuntimeError(
+                f"Ray could not place {layout.num_bundles} bundles of {bundles[0]} within "
+                f"{timeout_s:.0f}s (available: {available})"
+            )
+        self.infos = self._probe()
+        self.order = [info.index for info in sorted(self.infos, key=_sort_key)]
+        logger.info(
+            "placement: %d bundles %s, sorted %s",
+            layout.num_bundles,
+            bundles[0],
+            [(self.infos[i].node_ip, self.infos[i].gpu_ids) for i in self.order],
+        )
+
+    def _probe(self) -> list[BundleInfo]:
+        """Node and GPU ids of every bundle: from the placement-group table without GPUs,
+        from a tiny task per bundle (``ray.get_gpu_ids``) with them."""
+        import ray
+        from ray.util.placement_group import placement_group_table
+
+        table = placement_group_table(self.group)
+        node_of = table["bundles_to_node_id"]
+        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        if not self.layout.use_gpu:
+            return [
+                BundleInfo(i, node_of[i], ips.get(node_of[i], ""), ())
+                for i in range(self.layout.num_bundles)
+            ]
+        where = ray.remote(_where)
+        found = ray.get(
+            [
+                where.options(
+                    num_cpus=0.01, num_gpus=0.01, scheduling_strategy=self.strategy(i)
+                ).remote()
+                for i in range(self.layout.num_bundles)
+            ]
+        )
+        return [BundleInfo(i, node_of[i], ip, tuple(gpus)) for i, (ip, gpus) in enumerate(found)]
+
+    def bundle(self, sorted_index: int) -> int:
+        return self.order[sorted_index]
+
+    def info(self, sorted_index: int) -> BundleInfo:
+        return self.infos[self.order[sorted_index]]
+
+    def strategy(self, bundle_index: int):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self.group,
+            placement_group_bundle_index=bundle_index,
+            placement_group_capture_child_tasks=True,
+        )
+
+    def remove(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.group)
+
+
+def _sort_key(info: BundleInfo) -> tuple:
+    return (info.node_ip, info.node_id, info.gpu_ids or (info.index,), info.index)
+
+
+def _where() -> tuple[str, list[int]]:
+    """Run inside a bundle: its node IP and the physical GPU ids Ray gave it."""
+    import ray
+
+    return ray.util.get_node_ip_address(), [int(g) for g in ray.get_gpu_ids()]
+
+
+def prepare_ray_env() -> None:
+    """Call before the first ``import ray``: under ``uv run``, Ray would otherwise package the
+    working directory and build a fresh virtual environment for every worker (minutes, and it
+    rebuilds the native extension); the workers use this interpreter as it is."""
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+
+
+def init_ray(layout: Layout, address: str | None) -> None:
+    """Join ``address`` or start a local Ray sized to the job (logical CPUs = bundles + 1).
+
+    Local Ray gets as many logical GPUs as CUDA devices (0 without), a small object store and
+    no dashboard, so it starts on a 2-core machine.
+    """
+    prepare_ray_env()
+    import ray
+
+    if ray.is_initialized():
+        return
+    env = {"env_vars": {"PYTHONUNBUFFERED": "1"}}
+    if address:
+        ray.init(address=address, runtime_env=env, log_to_driver=True)
+        return
+    num_gpus = 0
+    if layout.use_gpu:
+        import torch
+
+        num_gpus = torch.cuda.device_count()
+    ray.init(
+        num_cpus=layout.num_bundles + 1,
+        num_gpus=num_gpus,
+        include_dashboard=False,
+        object_store_memory=256 * 1024**2,
+        runtime_env=env,
+        log_to_driver=True,
+        logging_level=os.environ.get("MILES_RAY_LOG_LEVEL", "WARNING"),
+    )

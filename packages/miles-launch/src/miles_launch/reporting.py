@@ -1,0 +1,176 @@
+"""What a run shows and records: progress bars, one line per rollout, TensorBoard, W&B, JSONL.
+
+The per-rollout line (stdout)::
+
+    rollout 3/12 | reward 0.412 | resp_len 7.9 | loss -0.0123 | kl 0.0001 | version 4 |
+    gen 1.20s train 0.80s save 0.00s update 0.10s
+
+Scalars go to TensorBoard under ``--tensorboard-dir`` (when a group declares it: the backends
+do) as ``rollout/<name>``, ``train/<name>``, ``time/<phase>``, ``eval/<name>``; to W&B with
+``--use-wandb`` when ``wandb`` is installed; and as one JSON object per rollout to
+``--metrics-jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
+
+
+class Reporter:
+    def __init__(self, args: Any, num_rollout: int):
+        self.num_rollout = num_rollout
+        self.show_progress = bool(getattr(args, "progress", True))
+        self.jsonl_path = getattr(args, "metrics_jsonl", None)
+        self.train_bar = None  # rollouts trained, made at the first record
+        self.tb = None
+        tb_dir = getattr(args, "tensorboard_dir", None)
+        if tb_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=tb_dir, filename_suffix=".miles-launch")
+        self.wandb = None
+        if getattr(args, "use_wandb", False):
+            try:
+                import wandb
+            except ImportError:
+                logger.warning("--use-wandb: wandb is not installed; logging to W&B is off")
+            else:
+                self.wandb = wandb.init(
+                    project=args.wandb_project, name=args.wandb_run_name, config=vars(args)
+                )
+
+    # ------------------------------------------------------------------ progress
+    @contextmanager
+    def progress(self, desc: str, total: int):
+        """A tqdm bar on stderr (a no-op object with ``--no-progress``): one per generation
+        phase (samples done); a second bar counts the rollouts trained."""
+        bar = tqdm(
+            total=total,
+            desc=desc,
+            leave=False,
+            file=sys.stderr,
+            disable=not self.show_progress,
+            dynamic_ncols=True,
+        )
+        try:
+            yield bar
+        finally:
+            bar.close()
+
+    def print(self, line: str) -> None:
+        tqdm.write(line, file=sys.stdout)
+        sys.stdout.flush()
+
+    # ------------------------------------------------------------------ per rollout
+    def rollout(self, record: dict[str, Any]) -> None:
+        """One rollout's record: the summary line, scalars and the JSONL line."""
+        self.print(summary_line(record, self.num_rollout))
+        step = int(record["rollout_id"])
+        if self.train_bar is None:
+            self.train_bar = tqdm(
+                total=self.num_rollout,
+                initial=step,
+                desc="rollouts trained",
+                file=sys.stderr,
+                disable=not self.show_progress,
+                dynamic_ncols=True,
+            )
+        self.train_bar.update(1)
+        scalars = flatten_scalars(record)
+        if self.tb is not None:
+            for name, value in scalars.items():
+                self.tb.add_scalar(name, value, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+        if self.jsonl_path:
+            with open(self.jsonl_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record, sort_keys=True) + "\n")
+
+    def eval(self, rollout_id: int, metrics: dict[str, float]) -> None:
+        parts = " | ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+        self.print(f"eval after rollout {rollout_id} | {parts}")
+        scalars = {f"eval/{k}": float(v) for k, v in metrics.items()}
+        if self.tb is not None:
+            for name, value in scalars.items():
+                self.tb.add_scalar(name, value, rollout_id)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=rollout_id)
+        if self.jsonl_path:
+            with open(self.jsonl_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"eval_after": rollout_id, **metrics}) + "\n")
+
+    def close(self) -> None:
+        if self.train_bar is not None:
+            self.train_bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def summary_line(record: dict[str, Any], num_rollout: int) -> str:
+    """The one-line summary of a rollout record (see the module docstring)."""
+    r = record["rollout"]
+    t = record.get("train", {})
+    parts = [
+        f"rollout {record['rollout_id'] + 1}/{num_rollout}",
+        f"reward {r['reward_mean']:.3f}",
+        f"resp_len {r['response_len_mean']:.1f}",
+    ]
+    if "loss" in t:
+        parts.append(f"loss {t['loss']:.4f}")
+    kl = t.get("ppo_kl", t.get("kl_loss"))
+    if kl is not None:
+        parts.append(f"kl {kl:.4f}")
+    if record.get("weight_version") is not None:
+        parts.append(f"version {record['weight_version']}")
+    if "staleness_mean" in r:
+        parts.append(f"staleness {r['staleness_mean']:.2f}")
+    times = " ".join(f"{k} {v:.2f}s" for k, v in record.get("time", {}).items())
+    parts.append(times)
+    return " | ".join(parts)
+
+
+def flatten_scalars(record: dict[str, Any]) -> dict[str, float]:
+    """``{"rollout/reward_mean": ..., "train/loss": ..., "time/gen": ...}`` from a record."""
+    out: dict[str, float] = {}
+    for section in ("rollout", "train", "time"):
+        for key, value in record.get(section, {}).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                out[f"{section}/{key}"] = float(value)
+    return out
+
+
+def rank0_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Rank 0's metrics (the backends reduce over DP ranks already) as plain floats."""
+    return {k: float(v) for k, v in per_rank[0].items()} if per_rank else {}
+
+
+def write_reward_plot(rewards: list[float], path: str | Path, title: str = "reward") -> None:
+    """``reward.png``: the mean reward of each rollout."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(1, len(rewards) + 1), rewards, marker="o")
+    ax.set_xlabel("rollout")
+    ax.set_ylabel("mean reward")
+    ax.set_title(title)
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,1 @@
+"""Rollout: prompts, generation against the engines, rewards, dynamic filtering."""

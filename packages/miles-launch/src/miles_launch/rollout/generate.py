@@ -1,0 +1,207 @@
+"""Generating prompt groups against the engines, with rewards and a watch on engine health.
+
+Every sample is one ``/generate`` request of the prompt's token ids with
+``return_logprob`` (the rollout log-probs kept for TIS) and a ``sampling_seed`` derived from
+``(--seed, stream position, sample number)``, so a group's sampling is reproducible. Requests
+go to the router, or round-robin over the engines. While requests are in flight every engine
+process is polled each second: an engine that dies raises
+:class:`~miles_launch.engines.process.EngineDied` with its log tail instead of a bare
+connection error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from miles_core.batch import RolloutBatch, Sample
+from miles_core.engine import AsyncEngineClient, EngineError
+
+from miles_launch.rollout.prompts import Prompt
+from miles_launch.rollout.rewards import RewardInput, RewardModel
+
+WATCH_INTERVAL_S = 1.0
+DEATH_GRACE_POLLS = 10
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+
+
+@dataclass
+class GeneratedSample:
+    """One response with what the trainer and the reports need."""
+
+    prompt: Prompt
+    position: int  # stream position of the prompt
+    response_ids: list[int]
+    rollout_log_probs: list[float]
+    response_text: str
+    finish_reason: str
+    weight_version: int | None
+    reward: float = 0.0
+    finished_at: float = 0.0
+
+
+def sampling_seed(seed: int, position: int, k: int) -> int:
+    """The ``sampling_seed`` of sample ``k`` of the prompt at stream ``position``."""
+    return zlib.crc32(f"{seed}/{position}/{k}".encode()) & 0x7FFFFFFF
+
+
+def _version(meta: dict[str, Any]) -> int | None:
+    try:
+        return int(meta.get("weight_version"))
+    except (TypeError, ValueError):
+        return None
+
+
+class Generator:
+    """Sends requests for prompt groups and scores them (one per asyncio loop)."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        reward: RewardModel,
+        check_alive: Callable[[str], Any],
+        timeout_s: float = 3600.0,
+    ):
+        self.clients = [AsyncEngineClient(url, timeout=timeout_s, retries=0) for url in urls]
+        self.reward = reward
+        self.check_alive = check_alive  # async: raises EngineDied
+        self._next = 0
+
+    def _client(self) -> AsyncEngineClient:
+        client = self.clients[self._next % len(self.clients)]
+        self._next += 1
+        return client
+
+    async def sample(
+        self, prompt: Prompt, position: int, k: int, cfg: SamplingConfig
+    ) -> GeneratedSample:
+        params = {
+            "max_new_tokens": cfg.max_new_tokens,
+            "temperature": cfg.temperature,
+            "top_p": cfg.top_p,
+            "top_k": cfg.top_k,
+            "sampling_seed": sampling_seed(cfg.seed, position, k),
+        }
+        reply = await self._client().generate(
+            input_ids=list(prompt.token_ids), sampling_params=params, return_logprob=True
+        )
+        meta = reply["meta_info"]
+        logprobs = [float(entry[0]) for entry in meta["output_token_logprobs"]]
+        ids = [int(entry[1]) for entry in meta["output_token_logprobs"]]
+        finish = meta.get("finish_reason") or {}
+        out = GeneratedSample(
+            prompt=prompt,
+            position=position,
+            response_ids=ids,
+            rollout_log_probs=logprobs,
+            response_text=reply.get("text", ""),
+            finish_reason=str(finish.get("type", "")),
+            weight_version=_version(meta),
+        )
+        if out.finish_reason == "abort":
+            raise EngineError(
+                f"generation aborted: {finish.get('message', '')}",
+                endpoint="/generate",
+                base_url="",
+                status_code=None,
+            )
+        out.reward = await self.reward(
+            RewardInput(
+                prompt=prompt.text,
+                response=out.response_text,
+                label=prompt.label,
+                response_ids=tuple(ids),
+                finish_reason=out.finish_reason,
+                max_response_len=cfg.max_new_tokens,
+            )
+        )
+        out.finished_at = time.monotonic()
+        return out
+
+    async def group(
+        self,
+        prompt: Prompt,
+        position: int,
+        n: int,
+        cfg: SamplingConfig,
+        on_sample: Callable[[], None] | None = None,
+    ) -> list[GeneratedSample]:
+        async def one(k: int) -> GeneratedSample:
+            result = await self.sample(prompt, position, k, cfg)
+            if on_sample is not None:
+                on_sample()
+            return result
+
+        return list(await asyncio.gather(*(one(k) for k in range(n))))
+
+    async def groups(
+        self,
+        items: list[tuple[Prompt, int]],
+        n: int,
+        cfg: SamplingConfig,
+        on_sample: Callable[[], None] | None = None,
+    ) -> list[list[GeneratedSample]]:
+        """All groups of ``items`` ((prompt, position) pairs) concurrently, watched."""
+        work = asyncio.gather(*(self.group(p, pos, n, cfg, on_sample) for p, pos in items))
+        return await self.watched(work)
+
+    async def watched(self, work: Any) -> Any:
+        """Await ``work`` while polling the engines; an engine death or a failed request
+        (after checking whether an engine died) raises."""
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=WATCH_INTERVAL_S)
+                if done:
+                    try:
+                        return task.result()
+                    except EngineError:
+                        # A killed engine drops its connections a moment before its exit
+                        # status can be read: look for a death for a few seconds.
+                        for _ in range(DEATH_GRACE_POLLS):
+                            await self.check_alive("during generation")
+                            await asyncio.sleep(WATCH_INTERVAL_S / 2)
+                        raise
+                await self.check_alive("during generation")
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    async def aclose(self) -> None:
+        for client in self.clients:
+            await client.aclose()
+
+
+def to_rollout_batch(groups: list[list[GeneratedSample]]) -> RolloutBatch:
+    """The trainer's batch: group ``g``'s samples get ``group_index = g``."""
+    samples = []
+    for g, group in enumerate(groups):
+        for s in group:
+            if not s.response_ids:
+                raise ValueError(f"prompt {s.prompt.index}: the engine returned an empty response")
+            tokens = torch.tensor(list(s.prompt.token_ids) + s.response_ids, dtype=torch.long)
+            samples.append(
+                Sample(
+                    tokens=tokens,
+                    response_length=len(s.response_ids),
+                    reward=s.reward,
+                    rollout_log_probs=torch.tensor(s.rollout_log_probs, dtype=torch.float32),
+                    group_index=g,
+                    weight_version=s.weight_version,
+                )
+            )
+    return RolloutBatch(samples)

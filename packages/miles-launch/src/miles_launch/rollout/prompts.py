@@ -1,0 +1,117 @@
+"""Prompt sets from JSONL and the deterministic order in which rollouts consume them.
+
+Each line of ``--prompt-data`` is a JSON object; ``--input-key`` names the prompt (a string, or
+a list of chat messages when ``--apply-chat-template`` is on) and ``--label-key`` the label the
+reward compares against. The run reads the prompts as one endless stream: position ``p`` is
+prompt ``perm_e[p mod N]`` of epoch ``e = p // N`` (``perm_e`` a permutation seeded by
+``--seed`` and ``e`` under ``--rollout-shuffle``, the identity otherwise). A rollout takes the
+next positions, so a run resumed at a saved position sees exactly the prompts an
+uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class PromptDataError(ValueError):
+    """A prompt file or line is malformed (the message names the file, line and key)."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: its line ``index`` in the file, text, label and token ids."""
+
+    index: int
+    text: str
+    label: Any
+    token_ids: tuple[int, ...]
+
+
+def load_prompts(
+    path: str | Path,
+    tokenizer: Any,
+    input_key: str,
+    label_key: str | None,
+    apply_chat_template: bool,
+) -> list[Prompt]:
+    """Read and tokenize every prompt of ``path`` (errors name ``path:line`` and the key)."""
+    path = Path(path)
+    prompts: list[Prompt] = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise PromptDataError(f"{where}: invalid JSON ({error.msg})") from None
+            if not isinstance(record, dict):
+                raise PromptDataError(f"{where}: expected a JSON object")
+            if input_key not in record:
+                raise PromptDataError(
+                    f"{where}: no key '{input_key}' (--input-key); keys: {sorted(record)}"
+                )
+            raw = record[input_key]
+            label = record.get(label_key) if label_key else None
+            text = render_prompt(raw, tokenizer, apply_chat_template, where)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if not ids:
+                raise PromptDataError(f"{where}: prompt '{input_key}' has no tokens")
+            prompts.append(Prompt(len(prompts), text, label, tuple(int(i) for i in ids)))
+    if not prompts:
+        raise PromptDataError(f"{path}: no prompts")
+    return prompts
+
+
+def render_prompt(raw: Any, tokenizer: Any, apply_chat_template: bool, where: str) -> str:
+    """The prompt text: as given, or through the tokenizer's chat template (a string becomes
+    one user message; a list is taken as the messages)."""
+    if not apply_chat_template:
+        if not isinstance(raw, str):
+            raise PromptDataError(
+                f"{where}: prompt must be a string without --apply-chat-template, got "
+                f"{type(raw).__name__}"
+            )
+        return raw
+    messages = [{"role": "user", "content": raw}] if isinstance(raw, str) else raw
+    if not isinstance(messages, list):
+        raise PromptDataError(f"{where}: prompt must be a string or a list of messages")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise PromptDataError(
+            f"{where}: --apply-chat-template, but the tokenizer has no chat template"
+        )
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+class PromptOrder:
+    """Maps stream positions to prompt indices (see the module docstring)."""
+
+    def __init__(self, num_prompts: int, shuffle: bool, seed: int):
+        self.num_prompts = num_prompts
+        self.shuffle = shuffle
+        self.seed = seed
+        self._epochs: dict[int, list[int]] = {}
+
+    def _permutation(self, epoch: int) -> list[int]:
+        if epoch not in self._epochs:
+            if self.shuffle:
+                gen = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+                self._epochs[epoch] = torch.randperm(self.num_prompts, generator=gen).tolist()
+            else:
+                self._epochs[epoch] = list(range(self.num_prompts))
+        return self._epochs[epoch]
+
+    def index_at(self, position: int) -> int:
+        epoch, offset = divmod(position, self.num_prompts)
+        return self._permutation(epoch)[offset]
+
+    def take(self, position: int, count: int) -> list[int]:
+        """Prompt indices at positions ``position .. position + count - 1``."""
+        return [self.index_at(p) for p in range(position, position + count)]

@@ -1,0 +1,216 @@
+"""The trainer: one Ray actor per rank, each wrapping one backend instance.
+
+Every rank sets up ``torch.distributed`` (nccl with a GPU, gloo without) before the backend's
+``init``; the driver then calls the contract's methods on all ranks in lock step
+(:meth:`TrainerGroup.call`). When any rank raises, or its process dies, every rank is killed
+and :class:`TrainerFailure` names the rank, the method and the cause: a failure never leaves
+the other ranks hanging in a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from datetime import timedelta
+from typing import Any
+
+from miles_core.batch import RolloutBatch
+from miles_core.partition import partition_for_dp
+
+from miles_launch.placement import TRAINER_SHARE, Placement
+
+logger = logging.getLogger(__name__)
+
+#: Timeout of the trainer's process-group collectives.
+COLLECTIVE_TIMEOUT_S = 1800
+
+
+class TrainerFailure(RuntimeError):
+    """A trainer rank raised or died; all ranks were torn down."""
+
+
+class TrainerRank:
+    """What runs in each trainer actor (``ray.remote``-wrapped by :class:`TrainerGroup`)."""
+
+    def __init__(self, rank: int, world_size: int, backend_name: str, use_gpu: bool):
+        self.rank = rank
+        self.world_size = world_size
+        self.backend_name = backend_name
+        self.use_gpu = use_gpu
+        self.backend = None
+
+    def master_endpoint(self) -> tuple[str, int]:
+        """A free TCP port on this actor's node (rank 0 hosts the rendezvous store)."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init(self, args: Any, master_addr: str, master_port: int) -> int:
+        """Process group, then ``backend.init(args)``; returns the next rollout id."""
+        import torch
+        import torch.distributed as dist
+        from miles_core.backends import load
+
+        os.environ.update(
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK="0",  # Ray shows each actor its own device only
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+        )
+        if self.use_gpu:
+            torch.cuda.set_device(0)
+        dist.init_process_group(
+            backend="nccl" if self.use_gpu else "gloo",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
+        self.backend = load(self.backend_name)()
+        return int(self.backend.init(args, "actor"))
+
+    def data_layout(self):
+        return self.backend.data_layout()
+
+    def train(self, rollout_id: int, shard: RolloutBatch) -> dict[str, float]:
+        return self.backend.train(rollout_id, shard)
+
+    def update_weights(self, engines: list[str]) -> None:
+        self.backend.update_weights(engines)
+
+    def save_model(self, rollout_id: int, force_sync: bool) -> None:
+        self.backend.save_model(rollout_id, force_sync=force_sync)
+
+    def sleep(self) -> None:
+        self.backend.sleep()
+
+    def wake_up(self) -> None:
+        self.backend.wake_up()
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if self.backend is not None:
+            self.backend.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class TrainerGroup:
+    """All trainer ranks of a job, placed on the trainer's bundles."""
+
+    def __init__(self, placement: Placement, backend_name: str):
+        import ray
+
+        layout = placement.layout
+        self.world_size = layout.num_trainer_ranks
+        share = TRAINER_SHARE if layout.colocate else 1.0
+        actor_cls = ray.remote(TrainerRank)
+        self.actors = []
+        for rank, bundle in enumerate(layout.trainer_bundles()):
+            options: dict[str, Any] = dict(
+                num_cpus=share,
+                scheduling_strategy=placement.strategy(placement.bundle(bundle)),
+                max_concurrency=1,
+            )
+            if layout.use_gpu:
+                options["num_gpus"] = share
+            self.actors.append(
+                actor_cls.options(**options).remote(
+                    rank, self.world_size, backend_name, layout.use_gpu
+                )
+            )
+        self.layouts: list[Any] = []
+        self.alive = True
+
+    # ------------------------------------------------------------------ lock-step calls
+    def call(self, method: str, *args: Any, per_rank: list[tuple] | None = None) -> list[Any]:
+        """``method`` on every rank (the same ``args``, or ``per_rank[r]`` for rank ``r``);
+        returns the per-rank results. Any failure tears every rank down (see module doc)."""
+        if not self.alive:
+            raise TrainerFailure(f"trainer already torn down (calling {method})")
+        refs = [
+            getattr(actor, method).remote(*(per_rank[r] if per_rank is not None else args))
+            for r, actor in enumerate(self.actors)
+        ]
+        return self._gather(method, refs)
+
+    def _gather(self, method: str, refs: list) -> list[Any]:
+        import ray
+
+        index = {ref: r for r, ref in enumerate(refs)}
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except Exception as error:  # a rank raised, or its process died
+                rank = index[done[0]]
+                self.teardown()
+                cause = getattr(error, "cause", None) or error
+                raise TrainerFailure(
+                    f"trainer rank {rank} failed in {method}(): {type(cause).__name__}: {cause}"
+                ) from error
+        return ray.get(refs)
+
+    # ------------------------------------------------------------------ the contract
+    def init(self, args: Any) -> int:
+        """Process groups and ``backend.init`` on every rank; the next rollout id."""
+        ((master_addr, master_port),) = self._gather(
+            "master_endpoint", [self.actors[0].master_endpoint.remote()]
+        )
+        next_ids = self.call("init", args, master_addr, master_port)
+        if len(set(next_ids)) != 1:
+            self.teardown()
+            raise TrainerFailure(f"trainer ranks disagree on the next rollout id: {next_ids}")
+        self.layouts = self.call("data_layout")
+        return next_ids[0]
+
+    def train(self, rollout_id: int, batch: RolloutBatch) -> list[dict[str, float]]:
+        """Split ``batch`` by the ranks' data layouts (prompt groups kept whole, token counts
+        balanced) and train every rank on its shard."""
+        import ray
+
+        dp_size = self.layouts[0].dp_size
+        shards = partition_for_dp(batch, dp_size, keep_groups=True)
+        refs = [ray.put(shard) for shard in shards]
+        return self.call(
+            "train",
+            per_rank=[(rollout_id, refs[layout.dp_rank]) for layout in self.layouts],
+        )
+
+    def update_weights(self, engine_urls: list[str]) -> None:
+        self.call("update_weights", list(engine_urls))
+
+    def save_model(self, rollout_id: int, force_sync: bool = False) -> None:
+        self.call("save_model", rollout_id, force_sync)
+
+    def sleep(self) -> None:
+        self.call("sleep")
+
+    def wake_up(self) -> None:
+        self.call("wake_up")
+
+    def close(self) -> None:
+        """``backend.close`` on every rank, then the actors go."""
+        if not self.alive:
+            return
+        try:
+            self.call("close")
+        finally:
+            self.teardown()
+
+    def teardown(self) -> None:
+        """Kill every rank's actor (idempotent)."""
+        import ray
+
+        for actor in self.actors:
+            try:
+                ray.kill(actor)
+            except Exception:  # already gone
+                pass
+        self.alive = False

@@ -1,0 +1,58 @@
+"""Reusable bucket buffers: bucket ``i`` is packed into slot ``i % 2`` (double buffering).
+
+While bucket ``i`` is on its way (an HTTP call plus a broadcast, or an IPC load), bucket ``i + 1``
+is packed into the other slot; a slot is reused only after its previous bucket was delivered
+(the caller waits for that). The byte layout is the codec's (:func:`miles_sync.buckets.bucket_layout`:
+each tensor at the next multiple of its item size, zero padding), so a receiver that rebuilds the
+layout from names, dtypes and shapes finds every tensor where the sender put it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from miles_sync.buckets import FlattenedTensorMetadata, bucket_layout
+
+
+class BucketSlots:
+    """``count`` uint8 buffers on ``device``, grown on demand (a tensor larger than the bucket
+    size travels alone in a slot of its own size).
+
+    ``shared``: CPU buffers live in shared memory (torch's ``file_system`` strategy), so that a
+    pickled bucket crosses to another process as a file name rather than as bytes.
+    """
+
+    def __init__(self, device: torch.device | str, capacity: int, shared: bool = False, count=2):
+        self.device = torch.device(device)
+        self.capacity = int(capacity)
+        self.shared = shared
+        self._slots: list[torch.Tensor | None] = [None] * count
+
+    def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+        buf = self._slots[slot]
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, self.capacity), dtype=torch.uint8, device=self.device)
+            if self.shared and self.device.type == "cpu":
+                buf.share_memory_()
+            self._slots[slot] = buf
+        return buf
+
+    @torch.no_grad()
+    def pack(
+        self, index: int, named: list[tuple[str, torch.Tensor]]
+    ) -> tuple[torch.Tensor, list[FlattenedTensorMetadata]]:
+        """Copy ``named`` into slot ``index % count``; return the bucket (a view) and metadata."""
+        metadata, total = bucket_layout((name, t.shape, t.dtype) for name, t in named)
+        flat = self._buffer(index % len(self._slots), total)[:total]
+        end = 0
+        for meta, (_, tensor) in zip(metadata, named):
+            if meta.start_idx > end:
+                flat[end : meta.start_idx].zero_()
+            if meta.numel:
+                flat[meta.start_idx : meta.end_idx].copy_(
+                    tensor.detach().contiguous().view(-1).view(torch.uint8), non_blocking=True
+                )
+            end = meta.end_idx
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return flat, metadata

@@ -1,0 +1,79 @@
+"""``miles-sync``: the engine-side tools of weight sync.
+
+``miles-sync pull --update-weight-disk-dir SHARED --update-weight-local-checkpoint-dir LOCAL
+--engine-url http://127.0.0.1:30000`` runs the disk-delta puller beside one engine (see
+:mod:`miles_sync.puller`); ``--once`` brings the local checkpoint up to date and exits (status 1
+when the newest version was refused).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from miles_core.args import ArgGroup, ArgumentError, flag, parse_args_or_exit
+from miles_core.args.groups.placement import PlacementArgs
+from miles_core.args.groups.sync import SyncArgs
+
+from miles_sync.errors import DeltaError
+from miles_sync.puller import Puller, PullerConfig
+
+USAGE = "usage: miles-sync pull --update-weight-disk-dir DIR --update-weight-local-checkpoint-dir DIR --engine-url URL [--once]"
+
+
+@dataclass
+class PullArgs(ArgGroup):
+    title: ClassVar[str] = "disk-delta puller (miles-sync pull)"
+
+    engine_url: str | None = flag(
+        None, metavar="URL", help="The engine this puller serves (names its report file)."
+    )
+    pull_poll_interval: float = flag(0.5, metavar="S", help="Seconds between looks for a version.")
+    once: bool = flag(False, help="Bring the local checkpoint up to date once and exit.")
+
+    @classmethod
+    def validate(cls, args: Any) -> None:
+        if not args.engine_url:
+            raise ArgumentError("miles-sync pull requires --engine-url")
+        if not args.update_weight_local_checkpoint_dir:
+            raise ArgumentError("miles-sync pull requires --update-weight-local-checkpoint-dir")
+        if args.pull_poll_interval <= 0:
+            raise ArgumentError(f"--pull-poll-interval must be > 0, got {args.pull_poll_interval}")
+
+
+def parse_pull_args(argv: list[str]) -> Any:
+    """The pull subcommand's flags (the disk-delta mode is implied)."""
+    if "--update-weight-transfer-mode" not in argv:
+        argv = ["--update-weight-transfer-mode", "disk-delta", *argv]
+    return parse_args_or_exit(argv, [PlacementArgs, SyncArgs, PullArgs])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "pull":
+        print(USAGE, file=sys.stderr)
+        return 2
+    args = parse_pull_args(argv[1:])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    puller = Puller(
+        PullerConfig(
+            disk_dir=args.update_weight_disk_dir,
+            local_dir=args.update_weight_local_checkpoint_dir,
+            engine_url=args.engine_url,
+            poll_interval_s=args.pull_poll_interval,
+        )
+    )
+    try:
+        puller.run(once=args.once)
+    except DeltaError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,294 @@
+"""Benchmark trainer -> engine weight sync on GPUs: publish time per mode against its floor and
+against a naive publish.
+
+    python scripts/bench_weight_sync.py --shapes 1.7b 7b --json bench_weight_sync.json
+
+Needs 2 GPUs (``nvidia-h200-x2``): the IPC engine shares GPU 0 with the trainer (colocated), the
+broadcast engine sits on GPU 1 (NCCL needs one GPU per rank). Each shape is a Qwen3-shaped bf16
+model with random weights, written once as a HF checkpoint that the built-in engine
+(``python -m miles_launch.engine --device cuda:N``) loads; the trainer's tensors live on GPU 0.
+
+Rows (median of ``--repeats`` after one warm-up):
+
+* ``ipc``: :class:`~miles_sync.weight_sync.WeightPublisher` in ``ipc`` mode (the whole round:
+  pause, buckets through CUDA IPC, version, continue). Floor: one device-to-device copy of all
+  bytes on GPU 0. Target <= 3x the floor.
+* ``broadcast``: the same in ``broadcast`` mode. Floor: one NCCL broadcast of all bytes from
+  GPU 0 to a process on GPU 1. Target <= 1.5x the floor.
+* ``naive-ipc`` / ``naive-broadcast``: one HTTP call and one transfer per tensor. Targets:
+  ``ipc`` and ``broadcast`` >= 10x faster.
+
+p2p needs several trainer ranks and disk-delta measures the filesystem; neither is run here.
+Prints a table and writes JSON; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SHAPES = {
+    # Qwen3-1.7B and a 7B (Qwen2.5-7B-like) shape: hidden, layers, intermediate, heads, kv heads,
+    # head dim, vocab.
+    "1.7b": dict(hidden=2048, layers=28, inter=6144, heads=16, kv=8, head_dim=128, vocab=151936),
+    "7b": dict(hidden=3584, layers=28, inter=18944, heads=28, kv=4, head_dim=128, vocab=152064),
+}
+
+
+def qwen3_config(shape: dict):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["inter"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv"],
+        head_dim=shape["head_dim"],
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+
+
+def write_checkpoint(shape_name: str, root: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A random bf16 Qwen3 checkpoint (config, weights, a byte-level tokenizer) and the same
+    tensors on GPU 0 as the trainer's weights."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = root / shape_name
+    config = qwen3_config(SHAPES[shape_name])
+    with torch.device("meta"):
+        from transformers import Qwen3ForCausalLM
+
+        meta = Qwen3ForCausalLM(config)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weights = {}
+    for name, param in meta.state_dict().items():
+        t = torch.empty(param.shape, dtype=torch.bfloat16, device="cuda")
+        if name.endswith("norm.weight"):
+            t.fill_(1.0)
+        else:
+            t.normal_(0, 0.02, generator=gen)
+        weights[name] = t
+    path.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(path)
+    save_file({n: t.cpu() for n, t in weights.items()}, str(path / "model.safetensors"))
+    vocab = {f"<b{i}>": i for i in range(256)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<b0>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<b0>").save_pretrained(path)
+    return path, weights
+
+
+class Engine:
+    def __init__(self, model_path: Path, device: str, port: int, log_dir: Path):
+        self.url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "miles_launch.engine", "--model-path", str(model_path)]
+        cmd += ["--port", str(port), "--device", device, "--dtype", "bfloat16"]
+        self.log = open(log_dir / f"engine-{port}.log", "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine on {device} exited; see {self.log.name}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"engine on {device} not healthy; see {self.log.name}")
+
+    def close(self):
+        self.proc.terminate()
+        self.proc.wait(60)
+        self.log.close()
+
+
+def timed(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def copy_floor(nbytes: int, repeats: int) -> float:
+    """One device-to-device copy of ``nbytes`` on GPU 0."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    dst = torch.empty_like(src)
+    return timed(lambda: dst.copy_(src), repeats)
+
+
+def _floor_receiver(_, port: int, nbytes: int, repeats: int) -> None:
+    from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
+
+    torch.cuda.set_device(1)
+    timeout = datetime.timedelta(minutes=5)
+    store = dist.PrefixStore("floor", dist.TCPStore("127.0.0.1", port, 2, False, timeout=timeout))
+    pg, _ = _new_process_group_helper(
+        2, 1, [], Backend("nccl"), store, group_name="floor", timeout=timeout
+    )
+    _world.pg_group_ranks[pg] = {0: 0, 1: 1}
+    buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+    for _ in range(repeats + 1):
+        dist.broadcast(buf, src=0, group=pg)
+    torch.cuda.synchronize()
+
+
+def broadcast_floor(nbytes: int, repeats: int) -> float:
+    """One NCCL broadcast of ``nbytes`` from GPU 0 to a process on GPU 1."""
+    from miles_sync.engine_group import free_port, join_as_master
+
+    port = free_port()
+    ctx = mp.start_processes(
+        _floor_receiver, args=(port, nbytes, repeats), nprocs=1, join=False, start_method="spawn"
+    )
+    pg = join_as_master("127.0.0.1", port, 2, "floor", "nccl", datetime.timedelta(minutes=5))
+    buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    seconds = timed(lambda: dist.broadcast(buf, src=0, group=pg), repeats)
+    ctx.join()
+    dist.destroy_process_group(pg)
+    return seconds
+
+
+def naive_ipc(engine_url: str, weights: dict[str, torch.Tensor]) -> None:
+    """One /update_weights_from_tensor per tensor (a list of one (name, tensor), CUDA IPC)."""
+    from miles_core.engine import EngineClient
+    from miles_sync.buckets import dumps_sglang_wire
+
+    with EngineClient(engine_url, timeout=600) as client, client.weight_update():
+        for name, tensor in weights.items():
+            entry = base64.b64encode(dumps_sglang_wire([(name, tensor)])).decode()
+            client.update_weights_from_tensor([entry])
+
+
+def naive_broadcast(group, weights: dict[str, torch.Tensor]) -> None:
+    """One /update_weights_from_distributed and one broadcast per tensor."""
+    import concurrent.futures
+
+    engine = group.engines[0]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, engine.weight_update():
+        for name, tensor in weights.items():
+            reply = pool.submit(
+                engine.update_weights_from_distributed,
+                [name],
+                [tensor.dtype],
+                [list(tensor.shape)],
+                group_name=group.name,
+            )
+            group.broadcast(tensor)
+            reply.result()
+
+
+def bench_shape(shape_name: str, args, root: Path) -> list[dict]:
+    from miles_core.engine import EngineClient
+    from miles_sync.engine_group import form_engine_group, free_port
+    from miles_sync.weight_sync import SyncConfig, WeightPublisher
+
+    torch.cuda.set_device(0)
+    path, weights = write_checkpoint(shape_name, root)
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    rows = []
+    ipc_floor = copy_floor(nbytes, args.repeats)
+    bcast_floor = broadcast_floor(nbytes, args.repeats)
+
+    def row(mode, seconds, floor, naive=None):
+        rows.append(
+            dict(
+                shape=shape_name,
+                mode=mode,
+                gib=nbytes / 2**30,
+                seconds=seconds,
+                gib_per_s=nbytes / 2**30 / seconds,
+                floor_seconds=floor,
+                x_floor=seconds / floor if floor else None,
+                naive_seconds=naive,
+                x_faster_than_naive=naive / seconds if naive else None,
+            )
+        )
+
+    ipc_engine = Engine(path, "cuda:0", free_port(), root)
+    bcast_engine = Engine(path, "cuda:1", free_port(), root)
+    try:
+        config = SyncConfig(mode="ipc", colocate=True, buffer_size=args.buffer_size)
+        publisher = WeightPublisher(config)
+        ipc = timed(
+            lambda: publisher.update_weights(weights.items(), [ipc_engine.url]), args.repeats
+        )
+        publisher.close()
+        naive = timed(lambda: naive_ipc(ipc_engine.url, weights), 1)
+        row("ipc", ipc, ipc_floor, naive)
+        row("naive-ipc", naive, ipc_floor)
+
+        config = SyncConfig(mode="broadcast", buffer_size=args.buffer_size, group_backend="nccl")
+        publisher = WeightPublisher(config)
+        run = lambda: publisher.update_weights(weights.items(), [bcast_engine.url])  # noqa: E731
+        bcast = timed(run, args.repeats)
+        publisher.close()
+        client = EngineClient(bcast_engine.url, timeout=600)
+        group = form_engine_group([client], group_name="naive", backend="nccl")
+        naive = timed(lambda: naive_broadcast(group, weights), 1)
+        group.close()
+        row("broadcast", bcast, bcast_floor, naive)
+        row("naive-broadcast", naive, bcast_floor)
+    finally:
+        ipc_engine.close()
+        bcast_engine.close()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["1.7b", "7b"], choices=sorted(SHAPES))
+    parser.add_argument("--buffer-size", type=int, default=512 * 1024**2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", default="bench_weight_sync.json")
+    parser.add_argument("--work-dir", default=None)
+    args = parser.parse_args()
+    if torch.cuda.device_count() < 2:
+        sys.exit("bench_weight_sync needs 2 GPUs (IPC engine on GPU 0, broadcast engine on GPU 1)")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    root = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_weight_sync_"))
+    rows = []
+    for shape in args.shapes:
+        rows += bench_shape(shape, args, root)
+    header = f"{'shape':6} {'mode':16} {'GiB':>7} {'s':>8} {'GiB/s':>8} {'floor s':>8} {'x floor':>8} {'x naive':>8}"
+    print(header)
+    for r in rows:
+        x_floor = f"{r['x_floor']:.2f}" if r["x_floor"] else "-"
+        x_naive = f"{r['x_faster_than_naive']:.1f}" if r["x_faster_than_naive"] else "-"
+        print(
+            f"{r['shape']:6} {r['mode']:16} {r['gib']:7.2f} {r['seconds']:8.3f} "
+            f"{r['gib_per_s']:8.1f} {r['floor_seconds']:8.4f} {x_floor:>8} {x_naive:>8}"
+        )
+    Path(args.json).write_text(
+        json.dumps({"rows": rows, "buffer_size": args.buffer_size}, indent=1)
+    )
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""SGLang, router and built-in engine command lines; registration with an external router."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from launch_testing import parse
+from miles_launch.engines.builtin_launcher import builtin_engine_command
+from miles_launch.engines.router import external_router_url, register_worker, router_command
+from miles_launch.engines.sglang_launcher import sglang_server_command
+
+
+def test_sglang_command_line_with_passthrough(tmp_path):
+    args = parse(
+        tmp_path,
+        "--rollout-engine", "sglang",
+        "--rollout-num-gpus", "4",
+        "--rollout-num-gpus-per-engine", "2",
+        "--sglang-context-length", "32768",
+        "--sglang-mem-fraction-static", "0.7",
+        "--sglang-enable-dp-attention",
+        "--sglang-dp-size", "2",
+        "--sglang-cuda-graph-bs", "1", "2", "4",
+        "--sglang-log-level", "INFO",
+    )  # fmt: skip
+    cmd = sglang_server_command(args, host="10.0.0.5", port=30001, python="python")
+    assert cmd == [
+        "python", "-m", "sglang.launch_server",
+        "--model-path", str(tmp_path / "hf"),
+        "--tp-size", "2",
+        "--host", "10.0.0.5",
+        "--port", "30001",
+        "--mem-fraction-static", "0.7",
+        "--context-length", "32768",
+        "--enable-dp-attention",
+        "--dp-size", "2",
+        "--cuda-graph-bs", "1", "2", "4",
+        "--log-level", "INFO",
+    ]  # fmt: skip
+
+
+def test_sglang_command_line_under_colocate(tmp_path):
+    args = parse(tmp_path, "--colocate", "--rollout-engine", "sglang")
+    cmd = sglang_server_command(args, host="h", port=1, python="python")
+    assert cmd == [
+        "python", "-m", "sglang.launch_server",
+        "--model-path", str(tmp_path / "hf"),
+        "--tp-size", "1",
+        "--host", "h",
+        "--port", "1",
+        "--mem-fraction-static", "0.8",
+        "--enable-memory-saver",
+        "--cuda-graph-backend-prefill", "disabled",
+    ]  # fmt: skip
+
+
+def test_router_command_line_with_passthrough(tmp_path):
+    args = parse(
+        tmp_path,
+        "--rollout-engine", "sglang",
+        "--router-balance-abs-threshold", "0",
+        "--router-policy", "cache_aware",
+    )  # fmt: skip
+    cmd = router_command(
+        args,
+        host="10.0.0.1",
+        port=8000,
+        worker_urls=["http://10.0.0.5:30001", "http://10.0.0.6:30001"],
+        python="python",
+    )
+    assert cmd == [
+        "python", "-m", "sglang_router.launch_router",
+        "--host", "10.0.0.1",
+        "--port", "8000",
+        "--worker-urls", "http://10.0.0.5:30001", "http://10.0.0.6:30001",
+        "--balance-abs-threshold", "0",
+        "--policy", "cache_aware",
+    ]  # fmt: skip
+    # --sglang-router-ip/port are declared flags: never passed through, they name the router
+    external = parse(
+        tmp_path,
+        "--rollout-engine", "sglang",
+        "--sglang-router-ip", "10.0.0.9",
+        "--sglang-router-port", "9000",
+    )  # fmt: skip
+    assert external.sglang_passthrough == {}
+    assert external.router_passthrough == {}
+    assert external_router_url(external) == "http://10.0.0.9:9000"
+
+
+def test_builtin_engine_command_line(tmp_path):
+    args = parse(tmp_path, "--rollout-engine", "builtin")
+    cmd = builtin_engine_command(args, host="127.0.0.1", port=5, device="cpu", python="py")
+    assert cmd == [
+        "py", "-m", "miles_launch.engine",
+        "--model-path", str(tmp_path / "hf"),
+        "--host", "127.0.0.1",
+        "--port", "5",
+        "--device", "cpu",
+    ]  # fmt: skip
+    assert sys.executable  # the default python is this interpreter
+
+
+class _Router(BaseHTTPRequestHandler):
+    """A router stand-in that records registrations; ``new_api`` picks which route exists."""
+
+    new_api = True
+    seen: list = []
+
+    def do_POST(self):  # noqa: N802
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.path == "/workers" and self.new_api:
+            type(self).seen.append(("workers", json.loads(body)["url"]))
+            self.send_response(202)
+        elif self.path.startswith("/add_worker?url=") and not self.new_api:
+            type(self).seen.append(("add_worker", self.path.split("=", 1)[1]))
+            self.send_response(200)
+        else:
+            self.send_response(404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("new_api", [True, False])
+def test_register_worker_with_external_router(new_api):
+    handler = type("Router", (_Router,), {"new_api": new_api, "seen": []})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        register_worker(url, "http://10.0.0.5:30001")
+    finally:
+        server.shutdown()
+    route = "workers" if new_api else "add_worker"
+    expected = "http://10.0.0.5:30001" if new_api else "http%3A%2F%2F10.0.0.5%3A30001"
+    assert handler.seen == [(route, expected)]

@@ -1,0 +1,263 @@
+"""The loop end to end: ``miles train --train-backend fsdp`` on Ray with 2 gloo trainer ranks
+and 1 built-in CPU engine (disaggregated), as subprocesses of the real CLI.
+
+Slow (each job starts Ray, two trainer actors and an engine): the demo smoke, the ``--lr 0``
+control, resume equivalence, ``--fully-async`` overlap, and an engine killed mid-generation.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from miles_core import backends
+from miles_launch.demo import build_tiny_qwen3, demo_flags, write_demo_prompts
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        "fsdp" not in backends.available(), reason="the FSDP backend is not installed"
+    ),
+    pytest.mark.skipif(
+        importlib.util.find_spec("miles_sync.weight_sync") is None,
+        reason="miles-sync's WeightPublisher (update_weights) is not installed",
+    ),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+LAST_LINE = re.compile(
+    r"^demo: reward first-3 mean (\d+\.\d+) -> last-3 mean (\d+\.\d+) \((\d+) s\)$"
+)
+SMALL = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "4"]
+
+
+@pytest.fixture(scope="module")
+def material(tmp_path_factory):
+    root = tmp_path_factory.mktemp("demo")
+    return build_tiny_qwen3(root / "tiny-qwen3"), write_demo_prompts(root / "prompts.jsonl")
+
+
+def train(
+    material, metrics: Path, *flags: str, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    hf, prompts = material
+    cmd = [sys.executable, "-m", "miles_launch.train", *demo_flags(hf, prompts, metrics), *flags]
+    return subprocess.run(
+        cmd + ["--no-progress"], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+
+
+def records(path: Path) -> list[dict]:
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "rollout_id" in r]
+
+
+def demo(tmp_path: Path, *flags: str) -> tuple[float, float, str]:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "scripts/run_demo.py",
+            "--output-dir",
+            str(tmp_path),
+            "--no-progress",
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    last = result.stdout.strip().splitlines()[-1]
+    match = LAST_LINE.match(last)
+    assert match, last
+    return float(match.group(1)), float(match.group(2)), result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """The CI smoke run of the demo: 2 rollouts, disaggregated."""
+    out = tmp_path_factory.mktemp("smoke")
+    return out, *demo(out, "--num-rollout", "2")
+
+
+def _rollout_lines(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if re.match(r"^rollout \d+: reward", line)]
+
+
+def test_demo_smoke_two_rollouts(smoke):
+    out_dir, first, last, out = smoke
+    assert (out_dir / "reward.png").read_bytes()[:4] == b"\x89PNG"
+    # the script checked that the engine's weight version rose by one per rollout
+    lines = _rollout_lines(out)
+    assert [line.split(" (")[1] for line in lines] == [
+        "generated with weight version [1])",
+        "generated with weight version [2])",
+    ]
+    assert 0.0 <= first <= 1.0 and 0.0 <= last <= 1.0
+
+
+def test_colocated_run_matches_the_disaggregated_one(smoke, tmp_path):
+    """--colocate: 2 engines on the trainer's 2 slots, trainer asleep during generation,
+    engine memory released during training, weights over IPC (shared memory on CPU). Same
+    seeds and exact weight transfer: the same samples, so the same reward per rollout."""
+    _, _, _, out = smoke
+    _, _, colocated = demo(tmp_path, "--num-rollout", "2", "--colocate")
+    assert "2 engine(s) x 1 CPU slot, colocated" in colocated
+    assert _rollout_lines(colocated) == _rollout_lines(out)
+
+
+def test_lr_zero_gives_no_rise(tmp_path):
+    evals = write_demo_prompts(tmp_path / "eval.jsonl", num_prompts=4, seed=7)
+    first, last, out = demo(
+        tmp_path, "--num-rollout", "6", "--lr", "0",
+        "--eval-interval", "3", "--eval-prompt-data", str(evals),
+    )  # fmt: skip
+    assert re.search(r"^eval after rollout 2 \| reward_mean \d\.\d{4}$", out, re.M), out
+    assert re.search(r"^eval after rollout 5 \| reward_mean", out, re.M)
+    # the learning demo climbs by >= 0.2 over 12 rollouts; without updates the policy is fixed
+    assert first >= 0.05
+    assert last < first + 0.1, out
+
+
+def _dcp_model(path: Path) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = path.parent / (path.parent.name + ".pt")
+    dcp_to_torch_save(path, out)
+    return torch.load(out, weights_only=False)
+
+
+def _flatten(state, prefix=""):
+    if isinstance(state, torch.Tensor):
+        return {prefix: state}
+    out = {}
+    if isinstance(state, dict):
+        for key, value in state.items():
+            out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def test_resume_matches_an_uninterrupted_run(material, tmp_path):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    common = [*SMALL, "--save-interval", "2"]
+    a = train(
+        material, tmp_path / "a.jsonl", *common, "--num-rollout", "4", "--save", str(straight)
+    )
+    assert a.returncode == 0, a.stderr[-3000:]
+    b1 = train(material, tmp_path / "b.jsonl", *common, "--num-rollout", "2", "--save", str(split))
+    assert b1.returncode == 0, b1.stderr[-3000:]
+    b2 = train(
+        material, tmp_path / "b.jsonl", *common, "--num-rollout", "4",
+        "--save", str(split), "--load", str(split),
+    )  # fmt: skip
+    assert b2.returncode == 0, b2.stderr[-3000:]
+
+    ra, rb = records(tmp_path / "a.jsonl"), records(tmp_path / "b.jsonl")
+    assert [r["rollout_id"] for r in rb] == [0, 1, 2, 3]
+    assert [r["prompt_ids"] for r in rb] == [r["prompt_ids"] for r in ra]
+    assert [r["data_position"] for r in rb] == [r["data_position"] for r in ra] == [0, 4, 8, 12]
+    assert json.loads((split / "launcher" / "iter_0000002.json").read_text()) == {
+        "next_rollout_id": 2,
+        "data_position": 8,
+    }
+    wa = _flatten(_dcp_model(straight / "iter_0000004" / "model"))
+    wb = _flatten(_dcp_model(split / "iter_0000004" / "model"))
+    assert wa.keys() == wb.keys() and len(wa) > 0
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+    # and training moved the weights (the comparison is not between two untouched models)
+    w0 = _flatten(_dcp_model(straight / "iter_0000002" / "model"))
+    assert any(not torch.equal(w0[n], wa[n]) for n in wa)
+
+
+def test_fully_async_overlaps_generation_and_training(material, tmp_path):
+    result = train(material, tmp_path / "m.jsonl", *SMALL, "--num-rollout", "3", "--fully-async")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rs = records(tmp_path / "m.jsonl")
+    assert [r["rollout_id"] for r in rs] == [0, 1, 2]
+    for r in rs:
+        stats = r["rollout"]
+        assert 0.0 <= stats["overlap_s"] <= r["time"]["train"] + 1e-6
+        assert stats["staleness_max"] >= stats["staleness_mean"] >= 0
+    # generation ran during training (measured from request intervals), and is logged
+    assert sum(r["rollout"]["overlap_s"] for r in rs) > 0
+    assert "generation overlapped" in result.stderr
+    assert "staleness" in result.stdout
+
+
+def _engine_pids(marker: str) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        args = [a.decode(errors="replace") for a in cmdline]
+        if "miles_launch.engine" in args and marker in args:
+            pids.append(int(entry))
+    return pids
+
+
+def test_engine_killed_mid_generation_is_a_clear_error(material, tmp_path):
+    hf, prompts = material
+    cmd = [
+        sys.executable, "-m", "miles_launch.train",
+        *demo_flags(hf, prompts, tmp_path / "m.jsonl"),
+        "--rollout-max-response-len", "120", "--num-rollout", "3", "--no-progress",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    stderr: list[str] = []
+    reader = threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True)
+    reader.start()
+    try:
+        for line in proc.stdout:
+            if line.startswith("engines ready"):
+                break
+        time.sleep(1.0)  # generation of 64 x 120 tokens is under way
+        pids = _engine_pids(str(hf))
+        assert len(pids) == 1, pids
+        os.kill(pids[0], signal.SIGKILL)
+        proc.stdout.read()
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(timeout=30)
+    err = "".join(stderr)
+    assert code == 1, err[-3000:]
+    assert re.search(
+        r"error: engine 0 \(http://[\d.]+:\d+, pid \d+\) killed by SIGKILL during generation", err
+    ), err[-3000:]
+    assert "last lines of" in err and "engine-0.log" in err
+    assert "Traceback" not in err.split("error: engine 0")[1]
+
+
+def test_trainer_rank_failure_tears_down_with_one_error(material, tmp_path):
+    """A corrupt weights file fails backend.init on a rank: every rank is killed, the run
+    exits 1 with one error naming the rank and the method, and no engine is left behind."""
+    import shutil
+
+    hf, prompts = material
+    broken = tmp_path / "broken"
+    shutil.copytree(hf, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    result = train((broken, prompts), tmp_path / "m.jsonl", "--num-rollout", "1", timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert re.search(r"^error: trainer rank \d failed in init\(\): ", result.stderr, re.M)
+    assert "model.safetensors" in result.stderr.split("error: trainer rank")[1]
+    assert _engine_pids(str(broken)) == []

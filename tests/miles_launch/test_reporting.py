@@ -1,0 +1,60 @@
+"""Per-rollout summary line, TensorBoard scalars read back, JSONL records, reward.png."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from miles_launch.reporting import Reporter, flatten_scalars, summary_line, write_reward_plot
+
+RECORD = {
+    "rollout_id": 2,
+    "rollout": {"reward_mean": 0.4123, "response_len_mean": 7.94, "generated_with_versions": [3]},
+    "train": {"loss": -0.01234, "ppo_kl": 0.00011, "grad_norm": 0.5},
+    "time": {"gen": 1.2, "train": 0.8, "save": 0.0, "update": 0.1},
+    "weight_version": 4,
+}
+
+
+def test_summary_line():
+    assert summary_line(RECORD, 12) == (
+        "rollout 3/12 | reward 0.412 | resp_len 7.9 | loss -0.0123 | kl 0.0001 | version 4 | "
+        "gen 1.20s train 0.80s save 0.00s update 0.10s"
+    )
+
+
+def test_scalars_reach_tensorboard_and_jsonl(tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    args = SimpleNamespace(
+        tensorboard_dir=str(tmp_path / "tb"),
+        metrics_jsonl=str(tmp_path / "m.jsonl"),
+        progress=False,
+        use_wandb=False,
+    )
+    reporter = Reporter(args, num_rollout=12)
+    reporter.rollout(RECORD)
+    reporter.rollout(
+        {**RECORD, "rollout_id": 3, "rollout": {**RECORD["rollout"], "reward_mean": 0.5}}
+    )
+    reporter.eval(3, {"reward_mean": 0.25})
+    reporter.close()
+    assert "rollout 4/12 | reward 0.500" in capsys.readouterr().out
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    rewards = [(e.step, e.value) for e in events.Scalars("rollout/reward_mean")]
+    assert [step for step, _ in rewards] == [2, 3]
+    assert [value for _, value in rewards] == pytest.approx([0.4123, 0.5], rel=1e-6)
+    assert [e.value for e in events.Scalars("eval/reward_mean")] == [0.25]
+    assert set(flatten_scalars(RECORD)) <= set(events.Tags()["scalars"])
+
+    lines = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert lines[0]["rollout"]["reward_mean"] == 0.4123
+    assert lines[2] == {"eval_after": 3, "reward_mean": 0.25}
+
+
+def test_reward_plot_is_a_png(tmp_path):
+    write_reward_plot([0.1, 0.3, 0.7], tmp_path / "reward.png")
+    assert (tmp_path / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,55 @@
+"""Double-buffered bucket packing against the codec's own pack_bucket."""
+
+from __future__ import annotations
+
+import torch
+from miles_sync.bucket_slots import BucketSlots
+from miles_sync.buckets import pack_bucket, plan_buckets, unpack_bucket
+
+
+def named():
+    torch.manual_seed(0)
+    return [
+        ("a", torch.randn(3, 5, dtype=torch.bfloat16)),
+        ("b", torch.randint(0, 9, (7,), dtype=torch.int8)),
+        ("c", torch.randn(4, 4)),  # fp32 after an odd offset: aligned to 4
+        ("d", torch.randn(2, dtype=torch.float64)),
+        ("empty", torch.empty(0, 3)),
+    ]
+
+
+def test_pack_equals_pack_bucket_bytes_and_metadata():
+    slots = BucketSlots("cpu", capacity=16)
+    flat, metadata = slots.pack(0, named())
+    want_flat, want_meta = pack_bucket(named())
+    assert torch.equal(flat, want_flat)
+    assert [(m.name, m.start_idx, m.end_idx, m.dtype) for m in metadata] == [
+        (m.name, m.start_idx, m.end_idx, m.dtype) for m in want_meta
+    ]
+    for (name, got), (_, want) in zip(unpack_bucket(flat, metadata), named()):
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+
+
+def test_slots_alternate_and_grow():
+    slots = BucketSlots("cpu", capacity=64, shared=True)
+    first, _ = slots.pack(0, [("x", torch.ones(4))])
+    second, _ = slots.pack(1, [("y", torch.ones(4))])
+    third, _ = slots.pack(2, [("z", torch.full((4,), 2.0))])
+    assert first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
+    assert first.untyped_storage().data_ptr() == third.untyped_storage().data_ptr()
+    assert third.is_shared()
+    big, meta = slots.pack(3, [("big", torch.arange(100.0))])  # 400 bytes > 64: grows
+    assert big.numel() == 400 and torch.equal(unpack_bucket(big, meta)[0][1], torch.arange(100.0))
+
+
+def test_stale_padding_is_zeroed():
+    slots = BucketSlots("cpu", capacity=64)
+    slots.pack(0, [("x", torch.full((16,), 255, dtype=torch.uint8))])
+    flat, meta = slots.pack(2, [("b", torch.ones(1, dtype=torch.int8)), ("f", torch.ones(1))])
+    assert flat[1:4].tolist() == [0, 0, 0] and meta[1].start_idx == 4
+
+
+def test_plan_keeps_buckets_under_the_size_and_big_tensors_alone():
+    tensors = [(f"t{i}", torch.zeros(n, dtype=torch.uint8)) for i, n in enumerate([10, 30, 100, 5])]
+    groups = [[name for name, _ in g] for g in plan_buckets(tensors, 40)]
+    assert groups == [["t0", "t1"], ["t2"], ["t3"]]

@@ -174,9 +174,17 @@ def lora_program(rank, world, hf_dir, adapter_dir, data, save_dir, out_file):
     backend.close()
 
     # adapter-only checkpoint: a fresh run (adapter from the flags) restores the trained one
+    # ... then trains a rollout with the KL reference = the actor without its adapter
     backend = FSDPBackend()
-    backend.init(make_args(load=save_dir, **flags))
+    kl = dict(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k2", ref_mode="lora_base")
+    kl["advantage_estimator"] = "grpo"
+    backend.init(make_args(load=save_dir, **flags, **kl))
     res["resumed"] = full_params(backend.model)
+    res["kl_metrics"] = backend.train(1, my_shard(make_samples(), rank, world))
+    res["kl_trained"] = full_params(backend.model)
+    res["kl_requires_grad"] = sorted(
+        n for n, p in backend.model.named_parameters() if p.requires_grad
+    )
     backend.close()
     res["dtype"] = first_forward_disabled(rank, world, hf_dir, data)
     if rank == 0:
@@ -243,6 +251,7 @@ def roles_program(rank, world, hf_dir, ref_dir, ref_adapter, teacher_dir, data, 
             custom_prepare_path="role_programs:record_prepare",
             use_kl_loss=True,
             kl_loss_coef=0.1,
+            kl_loss_type="k2",  # (log p - log ref)^2 / 2 > 0 when the models differ
             advantage_estimator="grpo",
         )
     )

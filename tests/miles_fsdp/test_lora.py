@@ -188,6 +188,14 @@ def test_lora_actor_two_ranks(dirs, tmp_path):
     assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved)
     for name, v in res["stepped"].items():
         torch.testing.assert_close(res["resumed"][name], v, atol=0, rtol=0, msg=name)
+    # train() with --ref-mode lora_base: KL against the base, adapters keep training
+    assert res["kl_metrics"]["kl_loss"] > 0
+    assert res["kl_requires_grad"] == res["trainable"]
+    for name in res["trainable"]:
+        assert not torch.equal(res["kl_trained"][name], res["resumed"][name]), name
+    for name, v in res["resumed"].items():
+        if name not in grads:
+            torch.testing.assert_close(res["kl_trained"][name], v, atol=0, rtol=0)
     # bf16 compute after a first forward with adapters disabled: gradients stay fp32
     assert res["dtype"]["grad"] and set(res["dtype"]["grad"].values()) == {torch.float32}
     assert set(res["dtype"]["param"].values()) == {torch.float32}

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,8 @@ from torch import nn
 from miles_fsdp.adaptations import Adaptation, adaptation_for
 from miles_fsdp.adaptations.moe import apply_moe_kernel, install_routing_replay, resolve_moe_kernel
 from miles_fsdp.checkpoint import Checkpointer, TrainState, export_hf
+from miles_fsdp.ema import build_ema
+from miles_fsdp.hooks import HookContext, Hooks
 from miles_fsdp.loading import (
     HFCheckpointInfo,
     build_meta_model,
@@ -27,6 +30,7 @@ from miles_fsdp.loading import (
     resolve_attn_implementation,
     validate_on_rank0,
 )
+from miles_fsdp.lora import actor_lora, actor_lora_fixup, inject_lora
 from miles_fsdp.mesh import MeshShape, build_mesh, mesh_shape
 from miles_fsdp.optimizer import (
     OptimizerConfig,
@@ -36,6 +40,7 @@ from miles_fsdp.optimizer import (
 )
 from miles_fsdp.precision import PrecisionConfig, resolve_precision
 from miles_fsdp.profiling import TrainProfiler
+from miles_fsdp.roles import ActorBuild, build_frozen_model, component_names, frozen_sources
 from miles_fsdp.weight_source import WeightSource
 from miles_fsdp.wrapping import apply_fsdp
 
@@ -84,6 +89,8 @@ class FSDPBackend(TrainBackend):
     def __init__(self) -> None:
         self.args: Any = None
         self.model: nn.Module | None = None
+        self.frozen: dict[str, nn.Module] = {}  # "reference", "teacher": frozen roles
+        self.ema: Any = None  # EMAOptimizer under --use-ema
         self.mover: Any = None
         self.publisher: Any = None
 
@@ -131,14 +138,30 @@ class FSDPBackend(TrainBackend):
         )
         self.routing_replay = None
 
+        # roles (docs/miles-fsdp.md "Roles, LoRA and EMA"): adapters before any checkpoint
+        self.component = component_names(args)[0]
+        self.lora, self.adapter = actor_lora(args)
         self.model = self._build_model()
+        build = ActorBuild(
+            self.config,
+            self.adaptation,
+            precision,
+            self.attn_implementation,
+            self.mesh,
+            self.device,
+        )
+        self.frozen = {s.role: build_frozen_model(s, build) for s in frozen_sources(args)}
         if getattr(args, "stream_optimizer_state_to_disk", False):
             self.optimizer, self.scheduler = build_streamed_optimizer(
                 self.model, optimizer_config(args), args
             )
         else:
             self.optimizer, self.scheduler = build_optimizer(self.model, optimizer_config(args))
+        self.ema = build_ema(self.model, args)
+        self.hooks = Hooks.from_args(args, self._hook_context())
         self.checkpointer = Checkpointer(self.model, self.optimizer, self.scheduler)
+        self.checkpointer.ema = self.ema
+        self.checkpointer.adapter_only = self.lora is not None
         self.state = TrainState()
         if args.load:
             loaded = self.checkpointer.load(
@@ -160,6 +183,10 @@ class FSDPBackend(TrainBackend):
         apply_moe_kernel(model, self.moe_kernel, self.device.type)
         if getattr(self.args, "use_rollout_routing_replay", False):
             self.routing_replay = install_routing_replay(model, config)
+        fixups = list(adaptation.post_load_fixups)
+        if self.lora is not None:
+            inject_lora(model, self.lora, on_meta=True)
+            fixups.append(actor_lora_fixup(self.lora, self.adapter))
         if self.args.gradient_checkpointing:
             if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24
                 model.activation_checkpointing_enable({"use_reentrant": False})
@@ -178,7 +205,7 @@ class FSDPBackend(TrainBackend):
                 config,
                 precision.master_dtype,
                 self.attn_implementation,
-                adaptation.post_load_fixups,
+                fixups,
             )
         target = torch.device("cpu") if self.args.fsdp_cpu_offload else self.device
         fill_sharded_model(model, target, state, buffers)
@@ -186,6 +213,27 @@ class FSDPBackend(TrainBackend):
         finish_lazy_init(model)
         model.train()
         return model
+
+    def _hook_context(self) -> HookContext:
+        """Every role's components by name, for custom prepare/loss hooks."""
+        c = self.component
+        return HookContext(
+            args=self.args,
+            device=self.device,
+            models={c: self.model},
+            reference_models={c: self.frozen["reference"]} if "reference" in self.frozen else {},
+            teacher_models={c: self.frozen["teacher"]} if "teacher" in self.frozen else {},
+        )
+
+    @contextmanager
+    def use_weights(self, which: str) -> Iterator[None]:
+        """``which`` = ``actor`` (as is) or ``ema`` (EMA swapped into the actor's shards)."""
+        with self.ema.use_weights(self.model) if which == "ema" else nullcontext():
+            yield
+
+    def evaluation_weights(self):
+        """Context for evaluation forwards: the weights ``--eval-weights`` names."""
+        return self.use_weights(self.args.eval_weights)
 
     # ------------------------------------------------------------------ layout
     def data_layout(self) -> DataLayout:
@@ -209,11 +257,16 @@ class FSDPBackend(TrainBackend):
             attn_implementation=self.attn_implementation,
             compute_dtype=self.precision.compute_dtype,
             routing_replay=self.routing_replay,
+            reference=self.frozen.get("reference"),
+            ema=self.ema,
+            hooks=self.hooks,
         )
         self.profiler.before(self.state.global_step)
         metrics, steps, micro = train_rollout(ctx, batch)
         self.state.global_step += steps
         self.state.micro_step += micro
+        if self.ema is not None:  # once per rollout, after its optimizer steps
+            metrics["ema_decay"] = self.ema.update(self.state.global_step)
         self.state.next_rollout_id = rollout_id + 1
         self.profiler.after(self.state.global_step, metrics)
         return metrics
@@ -228,7 +281,8 @@ class FSDPBackend(TrainBackend):
             self.publisher = WeightPublisher(
                 SyncConfig.from_args(self.args), RankContext.from_default_group()
             )
-        self.publisher.update_weights(self.weight_source(), list(engines))
+        with self.use_weights(self.args.rollout_weights):  # --rollout-weights ema: EMA values
+            self.publisher.update_weights(self.weight_source(), list(engines))
 
     # ------------------------------------------------------------------ weights
     def weight_source(self, gather_bytes: int = 256 << 20) -> WeightSource:
@@ -241,6 +295,7 @@ class FSDPBackend(TrainBackend):
             default_dtype=self._config_dtype(),
             gather_bytes=gather_bytes,
             device=self.device,
+            lora_scale=self.lora.scale if self.lora is not None else None,
         )
 
     def _config_dtype(self) -> torch.dtype:
@@ -271,18 +326,21 @@ class FSDPBackend(TrainBackend):
 
     # ------------------------------------------------------------------ memory
     def sleep(self) -> None:
-        """Move parameters, buffers and AdamW state off the device (miles-offload's mover:
-        ``--offload-train-target cpu|disk``). Idempotent; a no-op under ``--fsdp-cpu-offload``,
-        where FSDP already keeps everything in host memory. With
+        """Move every role's parameters and buffers, AdamW and EMA state off the device
+        (miles-offload's mover: ``--offload-train-target cpu|disk``). Idempotent. Frozen roles
+        keep their host copies; models FSDP keeps on the CPU (``--fsdp-cpu-offload``,
+        ``--ref-cpu-offload``, ``--teacher-cpu-offload``) never sleep. With
         ``--stream-optimizer-state-to-disk`` the streamed state is in files already: the mover
         moves only the small parameters' on-device AdamW state (``optimizer.state``)."""
         if self.mover is None:
             from miles_offload.device_mover import DeviceMover
             from miles_offload.offload_target import OffloadTarget
 
+            optimizers = [self.optimizer] + ([self.ema] if self.ema is not None else [])
             self.mover = DeviceMover(
-                {"actor": self.model},
-                [self.optimizer],
+                {"actor": self.model, **self.frozen},
+                optimizers,
+                frozen=list(self.frozen),
                 target=OffloadTarget.from_args(self.args),
                 device=self.device,
             )
@@ -313,3 +371,4 @@ class FSDPBackend(TrainBackend):
         if self.model is not None and is_streamed(self.optimizer):
             self.optimizer.close()  # removes its working bucket files
         self.model = None
+        self.frozen = {}

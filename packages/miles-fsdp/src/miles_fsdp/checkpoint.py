@@ -7,6 +7,7 @@ An iteration directory holds::
                                  or, with --stream-optimizer-state-to-disk, the streamed
                                  AdamW's rank*/ bucket files and manifest.json
     iter_XXXXXXX/lr_scheduler/   scheduler state (rank 0)   (absent with --no-save-optim)
+    iter_XXXXXXX/ema/            DCP, EMA state              (--use-ema; kept with --no-save-optim)
     iter_XXXXXXX/rng.pt          every rank's RNG states
     iter_XXXXXXX/meta.json       counters, written last
 
@@ -19,7 +20,9 @@ Loading: ``--no-load-optim`` skips AdamW state only (a saved scheduler is still 
 LR continues); ``--no-load-rng`` skips ``rng.pt``. Optimizer state is loaded in the format it was
 saved in: a streamed checkpoint needs ``--stream-optimizer-state-to-disk`` and a DCP one needs it
 off (either mismatch is refused, naming ``--no-load-optim`` as the way to start the optimizer
-fresh).
+fresh). EMA (:attr:`Checkpointer.ema`) is saved and loaded whatever the optimizer flags say; a
+checkpoint without ``ema/`` seeds it from the loaded actor. With LoRA (``adapter_only``)
+``model/`` holds the trainable adapter weights only.
 """
 
 from __future__ import annotations
@@ -122,6 +125,13 @@ class Checkpointer:
         self.scheduler = scheduler
         self.pending: PendingSave | None = None
         self.async_groups: dict[str, Any] = {}
+        self.ema: Any = None  # miles_fsdp.ema.EMAOptimizer under --use-ema
+        self.adapter_only = False  # LoRA: model/ holds the trainable (adapter) weights only
+
+    def _model_options(self) -> StateDictOptions:
+        return StateDictOptions(
+            ignore_frozen_params=self.adapter_only, strict=not self.adapter_only
+        )
 
     def _async_group(self, name: str) -> Any:
         """A dedicated gloo group per async writer (created collectively, on first use)."""
@@ -152,7 +162,9 @@ class Checkpointer:
             target = prepare_iteration_dir(save_dir, iteration)
         _barrier()
         target = save_dir / f"iter_{iteration:07d}"
-        writes = {"model": {"model": get_model_state_dict(self.model)}}
+        writes = {
+            "model": {"model": get_model_state_dict(self.model, options=self._model_options())}
+        }
         streamed = is_streamed(self.optimizer)
         if save_optim and streamed:  # every rank copies its bucket files (synchronous)
             self.optimizer.save(str(target / "optimizer"))
@@ -160,6 +172,8 @@ class Checkpointer:
             writes["optimizer"] = {
                 "optimizer": get_optimizer_state_dict(self.model, self.optimizer)
             }
+        if self.ema is not None:
+            writes["ema"] = {"ema": get_optimizer_state_dict(self.model, self.ema)}
         futures = []
         for sub, sd in writes.items():
             if async_save:
@@ -224,9 +238,20 @@ class Checkpointer:
         if resolved is None:
             return None
         iter_dir, meta = resolved.path, resolved.meta
-        model_sd = {"model": get_model_state_dict(self.model)}
+        options = self._model_options()
+        model_sd = {"model": get_model_state_dict(self.model, options=options)}
         dcp.load(model_sd, checkpoint_id=str(iter_dir / "model"))
-        set_model_state_dict(self.model, model_sd["model"])
+        set_model_state_dict(self.model, model_sd["model"], options=options)
+        if self.ema is not None:
+            if (iter_dir / "ema").is_dir():
+                ema_sd = {"ema": get_optimizer_state_dict(self.model, self.ema)}
+                dcp.load(ema_sd, checkpoint_id=str(iter_dir / "ema"))
+                set_optimizer_state_dict(self.model, self.ema, ema_sd["ema"])
+            else:
+                from miles_fsdp.ema import log_ema_reseeded
+
+                self.ema.seed_from_params()
+                log_ema_reseeded(iter_dir)
         if load_optim and (iter_dir / "optimizer").is_dir() and is_streamed(self.optimizer):
             self.optimizer.load(str(iter_dir / "optimizer"))  # refuses a DCP checkpoint
         elif load_optim and (iter_dir / "optimizer").is_dir():

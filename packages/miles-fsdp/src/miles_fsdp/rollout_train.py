@@ -8,6 +8,9 @@ here re-derives a formula. Flow of :func:`train_rollout` for this rank's shard:
 2. with more than one step per rollout: the current policy's log-probs of every response token
    at ``--rollout-temperature`` (no grad) become ``old_log_probs``; with one step the loss uses
    ``log_probs.detach()`` instead, which is the same value without a second forward;
+   ``--old-policy ema`` takes them from the EMA weights instead (always a second forward);
+   with a KL term (``--kl-coef``/``--use-kl-loss``) the reference's log-probs become
+   ``ref_log_probs`` (:mod:`miles_fsdp.roles`); a ``--custom-prepare-path`` hook runs first;
 3. advantages (``--advantage-estimator``, ``--normalize-advantages`` over all DP ranks);
 4. ``--num-steps-per-rollout`` optimizer steps, each over its slice of the shard, with the
    loss denominator of the whole step across DP ranks (see :mod:`miles_fsdp.train_step`).
@@ -22,6 +25,7 @@ from typing import Any
 import torch
 from miles_core.advantages import compute_advantages, normalize_advantages
 from miles_core.aggregation import loss_denominator
+from miles_core.args.groups.algorithm import kl_term_on
 from miles_core.batch import RolloutBatch
 from miles_core.log_probs import entropy_from_logits, token_log_probs
 from miles_core.losses import LossConfig, compute_policy_loss
@@ -36,6 +40,7 @@ from miles_core.packing import PackedBatch, pack_thd, packed_attention_kwargs, u
 from torch import nn
 
 from miles_fsdp.adaptations.moe import RoutingReplay
+from miles_fsdp.roles import ref_mode, reference_forward
 from miles_fsdp.train_step import StepResult, optimizer_step
 
 
@@ -54,6 +59,9 @@ class RolloutContext:
     compute_dtype: torch.dtype
     #: ``--use-rollout-routing-replay``: the patched routers' source of expert ids
     routing_replay: RoutingReplay | None = None
+    reference: nn.Module | None = None  # --ref-mode ref
+    ema: Any = None  # EMAOptimizer under --use-ema
+    hooks: Any = None  # miles_fsdp.hooks.Hooks
 
 
 def split_micro_batches(ctx: RolloutContext, batch: RolloutBatch) -> list[RolloutBatch]:
@@ -68,10 +76,14 @@ def split_micro_batches(ctx: RolloutContext, batch: RolloutBatch) -> list[Rollou
     return fixed_size_micro_batches(batch, args.micro_batch_size, num=num)
 
 
-def packed_logits(ctx: RolloutContext, packed: PackedBatch) -> torch.Tensor:
-    """Logits ``[1, T, V]`` of a packed row, attention kept inside each sample.
+def packed_logits(
+    ctx: RolloutContext, packed: PackedBatch, model: nn.Module | None = None
+) -> torch.Tensor:
+    """Logits ``[1, T, V]`` of a packed row (``model``: the actor unless given), attention kept
+    inside each sample.
 
-    With routing replay the MoE routers take the row's ``routed_experts`` (the engine's ids).
+    With routing replay the actor's MoE routers take the row's ``routed_experts`` (the engine's
+    ids).
     """
     if ctx.routing_replay is not None:
         if packed.routed_experts is None:
@@ -81,17 +93,20 @@ def packed_logits(ctx: RolloutContext, packed: PackedBatch) -> torch.Tensor:
             )
         ctx.routing_replay.set(packed.routed_experts)
     kwargs = packed_attention_kwargs(packed, ctx.attn_implementation, dtype=ctx.compute_dtype)
-    return ctx.model(input_ids=packed.input_ids, **kwargs).logits
+    model = ctx.model if model is None else model
+    return model(input_ids=packed.input_ids, **kwargs).logits
 
 
 @torch.no_grad()
-def policy_log_probs(ctx: RolloutContext, batch: RolloutBatch) -> list[torch.Tensor]:
-    """Per-sample response log-probs of the current policy at ``--rollout-temperature``."""
+def policy_log_probs(
+    ctx: RolloutContext, batch: RolloutBatch, model: nn.Module | None = None
+) -> list[torch.Tensor]:
+    """Per-sample response log-probs of ``model`` (the actor) at ``--rollout-temperature``."""
     out: list[torch.Tensor | None] = [None] * len(batch)
     index = {src: i for i, src in enumerate(batch.source_indices)}
     for mb in split_micro_batches(ctx, batch):
         packed = pack_thd(mb).to(ctx.device)
-        logits = packed_logits(ctx, packed)
+        logits = packed_logits(ctx, packed, model)
         lp = token_log_probs(logits, packed.targets, ctx.args.rollout_temperature)
         for src, values in zip(mb.source_indices, unpack_response(packed, lp)):
             out[index[src]] = values.float().cpu()
@@ -109,6 +124,8 @@ def _loss_of(ctx: RolloutContext, config: LossConfig, denominator: float, detach
             with torch.no_grad():
                 entropy = entropy_from_logits(logits.detach(), config.temperature)
         fields = packed.fields
+        if ctx.hooks is not None and ctx.hooks.loss is not None:
+            return ctx.hooks.loss(ctx.hooks.context, logits, packed, config, denominator)
         return compute_policy_loss(
             log_probs,
             old_log_probs=log_probs.detach() if detach_old else fields["old_log_probs"],
@@ -139,9 +156,18 @@ def train_rollout(ctx: RolloutContext, batch: RolloutBatch) -> tuple[dict[str, f
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     num_steps = args.num_steps_per_rollout
-    detach_old = num_steps == 1
-    if not detach_old:
+    if ctx.hooks is not None and ctx.hooks.prepare is not None:
+        batch = ctx.hooks.prepare(ctx.hooks.context, batch)
+    ema_old = getattr(args, "old_policy", "actor") == "ema"
+    detach_old = num_steps == 1 and not ema_old
+    if ema_old:
+        with ctx.ema.use_weights(ctx.model):
+            batch = batch.with_fields(old_log_probs=policy_log_probs(ctx, batch))
+    elif not detach_old:
         batch = batch.with_fields(old_log_probs=policy_log_probs(ctx, batch))
+    if kl_term_on(args):
+        with reference_forward(ctx.model, ctx.reference, ref_mode(args)) as ref:
+            batch = batch.with_fields(ref_log_probs=policy_log_probs(ctx, batch, ref))
     adv = compute_advantages(
         batch,
         args.advantage_estimator,

@@ -6,7 +6,8 @@ at most, one tensor if it alone is larger), passed through the architecture's pa
 transforms, and cast to the dtype each tensor has in the original checkpoint (names unknown to
 the checkpoint take ``default_dtype``). The output head is left out when it is tied to the input
 embedding, as ``save_pretrained`` does. Collective: every rank iterates in lock step and every
-rank receives the full tensors.
+rank receives the full tensors. With LoRA (``lora_scale`` set) a wrapped linear's base weight and
+factors are gathered together and published merged, in the base checkpoint's names.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from miles_fsdp.adaptations import Adaptation, apply_param_transforms
+from miles_fsdp.lora import continues_lora_module, merge_lora_tensors
 from miles_fsdp.wrapping import embeddings_tied
 
 
@@ -34,6 +36,7 @@ class WeightSource:
     default_dtype: torch.dtype = torch.bfloat16
     gather_bytes: int = 256 << 20
     device: torch.device | None = None
+    lora_scale: float | None = None  # alpha / r of the actor's adapter under --use-lora
 
     def _named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         skip: set[str] = set()
@@ -55,7 +58,9 @@ class WeightSource:
         for name, tensor in self._named_tensors():
             group.append((name, tensor))
             size += tensor.numel() * tensor.element_size()
-            if size >= self.gather_bytes:
+            if size >= self.gather_bytes and not (
+                self.lora_scale is not None and continues_lora_module(name)
+            ):
                 yield from self._emit(group)
                 group, size = [], 0
         if group:
@@ -63,6 +68,8 @@ class WeightSource:
 
     def _emit(self, group: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         gathered = [(name, self._full(tensor).detach()) for name, tensor in group]
+        if self.lora_scale is not None:
+            gathered = merge_lora_tensors(gathered, self.lora_scale)
         for name, full in gathered:
             for out_name, out in apply_param_transforms(self.adaptation, name, full, self.config):
                 dtype = self.tensor_dtypes.get(out_name, self.default_dtype)

@@ -1,0 +1,124 @@
+"""Frozen roles: (2 gloo ranks) reference and teacher outputs equal dense HF copies and differ
+from the actor, hooks see every role by component, the KL term reads the reference, sleep/wake
+over all roles keeps outputs; argument errors of the backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from miles_core.args import ArgumentError
+from miles_fsdp.roles import ActorBuild, FrozenSource, build_frozen_model, component_names
+from role_programs import roles_program
+from run_args import make_args
+from spawn import run_ranks
+from test_lora import save_adapter
+from tiny_models import arch_config, qwen3_config, save_tiny_model
+
+
+def dense_logits(hf_dir, data, adapter_dir=None):
+    """The HF model (PEFT merge_and_unload for an adapter) on the CPU in float64."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(hf_dir), dtype=torch.float64, attn_implementation="eager"
+    )
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    with torch.no_grad():
+        return model(input_ids=data, use_cache=False).logits
+
+
+@pytest.mark.slow
+def test_reference_and_teacher_two_ranks(tmp_path):
+    hf_dir = save_tiny_model(tmp_path / "actor", seed=0)
+    ref_dir = save_tiny_model(tmp_path / "ref", seed=1)
+    teacher_dir = save_tiny_model(tmp_path / "teacher", seed=2)
+    ref_adapter = save_adapter(str(ref_dir), tmp_path / "ref_adapter")
+    data = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(3))
+    out = tmp_path / "out.pt"
+    run_ranks(
+        2,
+        roles_program,
+        *map(str, (hf_dir, ref_dir, ref_adapter, teacher_dir)),
+        data,
+        str(out),
+        timeout=400,
+    )
+    res = torch.load(out, weights_only=False)
+    mine = data[0::2]  # rank 0's rows
+    expected = {
+        "actor": dense_logits(hf_dir, mine),
+        "reference": dense_logits(ref_dir, mine, ref_adapter),
+        "teacher": dense_logits(teacher_dir, mine),
+    }
+    for role, value in expected.items():
+        torch.testing.assert_close(res["logits"][role].double(), value, atol=2e-5, rtol=0)
+    assert (res["logits"]["reference"] - res["logits"]["actor"]).abs().max() > 1e-2
+    assert (res["logits"]["teacher"] - res["logits"]["actor"]).abs().max() > 1e-2
+    assert res["frozen"] == {"reference": (False, False), "teacher": (False, False)}
+    assert res["seen"] == {
+        "models": ["model"],
+        "reference": ["model"],
+        "teacher": ["model"],
+        "teacher_requires_grad": False,
+    }
+    assert res["metrics"]["kl_loss"] > 0  # the reference differs from the actor
+    # training moved the actor only; sleep/wake (the teacher is CPU-offloaded: never sleeps)
+    assert not torch.equal(res["trained"]["actor"], res["logits"]["actor"])
+    for role in ("reference", "teacher"):
+        torch.testing.assert_close(res["trained"][role], res["logits"][role], atol=0, rtol=0)
+    for role, value in res["trained"].items():
+        torch.testing.assert_close(res["after_sleep"][role], value, atol=0, rtol=0)
+    assert res["skipped"] == ["teacher"]
+
+
+def test_causal_lm_has_one_component():
+    assert component_names(make_args()) == ["model"]
+    assert component_names(make_args(update_weight_target_module=["lm"])) == ["lm"]
+    with pytest.raises(ArgumentError, match="a causal LM has one component, got 2 \\(a, b\\)"):
+        component_names(make_args(update_weight_target_module=["a", "b"]))
+
+
+def test_frozen_role_of_another_family_rejected(tmp_path):
+    other = save_tiny_model(tmp_path / "moe", config=arch_config("qwen3_moe"))
+    build = ActorBuild(qwen3_config(), None, None, "sdpa", None, torch.device("cpu"))
+    with pytest.raises(
+        ArgumentError, match="the reference is a 'qwen3_moe' model, the actor a 'qwen3' one"
+    ):
+        build_frozen_model(FrozenSource("reference", other), build)
+
+
+def test_hooks_load_by_module_and_name():
+    from miles_fsdp.hooks import HookContext, Hooks, load_hook
+
+    assert load_hook("role_programs:record_prepare", "--custom-prepare-path").__name__ == (
+        "record_prepare"
+    )
+    assert load_hook("role_programs.record_prepare", "--custom-prepare-path").__name__ == (
+        "record_prepare"
+    )
+    hooks = Hooks.from_args(
+        make_args(custom_loss_function_path="role_programs:record_prepare"),
+        HookContext(args=None, device=torch.device("cpu")),
+    )
+    assert hooks.prepare is None and hooks.loss.__name__ == "record_prepare"
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("nosuchmodule_xyz:f", "--custom-loss-function-path nosuchmodule_xyz:f: cannot import"),
+        (
+            "role_programs:nope",
+            "--custom-loss-function-path role_programs:nope: role_programs has no function nope",
+        ),
+        ("plain", "--custom-loss-function-path plain: expected module:function"),
+    ],
+)
+def test_hook_errors_name_the_flag(spec, message):
+    from miles_fsdp.hooks import load_hook
+
+    with pytest.raises(ArgumentError, match=message):
+        load_hook(spec, "--custom-loss-function-path")

@@ -1,7 +1,15 @@
 """Shared test configuration: GPU tests skip without CUDA."""
 
+import os
+
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter. Triton decides at decoration
+# time, so this must be set before any test imports miles_native.kernels (directly or through
+# miles_fsdp's MoE adaptation).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -134,13 +134,19 @@ def test_hooks_run_in_order_for_all_groups():
     ]
 
 
-def test_no_flag_is_declared_twice_across_installed_groups():
+def test_no_flag_is_declared_twice_across_installed_groups(tmp_path):
     groups = installed_groups()
     assert set(core_groups()) <= set(groups)
     specs = collect_flags(groups)  # raises on a duplicate, naming both groups
     options = [o for s in specs.values() for o in s.option_strings()]
     assert len(options) == len(set(options))
-    parse_args([], groups)  # and the composed CLI parses with its defaults
+    # The composed CLI parses with its defaults plus the flags some group requires.
+    argv = []
+    if "prompt_data" in specs:  # the launcher's groups are installed
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
+        argv = ["--prompt-data", str(prompts)]
+    parse_args(argv, groups)
 
 
 def test_duplicate_across_two_groups_names_both():

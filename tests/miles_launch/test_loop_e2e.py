@@ -240,7 +240,11 @@ def test_engine_killed_mid_generation_is_a_clear_error(material, tmp_path):
     err = "".join(stderr)
     assert code == 1, err[-3000:]
     assert re.search(
-        r"error: engine 0 \(http://[\d.]+:\d+, pid \d+\) killed by SIGKILL during generation", err
+        # On a loaded machine the kill can land in the weight update between rollouts; either
+        # way the error names the engine, the signal and the phase.
+        r"error: engine 0 \(http://127\.0\.0\.1:\d+, pid \d+\) killed by SIGKILL "
+        r"(during generation|while receiving weights)",
+        err,
     ), err[-3000:]
     assert "last lines of" in err and "engine-0.log" in err
     assert "Traceback" not in err.split("error: engine 0")[1]

@@ -171,11 +171,24 @@ def _sort_key(info: BundleInfo) -> tuple:
     return (info.node_ip, info.node_id, info.gpu_ids or (info.index,), info.index)
 
 
+#: Set in the runtime environment of a local (single-machine) Ray cluster: every address the
+#: job hands out (engines, the trainer's process group) is then loopback.
+NODE_IP_ENV = "MILES_NODE_IP"
+
+
+def node_ip() -> str:
+    """The address this process's servers bind and advertise: loopback on a local cluster,
+    Ray's node IP on a real one (``--ray-address``)."""
+    import ray
+
+    return os.environ.get(NODE_IP_ENV) or ray.util.get_node_ip_address()
+
+
 def _where() -> tuple[str, list[int]]:
     """Run inside a bundle: its node IP and the physical GPU ids Ray gave it."""
     import ray
 
-    return ray.util.get_node_ip_address(), [int(g) for g in ray.get_gpu_ids()]
+    return node_ip(), [int(g) for g in ray.get_gpu_ids()]
 
 
 def prepare_ray_env() -> None:
@@ -200,12 +213,17 @@ def init_ray(layout: Layout, address: str | None) -> None:
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
         return
+    env["env_vars"][NODE_IP_ENV] = "127.0.0.1"
+    os.environ[NODE_IP_ENV] = "127.0.0.1"
     num_gpus = 0
     if layout.use_gpu:
         import torch
 
         num_gpus = torch.cuda.device_count()
     ray.init(
+        # A local cluster lives on loopback: Ray, the engines and the trainer's process group
+        # all bind 127.0.0.1, never the machine's external address.
+        _node_ip_address="127.0.0.1",
         num_cpus=layout.num_bundles + 1,
         num_gpus=num_gpus,
         include_dashboard=False,

@@ -18,7 +18,7 @@ from typing import Any
 from miles_core.batch import RolloutBatch
 from miles_core.partition import partition_for_dp
 
-from miles_launch.placement import TRAINER_SHARE, Placement
+from miles_launch.placement import TRAINER_SHARE, Placement, node_ip
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +42,11 @@ class TrainerRank:
 
     def master_endpoint(self) -> tuple[str, int]:
         """A free TCP port on this actor's node (rank 0 hosts the rendezvous store)."""
-        import ray
 
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return node_ip(), port
 
     def init(self, args: Any, master_addr: str, master_port: int) -> int:
         """Process group, then ``backend.init(args)``; returns the next rollout id."""

@@ -15,6 +15,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from miles_launch.placement import node_ip
+
 #: Lines of the log quoted when a process dies.
 TAIL_LINES = 30
 
@@ -58,12 +60,11 @@ class ProcessHost:
 
     def endpoint(self) -> tuple[str, int]:
         """This node's IP and a free port on it."""
-        import ray
 
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return node_ip(), port
 
     def start(self, cmd: list[str], env: dict[str, str]) -> tuple[int, str]:
         """Start ``cmd`` with ``env`` added; returns (pid, log path)."""

@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from miles_core.args import ArgumentError
 from miles_fsdp.adaptations.moe import resolve_moe_kernel
 from moe_programs import moe_kernel_program
+from moe_reference import reference_log_probs
 from run_args import make_args
 from safetensors import safe_open
 from spawn import run_ranks
@@ -95,42 +95,6 @@ def one_rank_group(tmp_path_factory):
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
-
-
-def reference_log_probs(hf_dir, tokens: torch.Tensor, routed: torch.Tensor):
-    """float64 forward of the HF model whose MoE blocks route to ``routed`` [T, layers, k].
-
-    Written out here: ``p = softmax(h Wg^T)``, ``w_j = p[e_j] / sum_j p[e_j]``
-    (norm_topk_prob), ``out = sum_j w_j * W_down[e_j] (silu(g) * u)``, ``[g; u] =
-    W_gate_up[e_j] h``. Returns per-token log-probs of ``tokens[1:]`` and the model.
-    """
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        hf_dir, dtype=torch.float64, attn_implementation="eager"
-    )
-    for layer, block in enumerate(model.model.layers):
-        mlp = block.mlp
-
-        def forward(hidden, mlp=mlp, layer=layer):
-            shape = hidden.shape
-            h = hidden.reshape(-1, shape[-1])
-            probs = torch.softmax(h @ mlp.gate.weight.T, dim=-1)
-            ids = routed[:, layer].long()
-            w = probs.gather(-1, ids)
-            w = w / w.sum(-1, keepdim=True)
-            out = torch.zeros_like(h)
-            for j in range(ids.shape[1]):
-                gate_up = torch.einsum("toh,th->to", mlp.experts.gate_up_proj[ids[:, j]], h)
-                g, u = gate_up.chunk(2, dim=-1)
-                y = torch.einsum("thi,ti->th", mlp.experts.down_proj[ids[:, j]], F.silu(g) * u)
-                out = out + w[:, j : j + 1] * y
-            return out.reshape(shape)
-
-        mlp.forward = forward
-    logits = model(input_ids=tokens[None], use_cache=False).logits[0]
-    logp = torch.log_softmax(logits, -1)[:-1].gather(-1, tokens[1:, None]).squeeze(-1)
-    return logp, model
 
 
 @pytest.mark.slow

@@ -9,11 +9,15 @@ Two small registries, filled by the spec files of the MoE architectures:
   publication (per-expert names, :mod:`.fused_experts`) is the same with either kernel.
 * :func:`register_routing_adapter` registers ``adapter(model, config, replay) -> int``, which
   patches the model's routers to take their top-k expert ids from a :class:`RoutingReplay`
-  (the rollout engine's) and returns how many routers it patched.
+  (the rollout engine's) and returns how many routers it patched. Adapters are built on
+  :func:`patch_routers` with the architecture's router formula evaluated at given ids
+  (:mod:`.softmax_topk_replay`, :mod:`.sigmoid_group_topk_replay`).
 """
 
 from __future__ import annotations
 
+import re
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +26,13 @@ from miles_core.args import ArgumentError
 from torch import nn
 
 MOE_KERNELS = ("fused", "eager")
+
+#: Module names of routers: ``...layers.<l>.mlp.gate`` (``<l>`` indexes ``routed_experts``).
+ROUTER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
+
+#: ``replayed(router, hidden_states, ids) -> (router_logits, weights, ids)``: the router's own
+#: forward with its top-k choice replaced by ``ids`` ``[T, k]``.
+ReplayedRouter = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple]
 
 _FUSED_EXPERTS: set[str] = set()
 _ROUTING_ADAPTERS: dict[str, Callable[[nn.Module, Any, RoutingReplay], int]] = {}
@@ -108,6 +119,34 @@ class RoutingReplay:
                 f" do not cover layer {layer} over {num_tokens} tokens"
             )
         return self.routed[:, layer].long()
+
+
+def patch_routers(
+    model: nn.Module, replay: RoutingReplay, classes: set[str], replayed: ReplayedRouter
+) -> int:
+    """Make every router of a class in ``classes`` (at ``...layers.<l>.mlp.gate``) replay.
+
+    The patched forward routes through ``replayed(router, hidden, ids)`` with layer ``l``'s ids
+    from ``replay``; while ``replay`` holds no ids it runs the router's original forward.
+    Returns the number of routers patched.
+    """
+    patched = 0
+    for name, module in model.named_modules():
+        match = ROUTER_NAME.search(name)
+        if match is None or type(module).__name__ not in classes:
+            continue
+        layer, original = int(match.group(1)), module.forward
+
+        def forward(self, hidden_states, _layer=layer, _original=original):
+            num_tokens = hidden_states.numel() // hidden_states.shape[-1]
+            ids = replay.layer_ids(_layer, num_tokens)
+            if ids is None:
+                return _original(hidden_states)
+            return replayed(self, hidden_states, ids.to(hidden_states.device))
+
+        module.forward = types.MethodType(forward, module)
+        patched += 1
+    return patched
 
 
 def install_routing_replay(model: nn.Module, config: Any) -> RoutingReplay:

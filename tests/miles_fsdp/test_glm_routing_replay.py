@@ -81,7 +81,7 @@ def test_replayed_router_weights_and_gradient_match_float64(norm_topk_prob):
     replayed = other_group_ids(own_ids, g)
     assert not (replayed.sort(-1).values == own_ids.sort(-1).values).all(-1).any()
     routed = torch.full((TOKENS, LAYERS, TOP_K), -1, dtype=torch.int32)
-    routed[:, 1] = replayed
+    routed[:, 1:] = replayed[:, None]
     replay.set(routed)
 
     h = hidden.clone().requires_grad_()
@@ -155,3 +155,21 @@ def test_replay_without_a_router_is_refused():
     qwen = qwen3_config()
     with pytest.raises(ArgumentError, match="no routing adapter for model_type 'qwen3'"):
         install_routing_replay(torch.nn.Module(), qwen)
+
+
+def test_ids_the_routers_cannot_take_are_refused_at_set():
+    config = glm_config()
+    replay = install_routing_replay(glm_model(config), config)
+    assert replay.routers == {1: (NUM_EXPERTS, TOP_K), 2: (NUM_EXPERTS, TOP_K)}
+    routed = torch.full((TOKENS, LAYERS, TOP_K), -1, dtype=torch.int32)  # -1: dense layer 0
+    routed[:, 1:] = torch.arange(TOP_K, dtype=torch.int32)
+    replay.set(routed)
+    bad = routed.clone()
+    bad[3, 2, 1] = NUM_EXPERTS
+    with pytest.raises(ValueError, match=r"--use-rollout-routing-replay: .* outside \[0, 8\)"):
+        replay.set(bad)
+    with pytest.raises(ValueError, match="takes top_k=2"):
+        replay.set(routed[:, :, :1])
+    with pytest.raises(ValueError, match=r"must be \[tokens, num_hidden_layers, top_k\]"):
+        replay.set(routed[:, :2])
+    assert replay.routed is routed  # a refused set keeps the previous ids

@@ -100,14 +100,46 @@ class RoutingReplay:
     ``set(routed)`` with int ``[T, num_hidden_layers, top_k]`` (``PackedBatch.routed_experts``)
     before a forward; a patched router of decoder layer ``l`` then routes the ``T`` tokens to
     ``routed[:, l]``. The ids stay set until the next ``set`` so that activation recomputation
-    in backward (gradient checkpointing) replays the same ids.
+    in backward (gradient checkpointing) replays the same ids. Rows of layers without a router
+    (dense layers; the engine sends -1 there) are never read.
     """
 
     def __init__(self) -> None:
         self.routed: torch.Tensor | None = None
+        #: ``layer -> (num_experts, top_k)`` of every patched router (filled by patch_routers)
+        self.routers: dict[int, tuple[int, int]] = {}
 
     def set(self, routed: torch.Tensor | None) -> None:
+        """Replay ``routed`` from the next forward on (``None``: the routers' own top-k)."""
+        if routed is not None:
+            self.check(routed)
         self.routed = routed
+
+    def check(self, routed: torch.Tensor) -> None:
+        """One clear error for ids the patched routers cannot take (one host sync per batch)."""
+        flag = "--use-rollout-routing-replay"
+        layers = sorted(self.routers)
+        if routed.dim() != 3 or (layers and routed.shape[1] <= layers[-1]):
+            raise ValueError(
+                f"{flag}: routed experts must be [tokens, num_hidden_layers, top_k], got shape "
+                f"{tuple(routed.shape)} for routers in layers {layers}"
+            )
+        for layer in layers:
+            num_experts, top_k = self.routers[layer]
+            if routed.shape[2] != top_k:
+                raise ValueError(
+                    f"{flag}: routed experts carry {routed.shape[2]} ids per token, the router "
+                    f"of layer {layer} takes top_k={top_k} (num_experts_per_tok)"
+                )
+        if not layers or routed.shape[0] == 0:
+            return
+        low, high = torch.stack(torch.aminmax(routed[:, layers])).tolist()
+        num_experts = min(e for e, _ in self.routers.values())
+        if low < 0 or high >= num_experts:
+            raise ValueError(
+                f"{flag}: routed expert ids span [{low}, {high}] in MoE layers, "
+                f"outside [0, {num_experts}); was the rollout engine serving this model?"
+            )
 
     def layer_ids(self, layer: int, num_tokens: int) -> torch.Tensor | None:
         """Layer ``layer``'s replayed ids ``[num_tokens, top_k]`` (int64), or ``None`` if unset."""
@@ -136,6 +168,7 @@ def patch_routers(
         if match is None or type(module).__name__ not in classes:
             continue
         layer, original = int(match.group(1)), module.forward
+        replay.routers[layer] = (int(module.num_experts), int(module.top_k))
 
         def forward(self, hidden_states, _layer=layer, _original=original):
             num_tokens = hidden_states.numel() // hidden_states.shape[-1]

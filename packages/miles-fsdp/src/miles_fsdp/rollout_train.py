@@ -104,6 +104,8 @@ def _loss_of(ctx: RolloutContext, config: LossConfig, denominator: float, detach
     def loss_of(model: nn.Module, mb: RolloutBatch):
         packed = pack_thd(mb).to(ctx.device)
         logits = packed_logits(ctx, packed)
+        if ctx.hooks is not None and ctx.hooks.loss is not None:  # --custom-loss-function-path
+            return ctx.hooks.loss(ctx.hooks.context, logits, packed, config, denominator)
         log_probs = token_log_probs(logits, packed.targets, config.temperature)
         if config.entropy_coef != 0.0:
             entropy = entropy_from_logits(logits, config.temperature)
@@ -111,8 +113,6 @@ def _loss_of(ctx: RolloutContext, config: LossConfig, denominator: float, detach
             with torch.no_grad():
                 entropy = entropy_from_logits(logits.detach(), config.temperature)
         fields = packed.fields
-        if ctx.hooks is not None and ctx.hooks.loss is not None:
-            return ctx.hooks.loss(ctx.hooks.context, logits, packed, config, denominator)
         return compute_policy_loss(
             log_probs,
             old_log_probs=log_probs.detach() if detach_old else fields["old_log_probs"],

@@ -118,6 +118,38 @@ def ema_program(rank, world, hf_dir, save_dir, out_file):
         torch.save(res, out_file)
 
 
+#: --eval-weights ema as EMA's only consumer (the actor is published and is the old policy)
+EVAL_FLAGS = EMA_FLAGS | dict(rollout_weights="actor", old_policy="actor", eval_weights="ema")
+
+
+def eval_program(rank, world, hf_dir, out_file):
+    """3 rollouts, then evaluate() with the EMA weights; the actor, EMA, module mode and the
+    actor's forward before and after; the actor-weight log-probs for contrast."""
+    backend = FSDPBackend()
+    backend.init(make_args(hf_checkpoint=hf_dir, **EVAL_FLAGS))
+    res: dict = {"params": [full_params(backend.model)]}
+    for rollout_id in range(3):
+        backend.train(rollout_id, my_shard(make_samples(seed=rollout_id), rank, world))
+        res["params"].append(full_params(backend.model))
+    shard = my_shard(make_samples(seed=7), rank, world)
+    probe = shard[0].tokens[None].to(backend.device)
+    with torch.no_grad():
+        res["probe_before"] = backend.model(input_ids=probe).logits.clone()
+    res["ema_before"] = full_ema(backend)
+    res["metrics"] = backend.evaluate(shard)
+    res["log_probs"] = backend.eval_log_probs(shard)
+    res["training_after"] = backend.model.training
+    with torch.no_grad():  # a forward after evaluation reads the restored actor shards
+        res["probe_after"] = backend.model(input_ids=probe).logits.clone()
+    res["params_after"] = full_params(backend.model)
+    res["ema_after"] = full_ema(backend)
+    backend.args.eval_weights = "actor"
+    res["actor_log_probs"] = backend.eval_log_probs(shard)
+    res["sources"] = list(shard.source_indices)
+    backend.close()
+    torch.save(res, f"{out_file}.{rank}")
+
+
 def lora_program(rank, world, hf_dir, adapter_dir, data, save_dir, out_file):
     """LoRA actor: merged publish, one step's grads and AdamW update, lora_base, checkpoint."""
     from miles_fsdp.roles import adapters_disabled

@@ -316,9 +316,36 @@ def roles_program(rank, world, hf_dir, ref_dir, ref_adapter, teacher_dir, data, 
         torch.save(res, out_file)
 
 
-def sleep_cycles_program(rank, world, hf_dir, ref_dir, teacher_dir, data, out_file):
+def full_adam_state(backend) -> dict[str, dict[str, torch.Tensor]]:
+    """AdamW's state (step, exp_avg, exp_avg_sq) per parameter name, as full tensors."""
+    names = {id(p): n for n, p in backend.model.named_parameters()}
+    out = {}
+    for p, state in backend.optimizer.state.items():
+        out[names[id(p)]] = {
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+            for k, v in state.items()
+        }
+    return out
+
+
+def device_state_bytes(backend) -> int:
+    """Bytes of this rank's shards of every role's parameters and buffers, AdamW and EMA state
+    that sit on the backend's device (what a sleep must move off it)."""
+
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    tensors = [local(t) for m in (backend.model, *backend.frozen.values()) for t in m.parameters()]
+    tensors += [local(t) for m in (backend.model, *backend.frozen.values()) for t in m.buffers()]
+    for opt in (backend.optimizer, backend.ema):
+        tensors += [local(v) for st in opt.state.values() for v in st.values() if v.dim() > 0]
+    return sum(t.numel() * t.element_size() for t in tensors if t.device == backend.device)
+
+
+def sleep_cycles_program(rank, world, hf_dir, ref_dir, teacher_dir, data, out_file, attn="sdpa"):
     """3 rollouts with every role (EMA, reference, teacher); once never slept, once with a
-    sleep/wake after each rollout. Records the actor, EMA and every role's logits per cycle."""
+    sleep/wake after each rollout. Records per cycle the actor, EMA and AdamW state, every
+    role's logits, and (on CUDA) the device memory a sleep released against what it had to."""
     results = {}
     for label in ("control", "slept"):
         backend = FSDPBackend()
@@ -331,21 +358,43 @@ def sleep_cycles_program(rank, world, hf_dir, ref_dir, teacher_dir, data, out_fi
                 custom_prepare_path="role_programs:record_prepare",
                 use_kl_loss=True,
                 kl_loss_coef=0.1,
+                attn_implementation=attn,
                 **EMA_FLAGS,
             )
         )
         rows = my_rows(data, rank, world).to(backend.device)
         cycles = []
         for rollout_id in range(3):
-            backend.train(rollout_id, my_shard(make_samples(seed=rollout_id), rank, world))
+            metrics = backend.train(
+                rollout_id, my_shard(make_samples(seed=rollout_id), rank, world)
+            )
+            memory = {}
             if label == "slept":
+                memory["must_move"] = device_state_bytes(backend)
+                on_cuda = backend.device.type == "cuda"
+                if on_cuda:
+                    torch.cuda.synchronize()
+                    memory["before"] = torch.cuda.memory_allocated(backend.device)
                 backend.sleep()
+                memory["asleep"] = backend.asleep
+                memory["left_on_device"] = device_state_bytes(backend)
+                if on_cuda:
+                    memory["after"] = torch.cuda.memory_allocated(backend.device)
                 backend.wake_up()
             with torch.no_grad():
                 roles = {"actor": backend.model, **backend.frozen}
                 logits = {r: m(input_ids=rows).logits.cpu() for r, m in roles.items()}
             params = {n: v.cpu() for n, v in full_params(backend.model).items()}
-            cycles.append({"logits": logits, "params": params, "ema": full_ema(backend)})
+            cycles.append(
+                {
+                    "logits": logits,
+                    "params": params,
+                    "ema": {n: v.cpu() for n, v in full_ema(backend).items()},
+                    "adam": full_adam_state(backend),
+                    "loss": {k: metrics[k] for k in ("pg_loss", "kl_loss", "grad_norm")},
+                    "memory": memory,
+                }
+            )
         results[label] = cycles
         backend.close()
     if rank == 0:

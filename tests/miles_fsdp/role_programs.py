@@ -210,7 +210,10 @@ def lora_program(rank, world, hf_dir, adapter_dir, data, save_dir, out_file):
     backend = FSDPBackend()
     kl = dict(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k2", ref_mode="lora_base")
     kl["advantage_estimator"] = "grpo"
-    backend.init(make_args(load=save_dir, **flags, **kl))
+    ema = dict(use_ema=True, eval_weights="ema")  # EMA of a LoRA actor: the adapters only
+    backend.init(make_args(load=save_dir, **flags, **kl, **ema))
+    names = {id(p): n for n, p in backend.model.named_parameters()}
+    res["ema_params"] = sorted(names[id(p)] for p in backend.ema.params())
     res["resumed"] = full_params(backend.model)
     res["kl_metrics"] = backend.train(1, my_shard(make_samples(), rank, world))
     res["kl_trained"] = full_params(backend.model)
@@ -269,24 +272,25 @@ def record_prepare(ctx, batch):
     return batch
 
 
-def roles_program(rank, world, hf_dir, ref_dir, ref_adapter, teacher_dir, data, out_file):
-    """Actor + reference (with adapter) + CPU-offloaded teacher; logits, hooks, KL, sleep."""
-    backend = FSDPBackend()
-    backend.init(
-        make_args(
-            hf_checkpoint=hf_dir,
-            ref_load=ref_dir,
-            ref_mode="ref",
-            ref_lora_adapter_path=[ref_adapter],
-            teacher_load=teacher_dir,
-            teacher_cpu_offload=True,
-            custom_prepare_path="role_programs:record_prepare",
-            use_kl_loss=True,
-            kl_loss_coef=0.1,
-            kl_loss_type="k2",  # (log p - log ref)^2 / 2 > 0 when the models differ
-            advantage_estimator="grpo",
-        )
+def roles_program(rank, world, hf_dir, ref_dir, ref_adapter, teacher_dir, data, save_dir, out_file):
+    """Actor + reference (with adapter) + CPU-offloaded teacher; logits, hooks, KL, sleep;
+    a checkpoint and its resume (the frozen roles rebuilt from their sources)."""
+    flags = dict(
+        hf_checkpoint=hf_dir,
+        ref_load=ref_dir,
+        ref_mode="ref",
+        ref_lora_adapter_path=[ref_adapter],
+        teacher_load=teacher_dir,
+        teacher_cpu_offload=True,
+        custom_prepare_path="role_programs:record_prepare",
+        use_kl_loss=True,
+        kl_loss_coef=0.1,
+        kl_loss_type="k2",  # (log p - log ref)^2 / 2 > 0 when the models differ
+        advantage_estimator="grpo",
+        save=save_dir,
     )
+    backend = FSDPBackend()
+    backend.init(make_args(**flags))
     rows = my_rows(data, rank, world)
     res: dict = {}
 
@@ -311,6 +315,12 @@ def roles_program(rank, world, hf_dir, ref_dir, ref_adapter, teacher_dir, data, 
         backend.wake_up()
     res["skipped"] = list(backend.mover.skipped)
     res["after_sleep"] = logits()
+    backend.save_model(0, force_sync=True)
+    res["actor_keys"] = sorted(backend.model.state_dict())
+    backend.close()
+    backend = FSDPBackend()  # resume: the actor from the checkpoint, frozen roles from sources
+    backend.init(make_args(load=save_dir, **flags))
+    res["resumed"] = logits()
     backend.close()
     if rank == 0:
         torch.save(res, out_file)
@@ -365,10 +375,13 @@ def sleep_cycles_program(rank, world, hf_dir, ref_dir, teacher_dir, data, out_fi
         rows = my_rows(data, rank, world).to(backend.device)
         cycles = []
         for rollout_id in range(3):
+            memory = {}
+            if label == "slept" and rollout_id > 0:
+                backend.sleep()  # left asleep: train() wakes the backend itself
             metrics = backend.train(
                 rollout_id, my_shard(make_samples(seed=rollout_id), rank, world)
             )
-            memory = {}
+            memory["asleep_after_train"] = backend.asleep
             if label == "slept":
                 memory["must_move"] = device_state_bytes(backend)
                 on_cuda = backend.device.type == "cuda"

@@ -56,6 +56,13 @@ def test_custom_loss_hook_through_train_matches_float64(tmp_path):
         assert res["seen"]["temperatures"] == [temperature] * 2
         assert res["seen"]["teacher_requires_grad"] == [False, False]
         assert "pg_loss" not in res["metrics"]
+        assert res["metrics"]["tokens_per_s"] > 0 and res["metrics"]["lr"] > 0
+        assert res["metrics"]["grad_norm"] == pytest.approx(
+            torch.cat([p.grad.reshape(-1) for p in actor.parameters() if p.grad is not None])
+            .norm()
+            .item(),
+            rel=1e-4,
+        )
         assert res["metrics"]["distill"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-7)
         assert res["metrics"]["token_share"] == pytest.approx(1.0, abs=1e-6)
         for name, p in actor.named_parameters():

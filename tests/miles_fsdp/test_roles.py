@@ -43,6 +43,7 @@ def test_reference_and_teacher_two_ranks(tmp_path):
         roles_program,
         *map(str, (hf_dir, ref_dir, ref_adapter, teacher_dir)),
         data,
+        str(tmp_path / "ckpt"),
         str(out),
         timeout=400,
     )
@@ -72,6 +73,23 @@ def test_reference_and_teacher_two_ranks(tmp_path):
     for role, value in res["trained"].items():
         torch.testing.assert_close(res["after_sleep"][role], value, atol=0, rtol=0)
     assert res["skipped"] == ["teacher"]
+    # never checkpointed: the iteration holds the actor only; a resume rebuilds the frozen
+    # roles from --ref-load / --teacher-load (and the reference's adapter)
+    import torch.distributed.checkpoint as dcp
+
+    it = tmp_path / "ckpt" / "iter_0000001"
+    assert {p.name for p in it.iterdir()} == {
+        "model",
+        "optimizer",
+        "lr_scheduler",
+        "rng.pt",
+        "meta.json",
+    }
+    saved = dcp.FileSystemReader(str(it / "model")).read_metadata().state_dict_metadata
+    assert sorted(saved) == sorted(f"model.{k}" for k in res["actor_keys"])
+    torch.testing.assert_close(res["resumed"]["actor"], res["trained"]["actor"], atol=0, rtol=0)
+    for role in ("reference", "teacher"):
+        torch.testing.assert_close(res["resumed"][role], res["logits"][role], atol=0, rtol=0)
 
 
 def test_causal_lm_has_one_component():
@@ -129,7 +147,7 @@ def assert_sleep_cycles_match(res):
     parameters, EMA, AdamW state (so every optimizer update), losses and every role's logits."""
     assert len(res["control"]) == len(res["slept"]) == 3
     for cycle, (control, slept) in enumerate(zip(res["control"], res["slept"])):
-        assert slept["memory"]["asleep"], cycle
+        assert slept["memory"]["asleep"] and not slept["memory"]["asleep_after_train"], cycle
         assert slept["loss"] == control["loss"], cycle
         for part in ("params", "ema"):
             assert control[part].keys() == slept[part].keys()

@@ -243,7 +243,8 @@ class FSDPBackend(TrainBackend):
         return DataLayout(dp_rank=rank, dp_size=self.shape.world_size)
 
     # ------------------------------------------------------------------ training
-    def _rollout_context(self):
+    def _rollout_context(self) -> Any:
+        """What :mod:`.rollout_train` needs: this backend's model, optimizer, roles and hooks."""
         from miles_fsdp.rollout_train import RolloutContext
 
         return RolloutContext(

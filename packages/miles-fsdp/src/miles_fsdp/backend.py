@@ -31,6 +31,7 @@ from miles_fsdp.loading import (
     validate_on_rank0,
 )
 from miles_fsdp.lora import actor_lora, actor_lora_fixup, inject_lora
+from miles_fsdp.loss_scale import LossScaler
 from miles_fsdp.mesh import MeshShape, build_mesh, mesh_shape
 from miles_fsdp.optimizer import (
     OptimizerConfig,
@@ -159,7 +160,10 @@ class FSDPBackend(TrainBackend):
             self.optimizer, self.scheduler = build_optimizer(self.model, optimizer_config(args))
         self.ema = build_ema(self.model, args)
         self.hooks = Hooks.from_args(args, self._hook_context())
-        self.checkpointer = Checkpointer(self.model, self.optimizer, self.scheduler)
+        self.loss_scaler = LossScaler.from_args(args)
+        self.checkpointer = Checkpointer(
+            self.model, self.optimizer, self.scheduler, loss_scaler=self.loss_scaler
+        )
         self.checkpointer.ema = self.ema
         self.checkpointer.adapter_only = self.lora is not None
         self.state = TrainState()
@@ -261,6 +265,7 @@ class FSDPBackend(TrainBackend):
             reference=self.frozen.get("reference"),
             ema=self.ema,
             hooks=self.hooks,
+            loss_scaler=self.loss_scaler,
         )
 
     def train(self, rollout_id: int, batch: Any) -> dict[str, float]:

@@ -9,6 +9,7 @@ An iteration directory holds::
     iter_XXXXXXX/lr_scheduler/   scheduler state (rank 0)   (absent with --no-save-optim)
     iter_XXXXXXX/ema/            DCP, EMA state              (--use-ema; kept with --no-save-optim)
     iter_XXXXXXX/rng.pt          every rank's RNG states
+    iter_XXXXXXX/loss_scale.json the fp16 loss scale's schedule (--fp16 only)
     iter_XXXXXXX/meta.json       counters, written last
 
 The directory of a save after rollout ``r`` is iteration ``r + 1`` (the number of rollouts
@@ -119,10 +120,13 @@ def refuse_streamed_checkpoint(optim_dir: Path) -> None:
 class Checkpointer:
     """Save and load FSDP training state for one rank (all methods are collective)."""
 
-    def __init__(self, model: nn.Module, optimizer: Any, scheduler: Any) -> None:
+    def __init__(
+        self, model: nn.Module, optimizer: Any, scheduler: Any, loss_scaler: Any = None
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
+        self.loss_scaler = loss_scaler  # miles_fsdp.loss_scale.LossScaler under --fp16
         self.pending: PendingSave | None = None
         self.async_groups: dict[str, Any] = {}
         self.ema: Any = None  # miles_fsdp.ema.EMAOptimizer under --use-ema
@@ -189,6 +193,8 @@ class Checkpointer:
         rng = _gather_rng()
         if _rank() == 0:
             torch.save({"world_size": len(rng), "states": rng}, target / "rng.pt")
+            if self.loss_scaler is not None:
+                self.loss_scaler.save(target)
             if save_optim:
                 (target / "lr_scheduler").mkdir()
                 torch.save(self.scheduler.state_dict(), target / "lr_scheduler" / "state.pt")
@@ -268,6 +274,8 @@ class Checkpointer:
             # restored schedule's current value so the LR continues where it stopped.
             for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
                 group["lr"] = lr
+        if self.loss_scaler is not None:
+            self.loss_scaler.load(iter_dir)
         if load_rng:
             rng = torch.load(iter_dir / "rng.pt", weights_only=False)
             if rng["world_size"] == (dist.get_world_size() if dist.is_initialized() else 1):

@@ -56,6 +56,7 @@ class RolloutContext:
     reference: nn.Module | None = None  # --ref-mode ref
     ema: Any = None  # EMAOptimizer under --use-ema
     hooks: Any = None  # miles_fsdp.hooks.Hooks
+    loss_scaler: Any = None  # miles_fsdp.loss_scale.LossScaler under --fp16
 
 
 def micro_batches(ctx: RolloutContext, batch: RolloutBatch) -> list[RolloutBatch]:
@@ -184,6 +185,7 @@ def train_rollout(ctx: RolloutContext, batch: RolloutBatch) -> tuple[dict[str, f
                 _loss_of(ctx, config, denominator, detach_old),
                 dp_size=ctx.dp_size,
                 clip_grad=args.clip_grad,
+                loss_scaler=ctx.loss_scaler,
             )
         )
     elapsed = time.perf_counter() - start
@@ -192,6 +194,8 @@ def train_rollout(ctx: RolloutContext, batch: RolloutBatch) -> tuple[dict[str, f
         metrics[key] = sum(r.parts[key] for r in results) / len(results)
     metrics["grad_norm"] = results[-1].grad_norm
     metrics["lr"] = results[-1].lr
+    if ctx.loss_scaler is not None:
+        metrics["loss_scale"] = ctx.loss_scaler.scale
     metrics["tokens_per_s"] = batch.total_tokens / elapsed if elapsed > 0 else 0.0
     if torch.cuda.is_available():
         metrics["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30

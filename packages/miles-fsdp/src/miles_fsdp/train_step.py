@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from miles_fsdp.loss_scale import LossScaler
 from miles_fsdp.optimizer import clip_grad_norm
 
 LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -56,26 +57,35 @@ def optimizer_step(
     loss_of: LossFn,
     dp_size: int,
     clip_grad: float,
+    loss_scaler: LossScaler | None = None,
 ) -> StepResult:
     """Accumulate the gradients of ``micro_batches``, clip, step AdamW and the LR schedule.
 
     ``loss_of`` returns ``(contribution, parts)``: the scalar to back-propagate (see the module
     docstring) and named scalar parts (already global-denominator scaled) for the metrics.
+    With ``loss_scaler`` (fp16) the backward pass runs on the scaled loss and the gradients are
+    unscaled before clipping; a step with a non-finite gradient norm is skipped either way.
     """
     optimizer.zero_grad(set_to_none=True)
     total: torch.Tensor | float = 0.0
     parts: dict[str, torch.Tensor] = {}
+    scale = loss_scaler.scale if loss_scaler is not None else 1.0
     for mb in micro_batches:
         contribution, mb_parts = loss_of(model, mb)
-        (contribution * dp_size).backward()
+        (contribution * (dp_size * scale)).backward()
         # accumulated where they live: no host synchronisation per micro-batch
         total = total + contribution.detach().float()
         for k, v in mb_parts.items():
             parts[k] = parts[k] + v.detach().float() if k in parts else v.detach().float()
+    if loss_scaler is not None:
+        loss_scaler.unscale_(model)
     grad_norm = clip_grad_norm(model, clip_grad)
     lr = optimizer.param_groups[0]["lr"]
-    if torch.isfinite(torch.tensor(grad_norm)):
+    finite = bool(torch.isfinite(torch.tensor(grad_norm)))
+    if finite:
         optimizer.step()
+    if loss_scaler is not None:
+        loss_scaler.update(found_inf=not finite)
     scheduler.step()
     reduced = all_reduce_sum({"step_loss": torch.as_tensor(total), **parts})
     loss = reduced.pop("step_loss")

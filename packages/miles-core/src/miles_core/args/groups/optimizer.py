@@ -28,7 +28,18 @@ class OptimizerArgs(ArgGroup):
     adam_beta2: float = flag(0.999, help="AdamW beta2.")
     adam_eps: float = flag(1e-8, help="AdamW epsilon.")
     clip_grad: float = flag(1.0, help="Clip the global gradient norm to this value (0: off).")
-    fp16: bool = flag(False, help="Train in fp16 (with loss scaling).")
+    fp16: bool = flag(False, help="Train in fp16 (with loss scaling, see --loss-scale).")
+    loss_scale: float | None = flag(
+        None, help="fp16: a fixed loss scale (unset: dynamic scaling from --initial-loss-scale)."
+    )
+    initial_loss_scale: float = flag(2.0**32, help="fp16: the dynamic loss scale's start.")
+    min_loss_scale: float = flag(1.0, help="fp16: the dynamic loss scale's floor.")
+    loss_scale_window: int = flag(
+        1000, metavar="N", help="fp16: double the dynamic scale after N steps without overflow."
+    )
+    hysteresis: int = flag(
+        2, metavar="N", help="fp16: overflowing steps tolerated before the scale is halved."
+    )
     bf16: bool = flag(False, help="Train in bf16 (the FSDP backend's default compute dtype).")
     seed: int = flag(1234, help="Random seed.")
 
@@ -42,6 +53,10 @@ class OptimizerArgs(ArgGroup):
         at_least(args, "lr_warmup_iters", 0)
         at_least(args, "lr_decay_iters", 1)
         at_least(args, "weight_decay", 0.0)
+        for dest in ("loss_scale", "initial_loss_scale", "min_loss_scale"):
+            greater_than(args, dest, 0.0)
+        at_least(args, "loss_scale_window", 1)
+        at_least(args, "hysteresis", 1)
         for dest in ("adam_beta1", "adam_beta2"):
             within(args, dest, 0.0, 1.0)
             if getattr(args, dest) == 1.0:

@@ -33,6 +33,7 @@ from miles_launch.rollout.routed_experts import (
     RoutedExpertsLayout,
     decode_sample_routed_experts,
     read_layout,
+    routed_experts_layout,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "miles_fsdp"))
@@ -105,7 +106,9 @@ def test_the_flag_needs_a_moe_checkpoint(tmp_path):
     moe = save_tiny_model(tmp_path / "moe", moe_config("qwen3_moe"))
     args = parse_train_flags(tmp_path, moe, "--use-rollout-routing-replay")
     assert args.use_rollout_routing_replay
-    assert read_layout(str(moe)) == RoutedExpertsLayout(num_layers=2, top_k=2)
+    assert routed_experts_layout(args) == RoutedExpertsLayout(num_layers=2, top_k=2)
+    args.use_rollout_routing_replay = False
+    assert routed_experts_layout(args) is None  # nothing asked of the engines
 
 
 def test_bad_replies_name_the_flag_and_the_engine():

@@ -8,13 +8,17 @@ launcher's decoder) and what the HF model's own routers choose for the same toke
 FSDP trainer, whose routers are perturbed so that its own top-k differs from the engine's (see
 tests/miles_fsdp/test_routing_replay_engine.py), is fed the launcher's batch: with replay its
 log-probs equal the engine's, without they do not, and one training step sees no
-engine/trainer mismatch (TIS weight 1).
+engine/trainer mismatch (TIS weight 1). Last, ``miles train`` itself runs one rollout under
+the flag on Ray.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import json
+import re
+import subprocess
 import sys
 from argparse import Namespace
 from pathlib import Path
@@ -22,8 +26,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from engine_testing import EngineProcess
+from engine_testing import EngineProcess, tiny_qwen3_moe
+from engine_testing import save_tokenizer as save_char_tokenizer
 from miles_core.args import ArgumentError, entry_point_groups, parse_args
+from miles_launch.demo import demo_flags, write_demo_prompts
 from miles_launch.engines.builtin_launcher import builtin_engine_command
 from miles_launch.engines.sglang_launcher import sglang_server_command
 from miles_launch.rollout.generate import Generator, SamplingConfig, to_rollout_batch
@@ -46,6 +52,7 @@ from test_routing_replay_engine import (  # noqa: E402
 )
 from tiny_models import qwen3_config, save_tiny_model  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[2]
 NUM_EXPERTS = 32  # enough that every layer keeps experts no sample used (perturb_routers)
 CFG = SamplingConfig(max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=-1, seed=3)
 PROMPTS = [Prompt(0, "p0", None, (5, 9, 14, 3, 22)), Prompt(1, "p1", None, (40, 2, 17))]
@@ -283,3 +290,31 @@ def test_trainer_replays_the_launchers_samples(
     assert metrics["tis_clipfrac"] == 0.0
     assert metrics["grad_norm"] > 0
     backend.close()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not fsdp_available(), reason="the FSDP backend is not installed")
+def test_miles_train_with_routing_replay(tmp_path):
+    """The whole path: ``miles train`` on Ray (2 gloo FSDP ranks, 1 built-in engine) of a tiny
+    qwen3_moe under the flag. The engine is started with ``--enable-return-routed-experts``
+    (its log's command line), the trainer's MoE weights reach it (the first publish), and the
+    rollout trains: the FSDP backend refuses samples without routed experts under the flag,
+    and its log-probs match the engine's (TIS weight 1; same weights, so same routing)."""
+    hf = tmp_path / "moe"
+    tiny_qwen3_moe(0).save_pretrained(hf)
+    save_char_tokenizer(hf)
+    prompts = write_demo_prompts(tmp_path / "prompts.jsonl", num_prompts=4)
+    metrics = tmp_path / "metrics.jsonl"
+    flags = ["--num-rollout", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4"]
+    flags += ["--use-rollout-routing-replay", "--use-tis", "--no-progress"]
+    cmd = [sys.executable, "-m", "miles_launch.train", *demo_flags(hf, prompts, metrics), *flags]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    engine_log = re.search(r"engine 0: \S+ \(pid \d+, log (\S+)\)", output)
+    assert engine_log, output[-2000:]
+    command = Path(engine_log.group(1)).read_text().splitlines()[0]
+    assert "miles_launch.engine" in command and "--enable-return-routed-experts" in command
+    (record,) = [r for r in map(json.loads, metrics.read_text().splitlines()) if "train" in r]
+    assert record["train"]["tis"] == pytest.approx(1.0, abs=1e-4)
+    assert record["train"]["tis_clipfrac"] == 0.0

@@ -117,13 +117,18 @@ def test_colocated_run_matches_the_disaggregated_one(smoke, tmp_path):
 
 
 def test_lr_zero_gives_no_rise(tmp_path):
+    """Also evaluates with the EMA weights: each eval publishes EMA, then the actor again."""
     evals = write_demo_prompts(tmp_path / "eval.jsonl", num_prompts=4, seed=7)
     first, last, out = demo(
         tmp_path, "--num-rollout", "6", "--lr", "0",
         "--eval-interval", "3", "--eval-prompt-data", str(evals),
+        "--use-ema", "--eval-weights", "ema",
     )  # fmt: skip
     assert re.search(r"^eval after rollout 2 \| reward_mean \d\.\d{4}$", out, re.M), out
     assert re.search(r"^eval after rollout 5 \| reward_mean", out, re.M)
+    versions = [int(line.split("[")[1].rstrip("])")) for line in _rollout_lines(out)]
+    # one publish per rollout, plus two around the eval after rollout 2 (EMA, then the actor)
+    assert versions == [1, 2, 3, 6, 7, 8], out
     # the learning demo climbs by >= 0.2 over 12 rollouts; without updates the policy is fixed
     assert first >= 0.05
     assert last < first + 0.1, out

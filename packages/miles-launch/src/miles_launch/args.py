@@ -241,6 +241,12 @@ class RolloutArgs(ArgGroup):
             )
         requires(args, "eval_interval", "eval_prompt_data")
         requires(args, "eval_prompt_data", "eval_interval")
+        eval_weights = getattr(args, "eval_weights", "actor")
+        if args.fully_async and eval_weights != getattr(args, "rollout_weights", "actor"):
+            raise ArgumentError(
+                f"--eval-weights {eval_weights} cannot be used with --fully-async: evaluation "
+                "would publish other weights while training rollouts are being generated"
+            )
 
     @classmethod
     def check_paths(cls, args: Any) -> None:

@@ -139,9 +139,25 @@ def rollout_stats(groups: list[list[GeneratedSample]]) -> dict[str, Any]:
 
 
 def run_eval(job: Job, rollout_id: int) -> dict[str, float]:
+    """Generate the eval prompts and score them.
+
+    With ``--eval-weights`` other than ``--rollout-weights`` (e.g. ``ema``), those weights are
+    published to the engines first and the rollout weights again afterwards (also on errors),
+    so evaluation samples the evaluated weights and training rollouts never do.
+    """
     args = job.args
-    items = [(p, -1 - p.index) for p in job.eval_prompts]
-    groups = generate_groups(job, items, args.n_samples_per_eval_prompt, "eval")
+    eval_weights = getattr(args, "eval_weights", "actor")
+    swap = eval_weights != getattr(args, "rollout_weights", "actor")
+    if swap:
+        logger.info("eval: publishing the %s weights to the engines", eval_weights)
+        publish(job, weights=eval_weights)
+    try:
+        items = [(p, -1 - p.index) for p in job.eval_prompts]
+        groups = generate_groups(job, items, args.n_samples_per_eval_prompt, "eval")
+    finally:
+        if swap:
+            logger.info("eval: publishing the rollout weights back")
+            publish(job)
     rewards = [s.reward for g in groups for s in g]
     return {"reward_mean": sum(rewards) / len(rewards)}
 
@@ -163,10 +179,11 @@ def save_point(job: Job, rollout_id: int, trigger: SaveTrigger | None) -> bool:
     return True
 
 
-def publish(job: Job) -> None:
-    """``update_weights`` on every rank; when it fails because an engine died, say so."""
+def publish(job: Job, weights: str | None = None) -> None:
+    """``update_weights`` on every rank (``weights``: ``actor``/``ema``, default the backend's
+    ``--rollout-weights``); when it fails because an engine died, say so."""
     try:
-        job.trainer.update_weights(job.engines.urls)
+        job.trainer.update_weights(job.engines.urls, weights)
     except TrainerFailure:
         job.engines.check_alive("while receiving weights")
         raise

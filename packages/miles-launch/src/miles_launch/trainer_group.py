@@ -78,8 +78,11 @@ class TrainerRank:
     def train(self, rollout_id: int, shard: RolloutBatch) -> dict[str, float]:
         return self.backend.train(rollout_id, shard)
 
-    def update_weights(self, engines: list[str]) -> None:
-        self.backend.update_weights(engines)
+    def update_weights(self, engines: list[str], weights: str | None = None) -> None:
+        if weights is None:
+            self.backend.update_weights(engines)
+        else:  # a backend with model roles (FSDP: actor / ema)
+            self.backend.update_weights(engines, weights=weights)
 
     def save_model(self, rollout_id: int, force_sync: bool) -> None:
         self.backend.save_model(rollout_id, force_sync=force_sync)
@@ -182,8 +185,8 @@ class TrainerGroup:
             per_rank=[(rollout_id, refs[layout.dp_rank]) for layout in self.layouts],
         )
 
-    def update_weights(self, engine_urls: list[str]) -> None:
-        self.call("update_weights", list(engine_urls))
+    def update_weights(self, engine_urls: list[str], weights: str | None = None) -> None:
+        self.call("update_weights", list(engine_urls), weights)
 
     def save_model(self, rollout_id: int, force_sync: bool = False) -> None:
         self.call("save_model", rollout_id, force_sync)

@@ -6,8 +6,8 @@ Every sample is one ``/generate`` request of the prompt's token ids with
 go to the router, or round-robin over the engines. With routing replay (a
 :class:`~miles_launch.rollout.routed_experts.RoutedExpertsLayout` given) each request also
 sets ``return_routed_experts`` and the reply's routed experts travel with the sample
-(``Sample.routed_experts``, see :mod:`miles_launch.rollout.routed_experts`). While requests are in flight every engine
-process is polled each second: an engine that dies raises
+(``Sample.routed_experts``, see :mod:`miles_launch.rollout.routed_experts`). While requests
+are in flight every engine process is polled each second: an engine that dies raises
 :class:`~miles_launch.engines.process.EngineDied` with its log tail instead of a bare
 connection error.
 """

@@ -252,12 +252,16 @@ class RolloutArgs(ArgGroup):
     def check_paths(cls, args: Any) -> None:
         from pathlib import Path
 
+        from miles_launch.rollout.routed_experts import read_layout, routing_replay_on
+
         if args.prompt_data is None:
             raise ArgumentError("--prompt-data is required (a JSONL file of prompts)")
         for dest in ("prompt_data", "eval_prompt_data"):
             value = getattr(args, dest)
             if value is not None and not Path(value).is_file():
                 raise ArgumentError(f"--{dest.replace('_', '-')} {value}: no such file")
+        if routing_replay_on(args) and args.hf_checkpoint is not None:  # a MoE config
+            read_layout(str(args.hf_checkpoint))
 
 
 @dataclass

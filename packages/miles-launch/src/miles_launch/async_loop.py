@@ -33,6 +33,7 @@ from miles_launch.loop import publish, rollout_stats, run_eval, sampling_config,
 from miles_launch.reporting import rank0_metrics
 from miles_launch.rollout.filtering import has_signal
 from miles_launch.rollout.generate import GeneratedSample, Generator, to_rollout_batch
+from miles_launch.rollout.routed_experts import routed_experts_layout
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,12 @@ class Producer:
     async def _main(self) -> None:
         args = self.job.args
         cfg = sampling_config(args)
-        gen = Generator(self.job.engines.generation_urls, self.job.reward, self._explain_failure)
+        gen = Generator(
+            self.job.engines.generation_urls,
+            self.job.reward,
+            self._explain_failure,
+            routed_experts=routed_experts_layout(args),
+        )
         counter = 0
 
         async def one_group() -> None:

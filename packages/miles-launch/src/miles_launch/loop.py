@@ -32,6 +32,7 @@ from miles_launch.rollout.generate import (
     SamplingConfig,
     to_rollout_batch,
 )
+from miles_launch.rollout.routed_experts import routed_experts_layout
 from miles_launch.trainer_group import TrainerFailure
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,12 @@ def generate_groups(
     cfg = sampling_config(job.args)
 
     async def run() -> list[list[GeneratedSample]]:
-        gen = Generator(job.engines.generation_urls, job.reward, job.engines.acheck_alive)
+        gen = Generator(
+            job.engines.generation_urls,
+            job.reward,
+            job.engines.acheck_alive,
+            routed_experts=routed_experts_layout(job.args),
+        )
         try:
             with job.reporter.progress(desc, len(items) * n) as bar:
                 return await gen.groups(items, n, cfg, on_sample=lambda: bar.update(1))

@@ -1,8 +1,10 @@
 """Weights of the built-in engine: updates (tensor / distributed / disk) and memory release.
 
 Every update ends in :meth:`WeightStore.load_named`: each ``(name, tensor)`` is copied into
-the parameter (or buffer) of that HF name, cast to the parameter's dtype. A name the model
-does not have, or a shape that differs, fails the whole call with a message naming it.
+the parameter (or buffer) of that HF name, cast to the parameter's dtype; a checkpoint's
+per-expert name goes into its slice of transformers' batched expert parameter
+(:mod:`~miles_launch.engine.expert_names`). A name the model does not have, or a shape that
+differs, fails the whole call with a message naming it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.distributed as dist
 from miles_sync.buckets import bucket_layout, unpack_bucket
 from safetensors.torch import load_file
 
+from miles_launch.engine.expert_names import batched_expert_slice
 from miles_launch.engine.safe_unpickle import UnsafePayloadError, decode_serialized
 
 WEIGHT_UPDATE_TIMEOUT = datetime.timedelta(minutes=10)
@@ -44,6 +47,8 @@ class WeightStore:
         count = 0
         for name, tensor in named_tensors:
             target = self.tensors.get(name)
+            if target is None:
+                target = batched_expert_slice(name, self.tensors)
             if target is None:
                 raise KeyError(f"model has no parameter or buffer named {name!r}")
             if tuple(tensor.shape) != tuple(target.shape):

@@ -1,7 +1,8 @@
 """The command line of one built-in engine (``python -m miles_launch.engine``).
 
 The built-in engine serves the HF model with transformers on one device; ``--sglang-*``
-passthrough flags do not apply to it (they are logged and ignored).
+passthrough flags do not apply to it (they are logged and ignored). Under
+``--use-rollout-routing-replay`` it runs with ``--enable-return-routed-experts``.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import logging
 import sys
 from typing import Any
+
+from miles_launch.rollout.routed_experts import routing_replay_on
 
 logger = logging.getLogger(__name__)
 
@@ -37,4 +40,6 @@ def builtin_engine_command(
     ]
     if args.offload_rollout:
         cmd.append("--enable-memory-saver")
+    if routing_replay_on(args):
+        cmd.append("--enable-return-routed-experts")
     return cmd

@@ -22,6 +22,7 @@ from miles_launch.engines.process import EngineDied, ProcessHost, exit_descripti
 from miles_launch.engines.router import external_router_url, register_worker, router_command
 from miles_launch.engines.sglang_launcher import sglang_server_command
 from miles_launch.placement import ENGINE_HOST_SHARE, Placement
+from miles_launch.rollout.routed_experts import routing_replay_on
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,14 @@ class EngineSet:
             return
         external = external_router_url(self.args)
         if external is not None:
+            if routing_replay_on(self.args):
+                logger.warning(
+                    "--use-rollout-routing-replay with the external router %s: miles starts its "
+                    "own engines with --enable-return-routed-experts; any other worker behind "
+                    "that router must run with it too (a reply without routed experts fails "
+                    "the rollout)",
+                    external,
+                )
             for engine in self.engines:
                 register_worker(external, engine.url)
             self.router_url = external

@@ -4,6 +4,8 @@ Miles sets ``--model-path`` (from ``--hf-checkpoint``), ``--tp-size`` (from
 ``--rollout-num-gpus-per-engine``), ``--host`` and ``--port``; ``--sglang-mem-fraction-static``
 and ``--sglang-context-length`` are declared flags turned into ``--mem-fraction-static`` and
 ``--context-length``; every undeclared ``--sglang-<x>`` is passed through as ``--<x>``.
+``--enable-memory-saver`` is added under ``--offload-rollout`` and
+``--enable-return-routed-experts`` under ``--use-rollout-routing-replay``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import sys
 from typing import Any
 
 from miles_core.args import ArgumentError, passthrough_to_argv
+
+from miles_launch.rollout.routed_experts import routing_replay_on
 
 #: Flags of ``sglang.launch_server`` that miles sets itself: a ``--sglang-<x>`` for one of them
 #: is an error naming the miles flag to use instead.
@@ -59,5 +63,7 @@ def sglang_server_command(
         cmd += ["--context-length", str(args.sglang_context_length)]
     if args.offload_rollout and "enable-memory-saver" not in args.sglang_passthrough:
         cmd.append("--enable-memory-saver")
+    if routing_replay_on(args) and "enable-return-routed-experts" not in args.sglang_passthrough:
+        cmd.append("--enable-return-routed-experts")
     cmd += passthrough_to_argv(args.sglang_passthrough)
     return cmd

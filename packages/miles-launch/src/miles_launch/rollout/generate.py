@@ -3,8 +3,11 @@
 Every sample is one ``/generate`` request of the prompt's token ids with
 ``return_logprob`` (the rollout log-probs kept for TIS) and a ``sampling_seed`` derived from
 ``(--seed, stream position, sample number)``, so a group's sampling is reproducible. Requests
-go to the router, or round-robin over the engines. While requests are in flight every engine
-process is polled each second: an engine that dies raises
+go to the router, or round-robin over the engines. With routing replay (a
+:class:`~miles_launch.rollout.routed_experts.RoutedExpertsLayout` given) each request also
+sets ``return_routed_experts`` and the reply's routed experts travel with the sample
+(``Sample.routed_experts``, see :mod:`miles_launch.rollout.routed_experts`). While requests
+are in flight every engine process is polled each second: an engine that dies raises
 :class:`~miles_launch.engines.process.EngineDied` with its log tail instead of a bare
 connection error.
 """
@@ -24,6 +27,7 @@ from miles_core.engine import AsyncEngineClient, EngineError
 
 from miles_launch.rollout.prompts import Prompt
 from miles_launch.rollout.rewards import RewardInput, RewardModel
+from miles_launch.rollout.routed_experts import RoutedExpertsLayout, decode_sample_routed_experts
 
 WATCH_INTERVAL_S = 1.0
 DEATH_GRACE_POLLS = 10
@@ -51,6 +55,8 @@ class GeneratedSample:
     weight_version: int | None
     reward: float = 0.0
     finished_at: float = 0.0
+    # int32 [prompt + response - 1, num_layers, top_k] under routing replay, else None
+    routed_experts: torch.Tensor | None = None
 
 
 def sampling_seed(seed: int, position: int, k: int) -> int:
@@ -74,10 +80,12 @@ class Generator:
         reward: RewardModel,
         check_alive: Callable[[str], Any],
         timeout_s: float = 3600.0,
+        routed_experts: RoutedExpertsLayout | None = None,
     ):
         self.clients = [AsyncEngineClient(url, timeout=timeout_s, retries=0) for url in urls]
         self.reward = reward
         self.check_alive = check_alive  # async: raises EngineDied
+        self.routed_experts = routed_experts  # None: routing replay off
         self._next = 0
 
     def _client(self) -> AsyncEngineClient:
@@ -95,8 +103,12 @@ class Generator:
             "top_k": cfg.top_k,
             "sampling_seed": sampling_seed(cfg.seed, position, k),
         }
-        reply = await self._client().generate(
-            input_ids=list(prompt.token_ids), sampling_params=params, return_logprob=True
+        client = self._client()
+        reply = await client.generate(
+            input_ids=list(prompt.token_ids),
+            sampling_params=params,
+            return_logprob=True,
+            return_routed_experts=self.routed_experts is not None,
         )
         meta = reply["meta_info"]
         logprobs = [float(entry[0]) for entry in meta["output_token_logprobs"]]
@@ -117,6 +129,10 @@ class Generator:
                 endpoint="/generate",
                 base_url="",
                 status_code=None,
+            )
+        if self.routed_experts is not None:
+            out.routed_experts = decode_sample_routed_experts(
+                meta, self.routed_experts, len(prompt.token_ids) + len(ids), client.base_url
             )
         out.reward = await self.reward(
             RewardInput(
@@ -202,6 +218,7 @@ def to_rollout_batch(groups: list[list[GeneratedSample]]) -> RolloutBatch:
                     rollout_log_probs=torch.tensor(s.rollout_log_probs, dtype=torch.float32),
                     group_index=g,
                     weight_version=s.weight_version,
+                    routed_experts=s.routed_experts,
                 )
             )
     return RolloutBatch(samples)

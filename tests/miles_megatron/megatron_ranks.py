@@ -250,3 +250,28 @@ def _two_rollouts(hf_dir: str, world: int, sleep: bool) -> dict:
     weights = {k: v.tolist() for k, v in backend.hf_weights()}
     backend.close()
     return {"losses": losses, "awake": awake_bytes, "asleep": asleep_bytes, "weights": weights}
+
+
+def pipeline_run(rank: int, world: int, hf_dir: str, save: str) -> dict:
+    """PP=2 for 2 rollouts and a save; PP=1 (TP=2) on the same data; the PP=2 save at PP=1."""
+    from backend_reference import samples
+    from miles_core.batch import RolloutBatch
+    from miles_megatron.backend import MegatronBackend
+
+    flags = ["--hf-checkpoint", hf_dir, *BOTH_BACKENDS_FLAGS]
+    out: dict[str, Any] = {}
+    for label, pp, load in (("pp2", 2, None), ("pp1", 1, None), ("pp1_from_pp2", 1, save)):
+        argv = flags + layout_argv(pp=pp, tp=world // pp)
+        argv += ["--load", load, "--save", save + "_2"] if load else ["--save", save]
+        backend = MegatronBackend()
+        out[label + "_next_id"] = backend.init(parse(argv))
+        layout = backend.data_layout()
+        out[label + "_consumes"] = layout.consumes_data
+        batch = RolloutBatch(samples()) if layout.consumes_data else None
+        if not load:
+            out[label] = [backend.train(r, batch) for r in range(2)]
+        if label == "pp2":
+            backend.save_model(1)
+        out[label + "_weights"] = {k: v.tolist() for k, v in backend.hf_weights()}
+        backend.close()
+    return out

@@ -69,6 +69,7 @@ _CUDA_LITERAL_MODULES = (
     "megatron.core.optimizer.clip_grads",
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.utils",
+    "megatron.core.pipeline_parallel.schedules",
 )
 
 

@@ -28,9 +28,10 @@ from miles_core.micro_batch import (
     make_micro_batches,
     split_steps,
 )
-from miles_core.packing import pack_thd
+from miles_core.packing import PackedBatch, pack_thd
 
-from miles_megatron.packed_forward import packed_logits, rollout_log_probs
+from miles_megatron.packed_forward import rollout_log_probs
+from miles_megatron.schedule import broadcast_from_last_stage, run_schedule
 
 
 @dataclass
@@ -74,18 +75,17 @@ def _sum_over_dp(values: dict[str, torch.Tensor], group: Any) -> dict[str, float
 def optimizer_step(
     ctx: TrainContext, step_batch: RolloutBatch, config: LossConfig, detach_old: bool
 ) -> dict[str, float]:
-    """Forward/backward every micro-batch of ``step_batch``, then one optimizer step."""
+    """Forward/backward every micro-batch of ``step_batch`` through megatron's schedule (1F1B
+    at PP > 1; the loss on the last stage), then one optimizer step."""
     from megatron.core.distributed import finalize_model_grads
 
     denominator = loss_denominator(step_batch, config.calculate_per_token_loss, ctx.dp_group_gloo)
     model = ctx.model
     model.zero_grad_buffer()
     ctx.optimizer.zero_grad()
-    total = torch.zeros((), dtype=torch.float32)
-    parts: dict[str, torch.Tensor] = {}
-    for mb in split_micro_batches(ctx, step_batch):
-        packed = pack_thd(mb).to(ctx.device)
-        logits = packed_logits(model, packed, ctx.vocab_size)
+    sums: dict[str, torch.Tensor] = {}
+
+    def on_logits(index: int, packed: PackedBatch, logits: torch.Tensor) -> torch.Tensor:
         log_probs = token_log_probs(logits, packed.targets, config.temperature)
         if config.entropy_coef != 0.0:
             entropy = entropy_from_logits(logits, config.temperature)
@@ -107,17 +107,19 @@ def optimizer_step(
             entropy=entropy,
             sample_loss_tokens=packed.sample_loss_tokens,
         )
-        (loss * ctx.dp_size).backward()
-        total = total + loss.detach().float().cpu()
-        for k, v in metrics.items():
+        for k, v in {"step_loss": loss, **metrics}.items():
             v = v.detach().float().cpu()
-            parts[k] = parts[k] + v if k in parts else v
+            sums[k] = sums[k] + v if k in sums else v
+        return loss * ctx.dp_size
+
+    packed = [pack_thd(mb).to(ctx.device) for mb in split_micro_batches(ctx, step_batch)]
+    run_schedule(model, packed, ctx.vocab_size, on_logits, forward_only=False)
     finalize_model_grads([model])
     lr = ctx.optimizer.param_groups[0]["lr"]
     update_ok, grad_norm, _ = ctx.optimizer.step()
     if update_ok:
         ctx.scheduler.step(increment=1)
-    reduced = _sum_over_dp({"step_loss": total, **parts}, ctx.dp_group_gloo)
+    reduced = broadcast_from_last_stage(_sum_over_dp(sums, ctx.dp_group_gloo))
     return {
         **reduced,
         "loss": reduced.pop("step_loss"),

@@ -275,3 +275,64 @@ def pipeline_run(rank: int, world: int, hf_dir: str, save: str) -> dict:
         out[label + "_weights"] = {k: v.tolist() for k, v in backend.hf_weights()}
         backend.close()
     return out
+
+
+def _draws() -> list[float]:
+    import random
+
+    import numpy as np
+
+    return [random.random(), float(np.random.rand()), *torch.rand(2).tolist()]
+
+
+def async_then_sync_saves(rank: int, world: int, hf_dir: str, root: str) -> dict:
+    """The same 3 rollouts saving after rollouts 0 (forced sync) and 1, with and without
+    --async-save; then each save of rollout 1 resumed (weights, RNG draws, the next loss)."""
+    from backend_reference import samples
+    from miles_core.batch import RolloutBatch
+    from miles_core.checkpoint_layout import read_tracker
+    from miles_megatron.backend import MegatronBackend
+
+    flags = ["--hf-checkpoint", hf_dir, *BOTH_BACKENDS_FLAGS, *layout_argv(tp=world)]
+    batch = RolloutBatch(samples())
+    out: dict[str, Any] = {}
+    for mode in ("async", "sync"):
+        save = f"{root}/{mode}"
+        backend = MegatronBackend()
+        backend.init(
+            parse([*flags, "--save", save] + (["--async-save"] if mode == "async" else []))
+        )
+        backend.train(0, batch)
+        backend.save_model(0, force_sync=True)
+        backend.train(1, batch)
+        backend.save_model(1)
+        out[mode + "_tracker_in_flight"] = read_tracker(save)
+        out[mode + "_draws"] = _draws()
+        out[mode + "_weights"] = {k: v.tolist() for k, v in backend.hf_weights()}
+        out[mode + "_loss_2"] = backend.train(2, batch)["loss"]
+        backend.close()
+        out[mode + "_tracker_closed"] = read_tracker(save)
+    for mode in ("async", "sync"):
+        backend = MegatronBackend()
+        load = ["--load", f"{root}/{mode}", "--save", f"{root}/{mode}_resumed"]
+        out[mode + "_resumed_id"] = backend.init(parse([*flags, *load]))
+        out[mode + "_resumed_draws"] = _draws()
+        out[mode + "_resumed_weights"] = {k: v.tolist() for k, v in backend.hf_weights()}
+        out[mode + "_resumed_loss_2"] = backend.train(2, batch)["loss"]
+        backend.close()
+    return out
+
+
+def kl_in_reward_loss(rank: int, world: int, hf_dir: str, ref_dir: str, kl_coef: float) -> float:
+    """One rollout of reinforce_plus_plus with --kl-coef against the reference ``ref_dir``."""
+    from backend_reference import samples
+    from miles_core.batch import RolloutBatch
+    from miles_megatron.backend import MegatronBackend
+
+    argv = ["--hf-checkpoint", hf_dir, "--ref-load", ref_dir, "--kl-coef", str(kl_coef)]
+    argv += ["--advantage-estimator", "reinforce_plus_plus", "--micro-batch-size", "2"]
+    backend = MegatronBackend()
+    backend.init(parse(argv))
+    loss = backend.train(0, RolloutBatch(samples()))["loss"]
+    backend.close()
+    return loss

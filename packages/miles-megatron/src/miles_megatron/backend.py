@@ -62,13 +62,12 @@ class MegatronBackend(TrainBackend):
         self.scheduler: Any = None
         self.global_step = 0
         self._publisher: Any = None
+        self._async_saves: Any = None  # megatron-core AsyncCallsQueue under --async-save
 
     # ------------------------------------------------------------------ init
     def init(self, args: Any, role: str = "actor") -> int:
-        if getattr(args, "kl_coef", 0.0):
-            raise ArgumentError(
-                "megatron backend: --kl-coef (KL in the reward) is not supported yet"
-            )
+        if getattr(args, "kl_coef", 0.0) and not wants_reference(args):
+            raise ArgumentError("megatron backend: --kl-coef needs a reference model (--ref-load)")
         if getattr(args, "offload_train_target", "cpu") == "disk":
             raise ArgumentError("megatron backend: --offload-train-target disk is not wired yet")
         if args.context_parallel_size > 1:
@@ -129,6 +128,14 @@ class MegatronBackend(TrainBackend):
         init_hook = self._hook("custom_megatron_init_path")
         if init_hook is not None:
             init_hook(args, self.model, self.optimizer)
+        if getattr(args, "async_save", False):
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self._async_saves = AsyncCallsQueue(persistent=False)
+        if resumed is not None and getattr(args, "load_rng", True):
+            from miles_megatron.checkpoint import load_rng
+
+            load_rng(resumed.path)  # last: nothing in init draws after it
         return next_rollout_id
 
     def _resolve_load(self):
@@ -176,8 +183,10 @@ class MegatronBackend(TrainBackend):
 
     # ------------------------------------------------------------------ train
     def train(self, rollout_id: int, batch: Any) -> dict[str, float]:
+        from miles_megatron.checkpoint import finish_saves
         from miles_megatron.train_step import train_rollout
 
+        finish_saves(self._async_saves, blocking=False)  # publish writes that are done
         batch = self._share_with_model_parallel_peers(batch)
         ctx = self._context()
         if self.reference is not None:
@@ -261,10 +270,14 @@ class MegatronBackend(TrainBackend):
 
     # ------------------------------------------------------------------ checkpoints
     def save_model(self, rollout_id: int, force_sync: bool = False) -> None:
-        from miles_megatron.checkpoint import save_checkpoint
+        """Iteration ``rollout_id + 1``. Under ``--async-save`` (unless ``force_sync``) only the
+        staging happens here and the tracker moves once the background write is done; the
+        previous async save is always finished first. ``force_sync``: durable on return."""
+        from miles_megatron.checkpoint import finish_saves, save_checkpoint
 
         if not self.args.save:
             raise ValueError("save_model needs --save")
+        finish_saves(self._async_saves)
         save_checkpoint(
             self.args.save,
             rollout_id,
@@ -273,6 +286,7 @@ class MegatronBackend(TrainBackend):
             self.scheduler,
             self.args.save_optim,
             {"global_step": self.global_step},
+            async_queue=None if force_sync else self._async_saves,
         )
 
     # ------------------------------------------------------------------ memory
@@ -284,6 +298,11 @@ class MegatronBackend(TrainBackend):
         self.sleeper.wake_up()
 
     def close(self) -> None:
+        from miles_megatron.checkpoint import finish_saves
+
+        if self._async_saves is not None:
+            finish_saves(self._async_saves)
+            self._async_saves = None
         if self._publisher is not None:
             self._publisher.close()
             self._publisher = None

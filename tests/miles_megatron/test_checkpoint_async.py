@@ -1,6 +1,7 @@
 """Checkpoints on 2 gloo ranks (TP=2): ``--async-save`` writes in the background and commits the
 tracker only after the write (the previous iteration stays tracked while it is in flight), and
-its checkpoint equals a synchronous save's bit for bit; ``rng.pt`` makes the resumed run draw
+its checkpoint equals a synchronous save's bit for bit; a ``--save-trigger-sentinel`` request
+(the launcher's save point) is a synchronous save, durable before the sentinel is removed; ``rng.pt`` makes the resumed run draw
 the same random numbers and compute the same next loss as the run that never stopped."""
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ def test_async_save_equals_sync_save_and_resume_is_bitwise(tmp_path):
     hf_dir = str(make_tiny_hf("qwen3", tmp_path / "hf"))
     results = spawn_ranks(async_then_sync_saves, 2, hf_dir, str(tmp_path), timeout=500)
     for r in results:
+        # a sentinel request saves synchronously, even under --async-save, then is consumed
+        assert r["async_tracker_forced"] == 1 and r["sync_tracker_forced"] == 1
+        assert not r["async_sentinel_left"] and not r["sync_sentinel_left"]
         # in flight: a crash now would resume from iteration 1; the sync save is at 2 at once
         assert r["async_tracker_in_flight"] == 1 and r["sync_tracker_in_flight"] == 2
         assert r["async_tracker_closed"] == 2 and r["sync_tracker_closed"] == 2

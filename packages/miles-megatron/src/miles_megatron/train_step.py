@@ -5,7 +5,13 @@ Loss scaling is miles-core's (docs/rl-math.md): each micro-batch's loss is its c
 the reduced gradients by the data-parallel size, so each rank back-propagates
 ``dp_size * contribution`` and the reduced gradient is exactly ``dL/dw`` for any split.
 TP peers compute identical (vocabulary-gathered) logits and losses; metrics are summed over
-the data-parallel group only.
+the data-parallel group only. At PP > 1 the micro-batches run megatron's 1F1B schedule
+(:mod:`miles_megatron.schedule`): the loss and metrics exist on the last stage, which
+broadcasts the metrics to the other stages.
+
+``--kl-coef`` (KL in the reward, ``reinforce_plus_plus*`` / ``ppo`` estimators): the token
+rewards get ``-kl_coef * kl_t`` with ``kl_t = kl_estimate(old, ref, --kl-loss-type)`` from the
+policy's log-probs before the rollout's updates and the reference's (``--ref-load``).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch.distributed as dist
 from miles_core.advantages import compute_advantages, normalize_advantages
 from miles_core.aggregation import loss_denominator
 from miles_core.batch import RolloutBatch
+from miles_core.kl import kl_estimate
 from miles_core.log_probs import entropy_from_logits, token_log_probs
 from miles_core.losses import LossConfig, compute_policy_loss
 from miles_core.micro_batch import (
@@ -128,6 +135,14 @@ def optimizer_step(
     }
 
 
+def reward_kl(batch: RolloutBatch, args: Any) -> list[torch.Tensor]:
+    """``--kl-coef``'s per-token KL: ``kl_estimate(old, ref, --kl-loss-type)`` per sample, with
+    the log-probs of the policy before this rollout's updates and of the reference."""
+    old = batch.response_field("old_log_probs")
+    ref = batch.response_field("ref_log_probs")
+    return [kl_estimate(o, r, args.kl_loss_type) for o, r in zip(old, ref, strict=True)]
+
+
 def train_rollout(ctx: TrainContext, rollout_id: int, batch: RolloutBatch) -> dict[str, float]:
     """This rank's shard of one rollout: old log-probs, advantages, then the optimizer steps.
 
@@ -141,7 +156,7 @@ def train_rollout(ctx: TrainContext, rollout_id: int, batch: RolloutBatch) -> di
     model.train()
     num_steps = args.num_steps_per_rollout
     detach_old = num_steps == 1
-    if not detach_old:
+    if not detach_old or args.kl_coef != 0.0:
         if ctx.before_log_prob_hook is not None:
             ctx.before_log_prob_hook(args, model, batch)
         index = {src: i for i, src in enumerate(batch.source_indices)}
@@ -157,7 +172,12 @@ def train_rollout(ctx: TrainContext, rollout_id: int, batch: RolloutBatch) -> di
             )
         )
     adv = compute_advantages(
-        batch, args.advantage_estimator, gamma=args.gamma, lambd=args.lambd, kl_coef=args.kl_coef
+        batch,
+        args.advantage_estimator,
+        gamma=args.gamma,
+        lambd=args.lambd,
+        kl_coef=args.kl_coef,
+        kl=reward_kl(batch, args) if args.kl_coef != 0.0 else None,
     )
     advantages = adv.advantages
     if args.normalize_advantages:

@@ -45,3 +45,11 @@ def test_kl_coef_reward_matches_the_formula(tmp_path):
     expected = expected_loss(actor, ref)
     assert abs(loss - expected) < 1e-5, (loss, expected)
     assert abs(expected - expected_loss(actor, actor)) > 1e-3  # the KL term matters here
+
+
+def test_kl_coef_without_a_reference_is_an_argument_error():
+    from megatron_ranks import parse
+    from miles_core.args import ArgumentError
+
+    with pytest.raises(ArgumentError, match="needs a reference"):
+        parse(["--kl-coef", "0.1", "--advantage-estimator", "reinforce_plus_plus"])

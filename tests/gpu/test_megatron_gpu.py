@@ -1,10 +1,16 @@
-"""MegatronBackend on GPUs with NCCL (TP=2 on 2 devices, TP=1 on one): two rollouts through DDP
-and the distributed optimizer match an HF model trained with torch AdamW, and the checkpoint
-resumes at TP=1 bit-exact. Same checks as tests/miles_megatron/test_backend.py (gloo + shim).
+"""MegatronBackend on 2 GPUs with NCCL, the checks of the CPU (gloo) tests:
+
+* TP=2: two rollouts through DDP and the distributed optimizer match an HF model trained with
+  torch AdamW, and the checkpoint resumes at TP=1 bit-exact (tests/miles_megatron/test_backend.py).
+* PP=2: megatron's 1F1B schedule trains like PP=1 (TP=2) within 1e-5 in fp32 over 2 rollouts,
+  and the PP=2 checkpoint loads at PP=1 bit-exact (tests/miles_megatron/test_pipeline.py).
+
+Run: ``python -m pytest tests/gpu/test_megatron_gpu.py -v`` (2 GPUs; each test spawns its ranks).
 """
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing as mp
 import os
 import socket
@@ -24,7 +30,7 @@ SUPPORT = str(Path(__file__).parents[1] / "miles_megatron")
 sys.path.insert(0, SUPPORT)
 
 
-def _rank(rank: int, world: int, port: int, hf_dir: str, save: str, queue) -> None:
+def _rank(rank: int, world: int, port: int, target: str, args: tuple, queue) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -35,31 +41,28 @@ def _rank(rank: int, world: int, port: int, hf_dir: str, save: str, queue) -> No
     try:
         sys.path.insert(0, SUPPORT)
         import torch.distributed as dist
-        from backend_reference import run_backend
 
+        module, name = target.split(":")
+        fn = getattr(importlib.import_module(module), name)
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl")
-        result = run_backend(hf_dir, save, tp=world)
+        result = fn(rank, world, *args)
         dist.destroy_process_group()
         queue.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001  (reported to the parent)
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def test_train_matches_hf_adamw_and_resumes_at_tp1(tmp_path):
-    from backend_reference import check
-    from megatron_tiny_models import make_tiny_hf
-
-    hf_dir = str(make_tiny_hf("qwen3", tmp_path / "hf"))
-    world = min(2, torch.cuda.device_count())
+def run_ranks(world: int, target: str, *args) -> list:
+    """``target(rank, world, *args)`` (``module:function`` of the test support) on ``world``
+    GPUs; every rank's result."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = [
-        ctx.Process(target=_rank, args=(r, world, port, hf_dir, str(tmp_path / "ckpt"), queue))
-        for r in range(world)
+        ctx.Process(target=_rank, args=(r, world, port, target, args, queue)) for r in range(world)
     ]
     for p in procs:
         p.start()
@@ -70,4 +73,24 @@ def test_train_matches_hf_adamw_and_resumes_at_tp1(tmp_path):
         results[rank] = value
     for p in procs:
         p.join(timeout=30)
-    check([results[r] for r in range(world)], hf_dir, device="cuda")
+    return [results[r] for r in range(world)]
+
+
+def test_tp2_train_matches_hf_adamw_and_resumes_at_tp1(tmp_path):
+    from backend_reference import check
+    from megatron_tiny_models import make_tiny_hf
+
+    hf_dir = str(make_tiny_hf("qwen3", tmp_path / "hf"))
+    world = min(2, torch.cuda.device_count())
+    results = run_ranks(world, "megatron_ranks:backend_run", hf_dir, str(tmp_path / "ckpt"), world)
+    check(results, hf_dir, device="cuda")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_pp2_trains_like_pp1_and_its_save_loads_at_pp1(tmp_path):
+    from megatron_ranks import check_pipeline
+    from megatron_tiny_models import make_tiny_hf
+
+    hf_dir = str(make_tiny_hf("qwen3", tmp_path / "hf"))
+    r0, r1 = run_ranks(2, "megatron_ranks:pipeline_run", hf_dir, str(tmp_path / "ckpt"))
+    check_pipeline(r0, r1)

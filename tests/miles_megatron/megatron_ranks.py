@@ -250,3 +250,134 @@ def _two_rollouts(hf_dir: str, world: int, sleep: bool) -> dict:
     weights = {k: v.tolist() for k, v in backend.hf_weights()}
     backend.close()
     return {"losses": losses, "awake": awake_bytes, "asleep": asleep_bytes, "weights": weights}
+
+
+def pipeline_run(rank: int, world: int, hf_dir: str, save: str) -> dict:
+    """PP=2 for 2 rollouts and a save; PP=1 (TP=2) on the same data; the PP=2 save at PP=1."""
+    from backend_reference import samples
+    from miles_core.batch import RolloutBatch
+    from miles_megatron.backend import MegatronBackend
+
+    flags = ["--hf-checkpoint", hf_dir, *BOTH_BACKENDS_FLAGS]
+    out: dict[str, Any] = {}
+    for label, pp, load in (("pp2", 2, None), ("pp1", 1, None), ("pp1_from_pp2", 1, save)):
+        argv = flags + layout_argv(pp=pp, tp=world // pp)
+        argv += ["--load", load, "--save", save + "_2"] if load else ["--save", save]
+        backend = MegatronBackend()
+        out[label + "_next_id"] = backend.init(parse(argv))
+        layout = backend.data_layout()
+        out[label + "_consumes"] = layout.consumes_data
+        batch = RolloutBatch(samples()) if layout.consumes_data else None
+        if not load:
+            out[label] = [backend.train(r, batch) for r in range(2)]
+        if label == "pp2":
+            backend.save_model(1)
+        out[label + "_weights"] = {k: v.tolist() for k, v in backend.hf_weights()}
+        backend.close()
+    return out
+
+
+def _draws() -> list[float]:
+    import random
+
+    import numpy as np
+
+    return [random.random(), float(np.random.rand()), *torch.rand(2).tolist()]
+
+
+def async_then_sync_saves(rank: int, world: int, hf_dir: str, root: str) -> dict:
+    """The same 3 rollouts saving after rollouts 0 (forced sync) and 1, with and without
+    --async-save; then each save of rollout 1 resumed (weights, RNG draws, the next loss)."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from backend_reference import samples
+    from miles_core.batch import RolloutBatch
+    from miles_core.checkpoint_layout import read_tracker
+    from miles_core.save_trigger import SaveTrigger, agree_on_all_ranks, should_save
+    from miles_megatron.backend import MegatronBackend
+
+    flags = ["--hf-checkpoint", hf_dir, *BOTH_BACKENDS_FLAGS, *layout_argv(tp=world)]
+    batch = RolloutBatch(samples())
+    out: dict[str, Any] = {}
+    for mode in ("async", "sync"):
+        save = f"{root}/{mode}"
+        backend = MegatronBackend()
+        backend.init(
+            parse([*flags, "--save", save] + (["--async-save"] if mode == "async" else []))
+        )
+        backend.train(0, batch)
+        # a --save-trigger-sentinel request at the launcher's save point: a forced sync save
+        sentinel = Path(f"{root}/{mode}_save_now")
+        if rank == 0:
+            sentinel.touch()
+        dist.barrier()
+        trigger = SaveTrigger(sentinel)
+        if agree_on_all_ranks(should_save(0, None, trigger)):
+            backend.save_model(0, force_sync=trigger.armed)
+        out[mode + "_tracker_forced"] = read_tracker(save)  # durable on return
+        if rank == 0:
+            trigger.consume()
+        dist.barrier()
+        out[mode + "_sentinel_left"] = sentinel.exists()
+        backend.train(1, batch)
+        backend.save_model(1)
+        out[mode + "_tracker_in_flight"] = read_tracker(save)
+        out[mode + "_draws"] = _draws()
+        out[mode + "_weights"] = {k: v.tolist() for k, v in backend.hf_weights()}
+        out[mode + "_loss_2"] = backend.train(2, batch)["loss"]
+        backend.close()
+        out[mode + "_tracker_closed"] = read_tracker(save)
+    for mode in ("async", "sync"):
+        backend = MegatronBackend()
+        load = ["--load", f"{root}/{mode}", "--save", f"{root}/{mode}_resumed"]
+        out[mode + "_resumed_id"] = backend.init(parse([*flags, *load]))
+        out[mode + "_resumed_draws"] = _draws()
+        out[mode + "_resumed_weights"] = {k: v.tolist() for k, v in backend.hf_weights()}
+        out[mode + "_resumed_loss_2"] = backend.train(2, batch)["loss"]
+        backend.close()
+    return out
+
+
+def kl_in_reward_loss(rank: int, world: int, hf_dir: str, ref_dir: str, kl_coef: float) -> float:
+    """One rollout of reinforce_plus_plus with --kl-coef against the reference ``ref_dir``."""
+    from backend_reference import samples
+    from miles_core.batch import RolloutBatch
+    from miles_megatron.backend import MegatronBackend
+
+    argv = ["--hf-checkpoint", hf_dir, "--ref-load", ref_dir, "--kl-coef", str(kl_coef)]
+    argv += ["--advantage-estimator", "reinforce_plus_plus", "--micro-batch-size", "2"]
+    backend = MegatronBackend()
+    backend.init(parse(argv))
+    loss = backend.train(0, RolloutBatch(samples()))["loss"]
+    backend.close()
+    return loss
+
+
+def check_pipeline(r0: dict, r1: dict) -> None:
+    """The assertions on :func:`pipeline_run`'s two ranks (CPU gloo and GPU NCCL tests)."""
+    assert [r0["pp2_consumes"], r1["pp2_consumes"]] == [True, False]  # stage 0 reads the data
+    for m0, m1 in zip(r0["pp2"], r1["pp2"], strict=True):  # the last stage's, on both stages
+        m0.pop("tokens_per_s"), m1.pop("tokens_per_s")  # timed per rank
+        assert m0 == m1
+    for pp2, pp1 in zip(r0["pp2"], r0["pp1"], strict=True):
+        assert abs(pp2["loss"] - pp1["loss"]) < 1e-5, (pp2, pp1)
+        assert abs(pp2["grad_norm"] - pp1["grad_norm"]) < 1e-5, (pp2, pp1)
+        assert abs(pp2["entropy"] - pp1["entropy"]) < 1e-5, (pp2, pp1)
+    assert r0["pp2"][0]["loss"] != r0["pp2"][1]["loss"]
+
+    # each stage publishes its own layers; together they are the whole model
+    stage0, stage1 = r0["pp2_weights"], r1["pp2_weights"]
+    assert not set(stage0) & set(stage1)
+    assert "model.embed_tokens.weight" in stage0 and "lm_head.weight" in stage1
+    assert "model.layers.0.mlp.up_proj.weight" in stage0
+    assert "model.layers.1.mlp.up_proj.weight" in stage1
+    pp2 = {k: torch.tensor(v) for k, v in {**stage0, **stage1}.items()}
+    pp1 = {k: torch.tensor(v) for k, v in r0["pp1_weights"].items()}
+    assert sorted(pp2) == sorted(pp1)
+    assert max((pp2[k] - pp1[k]).abs().max().item() for k in pp1) < 1e-5
+
+    assert r0["pp1_from_pp2_next_id"] == 2
+    resumed = {k: torch.tensor(v) for k, v in r0["pp1_from_pp2_weights"].items()}
+    assert sorted(resumed) == sorted(pp2)
+    assert all(torch.equal(resumed[k], pp2[k]) for k in pp2)

@@ -1,29 +1,21 @@
 """Test support: run megatron-core 0.16 on a CPU-only torch build (gloo). Not used in production.
 
-megatron-core assumes CUDA in a few helpers that the model itself does not need. Measured on
-megatron-core 0.16.1 with the local (non-TransformerEngine) layer spec, these patches suffice for
-GPTModel forward/backward at TP/EP > 1, the DDP wrapper, the distributed optimizer (step and
-fully reshardable state save/load) and dist-checkpointing:
+megatron-core assumes CUDA in helpers the model does not need. Measured on 0.16.1 with the local
+(non-TransformerEngine) spec, these patches suffice for GPTModel forward/backward at TP/EP > 1,
+the pipeline schedules (PP > 1: P2P over gloo), DDP, the distributed optimizer and
+dist-checkpointing (sync and async):
 
-1. ``torch.cuda.current_device()`` answers ``cpu``: megatron allocates scratch tensors (the
-   global memory buffer behind sequence-parallel all-gathers, rotary ``inv_freq``, TP gather
-   outputs, DDP buckets) on "the current CUDA device".
-2. The CUDA RNG tracker is replaced by megatron's own inference tracker (``fork()`` is a no-op
-   context): the training tracker snapshots CUDA generator states. Tests run without dropout, so
-   no random stream is lost.
-3. ``torch.cuda.synchronize``, ``torch.cuda.Stream`` / ``stream`` / ``current_stream`` become
-   no-ops: the MoE all-to-all dispatcher keeps a side stream for device-to-host copies, the
-   distributed optimizer and dist-checkpointing synchronise.
-4. Modules that write ``device="cuda"`` literally (optimizer scalars, grad clipping, DDP
-   buffers, the l2-norm fallback) see a ``torch`` whose tensor factories map it to the CPU, and
-   ``Tensor.cuda()`` returns the tensor and ``Tensor.pin_memory()`` a copy (the optimizer-state gather,
-   the DDP buffers' host copies on sleep).
-5. ``Tensor.type()`` names a CPU float tensor ``torch.cuda.FloatTensor``: the optimizers accept
-   parameters by these type strings.
+1. ``torch.cuda.current_device()`` answers ``cpu``: megatron allocates scratch tensors (SP
+   all-gather buffers, rotary ``inv_freq``, P2P receive buffers, DDP buckets) there.
+2. The CUDA RNG tracker is megatron's inference tracker (``fork()`` is a no-op context); tests
+   run without dropout, so no random stream is lost.
+3. ``torch.cuda.synchronize`` and streams are no-ops.
+4. Modules that write ``device="cuda"`` literally see a ``torch`` whose tensor factories map it
+   to the CPU; ``Tensor.cuda()`` returns the tensor, ``Tensor.pin_memory()`` a copy.
+5. ``Tensor.type()`` names a CPU float tensor ``torch.cuda.FloatTensor`` (the optimizers accept
+   parameters by these type strings).
 
-Not covered (measured to need more): pipeline parallelism's p2p schedule was not tried;
-the MoE all-to-all dispatcher hands gloo tensor split sizes (use ``allgather`` on CPU).
-
+Not covered: the MoE all-to-all dispatcher hands gloo tensor split sizes (use ``allgather``).
 Every patch is undone by :func:`uninstall`; :func:`installed` is a context manager.
 """
 
@@ -49,26 +41,20 @@ class _NullStream:
     """Stands in for a CUDA stream: waits and records are no-ops on the CPU."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
-        return None
-
-    def wait_stream(self, stream: object) -> None:
-        return None
-
-    def synchronize(self) -> None:
-        return None
+        self.wait_stream = self.synchronize = lambda *a, **k: None
 
     def record_event(self, event: object = None) -> _NullStream:
         return self  # an "event" whose synchronize() is a no-op
 
 
-#: megatron-core modules that write ``device="cuda"`` literally (optimizer state scalars, grad
-#: clipping, DDP buffers); their ``torch`` global becomes :class:`_CpuTorch`.
+#: Modules that write ``device="cuda"`` literally; their ``torch`` becomes :class:`_CpuTorch`.
 _CUDA_LITERAL_MODULES = (
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.optimizer.clip_grads",
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.utils",
+    "megatron.core.pipeline_parallel.schedules",
 )
 
 
@@ -91,11 +77,8 @@ class _CpuTorch:
 
 
 def _cuda_type_name(self: torch.Tensor, dtype: object = None, *args: object, **kwargs: object):
-    """``Tensor.type()`` answering ``torch.cuda.FloatTensor`` for a CPU float tensor.
-
-    megatron's optimizers accept parameters by these type strings; with an argument it is the
-    ordinary cast.
-    """
+    """``Tensor.type()`` naming a CPU float tensor ``torch.cuda.FloatTensor`` (with an
+    argument: the ordinary cast)."""
     original = _SAVED["Tensor.type"]
     if dtype is None and not args and not kwargs:
         name = original(self)

@@ -6,16 +6,18 @@ built from the bridge's architecture (local spec), weights from ``--load`` (torc
 distributed optimizer, and the LR schedule. ``train`` runs miles-core's RL math
 (:mod:`miles_megatron.train_step`).
 
-Data layout: TP (and CP) peers share a data-parallel rank; only the TP-rank-0 of each DP rank
-consumes the launcher's shard and broadcasts it to its TP peers inside :meth:`train`.
+Data layout: TP, CP and PP peers share a data-parallel rank; only the (TP 0, CP 0, PP 0) rank of
+each DP rank consumes the launcher's shard and broadcasts it to its peers inside :meth:`train`.
+At PP > 1 the micro-batches run megatron-core's 1F1B schedule (:mod:`miles_megatron.schedule`),
+the loss and log-probs on the last stage.
 
 Hooks (``module:function``): ``--custom-megatron-init-path`` ``f(args, model, optimizer)`` once
 after init; ``--custom-megatron-before-log-prob-hook-path`` ``f(args, model, batch)`` before
 each log-prob pass; ``--custom-megatron-before-train-step-hook-path``
 ``f(args, rollout_id, step, model, optimizer)`` before each optimizer step.
 
-Not yet here (see docs/miles-megatron.md): PP > 1 and CP > 1 training, ``update_weights`` (needs
-miles-sync), the disk offload target, ``--kl-coef``.
+Not yet here (see docs/miles-megatron.md): CP > 1 training without TransformerEngine, the disk
+offload target.
 
 Reference model: with ``--ref-load`` (``--ref-mode ref``) the reference's shards are kept on
 the host and swapped in for the reference log-prob pass (:mod:`miles_megatron.reference_model`);
@@ -60,22 +62,22 @@ class MegatronBackend(TrainBackend):
         self.scheduler: Any = None
         self.global_step = 0
         self._publisher: Any = None
+        self._async_saves: Any = None  # megatron-core AsyncCallsQueue under --async-save
 
     # ------------------------------------------------------------------ init
     def init(self, args: Any, role: str = "actor") -> int:
-        if getattr(args, "kl_coef", 0.0):
-            raise ArgumentError(
-                "megatron backend: --kl-coef (KL in the reward) is not supported yet"
-            )
+        if getattr(args, "kl_coef", 0.0) and not wants_reference(args):
+            raise ArgumentError("megatron backend: --kl-coef needs a reference model (--ref-load)")
         if getattr(args, "offload_train_target", "cpu") == "disk":
             raise ArgumentError("megatron backend: --offload-train-target disk is not wired yet")
+        if args.context_parallel_size > 1:
+            raise ArgumentError(
+                "megatron backend: --context-parallel-size > 1 needs TransformerEngine's "
+                "context-parallel attention in the layer spec, which is not wired yet (the data "
+                "split is miles_megatron.context_parallel)"
+            )
         if role != "actor":
             raise ArgumentError(f"the megatron backend trains role 'actor' only, not {role!r}")
-        if args.pipeline_model_parallel_size > 1 or args.context_parallel_size > 1:
-            raise ArgumentError(
-                "megatron backend: training with --pipeline-model-parallel-size or "
-                "--context-parallel-size > 1 is not implemented yet"
-            )
         self.args = args
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -126,6 +128,14 @@ class MegatronBackend(TrainBackend):
         init_hook = self._hook("custom_megatron_init_path")
         if init_hook is not None:
             init_hook(args, self.model, self.optimizer)
+        if getattr(args, "async_save", False):
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self._async_saves = AsyncCallsQueue(persistent=False)
+        if resumed is not None and getattr(args, "load_rng", True):
+            from miles_megatron.checkpoint import load_rng
+
+            load_rng(resumed.path)  # last: nothing in init draws after it
         return next_rollout_id
 
     def _resolve_load(self):
@@ -146,24 +156,38 @@ class MegatronBackend(TrainBackend):
         return DataLayout(
             dp_rank=ps.get_data_parallel_rank(),
             dp_size=ps.get_data_parallel_world_size(),
-            consumes_data=ps.get_tensor_model_parallel_rank() == 0,
+            consumes_data=ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_pipeline_model_parallel_rank() == 0
+            and ps.get_context_parallel_rank() == 0,
         )
 
-    def _share_with_tp_peers(self, batch: Any) -> Any:
+    def _share_with_model_parallel_peers(self, batch: Any) -> Any:
+        """The batch of the (TP 0, PP 0, CP 0) rank of this DP rank, on all its peers.
+
+        Broadcast over the PP group, then CP, then TP: a group whose source holds nothing yet
+        passes ``None`` along, which a later broadcast overwrites.
+        """
         from megatron.core import parallel_state as ps
 
-        group = ps.get_tensor_model_parallel_group()
-        if dist.get_world_size(group) == 1:
-            return batch
-        box = [batch if ps.get_tensor_model_parallel_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=ps.get_tensor_model_parallel_src_rank(), group=group)
-        return box[0]
+        steps = (
+            (ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_first_rank()),
+            (ps.get_context_parallel_group(), ps.get_context_parallel_global_ranks()[0]),
+            (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_src_rank()),
+        )
+        for group, src in steps:
+            if dist.get_world_size(group) > 1:
+                box = [batch]
+                dist.broadcast_object_list(box, src=src, group=group)
+                batch = box[0]
+        return batch
 
     # ------------------------------------------------------------------ train
     def train(self, rollout_id: int, batch: Any) -> dict[str, float]:
+        from miles_megatron.checkpoint import finish_saves
         from miles_megatron.train_step import train_rollout
 
-        batch = self._share_with_tp_peers(batch)
+        finish_saves(self._async_saves, blocking=False)  # publish writes that are done
+        batch = self._share_with_model_parallel_peers(batch)
         ctx = self._context()
         if self.reference is not None:
             batch = batch.with_fields(ref_log_probs=self.reference_log_probs(batch, ctx))
@@ -246,10 +270,14 @@ class MegatronBackend(TrainBackend):
 
     # ------------------------------------------------------------------ checkpoints
     def save_model(self, rollout_id: int, force_sync: bool = False) -> None:
-        from miles_megatron.checkpoint import save_checkpoint
+        """Iteration ``rollout_id + 1``. Under ``--async-save`` (unless ``force_sync``) only the
+        staging happens here and the tracker moves once the background write is done; the
+        previous async save is always finished first. ``force_sync``: durable on return."""
+        from miles_megatron.checkpoint import finish_saves, save_checkpoint
 
         if not self.args.save:
             raise ValueError("save_model needs --save")
+        finish_saves(self._async_saves)
         save_checkpoint(
             self.args.save,
             rollout_id,
@@ -258,6 +286,7 @@ class MegatronBackend(TrainBackend):
             self.scheduler,
             self.args.save_optim,
             {"global_step": self.global_step},
+            async_queue=None if force_sync else self._async_saves,
         )
 
     # ------------------------------------------------------------------ memory
@@ -269,6 +298,11 @@ class MegatronBackend(TrainBackend):
         self.sleeper.wake_up()
 
     def close(self) -> None:
+        from miles_megatron.checkpoint import finish_saves
+
+        if self._async_saves is not None:
+            finish_saves(self._async_saves)
+            self._async_saves = None
         if self._publisher is not None:
             self._publisher.close()
             self._publisher = None

@@ -78,6 +78,10 @@ def transformer_config(margs: Mapping[str, Any], args: Any):
         ):
             if margs.get(key) is not None:
                 kwargs[key] = margs[key]
+    elif kwargs["variable_seq_lengths"]:
+        # a dense model has no dispatcher, but megatron rejects its default (allgather) with
+        # variable sequence lengths (PP > 1: packed rows differ in length)
+        kwargs["moe_token_dispatcher_type"] = "alltoall"
     kwargs.update(config_overrides(args, TransformerConfig))
     return TransformerConfig(**kwargs)
 

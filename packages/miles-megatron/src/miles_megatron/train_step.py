@@ -5,7 +5,13 @@ Loss scaling is miles-core's (docs/rl-math.md): each micro-batch's loss is its c
 the reduced gradients by the data-parallel size, so each rank back-propagates
 ``dp_size * contribution`` and the reduced gradient is exactly ``dL/dw`` for any split.
 TP peers compute identical (vocabulary-gathered) logits and losses; metrics are summed over
-the data-parallel group only.
+the data-parallel group only. At PP > 1 the micro-batches run megatron's 1F1B schedule
+(:mod:`miles_megatron.schedule`): the loss and metrics exist on the last stage, which
+broadcasts the metrics to the other stages.
+
+``--kl-coef`` (KL in the reward, ``reinforce_plus_plus*`` / ``ppo`` estimators): the token
+rewards get ``-kl_coef * kl_t`` with ``kl_t = kl_estimate(old, ref, --kl-loss-type)`` from the
+policy's log-probs before the rollout's updates and the reference's (``--ref-load``).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch.distributed as dist
 from miles_core.advantages import compute_advantages, normalize_advantages
 from miles_core.aggregation import loss_denominator
 from miles_core.batch import RolloutBatch
+from miles_core.kl import kl_estimate
 from miles_core.log_probs import entropy_from_logits, token_log_probs
 from miles_core.losses import LossConfig, compute_policy_loss
 from miles_core.micro_batch import (
@@ -28,9 +35,10 @@ from miles_core.micro_batch import (
     make_micro_batches,
     split_steps,
 )
-from miles_core.packing import pack_thd
+from miles_core.packing import PackedBatch, pack_thd
 
-from miles_megatron.packed_forward import packed_logits, rollout_log_probs
+from miles_megatron.packed_forward import rollout_log_probs
+from miles_megatron.schedule import broadcast_from_last_stage, run_schedule
 
 
 @dataclass
@@ -74,18 +82,17 @@ def _sum_over_dp(values: dict[str, torch.Tensor], group: Any) -> dict[str, float
 def optimizer_step(
     ctx: TrainContext, step_batch: RolloutBatch, config: LossConfig, detach_old: bool
 ) -> dict[str, float]:
-    """Forward/backward every micro-batch of ``step_batch``, then one optimizer step."""
+    """Forward/backward every micro-batch of ``step_batch`` through megatron's schedule (1F1B
+    at PP > 1; the loss on the last stage), then one optimizer step."""
     from megatron.core.distributed import finalize_model_grads
 
     denominator = loss_denominator(step_batch, config.calculate_per_token_loss, ctx.dp_group_gloo)
     model = ctx.model
     model.zero_grad_buffer()
     ctx.optimizer.zero_grad()
-    total = torch.zeros((), dtype=torch.float32)
-    parts: dict[str, torch.Tensor] = {}
-    for mb in split_micro_batches(ctx, step_batch):
-        packed = pack_thd(mb).to(ctx.device)
-        logits = packed_logits(model, packed, ctx.vocab_size)
+    sums: dict[str, torch.Tensor] = {}
+
+    def on_logits(index: int, packed: PackedBatch, logits: torch.Tensor) -> torch.Tensor:
         log_probs = token_log_probs(logits, packed.targets, config.temperature)
         if config.entropy_coef != 0.0:
             entropy = entropy_from_logits(logits, config.temperature)
@@ -107,23 +114,33 @@ def optimizer_step(
             entropy=entropy,
             sample_loss_tokens=packed.sample_loss_tokens,
         )
-        (loss * ctx.dp_size).backward()
-        total = total + loss.detach().float().cpu()
-        for k, v in metrics.items():
+        for k, v in {"step_loss": loss, **metrics}.items():
             v = v.detach().float().cpu()
-            parts[k] = parts[k] + v if k in parts else v
+            sums[k] = sums[k] + v if k in sums else v
+        return loss * ctx.dp_size
+
+    packed = [pack_thd(mb).to(ctx.device) for mb in split_micro_batches(ctx, step_batch)]
+    run_schedule(model, packed, ctx.vocab_size, on_logits, forward_only=False)
     finalize_model_grads([model])
     lr = ctx.optimizer.param_groups[0]["lr"]
     update_ok, grad_norm, _ = ctx.optimizer.step()
     if update_ok:
         ctx.scheduler.step(increment=1)
-    reduced = _sum_over_dp({"step_loss": total, **parts}, ctx.dp_group_gloo)
+    reduced = broadcast_from_last_stage(_sum_over_dp(sums, ctx.dp_group_gloo))
     return {
         **reduced,
         "loss": reduced.pop("step_loss"),
         "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
         "lr": lr,
     }
+
+
+def reward_kl(batch: RolloutBatch, args: Any) -> list[torch.Tensor]:
+    """``--kl-coef``'s per-token KL: ``kl_estimate(old, ref, --kl-loss-type)`` per sample, with
+    the log-probs of the policy before this rollout's updates and of the reference."""
+    old = batch.response_field("old_log_probs")
+    ref = batch.response_field("ref_log_probs")
+    return [kl_estimate(o, r, args.kl_loss_type) for o, r in zip(old, ref, strict=True)]
 
 
 def train_rollout(ctx: TrainContext, rollout_id: int, batch: RolloutBatch) -> dict[str, float]:
@@ -139,7 +156,7 @@ def train_rollout(ctx: TrainContext, rollout_id: int, batch: RolloutBatch) -> di
     model.train()
     num_steps = args.num_steps_per_rollout
     detach_old = num_steps == 1
-    if not detach_old:
+    if not detach_old or args.kl_coef != 0.0:
         if ctx.before_log_prob_hook is not None:
             ctx.before_log_prob_hook(args, model, batch)
         index = {src: i for i, src in enumerate(batch.source_indices)}
@@ -155,7 +172,12 @@ def train_rollout(ctx: TrainContext, rollout_id: int, batch: RolloutBatch) -> di
             )
         )
     adv = compute_advantages(
-        batch, args.advantage_estimator, gamma=args.gamma, lambd=args.lambd, kl_coef=args.kl_coef
+        batch,
+        args.advantage_estimator,
+        gamma=args.gamma,
+        lambd=args.lambd,
+        kl_coef=args.kl_coef,
+        kl=reward_kl(batch, args) if args.kl_coef != 0.0 else None,
     )
     advantages = adv.advantages
     if args.normalize_advantages:

@@ -15,7 +15,7 @@ each log-prob pass; ``--custom-megatron-before-train-step-hook-path``
 ``f(args, rollout_id, step, model, optimizer)`` before each optimizer step.
 
 Not yet here (see docs/miles-megatron.md): PP > 1 and CP > 1 training, ``update_weights`` (needs
-miles-sync), the disk offload target, ``--kl-coef``.
+miles-sync), ``--kl-coef``.
 
 Reference model: with ``--ref-load`` (``--ref-mode ref``) the reference's shards are kept on
 the host and swapped in for the reference log-prob pass (:mod:`miles_megatron.reference_model`);
@@ -41,7 +41,7 @@ from miles_megatron.model_config import build_gpt_model, import_function, transf
 from miles_megatron.optimizer import build_optimizer, wrap_ddp
 from miles_megatron.parallel import destroy_parallel, initialize_parallel
 from miles_megatron.reference_model import ReferenceModel, wants_reference
-from miles_megatron.sleep_wake import SleepWake
+from miles_megatron.sleep_wake import sleeper_from_args
 
 
 class MegatronBackend(TrainBackend):
@@ -67,8 +67,6 @@ class MegatronBackend(TrainBackend):
             raise ArgumentError(
                 "megatron backend: --kl-coef (KL in the reward) is not supported yet"
             )
-        if getattr(args, "offload_train_target", "cpu") == "disk":
-            raise ArgumentError("megatron backend: --offload-train-target disk is not wired yet")
         if role != "actor":
             raise ArgumentError(f"the megatron backend trains role 'actor' only, not {role!r}")
         if args.pipeline_model_parallel_size > 1 or args.context_parallel_size > 1:
@@ -106,7 +104,7 @@ class MegatronBackend(TrainBackend):
             restore_marked_dtypes(model)
         self.model = wrap_ddp(model, config, args)
         self.optimizer, self.scheduler = build_optimizer(self.model, args)
-        self.sleeper = SleepWake(self.model, self.optimizer)
+        self.sleeper = sleeper_from_args(self.model, self.optimizer, args)
         next_rollout_id = 0
         if resumed is not None:
             from miles_megatron.checkpoint import load_checkpoint
@@ -272,5 +270,11 @@ class MegatronBackend(TrainBackend):
         if self._publisher is not None:
             self._publisher.close()
             self._publisher = None
+        if getattr(self, "sleeper", None) is not None:
+            self.sleeper.close()
+        if self.optimizer is not None:
+            from miles_megatron.streamed_optimizer import close_streamed
+
+            close_streamed(self.optimizer)
         destroy_parallel()
         self.model = self.optimizer = self.scheduler = None

@@ -1,0 +1,213 @@
+"""Test support: per-rank bodies of the megatron memory tests (sleep/wake targets, remat,
+streamed optimizer state, CPU optimizer offload)."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import torch
+from megatron_ranks import BOTH_BACKENDS_FLAGS, parse
+
+
+def _backend(hf_dir: str, extra: list[str]):
+    from miles_megatron.backend import MegatronBackend
+
+    backend = MegatronBackend()
+    backend.init(parse(["--hf-checkpoint", hf_dir, *BOTH_BACKENDS_FLAGS, *extra]))
+    return backend
+
+
+def _batch():
+    from backend_reference import samples
+    from miles_core.batch import RolloutBatch
+
+    return RolloutBatch(samples())
+
+
+def _weights(backend) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in backend.hf_weights()}
+
+
+def _param_buffers(backend) -> list[torch.Tensor]:
+    return [b.param_data.detach().clone() for b in backend.model.buffers]
+
+
+def disk_sleep_between_rollouts(rank: int, world: int, hf_dir: str, disk_dir: str) -> dict:
+    """Never-slept run vs. a run that sleeps to disk (twice) between rollouts; then a sleep
+    into a directory whose file is /dev/full (ENOSPC) on the slept run."""
+    from miles_megatron.sleep_wake import SleepWake
+    from miles_offload.offload_target import OffloadTarget
+
+    batch = _batch()
+    plain = _backend(hf_dir, [])
+    plain_losses = [plain.train(r, batch)["loss"] for r in range(2)]
+    plain_weights = _weights(plain)
+    plain.close()
+
+    flags = ["--offload-train", "--offload-train-target", "disk"]
+    flags += ["--offload-train-disk-dir", disk_dir, "--offload-train-disk-chunk-mb", "1"]
+    slept = _backend(hf_dir, flags)
+    losses = [slept.train(0, batch)["loss"]]
+    awake = slept.sleeper.device_bytes()
+    grads = sum(b.grad_data.untyped_storage().nbytes() for b in slept.model.buffers)
+    slept.sleep()
+    slept.sleep()
+    out = {
+        "awake": awake,
+        "asleep": slept.sleeper.device_bytes(),
+        "grad_bytes": grads,
+        "file_bytes": os.path.getsize(slept.sleeper.disk_path),
+        "host_bytes": slept.sleeper.host_bytes,
+    }
+    slept.wake_up()
+    slept.wake_up()
+    losses.append(slept.train(1, batch)["loss"])
+    weights = _weights(slept)
+    out["losses_equal"] = losses == plain_losses
+    out["weights_equal"] = all(torch.equal(weights[k], plain_weights[k]) for k in plain_weights)
+
+    bad_dir = os.path.join(disk_dir, f"full{rank}")
+    os.makedirs(bad_dir)
+    full = os.path.join(bad_dir, f"miles-offload-{os.getpid()}-rank{rank}-megatron.bin")
+    os.symlink("/dev/full", full)  # every write fails with ENOSPC
+    before = _param_buffers(slept)
+    failing = SleepWake(slept.model, slept.optimizer, OffloadTarget("disk", bad_dir, chunk_mb=1))
+    try:
+        failing.sleep()
+        out["enospc"] = None
+    except OSError as error:
+        out["enospc"] = error.errno == errno.ENOSPC and error.filename == full
+        out["enospc_message"] = str(error)
+    out["intact"] = not failing.asleep and all(
+        torch.equal(a, b) for a, b in zip(before, _param_buffers(slept))
+    )
+    out["still_awake_bytes"] = slept.sleeper.device_bytes() == awake
+    slept.train(2, batch)  # still trainable
+    path = slept.sleeper.disk_path
+    slept.close()
+    out["file_removed"] = not os.path.exists(path)
+    return out
+
+
+def remat_round_trip(rank: int, world: int, hf_dir: str) -> dict:
+    """bf16 model, 2 DP ranks: train, sleep with remat (params not copied), wake, compare."""
+    flags = ["--bf16", "--colocate", "--rematerialize-param-from-master-weight"]
+    backend = _backend(hf_dir, flags)
+    batch = _batch()
+    backend.train(0, batch)
+    before = _param_buffers(backend)
+    param_bytes = sum(b.untyped_storage().nbytes() for b in before)
+    backend.sleep()
+    out = {
+        "dtypes": [str(b.dtype) for b in before],
+        "asleep": backend.sleeper.device_bytes(),
+        "host_bytes": backend.sleeper.host_bytes,
+        "param_bytes": param_bytes,
+    }
+    backend.wake_up()
+    after = _param_buffers(backend)
+    out["bit_identical"] = all(torch.equal(a, b) for a, b in zip(before, after))
+    out["loss"] = backend.train(1, batch)["loss"]
+    backend.close()
+    plain = _backend(hf_dir, ["--bf16"])
+    out["plain_loss"] = [plain.train(r, batch)["loss"] for r in range(2)][1]
+    plain.close()
+    return out
+
+
+STREAM_FLAGS = [
+    "--stream-optimizer-state-to-disk", "--stream-optimizer-min-numel", "1000",
+    "--stream-optimizer-bucket-numel", "20000",
+]  # fmt: skip
+
+
+def _adam_state(backend) -> dict[str, dict[str, torch.Tensor]]:
+    """``shard name -> {master, exp_avg, exp_avg_sq}`` of every main-parameter shard."""
+    from miles_megatron.streamed_optimizer import StreamedDistributedOptimizer, _shard_names
+
+    out = {}
+    opts = getattr(backend.optimizer, "chained_optimizers", [backend.optimizer])
+    for opt in opts:
+        names = _shard_names(opt)
+        streamed = {n for _, n, _ in getattr(opt.optimizer, "_streamed", [])}
+        for group in opt.optimizer.param_groups:
+            for p in group["params"]:
+                name = names[id(p)]
+                if isinstance(opt, StreamedDistributedOptimizer) and name in streamed:
+                    out[name] = opt.streamed.read_state(name)
+                else:
+                    state = opt.optimizer.state[p]
+                    out[name] = {
+                        "master": p.detach().view(-1).clone(),
+                        "exp_avg": state["exp_avg"].view(-1).clone(),
+                        "exp_avg_sq": state["exp_avg_sq"].view(-1).clone(),
+                    }
+    return out
+
+
+def streamed_matches_in_memory(rank: int, world: int, hf_dir: str, disk: str, save: str) -> dict:
+    """In-memory vs streamed distributed optimizer over 4 steps (2 rollouts); the streamed run
+    saves, trains a 3rd rollout, and a resumed run trains the same 3rd rollout."""
+    batch = _batch()
+    plain = _backend(hf_dir, [])
+    plain_losses = [plain.train(r, batch)["loss"] for r in range(2)]
+    plain_state = _adam_state(plain)
+    plain.close()
+
+    flags = [*STREAM_FLAGS, "--offload-train-disk-dir", disk, "--save", save]
+    streamed = _backend(hf_dir, flags)
+    inner = streamed.optimizer.chained_optimizers[0].streamed
+    out = {"buckets": len(inner.buckets), "streamed": len(inner._streamed)}
+    out["small"] = len(inner._small)
+    losses = [streamed.train(r, batch)["loss"] for r in range(2)]
+    state = _adam_state(streamed)
+    out["losses_equal"] = losses == plain_losses
+    out["names_equal"] = sorted(state) == sorted(plain_state)
+    out["state_equal"] = {
+        key: all(torch.equal(state[n][key], plain_state[n][key]) for n in plain_state)
+        for key in ("master", "exp_avg", "exp_avg_sq")
+    }
+    streamed.save_model(1)
+    continued = streamed.train(2, batch)["loss"]
+    continued_weights = _weights(streamed)
+    streamed.close()
+
+    resumed = _backend(hf_dir, [*flags[:-2], "--load", save])
+    out["resumed_equal"] = resumed.train(2, batch)["loss"] == continued and all(
+        torch.equal(v, continued_weights[k]) for k, v in _weights(resumed).items()
+    )
+    resumed.close()
+    try:
+        _backend(hf_dir, ["--load", save])
+        out["in_memory_refused"] = None
+    except ValueError as error:
+        out["in_memory_refused"] = str(error)
+    return out
+
+
+def cpu_offloaded_optimizer(rank: int, world: int, hf_dir: str) -> dict:
+    """--optimizer-cpu-offload (+ --overlap-cpu-optimizer-d2h-h2d) vs the in-memory optimizer."""
+    batch = _batch()
+    offload = ["--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d"]
+    backend = _backend(hf_dir, offload)
+    opts = getattr(backend.optimizer, "chained_optimizers", [backend.optimizer])
+    config = opts[0].config
+    out = {
+        "inner": type(opts[0].optimizer).__name__,
+        "config": (
+            config.optimizer_cpu_offload,
+            config.overlap_cpu_optimizer_d2h_h2d,
+            config.optimizer_offload_fraction,
+        ),
+        "losses": [backend.train(r, batch)["loss"] for r in range(2)],
+    }
+    weights = _weights(backend)
+    backend.close()
+    plain = _backend(hf_dir, [])
+    out["plain_losses"] = [plain.train(r, batch)["loss"] for r in range(2)]
+    out["max_weight_diff"] = max(
+        (v - weights[k]).abs().max().item() for k, v in _weights(plain).items()
+    )
+    plain.close()
+    return out

@@ -90,29 +90,48 @@ def disk_sleep_between_rollouts(rank: int, world: int, hf_dir: str, disk_dir: st
     return out
 
 
-def remat_round_trip(rank: int, world: int, hf_dir: str) -> dict:
-    """bf16 model, 2 DP ranks: train, sleep with remat (params not copied), wake, compare."""
+def bf16_remat_and_streamed(rank: int, world: int, hf_dir: str, disk: str) -> dict:
+    """bf16 model, 2 DP ranks: (1) train, sleep with remat (params not copied), wake, compare
+    the parameter buffers; (2) the streamed optimizer, whose fp32 master shards are released
+    between steps; both trained 2 rollouts against a plain run."""
+    batch = _batch()
     flags = ["--bf16", "--colocate", "--rematerialize-param-from-master-weight"]
     backend = _backend(hf_dir, flags)
-    batch = _batch()
     backend.train(0, batch)
     before = _param_buffers(backend)
-    param_bytes = sum(b.untyped_storage().nbytes() for b in before)
     backend.sleep()
     out = {
         "dtypes": [str(b.dtype) for b in before],
         "asleep": backend.sleeper.device_bytes(),
         "host_bytes": backend.sleeper.host_bytes,
-        "param_bytes": param_bytes,
+        "param_bytes": sum(b.untyped_storage().nbytes() for b in before),
     }
     backend.wake_up()
-    after = _param_buffers(backend)
-    out["bit_identical"] = all(torch.equal(a, b) for a, b in zip(before, after))
-    out["loss"] = backend.train(1, batch)["loss"]
+    out["bit_identical"] = all(torch.equal(a, b) for a, b in zip(before, _param_buffers(backend)))
+    backend.train(1, batch)
+    remat_weights = _weights(backend)
     backend.close()
+
+    streamed = _backend(hf_dir, ["--bf16", *STREAM_FLAGS, "--offload-train-disk-dir", disk])
+    opt = streamed.optimizer.chained_optimizers[0]
+    for r in range(2):
+        streamed.train(r, batch)
+    out["released"] = len(opt._released) > 0 and all(
+        shard.untyped_storage().nbytes() == 0 for shard, _ in opt._released
+    )
+    out["all_streamed"] = not opt.streamed._small
+    streamed_weights = _weights(streamed)
+    streamed.close()
+
     plain = _backend(hf_dir, ["--bf16"])
-    out["plain_loss"] = [plain.train(r, batch)["loss"] for r in range(2)][1]
+    for r in range(2):
+        plain.train(r, batch)
+    plain_weights = _weights(plain)
     plain.close()
+    out["remat_equal"] = all(torch.equal(remat_weights[k], v) for k, v in plain_weights.items())
+    out["streamed_equal"] = all(
+        torch.equal(streamed_weights[k], v) for k, v in plain_weights.items()
+    )
     return out
 
 
@@ -183,31 +202,4 @@ def streamed_matches_in_memory(rank: int, world: int, hf_dir: str, disk: str, sa
         out["in_memory_refused"] = None
     except ValueError as error:
         out["in_memory_refused"] = str(error)
-    return out
-
-
-def cpu_offloaded_optimizer(rank: int, world: int, hf_dir: str) -> dict:
-    """--optimizer-cpu-offload (+ --overlap-cpu-optimizer-d2h-h2d) vs the in-memory optimizer."""
-    batch = _batch()
-    offload = ["--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d"]
-    backend = _backend(hf_dir, offload)
-    opts = getattr(backend.optimizer, "chained_optimizers", [backend.optimizer])
-    config = opts[0].config
-    out = {
-        "inner": type(opts[0].optimizer).__name__,
-        "config": (
-            config.optimizer_cpu_offload,
-            config.overlap_cpu_optimizer_d2h_h2d,
-            config.optimizer_offload_fraction,
-        ),
-        "losses": [backend.train(r, batch)["loss"] for r in range(2)],
-    }
-    weights = _weights(backend)
-    backend.close()
-    plain = _backend(hf_dir, [])
-    out["plain_losses"] = [plain.train(r, batch)["loss"] for r in range(2)]
-    out["max_weight_diff"] = max(
-        (v - weights[k]).abs().max().item() for k, v in _weights(plain).items()
-    )
-    plain.close()
     return out

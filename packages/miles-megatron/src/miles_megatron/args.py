@@ -118,6 +118,13 @@ def check_memory_flags(args: Any) -> None:
         raise ArgumentError(
             "--use-precision-aware-optimizer needs TransformerEngine, which is not installed"
         )
+    if args.optimizer_cpu_offload and not (
+        getattr(args, "bf16", False) or getattr(args, "fp16", False)
+    ):
+        raise ArgumentError(
+            "--optimizer-cpu-offload needs --bf16 or --fp16 (megatron-core's "
+            "HybridDeviceOptimizer cannot take fp32 parameters' shards)"
+        )
     if getattr(args, "overlap_cpu_optimizer_d2h_h2d", None) and not args.optimizer_cpu_offload:
         raise ArgumentError("--overlap-cpu-optimizer-d2h-h2d requires --optimizer-cpu-offload")
     fraction = getattr(args, "optimizer_offload_fraction", None)

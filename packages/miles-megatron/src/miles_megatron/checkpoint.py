@@ -4,7 +4,9 @@ shared ``iter_XXXXXXX/`` layout of :mod:`miles_core.checkpoint_layout`.
 The save after rollout ``r`` is iteration ``r + 1``; meta.json records ``next_rollout_id``.
 Rank 0 prepares the directory and commits the tracker only after every rank has written.
 Model tensors and the distributed-optimizer state (``fully_reshardable``) are
-parallelism-agnostic: a TP=2 save resumes at TP=1.
+parallelism-agnostic: a TP=2 save resumes at TP=1. A streamed optimizer
+(``--stream-optimizer-state-to-disk``) saves its own files next to them
+(:mod:`miles_megatron.streamed_optimizer`).
 """
 
 from __future__ import annotations
@@ -25,9 +27,12 @@ def _state(model, optimizer, scheduler, with_optim: bool) -> dict[str, Any]:
     model_sd = module.sharded_state_dict()
     state: dict[str, Any] = {"model": model_sd}
     if with_optim:
-        state["optimizer"] = optimizer.sharded_state_dict(
-            model_sd, is_loading=False, metadata=OPTIMIZER_METADATA
-        )
+        from miles_megatron.streamed_optimizer import is_streamed
+
+        if not is_streamed(optimizer):  # streamed state: files of its own, see below
+            state["optimizer"] = optimizer.sharded_state_dict(
+                model_sd, is_loading=False, metadata=OPTIMIZER_METADATA
+            )
         state["opt_param_scheduler"] = scheduler.state_dict()
     return state
 
@@ -51,6 +56,10 @@ def save_checkpoint(
     target = iteration_dir(save_dir, iteration)
     state = _state(model, optimizer, scheduler, save_optim)
     dist_checkpointing.save(state, str(target), sharded_strategy=save_strategy(True))
+    if save_optim:
+        from miles_megatron.streamed_optimizer import save_streamed_state
+
+        save_streamed_state(optimizer, target)  # no-op unless --stream-optimizer-state-to-disk
     dist.barrier()
     if dist.get_rank() == 0:
         meta = CheckpointMeta(
@@ -106,5 +115,9 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, load_optim: bool) -
     module.load_state_dict(loaded["model"], strict=False)
     if with_optim:
         optimizer.load_state_dict(loaded["optimizer"])
+    if load_optim:
+        from miles_megatron.streamed_optimizer import load_streamed_state
+
+        load_streamed_state(optimizer, path)  # refuses a streamed/in-memory mismatch
     if "opt_param_scheduler" in common:
         scheduler.load_state_dict(common["opt_param_scheduler"])

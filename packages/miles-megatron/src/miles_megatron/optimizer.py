@@ -38,10 +38,9 @@ def wrap_ddp(model: torch.nn.Module, config: Any, args: Any) -> torch.nn.Module:
     return DistributedDataParallel(config, DistributedDataParallelConfig(**kwargs), model)
 
 
-def build_optimizer(model: torch.nn.Module, args: Any):
-    """``(optimizer, scheduler)`` for the DDP-wrapped ``model``."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+def optimizer_config(args: Any):
+    """megatron-core's ``OptimizerConfig`` from the flags (see the module docstring)."""
+    from megatron.core.optimizer import OptimizerConfig
 
     from miles_megatron.generated_flags import config_overrides
 
@@ -64,7 +63,15 @@ def build_optimizer(model: torch.nn.Module, args: Any):
     if kwargs["optimizer_cpu_offload"]:
         kwargs["optimizer_offload_fraction"] = 1.0  # Megatron-LM's default; core's is 0
     kwargs.update(config_overrides(args, OptimizerConfig))
-    optimizer = get_megatron_optimizer(OptimizerConfig(**kwargs), [model])
+    return OptimizerConfig(**kwargs)
+
+
+def build_optimizer(model: torch.nn.Module, args: Any):
+    """``(optimizer, scheduler)`` for the DDP-wrapped ``model``."""
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    optimizer = get_megatron_optimizer(optimizer_config(args), [model])
     if getattr(args, "stream_optimizer_state_to_disk", False):
         from miles_megatron.streamed_optimizer import stream_optimizer_state
 

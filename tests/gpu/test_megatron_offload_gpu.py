@@ -122,7 +122,7 @@ def check_remat_bit_identical(hf_dir: str) -> None:
     backend.close()
 
 
-def check_streamed_equals_in_memory(hf_dir: str, work: str) -> None:
+def check_streamed_equals_in_memory(hf_dir: str, work: str, bucket_numel: int = 4_000_000) -> None:
     """bf16 model: fp32 masters released between steps, state in files, same weights."""
     batch = _batch()
     plain = _backend(hf_dir, [])
@@ -131,7 +131,7 @@ def check_streamed_equals_in_memory(hf_dir: str, work: str) -> None:
     plain_weights = {k: v.clone() for k, v in plain.hf_weights()}
     plain.close()
     extra = ["--stream-optimizer-state-to-disk", "--offload-train-disk-dir", work]
-    extra += ["--stream-optimizer-bucket-numel", "4000000"]
+    extra += ["--stream-optimizer-bucket-numel", str(bucket_numel)]
     streamed = _backend(hf_dir, extra)
     opt = streamed.optimizer.chained_optimizers[0]
     assert len(opt.streamed.buckets) >= 2

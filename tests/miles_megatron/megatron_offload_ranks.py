@@ -1,5 +1,5 @@
-"""Test support: per-rank bodies of the megatron memory tests (sleep/wake targets, remat,
-streamed optimizer state, CPU optimizer offload)."""
+"""Test support: per-rank bodies of the megatron memory tests (sleep/wake to disk, remat,
+streamed optimizer state)."""
 
 from __future__ import annotations
 
@@ -33,60 +33,33 @@ def _param_buffers(backend) -> list[torch.Tensor]:
     return [b.param_data.detach().clone() for b in backend.model.buffers]
 
 
-def disk_sleep_between_rollouts(rank: int, world: int, hf_dir: str, disk_dir: str) -> dict:
-    """Never-slept run vs. a run that sleeps to disk (twice) between rollouts; then a sleep
-    into a directory whose file is /dev/full (ENOSPC) on the slept run."""
-    from miles_megatron.sleep_wake import SleepWake
-    from miles_offload.offload_target import OffloadTarget
+STREAM_FLAGS = [
+    "--stream-optimizer-state-to-disk", "--stream-optimizer-min-numel", "1000",
+    "--stream-optimizer-bucket-numel", "20000",
+]  # fmt: skip
 
-    batch = _batch()
-    plain = _backend(hf_dir, [])
-    plain_losses = [plain.train(r, batch)["loss"] for r in range(2)]
-    plain_weights = _weights(plain)
-    plain.close()
 
-    flags = ["--offload-train", "--offload-train-target", "disk"]
-    flags += ["--offload-train-disk-dir", disk_dir, "--offload-train-disk-chunk-mb", "1"]
-    slept = _backend(hf_dir, flags)
-    losses = [slept.train(0, batch)["loss"]]
-    awake = slept.sleeper.device_bytes()
-    grads = sum(b.grad_data.untyped_storage().nbytes() for b in slept.model.buffers)
-    slept.sleep()
-    slept.sleep()
-    out = {
-        "awake": awake,
-        "asleep": slept.sleeper.device_bytes(),
-        "grad_bytes": grads,
-        "file_bytes": os.path.getsize(slept.sleeper.disk_path),
-        "host_bytes": slept.sleeper.host_bytes,
-    }
-    slept.wake_up()
-    slept.wake_up()
-    losses.append(slept.train(1, batch)["loss"])
-    weights = _weights(slept)
-    out["losses_equal"] = losses == plain_losses
-    out["weights_equal"] = all(torch.equal(weights[k], plain_weights[k]) for k in plain_weights)
+def _adam_state(backend) -> dict[str, dict[str, torch.Tensor]]:
+    """``shard name -> {master, exp_avg, exp_avg_sq}`` of every main-parameter shard."""
+    from miles_megatron.streamed_optimizer import StreamedDistributedOptimizer, _shard_names
 
-    bad_dir = os.path.join(disk_dir, f"full{rank}")
-    os.makedirs(bad_dir)
-    full = os.path.join(bad_dir, f"miles-offload-{os.getpid()}-rank{rank}-megatron.bin")
-    os.symlink("/dev/full", full)  # every write fails with ENOSPC
-    before = _param_buffers(slept)
-    failing = SleepWake(slept.model, slept.optimizer, OffloadTarget("disk", bad_dir, chunk_mb=1))
-    try:
-        failing.sleep()
-        out["enospc"] = None
-    except OSError as error:
-        out["enospc"] = error.errno == errno.ENOSPC and error.filename == full
-        out["enospc_message"] = str(error)
-    out["intact"] = not failing.asleep and all(
-        torch.equal(a, b) for a, b in zip(before, _param_buffers(slept))
-    )
-    out["still_awake_bytes"] = slept.sleeper.device_bytes() == awake
-    slept.train(2, batch)  # still trainable
-    path = slept.sleeper.disk_path
-    slept.close()
-    out["file_removed"] = not os.path.exists(path)
+    out = {}
+    opts = getattr(backend.optimizer, "chained_optimizers", [backend.optimizer])
+    for opt in opts:
+        names = _shard_names(opt)
+        streamed = {n for _, n, _ in getattr(opt.optimizer, "_streamed", [])}
+        for group in opt.optimizer.param_groups:
+            for p in group["params"]:
+                name = names[id(p)]
+                if isinstance(opt, StreamedDistributedOptimizer) and name in streamed:
+                    out[name] = opt.streamed.read_state(name)
+                else:
+                    state = opt.optimizer.state[p]
+                    out[name] = {
+                        "master": p.detach().view(-1).clone(),
+                        "exp_avg": state["exp_avg"].view(-1).clone(),
+                        "exp_avg_sq": state["exp_avg_sq"].view(-1).clone(),
+                    }
     return out
 
 
@@ -135,64 +108,72 @@ def bf16_remat_and_streamed(rank: int, world: int, hf_dir: str, disk: str) -> di
     return out
 
 
-STREAM_FLAGS = [
-    "--stream-optimizer-state-to-disk", "--stream-optimizer-min-numel", "1000",
-    "--stream-optimizer-bucket-numel", "20000",
-]  # fmt: skip
+def fp32_disk_sleep_and_streamed(rank: int, world: int, hf_dir: str, disk: str, save: str) -> dict:
+    """A plain run (in-memory distributed optimizer, never asleep) against the combination
+    ``--offload-train-target disk --stream-optimizer-state-to-disk``: 2 rollouts (4 steps) with
+    a sleep (twice) and wake (twice) in between; then a sleep into /dev/full (ENOSPC); a save,
+    a 3rd rollout and a resumed run of the same 3rd rollout; an in-memory run refusing the
+    streamed checkpoint."""
+    from miles_megatron.sleep_wake import SleepWake
+    from miles_offload.offload_target import OffloadTarget
 
-
-def _adam_state(backend) -> dict[str, dict[str, torch.Tensor]]:
-    """``shard name -> {master, exp_avg, exp_avg_sq}`` of every main-parameter shard."""
-    from miles_megatron.streamed_optimizer import StreamedDistributedOptimizer, _shard_names
-
-    out = {}
-    opts = getattr(backend.optimizer, "chained_optimizers", [backend.optimizer])
-    for opt in opts:
-        names = _shard_names(opt)
-        streamed = {n for _, n, _ in getattr(opt.optimizer, "_streamed", [])}
-        for group in opt.optimizer.param_groups:
-            for p in group["params"]:
-                name = names[id(p)]
-                if isinstance(opt, StreamedDistributedOptimizer) and name in streamed:
-                    out[name] = opt.streamed.read_state(name)
-                else:
-                    state = opt.optimizer.state[p]
-                    out[name] = {
-                        "master": p.detach().view(-1).clone(),
-                        "exp_avg": state["exp_avg"].view(-1).clone(),
-                        "exp_avg_sq": state["exp_avg_sq"].view(-1).clone(),
-                    }
-    return out
-
-
-def streamed_matches_in_memory(rank: int, world: int, hf_dir: str, disk: str, save: str) -> dict:
-    """In-memory vs streamed distributed optimizer over 4 steps (2 rollouts); the streamed run
-    saves, trains a 3rd rollout, and a resumed run trains the same 3rd rollout."""
     batch = _batch()
     plain = _backend(hf_dir, [])
     plain_losses = [plain.train(r, batch)["loss"] for r in range(2)]
-    plain_state = _adam_state(plain)
+    plain_state, plain_weights = _adam_state(plain), _weights(plain)
     plain.close()
 
-    flags = [*STREAM_FLAGS, "--offload-train-disk-dir", disk, "--save", save]
-    streamed = _backend(hf_dir, flags)
-    inner = streamed.optimizer.chained_optimizers[0].streamed
+    flags = ["--offload-train", "--offload-train-target", "disk", "--offload-train-disk-dir", disk]
+    flags += ["--offload-train-disk-chunk-mb", "1", *STREAM_FLAGS]
+    run = _backend(hf_dir, [*flags, "--save", save])
+    inner = run.optimizer.chained_optimizers[0].streamed
     out = {"buckets": len(inner.buckets), "streamed": len(inner._streamed)}
     out["small"] = len(inner._small)
-    losses = [streamed.train(r, batch)["loss"] for r in range(2)]
-    state = _adam_state(streamed)
+    losses = [run.train(0, batch)["loss"]]
+    out["awake"] = run.sleeper.device_bytes()
+    out["grad_bytes"] = sum(b.grad_data.untyped_storage().nbytes() for b in run.model.buffers)
+    run.sleep()
+    run.sleep()
+    out["asleep"] = run.sleeper.device_bytes()
+    out["file_bytes"] = os.path.getsize(run.sleeper.disk_path)
+    out["host_bytes"] = run.sleeper.host_bytes
+    run.wake_up()
+    run.wake_up()
+    losses.append(run.train(1, batch)["loss"])
+    state, weights = _adam_state(run), _weights(run)
     out["losses_equal"] = losses == plain_losses
     out["names_equal"] = sorted(state) == sorted(plain_state)
     out["state_equal"] = {
         key: all(torch.equal(state[n][key], plain_state[n][key]) for n in plain_state)
         for key in ("master", "exp_avg", "exp_avg_sq")
     }
-    streamed.save_model(1)
-    continued = streamed.train(2, batch)["loss"]
-    continued_weights = _weights(streamed)
-    streamed.close()
+    out["weights_equal"] = all(torch.equal(weights[k], v) for k, v in plain_weights.items())
 
-    resumed = _backend(hf_dir, [*flags[:-2], "--load", save])
+    bad_dir = os.path.join(disk, f"full{rank}")
+    os.makedirs(bad_dir)
+    full = os.path.join(bad_dir, f"miles-offload-{os.getpid()}-rank{rank}-megatron.bin")
+    os.symlink("/dev/full", full)  # every write fails with ENOSPC
+    before = _param_buffers(run)
+    failing = SleepWake(run.model, run.optimizer, OffloadTarget("disk", bad_dir, chunk_mb=1))
+    try:
+        failing.sleep()
+        out["enospc"] = None
+    except OSError as error:
+        out["enospc"] = error.errno == errno.ENOSPC and error.filename == full
+        out["enospc_message"] = str(error)
+    out["intact"] = not failing.asleep and all(
+        torch.equal(a, b) for a, b in zip(before, _param_buffers(run))
+    )
+    out["still_awake_bytes"] = run.sleeper.device_bytes() == out["awake"]
+
+    run.save_model(1)
+    continued = run.train(2, batch)["loss"]
+    continued_weights = _weights(run)
+    path = run.sleeper.disk_path
+    run.close()
+    out["file_removed"] = not os.path.exists(path)
+
+    resumed = _backend(hf_dir, [*flags, "--load", save])
     out["resumed_equal"] = resumed.train(2, batch)["loss"] == continued and all(
         torch.equal(v, continued_weights[k]) for k, v in _weights(resumed).items()
     )

@@ -1,30 +1,34 @@
-"""Megatron memory flags: sleep/wake to disk, parameter rematerialisation from the fp32
-masters, and the argument rules of the memory flags."""
+"""Megatron memory flags: sleep/wake to disk, the streamed optimizer state, parameter
+rematerialisation from the fp32 masters, and the argument rules of the memory flags."""
 
 from __future__ import annotations
 
 import pytest
 from dist_ranks import spawn_ranks
-from megatron_offload_ranks import bf16_remat_and_streamed, disk_sleep_between_rollouts
+from megatron_offload_ranks import bf16_remat_and_streamed, fp32_disk_sleep_and_streamed
 from megatron_tiny_models import make_tiny_hf
 from miles_core.args import ArgumentError
 
 
 @pytest.mark.slow
-def test_disk_sleep_is_invisible_to_training_and_enospc_leaves_the_model_intact(tmp_path):
+def test_disk_sleep_and_streamed_state_equal_the_plain_run(tmp_path):
     hf_dir = str(make_tiny_hf("qwen3", tmp_path / "hf"))
-    disk = tmp_path / "offload"
-    disk.mkdir()
-    for r in spawn_ranks(disk_sleep_between_rollouts, 2, hf_dir, str(disk), timeout=300):
+    disk, save = str(tmp_path / "disk"), str(tmp_path / "save")
+    for r in spawn_ranks(fp32_disk_sleep_and_streamed, 2, hf_dir, disk, save, timeout=400):
+        assert r["buckets"] >= 2 and r["streamed"] > 0 and r["small"] > 0
         assert r["awake"] > 100_000 and r["asleep"] == 0
         # params and optimizer state written (512-byte aligned slots), gradients only freed
         moved = r["awake"] - r["grad_bytes"]
         assert r["grad_bytes"] > 0 and moved <= r["file_bytes"] < moved + (64 << 10)
         assert r["host_bytes"] <= 4 << 20  # the ring (4 chunks of 1 MiB), not a host copy
-        assert r["losses_equal"] and r["weights_equal"]
+        # 4 steps, a sleep in between: bit-identical to the in-memory optimizer, never asleep
+        assert r["losses_equal"] and r["names_equal"] and r["weights_equal"]
+        assert r["state_equal"] == {"master": True, "exp_avg": True, "exp_avg_sq": True}
         assert r["enospc"] and "offset" in r["enospc_message"]
         assert r["intact"] and r["still_awake_bytes"]
         assert r["file_removed"]
+        assert r["resumed_equal"]
+        assert "saved with --stream-optimizer-state-to-disk" in r["in_memory_refused"]
 
 
 @pytest.mark.slow
@@ -78,20 +82,6 @@ def _parse(argv):
 def test_memory_flag_rules(argv, message):
     with pytest.raises(ArgumentError, match=message):
         _parse(argv)
-
-
-@pytest.mark.slow
-def test_streamed_optimizer_equals_in_memory_and_resumes(tmp_path):
-    from megatron_offload_ranks import streamed_matches_in_memory
-
-    hf_dir = str(make_tiny_hf("qwen3", tmp_path / "hf"))
-    disk, save = str(tmp_path / "disk"), str(tmp_path / "save")
-    for r in spawn_ranks(streamed_matches_in_memory, 2, hf_dir, disk, save, timeout=400):
-        assert r["buckets"] >= 2 and r["streamed"] > 0 and r["small"] > 0
-        assert r["losses_equal"] and r["names_equal"]
-        assert r["state_equal"] == {"master": True, "exp_avg": True, "exp_avg_sq": True}
-        assert r["resumed_equal"]
-        assert "saved with --stream-optimizer-state-to-disk" in r["in_memory_refused"]
 
 
 def test_optimizer_memory_flags_reach_optimizer_config():

@@ -63,13 +63,13 @@ def _adam_state(backend) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
-def bf16_remat_and_streamed(rank: int, world: int, hf_dir: str, disk: str) -> dict:
+def bf16_remat_and_streamed(rank: int, world: int, hf_dir: str, disk: str, save: str) -> dict:
     """bf16 model, 2 DP ranks: (1) train, sleep with remat (params not copied), wake, compare
-    the parameter buffers; (2) the streamed optimizer, whose fp32 master shards are released
+    the parameter buffers, and again after a resume with --no-load-optim; (2) the streamed optimizer, whose fp32 master shards are released
     between steps; both trained 2 rollouts against a plain run."""
     batch = _batch()
     flags = ["--bf16", "--colocate", "--rematerialize-param-from-master-weight"]
-    backend = _backend(hf_dir, flags)
+    backend = _backend(hf_dir, [*flags, "--save", save])
     backend.train(0, batch)
     before = _param_buffers(backend)
     backend.sleep()
@@ -83,7 +83,22 @@ def bf16_remat_and_streamed(rank: int, world: int, hf_dir: str, disk: str) -> di
     out["bit_identical"] = all(torch.equal(a, b) for a, b in zip(before, _param_buffers(backend)))
     backend.train(1, batch)
     remat_weights = _weights(backend)
+    backend.save_model(1)
     backend.close()
+
+    # resumed without the optimizer state: the masters are rebuilt from the loaded weights, so
+    # a rematerialising sleep/wake gives back the loaded weights, not the HF ones
+    resumed = _backend(hf_dir, [*flags, "--load", save, "--no-load-optim"])
+    loaded = _param_buffers(resumed)
+    resumed.sleep()
+    resumed.wake_up()
+    out["resumed_remat_identical"] = all(
+        torch.equal(a, b) for a, b in zip(loaded, _param_buffers(resumed))
+    )
+    out["resumed_loaded"] = all(
+        torch.equal(v, remat_weights[k]) for k, v in _weights(resumed).items()
+    )
+    resumed.close()
 
     streamed = _backend(hf_dir, ["--bf16", *STREAM_FLAGS, "--offload-train-disk-dir", disk])
     opt = streamed.optimizer.chained_optimizers[0]

@@ -34,14 +34,15 @@ def test_disk_sleep_and_streamed_state_equal_the_plain_run(tmp_path):
 @pytest.mark.slow
 def test_bf16_remat_and_streamed_state_are_bit_identical(tmp_path):
     hf_dir = str(make_tiny_hf("qwen3", tmp_path / "hf"))
-    disk = str(tmp_path / "disk")
-    for r in spawn_ranks(bf16_remat_and_streamed, 2, hf_dir, disk, timeout=400):
+    disk, save = str(tmp_path / "disk"), str(tmp_path / "save")
+    for r in spawn_ranks(bf16_remat_and_streamed, 2, hf_dir, disk, save, timeout=400):
         assert "torch.bfloat16" in r["dtypes"]
         assert r["asleep"] == 0
         # the arena holds the optimizer (fp32 masters + moments of the DP shard), not the
         # bf16 parameters: 12 bytes per parameter / 2 ranks = 3 x the 2-byte parameter buffer
         assert 0 < r["host_bytes"] < 3 * r["param_bytes"] + (64 << 10)
         assert r["bit_identical"] and r["remat_equal"]
+        assert r["resumed_loaded"] and r["resumed_remat_identical"]
         assert r["released"] and r["all_streamed"] and r["streamed_equal"]
 
 

@@ -115,6 +115,8 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, load_optim: bool) -
     module.load_state_dict(loaded["model"], strict=False)
     if with_optim:
         optimizer.load_state_dict(loaded["optimizer"])
+    else:  # 16-bit models: the fp32 master shards were made from the weights before the load
+        optimizer.reload_model_params()
     if load_optim:
         from miles_megatron.streamed_optimizer import load_streamed_state
 

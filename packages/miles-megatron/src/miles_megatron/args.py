@@ -76,18 +76,7 @@ class MegatronArgs(ArgGroup):
             raise ArgumentError(
                 "--context-parallel-size > 1 needs TransformerEngine, which is not installed"
             )
-        if getattr(args, "use_precision_aware_optimizer", None) and not (
-            transformer_engine_available()
-        ):
-            raise ArgumentError(
-                "--use-precision-aware-optimizer needs TransformerEngine, which is not installed"
-            )
-        if getattr(args, "use_precision_aware_optimizer", None) and getattr(
-            args, "rematerialize_param_from_master_weight", False
-        ):
-            raise ArgumentError(
-                "--rematerialize-param-from-master-weight excludes --use-precision-aware-optimizer"
-            )
+        check_memory_flags(args)
         world = world_size_of(args)
         check_parallel_sizes(args, world, model_args=None)
         if args.num_attention_heads is not None and args.num_attention_heads % tp:
@@ -109,6 +98,38 @@ class MegatronArgs(ArgGroup):
             except BridgeError as exc:
                 raise ArgumentError(str(exc)) from exc
             check_parallel_sizes(args, world_size_of(args), model_args=margs)
+
+
+def check_memory_flags(args: Any) -> None:
+    """The megatron-specific rules of the memory flags (miles-core's offload group checks the
+    rest: ``--rematerialize-param-from-master-weight`` needs ``--colocate`` and the cpu target,
+    ``--stream-optimizer-state-to-disk`` excludes ``--optimizer-cpu-offload``)."""
+    from miles_core.args.groups.offload import offload_train_on
+
+    precision_aware = bool(getattr(args, "use_precision_aware_optimizer", None))
+    if getattr(args, "rematerialize_param_from_master_weight", False):
+        if precision_aware:
+            raise ArgumentError(
+                "--rematerialize-param-from-master-weight excludes --use-precision-aware-optimizer"
+            )
+        if not offload_train_on(args):
+            raise ArgumentError("--rematerialize-param-from-master-weight requires --offload-train")
+    if precision_aware and not transformer_engine_available():
+        raise ArgumentError(
+            "--use-precision-aware-optimizer needs TransformerEngine, which is not installed"
+        )
+    if args.optimizer_cpu_offload and not (
+        getattr(args, "bf16", False) or getattr(args, "fp16", False)
+    ):
+        raise ArgumentError(
+            "--optimizer-cpu-offload needs --bf16 or --fp16 (megatron-core's "
+            "HybridDeviceOptimizer cannot take fp32 parameters' shards)"
+        )
+    if getattr(args, "overlap_cpu_optimizer_d2h_h2d", None) and not args.optimizer_cpu_offload:
+        raise ArgumentError("--overlap-cpu-optimizer-d2h-h2d requires --optimizer-cpu-offload")
+    fraction = getattr(args, "optimizer_offload_fraction", None)
+    if fraction is not None and not 0.0 <= fraction <= 1.0:
+        raise ArgumentError(f"--optimizer-offload-fraction must be in [0, 1], got {fraction}")
 
 
 def world_size_of(args: Any) -> int | None:

@@ -16,8 +16,7 @@ after init; ``--custom-megatron-before-log-prob-hook-path`` ``f(args, model, bat
 each log-prob pass; ``--custom-megatron-before-train-step-hook-path``
 ``f(args, rollout_id, step, model, optimizer)`` before each optimizer step.
 
-Not yet here (see docs/miles-megatron.md): CP > 1 training without TransformerEngine, the disk
-offload target.
+Not yet here (see docs/miles-megatron.md): CP > 1 training without TransformerEngine.
 
 Reference model: with ``--ref-load`` (``--ref-mode ref``) the reference's shards are kept on
 the host and swapped in for the reference log-prob pass (:mod:`miles_megatron.reference_model`);
@@ -43,7 +42,7 @@ from miles_megatron.model_config import build_gpt_model, import_function, transf
 from miles_megatron.optimizer import build_optimizer, wrap_ddp
 from miles_megatron.parallel import destroy_parallel, initialize_parallel
 from miles_megatron.reference_model import ReferenceModel, wants_reference
-from miles_megatron.sleep_wake import SleepWake
+from miles_megatron.sleep_wake import sleeper_from_args
 
 
 class MegatronBackend(TrainBackend):
@@ -68,8 +67,6 @@ class MegatronBackend(TrainBackend):
     def init(self, args: Any, role: str = "actor") -> int:
         if getattr(args, "kl_coef", 0.0) and not wants_reference(args):
             raise ArgumentError("megatron backend: --kl-coef needs a reference model (--ref-load)")
-        if getattr(args, "offload_train_target", "cpu") == "disk":
-            raise ArgumentError("megatron backend: --offload-train-target disk is not wired yet")
         if args.context_parallel_size > 1:
             raise ArgumentError(
                 "megatron backend: --context-parallel-size > 1 needs TransformerEngine's "
@@ -108,7 +105,7 @@ class MegatronBackend(TrainBackend):
             restore_marked_dtypes(model)
         self.model = wrap_ddp(model, config, args)
         self.optimizer, self.scheduler = build_optimizer(self.model, args)
-        self.sleeper = SleepWake(self.model, self.optimizer)
+        self.sleeper = sleeper_from_args(self.model, self.optimizer, args)
         next_rollout_id = 0
         if resumed is not None:
             from miles_megatron.checkpoint import load_checkpoint
@@ -306,5 +303,11 @@ class MegatronBackend(TrainBackend):
         if self._publisher is not None:
             self._publisher.close()
             self._publisher = None
+        if getattr(self, "sleeper", None) is not None:
+            self.sleeper.close()
+        if self.optimizer is not None:
+            from miles_megatron.streamed_optimizer import close_streamed
+
+            close_streamed(self.optimizer)
         destroy_parallel()
         self.model = self.optimizer = self.scheduler = None

@@ -17,6 +17,9 @@ whose write runs in a forked process (``AsyncCallsQueue``); the finalisation (me
 metadata, then our meta.json and tracker commit) runs on every rank only after every rank's
 write finished. Until then the tracker names the previous iteration, so a crash leaves that one
 loadable. :func:`finish_saves` waits for what is in flight (the next save and ``close`` call it).
+
+A streamed optimizer (``--stream-optimizer-state-to-disk``) saves its own files next to them,
+synchronously (:mod:`miles_megatron.streamed_optimizer`).
 """
 
 from __future__ import annotations
@@ -43,9 +46,12 @@ def _state(model, optimizer, scheduler, with_optim: bool) -> dict[str, Any]:
     model_sd = module.sharded_state_dict()
     state: dict[str, Any] = {"model": model_sd}
     if with_optim:
-        state["optimizer"] = optimizer.sharded_state_dict(
-            model_sd, is_loading=False, metadata=OPTIMIZER_METADATA
-        )
+        from miles_megatron.streamed_optimizer import is_streamed
+
+        if not is_streamed(optimizer):  # streamed state: files of its own, see save_checkpoint
+            state["optimizer"] = optimizer.sharded_state_dict(
+                model_sd, is_loading=False, metadata=OPTIMIZER_METADATA
+            )
         state["opt_param_scheduler"] = scheduler.state_dict()
     return state
 
@@ -143,6 +149,10 @@ def save_checkpoint(
         extra={k: v for k, v in meta_extra.items() if k != "global_step"},
     )
     state = _state(model, optimizer, scheduler, save_optim)
+    if save_optim:  # synchronous, so before any tracker commit (also with --async-save)
+        from miles_megatron.streamed_optimizer import save_streamed_state
+
+        save_streamed_state(optimizer, target)  # no-op unless --stream-optimizer-state-to-disk
     if async_queue is None:
         dist_checkpointing.save(state, str(target), sharded_strategy=save_strategy(True))
         _commit(save_dir, meta)
@@ -218,5 +228,11 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, load_optim: bool) -
     if with_optim:
         optimizer.load_state_dict(loaded["optimizer"])
         _unshare_adam_steps(optimizer)
+    else:  # 16-bit models: the fp32 master shards were made from the weights before the load
+        optimizer.reload_model_params()
+    if load_optim:
+        from miles_megatron.streamed_optimizer import load_streamed_state
+
+        load_streamed_state(optimizer, path)  # refuses a streamed/in-memory mismatch
     if "opt_param_scheduler" in common:
         scheduler.load_state_dict(common["opt_param_scheduler"])

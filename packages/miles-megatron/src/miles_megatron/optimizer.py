@@ -6,8 +6,12 @@ from the DDP buffers into them and the updated parameters all-gathered back.
 
 Flag mapping (miles-core's optimizer group -> ``OptimizerConfig``): ``--lr`` -> ``lr``,
 ``--min-lr`` -> ``min_lr``, ``--weight-decay``, ``--adam-beta1/2``, ``--adam-eps``,
-``--clip-grad`` (0 disables clipping), ``--bf16``/``--fp16``, ``--optimizer-cpu-offload``;
-generated ``OptimizerConfig`` / ``DistributedDataParallelConfig`` flags apply on top. The LR
+``--clip-grad`` (0 disables clipping), ``--bf16``/``--fp16``, ``--optimizer-cpu-offload``
+(megatron-core's ``HybridDeviceOptimizer``; ``optimizer_offload_fraction`` 1.0 unless
+``--optimizer-offload-fraction`` is given, as in Megatron-LM); generated ``OptimizerConfig`` /
+``DistributedDataParallelConfig`` flags apply on top (``--overlap-cpu-optimizer-d2h-h2d``,
+``--use-precision-aware-optimizer``, ...). ``--stream-optimizer-state-to-disk`` swaps the inner
+AdamW for miles-offload's streamed one (:mod:`miles_megatron.streamed_optimizer`). The LR
 schedule is megatron-core's ``OptimizerParamScheduler`` with ``--lr-warmup-iters``,
 ``--lr-decay-iters`` (unset: constant after warm-up) and ``--lr-decay-style``.
 """
@@ -34,10 +38,9 @@ def wrap_ddp(model: torch.nn.Module, config: Any, args: Any) -> torch.nn.Module:
     return DistributedDataParallel(config, DistributedDataParallelConfig(**kwargs), model)
 
 
-def build_optimizer(model: torch.nn.Module, args: Any):
-    """``(optimizer, scheduler)`` for the DDP-wrapped ``model``."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+def optimizer_config(args: Any):
+    """megatron-core's ``OptimizerConfig`` from the flags (see the module docstring)."""
+    from megatron.core.optimizer import OptimizerConfig
 
     from miles_megatron.generated_flags import config_overrides
 
@@ -57,8 +60,22 @@ def build_optimizer(model: torch.nn.Module, args: Any):
         use_distributed_optimizer=True,
         optimizer_cpu_offload=bool(getattr(args, "optimizer_cpu_offload", False)),
     )
+    if kwargs["optimizer_cpu_offload"]:
+        kwargs["optimizer_offload_fraction"] = 1.0  # Megatron-LM's default; core's is 0
     kwargs.update(config_overrides(args, OptimizerConfig))
-    optimizer = get_megatron_optimizer(OptimizerConfig(**kwargs), [model])
+    return OptimizerConfig(**kwargs)
+
+
+def build_optimizer(model: torch.nn.Module, args: Any):
+    """``(optimizer, scheduler)`` for the DDP-wrapped ``model``."""
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    optimizer = get_megatron_optimizer(optimizer_config(args), [model])
+    if getattr(args, "stream_optimizer_state_to_disk", False):
+        from miles_megatron.streamed_optimizer import stream_optimizer_state
+
+        stream_optimizer_state(optimizer, args)
     decay_iters = args.lr_decay_iters or 0
     warmup = args.lr_warmup_iters
     scheduler = OptimizerParamScheduler(

@@ -4,15 +4,29 @@ Megatron's DDP keeps parameters and gradients in contiguous buffers that paramet
 ``main_grad`` and the distributed optimizer's shards are *views* of, so nothing may be
 re-allocated: the memory is released by shrinking each storage to zero bytes and grown back
 on wake, which keeps every view valid (megatron-core's own ``offload_to_cpu`` /
-``reload_from_cpu`` of its buffers does this for parameters and gradients).
+``reload_from_cpu`` of its buffers works the same way). What moves, per storage:
 
-* parameter buffers: copied to host memory (pinned on CUDA), storage freed, copied back;
+* parameter buffers: their bytes go to the target and come back;
 * gradient buffers: freed, re-grown zeroed (a sleep happens between optimizer steps);
 * optimizer state (Adam moments, fp32 master shards that are not views of a DDP buffer):
-  copied to host memory, storage freed, copied back.
+  their bytes go to the target and come back.
 
-Both calls are idempotent. With ``--offload-train-target disk`` the miles-offload disk store is
-not wired yet (an ArgumentError at init).
+The bytes go through miles-offload's stores (``--offload-train-target``): ``cpu`` is one
+pinned arena per rank (:class:`~miles_offload.pinned_store.PinnedStore`, sized at the first
+sleep and reused), ``disk`` one file per rank under ``--offload-train-disk-dir``
+(:class:`~miles_offload.disk_target.DiskStore`: device -> pinned ring -> file with O_DIRECT,
+host memory = the ring). A sleep writes everything before it frees anything, so a failed
+write (ENOSPC, EIO) raises with the file and offset and leaves the model awake and intact.
+
+``--rematerialize-param-from-master-weight`` (cpu target): the 16-bit parameter buffers are
+not copied at all. On wake they are re-grown, zeroed, and rebuilt from the fp32 master shards
+(which came back with the optimizer state): each rank casts its shards into its part of the
+buffer (megatron's ``_copy_main_params_to_model_params``, the same cast as after a step) and
+DDP all-gathers the buffer over the data-parallel group (``start_param_sync``). A parameter
+is always the cast of its master after a step, so the rebuilt buffer is bit-identical. fp32
+parameter buffers hold their own masters and are copied as usual.
+
+Both calls are idempotent.
 """
 
 from __future__ import annotations
@@ -20,14 +34,25 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+from miles_native import CopyEngine
+from miles_offload.disk_target import DiskStore
+from miles_offload.offload_target import OffloadTarget
+from miles_offload.pinned_store import PinnedStore
+from miles_offload.state_tensors import MovedTensor
+
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def _buffers(model) -> list:
     return list(model.buffers) + list(getattr(model, "expert_parallel_buffers", []))
 
 
+def _distributed_optimizers(optimizer) -> list:
+    return [o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if o is not None]
+
+
 def _optimizer_tensors(optimizer) -> Iterator[torch.Tensor]:
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in _distributed_optimizers(optimizer):
         inner = getattr(opt, "optimizer", None)
         if inner is None:
             continue
@@ -39,56 +64,174 @@ def _optimizer_tensors(optimizer) -> Iterator[torch.Tensor]:
                     yield value
 
 
-class SleepWake:
-    """Releases and restores the device memory of a DDP model and its optimizer."""
+def _whole_storage(t: torch.Tensor) -> torch.Tensor:
+    """A flat ``uint8`` tensor over all of ``t``'s storage."""
+    storage = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+        storage, 0, (storage.nbytes(),), (1,)
+    )
 
-    def __init__(self, model, optimizer) -> None:
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class SleepWake:
+    """Releases and restores the device memory of a DDP model and its optimizer.
+
+    ``target``: where the bytes go (default: pinned host memory). ``rematerialize``: rebuild
+    the 16-bit parameter buffers from the fp32 masters instead of copying them (cpu target).
+    """
+
+    def __init__(
+        self,
+        model,
+        optimizer,
+        target: OffloadTarget | None = None,
+        rematerialize: bool = False,
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
+        self.target = target or OffloadTarget()
+        if rematerialize and self.target.kind != "cpu":
+            raise ValueError("rematerialize needs the cpu offload target")
+        self.rematerialize = rematerialize
         self.asleep = False
-        self._host: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self.device = _buffers(model)[0].param_data.device if _buffers(model) else None
+        on_cuda = self.device is not None and self.device.type == "cuda"
+        self.engine = CopyEngine(device=(self.device.index or 0) if on_cuda else 0)
+        self._store: PinnedStore | DiskStore | None = None  # opened at the first sleep
+        self._moved: list[tuple[torch.UntypedStorage, int]] = []  # (storage, bytes) with data
+        self._freed: list[tuple[torch.UntypedStorage, int]] = []  # grads and rematerialized
+        self._views: list[torch.Tensor] = []  # cpu target: the arena slots of `_moved`
+
+    @property
+    def store(self) -> PinnedStore | DiskStore:
+        if self._store is None:
+            disk = self.target.kind == "disk"
+            self._store = DiskStore(self.target, _rank(), "megatron") if disk else PinnedStore()
+        return self._store
+
+    # -- what moves -------------------------------------------------------------------
+
+    def _plan(self) -> tuple[list[MovedTensor], list[torch.Tensor]]:
+        """``(entries whose bytes move, tensors only freed)``, one per distinct storage."""
+        moved: list[MovedTensor] = []
+        freed: list[torch.Tensor] = []
+        seen: set[int] = set()
+
+        def new(t: torch.Tensor | None) -> bool:
+            if t is None or t.device != self.device or t.untyped_storage().nbytes() == 0:
+                return False  # absent, already on the host (CPU-offloaded optimizer), or freed
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen:
+                return False
+            seen.add(ptr)
+            return True
+
+        for i, buffer in enumerate(_buffers(self.model)):
+            param = buffer.param_data
+            if new(param):
+                if self.rematerialize and param.dtype in _HALF:
+                    freed.append(param)
+                else:
+                    flat = _whole_storage(param)
+                    moved.append(MovedTensor(f"buffer{i}.param_data", flat, flat))
+            if new(buffer.grad_data):
+                freed.append(buffer.grad_data)
+        for k, t in enumerate(_optimizer_tensors(self.optimizer)):
+            if new(t):
+                flat = _whole_storage(t)
+                moved.append(MovedTensor(f"optimizer.tensor{k}", flat, flat))
+        return moved, freed
+
+    def _stream(self) -> int:
+        if self.device is not None and self.device.type == "cuda":
+            return torch.cuda.current_stream(self.device).cuda_stream
+        return 0
 
     def _sync(self) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        self.engine.synchronize()
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
+    # -- sleep / wake -----------------------------------------------------------------
+
+    @torch.no_grad()
     def sleep(self) -> None:
+        """Write the state to the target, then free every storage. Idempotent."""
         if self.asleep:
             return
-        self._sync()
-        buffer_storages = set()
-        for buffer in _buffers(self.model):
-            for t in (buffer.param_data, buffer.grad_data):
-                if t is not None:
-                    buffer_storages.add(t.untyped_storage().data_ptr())
-            buffer.offload_to_cpu(move_params=True, move_grads=True)
-        seen = set(buffer_storages)
-        self._host = []
-        for t in _optimizer_tensors(self.optimizer):
-            storage = t.untyped_storage()
-            if storage.data_ptr() in seen or storage.size() == 0:
-                continue  # a view of a DDP buffer (already handled) or already moved
-            seen.add(storage.data_ptr())
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-            host.copy_(t)
-            self._host.append((t, host, storage.size()))
+        moved, freed = self._plan()
+        stream = self._stream()
+        if isinstance(self.store, DiskStore):
+            self.store.sleep(moved, self.engine, stream)  # writes all, then frees `moved`
+            self._views = []
+        else:
+            self.store.prepare(moved)
+            self._views = self.store.copy_in(moved, self.engine, stream)
+            self._sync()
+            for e in moved:
+                e.source.untyped_storage().resize_(0)
+        self._moved = [(e.source.untyped_storage(), e.nbytes) for e in moved]
+        self._freed = [(t.untyped_storage(), t.untyped_storage().nbytes()) for t in freed]
+        for storage, _ in self._freed:
             storage.resize_(0)
-        self._sync()
-        if torch.cuda.is_available():
+        if self.device is not None and self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.asleep = True
 
+    @torch.no_grad()
     def wake_up(self) -> None:
+        """Re-grow every storage and bring its bytes back. Idempotent."""
         if not self.asleep:
             return
-        for buffer in _buffers(self.model):
-            buffer.reload_from_cpu(move_params=True, move_grads=True)
-        for t, host, nbytes in self._host:
-            t.untyped_storage().resize_(nbytes)
-            t.copy_(host)
-        self._host = []
+        stream = self._stream()
+        if isinstance(self.store, DiskStore):
+            self.store.wake(self.engine, stream)
+        else:
+            for storage, nbytes in self._moved:
+                storage.resize_(nbytes)
+            dst = [storage.data_ptr() for storage, _ in self._moved]
+            src = [v.data_ptr() for v in self._views]
+            sizes = [n for _, n in self._moved]
+            self.engine.submit(dst, src, sizes, to_device=True, after_stream=stream)
+        for storage, nbytes in self._freed:
+            storage.resize_(nbytes)
         self._sync()
+        for buffer in _buffers(self.model):
+            if buffer.grad_data is not None:
+                buffer.grad_data.zero_()
+        if self.rematerialize:
+            self._rebuild_params()
+        self._moved, self._freed, self._views = [], [], []
         self.asleep = False
+
+    def _rebuild_params(self) -> None:
+        """16-bit parameter buffers <- cast of the fp32 master shards, all-gathered over DP."""
+        for buffer in _buffers(self.model):
+            if buffer.param_data is not None and buffer.param_data.dtype in _HALF:
+                buffer.param_data.zero_()  # the padding between parameters, as DDP left it
+        for opt in _distributed_optimizers(self.optimizer):
+            opt._copy_main_params_to_model_params()
+        self.model.start_param_sync(force_sync=True)
+        self._sync()
+
+    # -- bookkeeping ------------------------------------------------------------------
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory held for the sleeping state: the arena (cpu) or the ring (disk)."""
+        if self._store is None:
+            return 0
+        if isinstance(self.store, DiskStore):
+            return self.store.ring_bytes
+        return self.store.nbytes
+
+    @property
+    def disk_path(self) -> str | None:
+        return self._store.path if isinstance(self._store, DiskStore) else None
 
     def device_bytes(self) -> int:
         """Bytes currently held by the buffers' and optimizer tensors' storages (for tests)."""
@@ -105,3 +248,22 @@ class SleepWake:
                 seen.add(key)
                 total += storage.size()
         return total
+
+    def close(self) -> None:
+        """Wake if asleep, then drop the host copy (and remove the disk file)."""
+        self.wake_up()
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+
+def sleeper_from_args(model, optimizer, args) -> SleepWake:
+    """``--offload-train-target`` / ``--offload-train-disk-*`` and
+    ``--rematerialize-param-from-master-weight`` (validated by miles-core's offload group)."""
+    target = OffloadTarget(
+        kind=getattr(args, "offload_train_target", "cpu"),
+        disk_dir=getattr(args, "offload_train_disk_dir", None),
+        chunk_mb=getattr(args, "offload_train_disk_chunk_mb", 256),
+    )
+    remat = bool(getattr(args, "rematerialize_param_from_master_weight", False))
+    return SleepWake(model, optimizer, target, rematerialize=remat)

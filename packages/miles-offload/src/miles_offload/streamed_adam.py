@@ -1,6 +1,7 @@
 """AdamW whose fp32 master weights and both moments live in per-bucket files during the step.
 
 ``StreamedAdamW(named_params, lr, betas, eps, weight_decay, config=StreamedAdamConfig(...))``
+(config: :mod:`miles_offload.streamed_adam_config`)
 is a :class:`torch.optim.Optimizer` (``LambdaLR`` and ``param_groups`` work as usual). For
 each parameter with at least ``min_numel`` elements (counted on the full parameter, so the
 split does not depend on the DP size), this rank's local shard (``p.to_local()`` for FSDP2
@@ -16,7 +17,7 @@ through :func:`miles_native.open_file_streamer` (O_DIRECT) and two
 Smaller parameters keep an ordinary on-device AdamW state in ``self.state``.
 
 Arithmetic: every update, streamed or not, is one call of torch's own functional
-``torch.optim.adam.adam(..., decoupled_weight_decay=True)`` (what ``torch.optim.AdamW``
+``torch.optim.adam.adam(..., decoupled_weight_decay=True)`` (:mod:`miles_offload.adamw_functional`) (what ``torch.optim.AdamW``
 calls) with the same ``foreach`` / ``fused`` choice, on the master, gradient and moment
 views of each segment. AdamW is elementwise, so with fp32 moments and fp32 parameters the
 result is bit-identical to ``torch.optim.AdamW(foreach=..., fused=...)`` kept on the device:
@@ -39,16 +40,14 @@ import shutil
 import tempfile
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from miles_native import CopyEngine, PinnedArena, open_file_streamer
 from torch.distributed.tensor import DTensor
-from torch.optim.adam import adam
-from torch.optim.optimizer import _get_scalar_dtype
 
+from miles_offload.adamw_functional import adamw_update, new_adamw_state, step_tensors
 from miles_offload.disk_target import RAM_FILESYSTEMS, filesystem_type
 from miles_offload.offload_target import default_disk_dir
 from miles_offload.optimizer_buckets import (
@@ -60,45 +59,14 @@ from miles_offload.optimizer_buckets import (
     plan_buckets,
 )
 from miles_offload.optimizer_manifest import load_checkpoint, save_checkpoint
+from miles_offload.streamed_adam_config import StreamedAdamConfig
+
+__all__ = ["StreamedAdamConfig", "StreamedAdamW", "from_args"]
 
 logger = logging.getLogger(__name__)
 
 SLOTS = 3  # device buffers: loading i+1, updating i, storing i-1
 WORK_NUMEL = 1 << 25  # elements per update call: bounds fp32 working copies (bf16 moments/grads)
-
-
-@dataclass(frozen=True)
-class StreamedAdamConfig:
-    """Where and how the streamed state lives.
-
-    ``chunk_mb`` x ``ring_chunks`` is the pinned staging ring of each bucket file's streamer
-    (host memory: buckets x ring). ``foreach`` / ``fused`` as in ``torch.optim.AdamW``.
-    """
-
-    disk_dir: str | None = None
-    moment_dtype: str = "fp32"
-    bucket_numel: int = 200_000_000
-    min_numel: int = 65536
-    chunk_mb: int = 16
-    ring_chunks: int = 4
-    io_threads: int = 4
-    direct_io: bool = True
-    name: str = "actor"
-    foreach: bool | None = None
-    fused: bool | None = None
-
-    def __post_init__(self) -> None:
-        if self.moment_dtype not in MOMENT_DTYPES:
-            raise ValueError(
-                f"--stream-optimizer-state-moment-dtype must be one of {sorted(MOMENT_DTYPES)}, "
-                f"got {self.moment_dtype!r}"
-            )
-        if self.bucket_numel < 1:
-            raise ValueError(
-                f"--stream-optimizer-bucket-numel must be >= 1, got {self.bucket_numel}"
-            )
-        if self.min_numel < 0:
-            raise ValueError(f"--stream-optimizer-min-numel must be >= 0, got {self.min_numel}")
 
 
 def _rank() -> int:
@@ -136,7 +104,8 @@ class StreamedAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.config = config or StreamedAdamConfig()
         self.moment_dtype = MOMENT_DTYPES[self.config.moment_dtype]
-        self.rank, self.world_size = _rank(), _world()
+        self.rank = _rank() if self.config.rank is None else self.config.rank
+        self.world_size = _world() if self.config.world_size is None else self.config.world_size
         self._streamed: list[tuple[torch.Tensor, str, int]] = []  # (param, name, group index)
         self._small: list[tuple[torch.Tensor, str, int]] = []
         shards: list[Shard] = []
@@ -221,46 +190,14 @@ class StreamedAdamW(torch.optim.Optimizer):
         return loss
 
     def _adam(self, group: dict, params, grads, exp_avgs, exp_avg_sqs, steps) -> None:
-        beta1, beta2 = group["betas"]
-        adam(
-            params,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            [],
-            steps,
-            foreach=self.config.foreach,
-            capturable=False,
-            differentiable=False,
-            fused=self.config.fused,
-            grad_scale=None,
-            found_inf=None,
-            has_complex=False,
-            decoupled_weight_decay=True,
-            amsgrad=False,
-            beta1=beta1,
-            beta2=beta2,
-            lr=group["lr"],
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=False,
-        )
+        adamw_update(group, params, grads, exp_avgs, exp_avg_sqs, steps, self.config)
 
     def _step_tensors(self, counts: list[int], device: torch.device) -> list[torch.Tensor]:
-        """One step counter per tensor, as AdamW keeps them (device float32 when fused)."""
-        if self.config.fused:
-            return list(torch.tensor(counts, dtype=torch.float32, device=device).unbind(0))
-        return list(torch.tensor(counts, dtype=_get_scalar_dtype()).unbind(0))
+        return step_tensors(counts, device, bool(self.config.fused))
 
     def new_small_state(self, p: torch.Tensor, step: int) -> dict[str, torch.Tensor]:
         """Zero moments and a step counter, as ``torch.optim.AdamW`` creates them."""
-        return {
-            "step": torch.tensor(float(step), dtype=torch.float32, device=p.device)
-            if self.config.fused
-            else torch.tensor(float(step), dtype=_get_scalar_dtype()),
-            "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-            "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-        }
+        return new_adamw_state(p, step, bool(self.config.fused))
 
     def _step_small(self) -> None:
         """Ordinary AdamW (state in ``self.state``) for the parameters below ``min_numel``."""

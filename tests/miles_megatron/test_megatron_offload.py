@@ -97,3 +97,16 @@ def test_optimizer_memory_flags_reach_optimizer_config():
     plain = optimizer_config(_parse(["--bf16"]))
     assert not plain.optimizer_cpu_offload and plain.optimizer_offload_fraction == 0.0
     assert not plain.use_precision_aware_optimizer and plain.bf16
+
+
+def test_fp16_loss_scale_flags_reach_optimizer_config():
+    """The loss-scale flags are miles-core's (shared with the FSDP backend), not generated."""
+    from miles_megatron.optimizer import optimizer_config
+
+    dynamic = optimizer_config(
+        _parse(["--fp16", "--initial-loss-scale", "65536", "--loss-scale-window", "50"])
+    )
+    assert (dynamic.fp16, dynamic.loss_scale, dynamic.initial_loss_scale) == (True, None, 65536)
+    assert (dynamic.loss_scale_window, dynamic.hysteresis, dynamic.min_loss_scale) == (50, 2, 1.0)
+    fixed = optimizer_config(_parse(["--fp16", "--loss-scale", "1024"]))
+    assert fixed.loss_scale == 1024

@@ -59,6 +59,12 @@ def optimizer_config(args: Any):
         params_dtype=dtype,
         use_distributed_optimizer=True,
         optimizer_cpu_offload=bool(getattr(args, "optimizer_cpu_offload", False)),
+        # fp16 loss scaling: miles-core's flags, Megatron-LM's names and meanings
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
     )
     if kwargs["optimizer_cpu_offload"]:
         kwargs["optimizer_offload_fraction"] = 1.0  # Megatron-LM's default; core's is 0

@@ -31,3 +31,12 @@ def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str)
         neg = -log_ratio
         return (neg.exp() - 1.0 - neg).clamp(-K3_CLAMP, K3_CLAMP)
     raise ValueError(f"--kl-loss-type must be one of {', '.join(KL_TYPES)}, got {kind!r}")
+
+
+def reward_kl(batch, kind: str) -> list[torch.Tensor]:
+    """``--kl-coef``'s per-sample, response-aligned KL: :func:`kl_estimate` of the policy's
+    log-probs before this rollout's updates (``old_log_probs``) against the reference's
+    (``ref_log_probs``), both fields of the :class:`~miles_core.batch.RolloutBatch`."""
+    old = batch.response_field("old_log_probs")
+    ref = batch.response_field("ref_log_probs")
+    return [kl_estimate(o, r, kind) for o, r in zip(old, ref, strict=True)]

@@ -27,6 +27,7 @@ from miles_core.advantages import compute_advantages, normalize_advantages
 from miles_core.aggregation import loss_denominator
 from miles_core.args.groups.algorithm import kl_term_on
 from miles_core.batch import RolloutBatch
+from miles_core.kl import reward_kl
 from miles_core.log_probs import entropy_from_logits, token_log_probs
 from miles_core.losses import LossConfig, compute_policy_loss
 from miles_core.micro_batch import MicroBatching, split_micro_batches, split_steps
@@ -151,7 +152,7 @@ def train_rollout(ctx: RolloutContext, batch: RolloutBatch) -> tuple[dict[str, f
     if ema_old:
         with ctx.ema.use_weights(ctx.model):
             batch = batch.with_fields(old_log_probs=policy_log_probs(ctx, batch))
-    elif not detach_old:
+    elif not detach_old or args.kl_coef != 0.0:  # --kl-coef's KL needs the pre-update policy
         batch = batch.with_fields(old_log_probs=policy_log_probs(ctx, batch))
     if kl_term_on(args):
         with reference_forward(ctx.model, ctx.reference, ref_mode(args)) as ref:
@@ -162,6 +163,7 @@ def train_rollout(ctx: RolloutContext, batch: RolloutBatch) -> tuple[dict[str, f
         gamma=args.gamma,
         lambd=args.lambd,
         kl_coef=args.kl_coef,
+        kl=reward_kl(batch, args.kl_loss_type) if args.kl_coef != 0.0 else None,
     )
     advantages = adv.advantages
     if args.normalize_advantages:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from miles_core.advantages import compute_advantages, normalize_advantages
 from miles_core.aggregation import loss_denominator
 from miles_core.batch import RolloutBatch
-from miles_core.kl import kl_estimate
+from miles_core.kl import reward_kl
 from miles_core.log_probs import entropy_from_logits, token_log_probs
 from miles_core.losses import LossConfig, compute_policy_loss
 from miles_core.micro_batch import (
@@ -135,14 +135,6 @@ def optimizer_step(
     }
 
 
-def reward_kl(batch: RolloutBatch, args: Any) -> list[torch.Tensor]:
-    """``--kl-coef``'s per-token KL: ``kl_estimate(old, ref, --kl-loss-type)`` per sample, with
-    the log-probs of the policy before this rollout's updates and of the reference."""
-    old = batch.response_field("old_log_probs")
-    ref = batch.response_field("ref_log_probs")
-    return [kl_estimate(o, r, args.kl_loss_type) for o, r in zip(old, ref, strict=True)]
-
-
 def train_rollout(ctx: TrainContext, rollout_id: int, batch: RolloutBatch) -> dict[str, float]:
     """This rank's shard of one rollout: old log-probs, advantages, then the optimizer steps.
 
@@ -177,7 +169,7 @@ def train_rollout(ctx: TrainContext, rollout_id: int, batch: RolloutBatch) -> di
         gamma=args.gamma,
         lambd=args.lambd,
         kl_coef=args.kl_coef,
-        kl=reward_kl(batch, args) if args.kl_coef != 0.0 else None,
+        kl=reward_kl(batch, args.kl_loss_type) if args.kl_coef != 0.0 else None,
     )
     advantages = adv.advantages
     if args.normalize_advantages:

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -108,8 +107,3 @@ def merge_into_hf(
         work = torch.promote_types(tensor.dtype, torch.float32)
         a, b = pair["lora_A"].to(work), pair["lora_B"].to(work)
         yield name, (tensor.to(work) + scale * (b @ a)).to(tensor.dtype)
-
-
-def target_module_names(factors: Factors | Any) -> list[str]:
-    """The module-name suffixes an adapter covers (PEFT's resolved ``target_modules``)."""
-    return sorted({m.rsplit(".", 1)[-1] for m in factors})

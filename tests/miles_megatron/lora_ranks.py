@@ -57,24 +57,27 @@ def logits_and_grads_match(
     loss_weights: torch.Tensor,
     ref_logits: torch.Tensor,
     ref_grads: dict[str, torch.Tensor],
-) -> dict[str, Any]:
-    """Max |megatron - PEFT| of the logits and of every adapter gradient at TP = world."""
-    _, margs, model, _, injected, _ = lora_model(hf_dir, adapter_dir, tp=world)
-    logits = logits_with_grad(model, input_ids, margs["vocab_size"])
-    (logits.float() * loss_weights).sum().backward()
-    grads = adapter_grads(injected)
-    frozen_grads = [
-        n
-        for n, p in model.named_parameters()
-        if p.grad is not None and not getattr(p, "lora_adapter", False)
-    ]
-    return {
-        "logits": (logits.detach() - ref_logits).abs().max().item(),
-        "grads": {k: (grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads},
-        "grad_scale": {k: ref_grads[k].abs().max().item() for k in ref_grads},
-        "extra": sorted(set(grads) - set(ref_grads)),
-        "frozen_grads": frozen_grads,
-    }
+    tps: list[int],
+) -> dict[int, dict[str, Any]]:
+    """Per TP size: max |megatron - reference| of the logits and of every adapter gradient."""
+    out = {}
+    for tp in tps:
+        _, margs, model, _, injected, _ = lora_model(hf_dir, adapter_dir, tp=tp)
+        logits = logits_with_grad(model, input_ids, margs["vocab_size"])
+        (logits.float() * loss_weights).sum().backward()
+        grads = adapter_grads(injected)
+        out[tp] = {
+            "logits": (logits.detach() - ref_logits).abs().max().item(),
+            "grads": {k: (grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads},
+            "grad_scale": {k: ref_grads[k].abs().max().item() for k in ref_grads},
+            "extra": sorted(set(grads) - set(ref_grads)),
+            "frozen_grads": [
+                n
+                for n, p in model.named_parameters()
+                if p.grad is not None and not getattr(p, "lora_adapter", False)
+            ],
+        }
+    return out
 
 
 LORA_FLAGS = ["--use-lora", "--lora-rank", "4", "--lora-alpha", "8"]
@@ -137,6 +140,11 @@ def backend_lora_flow(
                 out.setdefault("asleep_bytes", backend.sleeper.device_bytes())
                 backend.wake_up()
             out["copied"] = copied
+            out["base_bytes"] = sum(
+                p.untyped_storage().size()
+                for p in backend.model.parameters()
+                if not getattr(p, "lora_adapter", False)
+            )
             out["adapter_bytes"] = sum(
                 p.numel() * p.element_size()
                 for p in backend.model.parameters()
@@ -180,3 +188,75 @@ def backend_lora_flow(
             destroy_parallel()
     out["errors"] = errors
     return out
+
+
+def _randomize_b(injected, seed: int) -> None:
+    """Non-zero B (a fresh adapter's B is 0), the same full values at any layout."""
+    import zlib
+
+    with torch.no_grad():
+        for _, adapter in injected:
+            for short, param in adapter.lora_B.items():
+                name = adapter.hf_names[short]
+                gen = torch.Generator().manual_seed(seed + zlib.crc32(name.encode()))
+                rows = param.shape[0] * (adapter.tp_size if adapter.parallel == "column" else 1)
+                full = torch.randn(rows, param.shape[1], generator=gen) * 0.1
+                param.copy_(adapter.shard_of("lora_B", full))
+
+
+def experts_match_merged_oracle(
+    rank: int, world: int, hf_dir: str, input_ids: torch.Tensor, loss_weights: torch.Tensor
+) -> dict[str, Any]:
+    """qwen3_moe at EP=2, LoRA on every linear (experts included), against a plain model whose
+    HF weights are ``W + s B A`` (float64 in this function): logits, and every adapter
+    gradient against ``dA = s B^T G``, ``dB = s G A^T`` from the plain model's weight gradient
+    ``G`` (chain rule through the merged weight)."""
+    from miles_megatron.hf_weights import load_hf_into_model
+    from miles_megatron.lora import gather_factors
+    from miles_megatron.model_config import build_gpt_model
+    from miles_megatron.sharding import iter_global_tensors
+
+    extra = ["--expert-model-parallel-size", str(world), "--moe-token-dispatcher-type", "allgather"]
+    args, margs, model, bridge, injected, config = lora_model(hf_dir, None, tp=1, extra=extra)
+    _randomize_b(injected, seed=11)
+    s = config.scale
+    factors = {
+        m: {f: t.double() for f, t in p.items()} for m, p in gather_factors(injected, 4).items()
+    }
+    base = {}
+    for name, tensor in iter_global_tensors(model, margs["num_experts"], gated=True):
+        base.update(bridge.to_hf(name, tensor, margs))
+    merged = {}
+    for name, w in base.items():
+        pair = factors.get(name.removesuffix(".weight"))
+        delta = s * (pair["lora_B"] @ pair["lora_A"]) if pair else 0.0
+        merged[name] = (w.double() + delta).to(w.dtype)
+    plain = build_gpt_model(margs, args)
+    load_hf_into_model(plain, merged, bridge, margs, 1)
+
+    logits = logits_with_grad(model, input_ids, margs["vocab_size"])
+    (logits.float() * loss_weights).sum().backward()
+    plain_logits = logits_with_grad(plain, input_ids, margs["vocab_size"])
+    (plain_logits.float() * loss_weights).sum().backward()
+    grads = {}
+    for name, g in iter_global_tensors(
+        plain, margs["num_experts"], gated=True, tensors=lambda n, p: p.grad
+    ):
+        grads.update(bridge.to_hf(name, g, margs))
+    diffs, expert_modules = {}, 0
+    for target, adapter in injected:
+        for short in adapter.modules_on:
+            module = adapter.hf_names[short]
+            expert_modules += target.expert is not None
+            g = grads[module + ".weight"].double()
+            a, b = factors[module]["lora_A"], factors[module]["lora_B"]
+            want = {"lora_A": s * b.t() @ g, "lora_B": s * g @ a.t()}
+            for f in ("lora_A", "lora_B"):
+                got = adapter.full_of(f, getattr(adapter, f)[short].grad).double()
+                diffs[f"{module}.{f}"] = ((got - want[f]).abs().max() / want[f].abs().max()).item()
+    return {
+        "logits": (logits - plain_logits).abs().max().item(),
+        "logits_scale": plain_logits.abs().max().item(),
+        "grads": diffs,
+        "expert_modules": expert_modules,
+    }

@@ -1,0 +1,295 @@
+"""LoRA on the megatron backend against the FSDP backend's PEFT model and dense oracles.
+
+* logits and every adapter gradient equal the FSDP backend's PEFT model (miles_fsdp.lora on
+  the HF model) built from the same base and PEFT directory, at TP=1 and TP=2 (+SP), 1e-5 fp32;
+* expert linears (qwen3_moe, EP=2) equal a plain model with merged ``W + s B A`` weights, and
+  adapter gradients equal the chain rule through the merged weight;
+* the backend: adapters only in DDP/optimizer, base bit-identical after training, lora_base
+  reference log-probs equal the HF base, sleep/wake copies the base once, adapter-only
+  checkpoint resumes at TP=1, exported PEFT directory loads in PEFT and the FSDP backend,
+  merged publish equals ``W + (alpha/r) B A`` bit-exactly;
+* PEFT directories and flag errors (fast, no ranks).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from dist_ranks import spawn_ranks
+from megatron_ranks import parse
+from megatron_tiny_models import make_tiny_hf
+from miles_core.args import ArgumentError
+from miles_megatron.lora import (
+    AdapterDirError,
+    check_matches_flags,
+    read_adapter_dir,
+    write_adapter_dir,
+)
+from miles_megatron.lora.layers import is_targeted
+
+VOCAB = 96
+
+
+def peft_adapter(hf_dir, out_dir, targets, seed=7):
+    """A PEFT adapter saved with ``save_pretrained`` (random A and B), and the PEFT model."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def fsdp_lora_model(hf_dir, adapter_dir):
+    """The FSDP backend's LoRA model: HF model + miles_fsdp.lora injection + adapter load."""
+    from miles_fsdp.lora import LoRASettings, inject_lora, load_adapter_weights, read_adapter
+    from transformers import AutoModelForCausalLM
+
+    adapter = read_adapter(adapter_dir)
+    model = AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    settings = LoRASettings(adapter.rank, adapter.alpha, 0.0, adapter.target_modules)
+    inject_lora(model, settings, on_meta=False)
+    load_adapter_weights(model, adapter)
+    return model
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    return str(make_tiny_hf("qwen3", tmp_path_factory.mktemp("hf") / "qwen3"))
+
+
+def _inputs():
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    weights = torch.randn(2, 12, VOCAB, generator=torch.Generator().manual_seed(4)) * 0.01
+    return ids, weights
+
+
+@pytest.mark.slow
+def test_logits_and_grads_equal_fsdp_peft_at_tp1_and_tp2(qwen3, tmp_path):
+    from lora_ranks import logits_and_grads_match
+
+    adapter_dir = peft_adapter(qwen3, tmp_path / "adapter", "all-linear")
+    ids, weights = _inputs()
+    model = fsdp_lora_model(qwen3, adapter_dir)
+    logits = model(input_ids=ids).logits
+    (logits * weights).sum().backward()
+    ref_grads = {
+        n.replace(".default.weight", ""): p.grad.detach().clone()
+        for n, p in model.named_parameters()
+        if "lora_" in n
+    }
+    assert len(ref_grads) == 2 * 7 * 2  # 2 layers x 7 linears x (A, B)
+    results = spawn_ranks(
+        logits_and_grads_match, 2, qwen3, str(adapter_dir), ids, weights,
+        logits.detach(), ref_grads, [2, 1], timeout=600,
+    )  # fmt: skip
+    for per_tp in results:
+        for tp, r in per_tp.items():
+            assert r["logits"] < 1e-5, (tp, r["logits"])
+            assert r["extra"] == [] and r["frozen_grads"] == []
+            for key, diff in r["grads"].items():
+                assert diff <= 1e-5 * max(1.0, r["grad_scale"][key]), (tp, key, diff)
+
+
+@pytest.mark.slow
+def test_expert_adapters_equal_merged_weight_oracle_at_ep2(tmp_path):
+    from lora_ranks import experts_match_merged_oracle
+
+    hf_dir = str(make_tiny_hf("qwen3_moe", tmp_path / "moe"))
+    ids, weights = _inputs()
+    for r in spawn_ranks(experts_match_merged_oracle, 2, hf_dir, ids, weights, timeout=600):
+        assert r["logits"] < 1e-5 * r["logits_scale"]
+        assert r["expert_modules"] == 2 * 2 * 3  # 2 layers x 2 local experts x gate/up/down
+        assert max(r["grads"].values()) < 1e-5
+
+
+def _hf_log_probs(hf_dir, samples, temperature=1.0):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            logits = model(input_ids=s.tokens[None]).logits[0, :-1] / temperature
+            lp = torch.log_softmax(logits, -1).gather(-1, s.tokens[1:, None])[:, 0]
+            out.append(lp[-s.response_length :])
+    return out
+
+
+@pytest.mark.slow
+def test_backend_lora_train_sleep_save_resume_export(qwen3, tmp_path):
+    from backend_reference import samples
+    from lora_ranks import backend_lora_flow
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    targets = ["q_proj", "v_proj", "gate_proj", "down_proj"]  # partly fused: k/up stay zero
+    adapter_dir = peft_adapter(qwen3, tmp_path / "adapter", targets)
+    export = tmp_path / "export"
+    results = spawn_ranks(
+        backend_lora_flow, 2, qwen3, str(adapter_dir), str(tmp_path / "save"), str(export),
+        timeout=900,
+    )  # fmt: skip
+    r = results[0]
+    assert r["ref_mode"] == "lora_base"
+    assert r["trainable_only_adapters"] and r["buffer_params_adapters"]
+    sleeping, control = r["runs"]
+    assert sleeping["base_unchanged"]
+    assert sleeping["losses"] == control["losses"] and sleeping["factors"] == control["factors"]
+    assert sleeping["kl"][0] != 0.0  # the adapter moves the actor away from lora_base
+    assert r["asleep_bytes"] == 0
+    first, second = r["copied"]
+    assert first - second == r["base_bytes"] > 10 * second  # the base travels once
+    assert second <= 4 * r["adapter_bytes"]  # adapters + their Adam state
+    for got, want in zip(r["ref_log_probs"], _hf_log_probs(qwen3, samples()), strict=True):
+        assert (torch.tensor(got) - want).abs().max() < 1e-5
+    assert r["resumed_next_id"] == 2 and r["resumed_factors"] == sleeping["factors"]
+    assert "pass --lora-rank 4 --lora-alpha 8" in r["errors"]["rank"]
+    assert "needs --use-lora" in r["errors"]["no_lora"]
+
+    # the exported directory: PEFT keys of the targeted modules only, the trained values
+    exported = read_adapter_dir(export)
+    assert sorted(exported.target_modules) == sorted(targets)
+    assert len(exported.factors) == 2 * len(targets)
+    assert r["peft_named"] == sorted(load_file(str(export / "adapter_model.safetensors")))
+    for module, pair in exported.factors.items():
+        for factor, tensor in pair.items():
+            assert tensor.tolist() == sleeping["factors"][f"{module}.{factor}"]
+
+    # merged publish == W + (alpha / r) B A in the checkpoint dtype, bit for bit
+    base = load_file(f"{qwen3}/model.safetensors")
+    merged = {k: torch.tensor(v) for k, v in r["merged"].items()}
+    assert sorted(merged) == sorted(base)
+    for name, w in base.items():
+        pair = exported.factors.get(name.removesuffix(".weight"))
+        want = w if pair is None else (w + 2.0 * (pair["lora_B"] @ pair["lora_A"])).to(w.dtype)
+        assert torch.equal(merged[name], want), name
+
+    # the reverse direction: PEFT and the FSDP backend load the export; same model as merged
+    ids, _ = _inputs()
+    hf = AutoModelForCausalLM.from_pretrained(
+        qwen3, dtype=torch.float32, attn_implementation="eager"
+    )
+    peft_logits = PeftModel.from_pretrained(hf, str(export))(input_ids=ids).logits
+    fsdp_logits = fsdp_lora_model(qwen3, export)(input_ids=ids).logits
+    plain = AutoModelForCausalLM.from_pretrained(
+        qwen3, dtype=torch.float32, attn_implementation="eager"
+    )
+    plain.load_state_dict(merged, strict=False)
+    with torch.no_grad():
+        merged_logits = plain(input_ids=ids).logits
+    assert (peft_logits - merged_logits).abs().max() < 1e-5
+    assert (fsdp_logits - merged_logits).abs().max() < 1e-5
+
+
+# ---------------------------------------------------------------- fast: directories and flags
+
+
+def _write(tmp_path, **config_overrides):
+    factors = {
+        "model.layers.0.self_attn.q_proj": {
+            "lora_A": torch.randn(4, 64),
+            "lora_B": torch.randn(64, 4),
+        }
+    }
+    path = write_adapter_dir(tmp_path / "a", factors, 4, 8.0, ["q_proj"])
+    if config_overrides:
+        cfg = json.loads((path / "adapter_config.json").read_text())
+        cfg.update(config_overrides)
+        (path / "adapter_config.json").write_text(json.dumps(cfg))
+    return path, factors
+
+
+def test_adapter_dir_round_trip_readable_by_peft(tmp_path):
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+
+    path, factors = _write(tmp_path)
+    adapter = read_adapter_dir(path)
+    assert (adapter.rank, adapter.alpha, adapter.target_modules) == (4, 8.0, ("q_proj",))
+    assert adapter.scale == 2.0
+    for factor in ("lora_A", "lora_B"):
+        got = adapter.factors["model.layers.0.self_attn.q_proj"][factor]
+        assert torch.equal(got, factors["model.layers.0.self_attn.q_proj"][factor])
+    keys = sorted(load_file(str(path / "adapter_model.safetensors")))
+    assert keys == [
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight",
+    ]
+    config = LoraConfig.from_pretrained(str(path))
+    assert (config.r, config.lora_alpha, set(config.target_modules)) == (4, 8.0, {"q_proj"})
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ({"use_dora": True}, "use_dora"),
+        ({"use_rslora": True}, "use_rslora"),
+        ({"bias": "all"}, "bias"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"rank_pattern": {"q_proj": 8}}, "rank_pattern"),
+        ({"peft_type": "IA3"}, "peft_type"),
+    ],
+)
+def test_unsupported_adapters_are_rejected_naming_file_and_field(tmp_path, override, field):
+    path, _ = _write(tmp_path, **override)
+    with pytest.raises(AdapterDirError, match=f"adapter_config.json: {field}"):
+        read_adapter_dir(path)
+
+
+def test_missing_weights_and_rank_mismatch_in_factors(tmp_path):
+    path, _ = _write(tmp_path, r=8)
+    with pytest.raises(AdapterDirError, match="r=8 needs"):
+        read_adapter_dir(path)
+    (path / "adapter_model.safetensors").unlink()
+    with pytest.raises(AdapterDirError, match="adapter_model.safetensors: missing"):
+        read_adapter_dir(path)
+    with pytest.raises(AdapterDirError, match="not a PEFT adapter directory"):
+        read_adapter_dir(tmp_path)
+
+
+def test_rank_alpha_mismatch_names_the_flags(tmp_path):
+    path, _ = _write(tmp_path)
+    adapter = read_adapter_dir(path)
+    check_matches_flags(adapter, 4, 8.0)
+    with pytest.raises(ArgumentError, match="but --lora-rank 16 --lora-alpha 32: pass "):
+        check_matches_flags(adapter, 16, 32.0)
+    with pytest.raises(ArgumentError, match="pass --lora-rank 4 --lora-alpha 8"):
+        check_matches_flags(adapter, 4, 16.0)
+
+
+def test_publish_lora_adapter_requires_use_lora():
+    with pytest.raises(ArgumentError, match="--publish-lora-adapter requires --use-lora"):
+        parse(["--publish-lora-adapter"])
+    assert parse(["--publish-lora-adapter", "--use-lora"]).publish_lora_adapter
+
+
+@pytest.mark.parametrize(
+    "targets",
+    [["q_proj", "v_proj"], ["self_attn.o_proj"], ["proj"], r".*layers\.1\..*_proj", ["mlp"]],
+)
+def test_target_matching_is_peft_matching(targets):
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    config = LoraConfig(target_modules=targets)
+    for layer in range(2):
+        for module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "mlp.up_proj"):
+            name = f"model.layers.{layer}.{module}"
+            mine = is_targeted(name, targets if isinstance(targets, str) else tuple(targets))
+            assert mine == bool(check_target_module_exists(config, name)), (targets, name)

@@ -154,7 +154,7 @@ def test_backend_lora_train_sleep_save_resume_export(qwen3, tmp_path):
     assert sleeping["kl"][0] != 0.0  # the adapter moves the actor away from lora_base
     assert r["asleep_bytes"] == 0
     first, second = r["copied"]
-    assert first - second == r["base_bytes"] > 10 * second  # the base travels once
+    assert first - second == r["base_bytes"] > second  # the base travels once
     assert second <= 4 * r["adapter_bytes"]  # adapters + their Adam state
     for got, want in zip(r["ref_log_probs"], _hf_log_probs(qwen3, samples()), strict=True):
         assert (torch.tensor(got) - want).abs().max() < 1e-5

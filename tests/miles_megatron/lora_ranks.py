@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -66,7 +67,13 @@ def logits_and_grads_match(
         logits = logits_with_grad(model, input_ids, margs["vocab_size"])
         (logits.float() * loss_weights).sum().backward()
         grads = adapter_grads(injected)
+        *_, fresh, _ = lora_model(hf_dir, None, tp=tp)  # PEFT init from --seed
+        from miles_megatron.lora import gather_factors
+
         out[tp] = {
+            "fresh": {
+                k: {f: t.tolist() for f, t in v.items()} for k, v in gather_factors(fresh).items()
+            },
             "logits": (logits.detach() - ref_logits).abs().max().item(),
             "grads": {k: (grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads},
             "grad_scale": {k: ref_grads[k].abs().max().item() for k in ref_grads},
@@ -260,3 +267,119 @@ def experts_match_merged_oracle(
         "grads": diffs,
         "expert_modules": expert_modules,
     }
+
+
+# ---------------------------------------------------------------- parent side
+
+
+def peft_adapter(hf_dir, out_dir, targets, seed=7):
+    """A PEFT adapter saved with ``save_pretrained`` (random A and B), and the PEFT model."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def fsdp_lora_model(hf_dir, adapter_dir):
+    """The FSDP backend's LoRA model: HF model + miles_fsdp.lora injection + adapter load."""
+    from miles_fsdp.lora import LoRASettings, inject_lora, load_adapter_weights, read_adapter
+    from transformers import AutoModelForCausalLM
+
+    adapter = read_adapter(adapter_dir)
+    model = AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    settings = LoRASettings(adapter.rank, adapter.alpha, 0.0, adapter.target_modules)
+    inject_lora(model, settings, on_meta=False)
+    load_adapter_weights(model, adapter)
+    return model
+
+
+def inputs():
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(3))
+    weights = torch.randn(2, 12, 96, generator=torch.Generator().manual_seed(4)) * 0.01
+    return ids, weights
+
+
+def hf_log_probs(hf_dir, samples, temperature=1.0):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            logits = model(input_ids=s.tokens[None]).logits[0, :-1] / temperature
+            lp = torch.log_softmax(logits, -1).gather(-1, s.tokens[1:, None])[:, 0]
+            out.append(lp[-s.response_length :])
+    return out
+
+
+def check_lora_flow(r: dict, hf_dir: str, export: Path, targets: list[str]) -> None:
+    """The parent's checks of :func:`backend_lora_flow`'s result (CPU and GPU tests)."""
+    from backend_reference import samples
+    from miles_megatron.lora import read_adapter_dir
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    assert r["ref_mode"] == "lora_base"
+    assert r["trainable_only_adapters"] and r["buffer_params_adapters"]
+    sleeping, control = r["runs"]
+    assert sleeping["base_unchanged"]
+    assert sleeping["losses"] == control["losses"] and sleeping["factors"] == control["factors"]
+    assert sleeping["kl"][0] != 0.0  # the adapter moves the actor away from lora_base
+    assert r["asleep_bytes"] == 0
+    first, second = r["copied"]
+    assert first - second == r["base_bytes"] > second  # the base travels once
+    assert second <= 4 * r["adapter_bytes"]  # adapters + their Adam state
+    for got, want in zip(r["ref_log_probs"], hf_log_probs(hf_dir, samples()), strict=True):
+        assert (torch.tensor(got) - want).abs().max() < 1e-5
+    assert r["resumed_next_id"] == 2 and r["resumed_factors"] == sleeping["factors"]
+    assert "pass --lora-rank 4 --lora-alpha 8" in r["errors"]["rank"]
+    assert "needs --use-lora" in r["errors"]["no_lora"]
+
+    # the exported directory: PEFT keys of the targeted modules only, the trained values
+    exported = read_adapter_dir(export)
+    assert sorted(exported.target_modules) == sorted(targets)
+    assert len(exported.factors) == 2 * len(targets)
+    assert r["peft_named"] == sorted(load_file(str(export / "adapter_model.safetensors")))
+    for module, pair in exported.factors.items():
+        for factor, tensor in pair.items():
+            assert tensor.tolist() == sleeping["factors"][f"{module}.{factor}"]
+
+    # merged publish == W + (alpha / r) B A in the checkpoint dtype, bit for bit
+    base = load_file(f"{hf_dir}/model.safetensors")
+    merged = {k: torch.tensor(v) for k, v in r["merged"].items()}
+    assert sorted(merged) == sorted(base)
+    for name, w in base.items():
+        pair = exported.factors.get(name.removesuffix(".weight"))
+        want = w if pair is None else (w + 2.0 * (pair["lora_B"] @ pair["lora_A"])).to(w.dtype)
+        assert torch.equal(merged[name], want), name
+
+    # the reverse direction: PEFT and the FSDP backend load the export; same model as merged
+    ids, _ = inputs()
+    hf = AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    peft_logits = PeftModel.from_pretrained(hf, str(export))(input_ids=ids).logits
+    fsdp_logits = fsdp_lora_model(hf_dir, export)(input_ids=ids).logits
+    plain = AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    plain.load_state_dict(merged, strict=False)
+    with torch.no_grad():
+        merged_logits = plain(input_ids=ids).logits
+    assert (peft_logits - merged_logits).abs().max() < 1e-5
+    assert (fsdp_logits - merged_logits).abs().max() < 1e-5

@@ -18,6 +18,7 @@ import json
 import pytest
 import torch
 from dist_ranks import spawn_ranks
+from lora_ranks import fsdp_lora_model, inputs, peft_adapter
 from megatron_ranks import parse
 from megatron_tiny_models import make_tiny_hf
 from miles_core.args import ArgumentError
@@ -29,51 +30,10 @@ from miles_megatron.lora import (
 )
 from miles_megatron.lora.layers import is_targeted
 
-VOCAB = 96
-
-
-def peft_adapter(hf_dir, out_dir, targets, seed=7):
-    """A PEFT adapter saved with ``save_pretrained`` (random A and B), and the PEFT model."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(
-        hf_dir, dtype=torch.float32, attn_implementation="eager"
-    )
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
-    model.save_pretrained(out_dir)
-    return out_dir
-
-
-def fsdp_lora_model(hf_dir, adapter_dir):
-    """The FSDP backend's LoRA model: HF model + miles_fsdp.lora injection + adapter load."""
-    from miles_fsdp.lora import LoRASettings, inject_lora, load_adapter_weights, read_adapter
-    from transformers import AutoModelForCausalLM
-
-    adapter = read_adapter(adapter_dir)
-    model = AutoModelForCausalLM.from_pretrained(
-        hf_dir, dtype=torch.float32, attn_implementation="eager"
-    )
-    settings = LoRASettings(adapter.rank, adapter.alpha, 0.0, adapter.target_modules)
-    inject_lora(model, settings, on_meta=False)
-    load_adapter_weights(model, adapter)
-    return model
-
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
     return str(make_tiny_hf("qwen3", tmp_path_factory.mktemp("hf") / "qwen3"))
-
-
-def _inputs():
-    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
-    weights = torch.randn(2, 12, VOCAB, generator=torch.Generator().manual_seed(4)) * 0.01
-    return ids, weights
 
 
 @pytest.mark.slow
@@ -81,7 +41,7 @@ def test_logits_and_grads_equal_fsdp_peft_at_tp1_and_tp2(qwen3, tmp_path):
     from lora_ranks import logits_and_grads_match
 
     adapter_dir = peft_adapter(qwen3, tmp_path / "adapter", "all-linear")
-    ids, weights = _inputs()
+    ids, weights = inputs()
     model = fsdp_lora_model(qwen3, adapter_dir)
     logits = model(input_ids=ids).logits
     (logits * weights).sum().backward()
@@ -96,6 +56,10 @@ def test_logits_and_grads_equal_fsdp_peft_at_tp1_and_tp2(qwen3, tmp_path):
         logits.detach(), ref_grads, [2, 1], timeout=600,
     )  # fmt: skip
     for per_tp in results:
+        assert per_tp[1]["fresh"] == per_tp[2]["fresh"]  # same draw at any layout
+        for pair in per_tp[1]["fresh"].values():
+            assert torch.tensor(pair["lora_A"]).abs().sum() > 0
+            assert not torch.tensor(pair["lora_B"]).any()
         for tp, r in per_tp.items():
             assert r["logits"] < 1e-5, (tp, r["logits"])
             assert r["extra"] == [] and r["frozen_grads"] == []
@@ -108,35 +72,16 @@ def test_expert_adapters_equal_merged_weight_oracle_at_ep2(tmp_path):
     from lora_ranks import experts_match_merged_oracle
 
     hf_dir = str(make_tiny_hf("qwen3_moe", tmp_path / "moe"))
-    ids, weights = _inputs()
+    ids, weights = inputs()
     for r in spawn_ranks(experts_match_merged_oracle, 2, hf_dir, ids, weights, timeout=600):
         assert r["logits"] < 1e-5 * r["logits_scale"]
         assert r["expert_modules"] == 2 * 2 * 3  # 2 layers x 2 local experts x gate/up/down
         assert max(r["grads"].values()) < 1e-5
 
 
-def _hf_log_probs(hf_dir, samples, temperature=1.0):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        hf_dir, dtype=torch.float32, attn_implementation="eager"
-    )
-    out = []
-    with torch.no_grad():
-        for s in samples:
-            logits = model(input_ids=s.tokens[None]).logits[0, :-1] / temperature
-            lp = torch.log_softmax(logits, -1).gather(-1, s.tokens[1:, None])[:, 0]
-            out.append(lp[-s.response_length :])
-    return out
-
-
 @pytest.mark.slow
 def test_backend_lora_train_sleep_save_resume_export(qwen3, tmp_path):
-    from backend_reference import samples
-    from lora_ranks import backend_lora_flow
-    from peft import PeftModel
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
+    from lora_ranks import backend_lora_flow, check_lora_flow
 
     targets = ["q_proj", "v_proj", "gate_proj", "down_proj"]  # partly fused: k/up stay zero
     adapter_dir = peft_adapter(qwen3, tmp_path / "adapter", targets)
@@ -145,56 +90,7 @@ def test_backend_lora_train_sleep_save_resume_export(qwen3, tmp_path):
         backend_lora_flow, 2, qwen3, str(adapter_dir), str(tmp_path / "save"), str(export),
         timeout=900,
     )  # fmt: skip
-    r = results[0]
-    assert r["ref_mode"] == "lora_base"
-    assert r["trainable_only_adapters"] and r["buffer_params_adapters"]
-    sleeping, control = r["runs"]
-    assert sleeping["base_unchanged"]
-    assert sleeping["losses"] == control["losses"] and sleeping["factors"] == control["factors"]
-    assert sleeping["kl"][0] != 0.0  # the adapter moves the actor away from lora_base
-    assert r["asleep_bytes"] == 0
-    first, second = r["copied"]
-    assert first - second == r["base_bytes"] > second  # the base travels once
-    assert second <= 4 * r["adapter_bytes"]  # adapters + their Adam state
-    for got, want in zip(r["ref_log_probs"], _hf_log_probs(qwen3, samples()), strict=True):
-        assert (torch.tensor(got) - want).abs().max() < 1e-5
-    assert r["resumed_next_id"] == 2 and r["resumed_factors"] == sleeping["factors"]
-    assert "pass --lora-rank 4 --lora-alpha 8" in r["errors"]["rank"]
-    assert "needs --use-lora" in r["errors"]["no_lora"]
-
-    # the exported directory: PEFT keys of the targeted modules only, the trained values
-    exported = read_adapter_dir(export)
-    assert sorted(exported.target_modules) == sorted(targets)
-    assert len(exported.factors) == 2 * len(targets)
-    assert r["peft_named"] == sorted(load_file(str(export / "adapter_model.safetensors")))
-    for module, pair in exported.factors.items():
-        for factor, tensor in pair.items():
-            assert tensor.tolist() == sleeping["factors"][f"{module}.{factor}"]
-
-    # merged publish == W + (alpha / r) B A in the checkpoint dtype, bit for bit
-    base = load_file(f"{qwen3}/model.safetensors")
-    merged = {k: torch.tensor(v) for k, v in r["merged"].items()}
-    assert sorted(merged) == sorted(base)
-    for name, w in base.items():
-        pair = exported.factors.get(name.removesuffix(".weight"))
-        want = w if pair is None else (w + 2.0 * (pair["lora_B"] @ pair["lora_A"])).to(w.dtype)
-        assert torch.equal(merged[name], want), name
-
-    # the reverse direction: PEFT and the FSDP backend load the export; same model as merged
-    ids, _ = _inputs()
-    hf = AutoModelForCausalLM.from_pretrained(
-        qwen3, dtype=torch.float32, attn_implementation="eager"
-    )
-    peft_logits = PeftModel.from_pretrained(hf, str(export))(input_ids=ids).logits
-    fsdp_logits = fsdp_lora_model(qwen3, export)(input_ids=ids).logits
-    plain = AutoModelForCausalLM.from_pretrained(
-        qwen3, dtype=torch.float32, attn_implementation="eager"
-    )
-    plain.load_state_dict(merged, strict=False)
-    with torch.no_grad():
-        merged_logits = plain(input_ids=ids).logits
-    assert (peft_logits - merged_logits).abs().max() < 1e-5
-    assert (fsdp_logits - merged_logits).abs().max() < 1e-5
+    check_lora_flow(results[0], qwen3, export, targets)
 
 
 # ---------------------------------------------------------------- fast: directories and flags

@@ -37,7 +37,7 @@ def adapter_sharded_state_dict(model: torch.nn.Module, num_experts: int | None) 
         if not isinstance(module, LoRAAdapter):
             continue
         dp_rank = _dp_rank(module.is_expert)
-        for factor, split_dim in module._split_dims().items():
+        for factor, split_dim in module.split_dims().items():
             for short, param in getattr(module, factor).items():
                 key = PREFIX + global_name(f"{module_name}.{factor}.{short}", model, num_experts)
                 if split_dim is None:

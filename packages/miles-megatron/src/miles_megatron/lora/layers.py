@@ -194,11 +194,11 @@ class LoRAAdapter(nn.Module):
             kw = dict(dtype=weight.dtype, device=weight.device)
             self.lora_A[short] = nn.Parameter(torch.zeros(a_shape, **kw))
             self.lora_B[short] = nn.Parameter(torch.zeros(b_shape, **kw))
-        for factor, split_dim in self._split_dims().items():
+        for factor, split_dim in self.split_dims().items():
             for param in getattr(self, factor).values():
                 _mark(param, split_dim, self.is_expert)
 
-    def _split_dims(self) -> dict[str, int | None]:
+    def split_dims(self) -> dict[str, int | None]:
         """Which dim of each factor is split over TP (None: replicated)."""
         if self.parallel == "column":
             return {"lora_A": None, "lora_B": 0}
@@ -215,14 +215,14 @@ class LoRAAdapter(nn.Module):
     # ---------------------------------------------------------------- values
     def shard_of(self, factor: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the full (HF-shaped) ``lora_A`` / ``lora_B``."""
-        dim = self._split_dims()[factor]
+        dim = self.split_dims()[factor]
         if dim is None or self.tp_size == 1:
             return full
         return torch.chunk(full, self.tp_size, dim=dim)[self.tp_rank]
 
     def full_of(self, factor: str, local: torch.Tensor) -> torch.Tensor:
         """The full factor from every TP peer's slice (collective over the linear's TP group)."""
-        dim = self._split_dims()[factor]
+        dim = self.split_dims()[factor]
         if dim is None or self.tp_size == 1:
             return local.detach()
         parts = [torch.empty_like(local) for _ in range(self.tp_size)]

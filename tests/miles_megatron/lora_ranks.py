@@ -87,6 +87,27 @@ def logits_and_grads_match(
     return out
 
 
+def merged_publish_bf16(rank: int, world: int, hf_dir: str, tp: int) -> dict[str, Any]:
+    """A bf16 model (``--bf16``) with fresh A and random B: the merged HF weights the weight
+    source publishes and the full factors, as float32 lists (bf16 values are exact in them)."""
+    from miles_megatron.hf_weights import iter_hf_weights
+    from miles_megatron.lora import gather_factors, merge_into_hf
+
+    _, margs, model, bridge, injected, config = lora_model(hf_dir, None, tp=tp, extra=["--bf16"])
+    model.bfloat16()  # what the backend's Float16Module does (torch norms are built in fp32)
+    _randomize_b(injected, seed=5)
+    factors = gather_factors(injected)
+    merged = merge_into_hf(iter_hf_weights(model, bridge, margs), factors, config.scale)
+    return {
+        "scale": config.scale,
+        "merged": {k: (str(v.dtype), v.float().tolist()) for k, v in merged},
+        "factors": {
+            m: {f: (str(t.dtype), t.float().tolist()) for f, t in p.items()}
+            for m, p in factors.items()
+        },
+    }
+
+
 LORA_FLAGS = ["--use-lora", "--lora-rank", "4", "--lora-alpha", "8"]
 
 

@@ -7,7 +7,7 @@
 * the backend: adapters only in DDP/optimizer, base bit-identical after training, lora_base
   reference log-probs equal the HF base, sleep/wake copies the base once, adapter-only
   checkpoint resumes at TP=1, exported PEFT directory loads in PEFT and the FSDP backend,
-  merged publish equals ``W + (alpha/r) B A`` bit-exactly;
+  merged publish equals ``W + (alpha/r) B A`` bit-exactly (fp32 and a bf16 checkpoint);
 * PEFT directories and flag errors (fast, no ranks).
 """
 
@@ -91,6 +91,36 @@ def test_backend_lora_train_sleep_save_resume_export(qwen3, tmp_path):
         timeout=900,
     )  # fmt: skip
     check_lora_flow(results[0], qwen3, export, targets)
+
+
+@pytest.mark.slow
+def test_merged_publish_is_bit_exact_in_bf16(qwen3, tmp_path):
+    from lora_ranks import merged_publish_bf16
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    bf16_dir = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(qwen3, dtype=torch.bfloat16).save_pretrained(bf16_dir)
+    base = load_file(str(bf16_dir / "model.safetensors"))
+    r = spawn_ranks(merged_publish_bf16, 2, str(bf16_dir), 2, timeout=600)[0]
+    assert len(r["factors"]) == 2 * 7
+    changed = 0
+    for name, w in base.items():
+        assert w.dtype == torch.bfloat16
+        dtype, values = r["merged"][name]
+        got = torch.tensor(values).to(torch.bfloat16)
+        assert dtype == "torch.bfloat16"
+        pair = r["factors"].get(name.removesuffix(".weight"))
+        if pair is None:
+            assert torch.equal(got, w), name
+            continue
+        a = torch.tensor(pair["lora_A"][1]).to(torch.bfloat16)
+        b = torch.tensor(pair["lora_B"][1]).to(torch.bfloat16)
+        assert pair["lora_A"][0] == pair["lora_B"][0] == "torch.bfloat16"
+        want = (w.float() + r["scale"] * (b.float() @ a.float())).to(torch.bfloat16)
+        assert torch.equal(got, want), name
+        changed += not torch.equal(want, w)
+    assert changed == 2 * 7
 
 
 # ---------------------------------------------------------------- fast: directories and flags

@@ -13,12 +13,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from miles_core.batch import RolloutBatch, Sample
 from miles_core.micro_batch import (
+    MicroBatching,
     agree_num_micro_batches,
     count_micro_batches,
     first_fit_decreasing,
     fixed_size_micro_batches,
     make_micro_batches,
     micro_batch_budget,
+    split_micro_batches,
     split_steps,
 )
 from miles_core.partition import karmarkar_karp
@@ -95,6 +97,30 @@ def test_fixed_size_micro_batches():
         fixed_size_micro_batches(batch, 3, num=2)
 
 
+def test_split_micro_batches_one_rank():
+    batch = _batch([50, 120, 30, 90, 60])
+    dynamic = split_micro_batches(batch, MicroBatching(True, 150, 1))
+    assert len(dynamic) == count_micro_batches(batch, 150) == 3
+    assert all(mb.total_tokens <= 150 for mb in dynamic)
+    assert sorted(i for mb in dynamic for i in mb.source_indices) == list(range(5))
+    # context parallelism multiplies the budget: 300 tokens hold the batch in 2
+    assert len(split_micro_batches(batch, MicroBatching(True, 150, 1, cp_size=2))) == 2
+    fixed = split_micro_batches(batch, MicroBatching(False, None, 2))
+    assert [list(mb.source_indices) for mb in fixed] == [[0, 1], [2, 3], [4]]
+    assert len(split_micro_batches(_batch([]), MicroBatching(False, None, 2))) == 1
+    with pytest.raises(ValueError, match="--use-dynamic-batch-size needs --max-tokens-per-gpu"):
+        split_micro_batches(batch, MicroBatching(True, None, 1))
+    with pytest.raises(ValueError, match="--micro-batch-size must be >= 1, got 0"):
+        split_micro_batches(batch, MicroBatching(False, None, 0))
+
+
+def test_micro_batching_from_args():
+    from argparse import Namespace
+
+    args = Namespace(use_dynamic_batch_size=True, max_tokens_per_gpu=64, micro_batch_size=2)
+    assert MicroBatching.from_args(args, cp_size=2) == MicroBatching(True, 64, 2, 2)
+
+
 def test_split_steps():
     steps = split_steps(_batch(list(range(2, 12))), 3)
     assert [len(s) for s in steps] == [3, 3, 4]
@@ -120,8 +146,18 @@ def _agree_worker(rank, world, port, out_dir):
         local = count_micro_batches(batch, 200)
         num = agree_num_micro_batches(local, group=dist.new_group(backend="gloo"))
         mbs = make_micro_batches(batch, 200, num=num)
+        group = dist.new_group(backend="gloo")
+        split = {
+            "dynamic": split_micro_batches(batch, MicroBatching(True, 200, 1), group),
+            "fixed": split_micro_batches(batch, MicroBatching(False, None, 4), group),
+        }
         torch.save(
-            {"local": local, "num": num, "sizes": [mb.total_tokens for mb in mbs]},
+            {
+                "local": local,
+                "num": num,
+                "sizes": [mb.total_tokens for mb in mbs],
+                "split": {k: [list(mb.source_indices) for mb in v] for k, v in split.items()},
+            },
             os.path.join(out_dir, f"{rank}.pt"),
         )
     finally:
@@ -145,4 +181,13 @@ def test_ranks_agree_on_the_maximum(tmp_path):
     assert [r["local"] for r in results] == [2, 5]
     assert all(r["num"] == 5 and len(r["sizes"]) == 5 for r in results)
     assert sorted(results[0]["sizes"]) == [0, 0, 100, 100, 100]
+    # split_micro_batches: the same agreed count in both modes, every sample exactly once
+    for r, n in zip(results, (3, 9)):
+        for mode, count in (("dynamic", 5), ("fixed", 3)):
+            bins = r["split"][mode]
+            assert len(bins) == count, (mode, bins)
+            assert sorted(i for b in bins for i in b) == list(range(n))
+    assert results[0]["split"]["fixed"] == [[0, 1, 2], [], []]
+    assert results[1]["split"]["fixed"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8]]
+    assert all(len(b) <= 2 for b in results[1]["split"]["dynamic"])  # 200 tokens: 2 samples
     assert agree_num_micro_batches(3) == 3  # no process group: the local count

@@ -118,6 +118,38 @@ def ema_program(rank, world, hf_dir, save_dir, out_file):
         torch.save(res, out_file)
 
 
+#: --eval-weights ema as EMA's only consumer (the actor is published and is the old policy)
+EVAL_FLAGS = EMA_FLAGS | dict(rollout_weights="actor", old_policy="actor", eval_weights="ema")
+
+
+def eval_program(rank, world, hf_dir, out_file):
+    """3 rollouts, then evaluate() with the EMA weights; the actor, EMA, module mode and the
+    actor's forward before and after; the actor-weight log-probs for contrast."""
+    backend = FSDPBackend()
+    backend.init(make_args(hf_checkpoint=hf_dir, **EVAL_FLAGS))
+    res: dict = {"params": [full_params(backend.model)]}
+    for rollout_id in range(3):
+        backend.train(rollout_id, my_shard(make_samples(seed=rollout_id), rank, world))
+        res["params"].append(full_params(backend.model))
+    shard = my_shard(make_samples(seed=7), rank, world)
+    probe = shard[0].tokens[None].to(backend.device)
+    with torch.no_grad():
+        res["probe_before"] = backend.model(input_ids=probe).logits.clone()
+    res["ema_before"] = full_ema(backend)
+    res["metrics"] = backend.evaluate(shard)
+    res["log_probs"] = backend.eval_log_probs(shard)
+    res["training_after"] = backend.model.training
+    with torch.no_grad():  # a forward after evaluation reads the restored actor shards
+        res["probe_after"] = backend.model(input_ids=probe).logits.clone()
+    res["params_after"] = full_params(backend.model)
+    res["ema_after"] = full_ema(backend)
+    backend.args.eval_weights = "actor"
+    res["actor_log_probs"] = backend.eval_log_probs(shard)
+    res["sources"] = list(shard.source_indices)
+    backend.close()
+    torch.save(res, f"{out_file}.{rank}")
+
+
 def lora_program(rank, world, hf_dir, adapter_dir, data, save_dir, out_file):
     """LoRA actor: merged publish, one step's grads and AdamW update, lora_base, checkpoint."""
     from miles_fsdp.roles import adapters_disabled
@@ -178,7 +210,10 @@ def lora_program(rank, world, hf_dir, adapter_dir, data, save_dir, out_file):
     backend = FSDPBackend()
     kl = dict(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k2", ref_mode="lora_base")
     kl["advantage_estimator"] = "grpo"
-    backend.init(make_args(load=save_dir, **flags, **kl))
+    ema = dict(use_ema=True, eval_weights="ema")  # EMA of a LoRA actor: the adapters only
+    backend.init(make_args(load=save_dir, **flags, **kl, **ema))
+    names = {id(p): n for n, p in backend.model.named_parameters()}
+    res["ema_params"] = sorted(names[id(p)] for p in backend.ema.params())
     res["resumed"] = full_params(backend.model)
     res["kl_metrics"] = backend.train(1, my_shard(make_samples(), rank, world))
     res["kl_trained"] = full_params(backend.model)
@@ -237,24 +272,25 @@ def record_prepare(ctx, batch):
     return batch
 
 
-def roles_program(rank, world, hf_dir, ref_dir, ref_adapter, teacher_dir, data, out_file):
-    """Actor + reference (with adapter) + CPU-offloaded teacher; logits, hooks, KL, sleep."""
-    backend = FSDPBackend()
-    backend.init(
-        make_args(
-            hf_checkpoint=hf_dir,
-            ref_load=ref_dir,
-            ref_mode="ref",
-            ref_lora_adapter_path=[ref_adapter],
-            teacher_load=teacher_dir,
-            teacher_cpu_offload=True,
-            custom_prepare_path="role_programs:record_prepare",
-            use_kl_loss=True,
-            kl_loss_coef=0.1,
-            kl_loss_type="k2",  # (log p - log ref)^2 / 2 > 0 when the models differ
-            advantage_estimator="grpo",
-        )
+def roles_program(rank, world, hf_dir, ref_dir, ref_adapter, teacher_dir, data, save_dir, out_file):
+    """Actor + reference (with adapter) + CPU-offloaded teacher; logits, hooks, KL, sleep;
+    a checkpoint and its resume (the frozen roles rebuilt from their sources)."""
+    flags = dict(
+        hf_checkpoint=hf_dir,
+        ref_load=ref_dir,
+        ref_mode="ref",
+        ref_lora_adapter_path=[ref_adapter],
+        teacher_load=teacher_dir,
+        teacher_cpu_offload=True,
+        custom_prepare_path="role_programs:record_prepare",
+        use_kl_loss=True,
+        kl_loss_coef=0.1,
+        kl_loss_type="k2",  # (log p - log ref)^2 / 2 > 0 when the models differ
+        advantage_estimator="grpo",
+        save=save_dir,
     )
+    backend = FSDPBackend()
+    backend.init(make_args(**flags))
     rows = my_rows(data, rank, world)
     res: dict = {}
 
@@ -279,14 +315,47 @@ def roles_program(rank, world, hf_dir, ref_dir, ref_adapter, teacher_dir, data, 
         backend.wake_up()
     res["skipped"] = list(backend.mover.skipped)
     res["after_sleep"] = logits()
+    backend.save_model(0, force_sync=True)
+    res["actor_keys"] = sorted(backend.model.state_dict())
+    backend.close()
+    backend = FSDPBackend()  # resume: the actor from the checkpoint, frozen roles from sources
+    backend.init(make_args(load=save_dir, **flags))
+    res["resumed"] = logits()
     backend.close()
     if rank == 0:
         torch.save(res, out_file)
 
 
-def sleep_cycles_program(rank, world, hf_dir, ref_dir, teacher_dir, data, out_file):
+def full_adam_state(backend) -> dict[str, dict[str, torch.Tensor]]:
+    """AdamW's state (step, exp_avg, exp_avg_sq) per parameter name, as full tensors."""
+    names = {id(p): n for n, p in backend.model.named_parameters()}
+    out = {}
+    for p, state in backend.optimizer.state.items():
+        out[names[id(p)]] = {
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+            for k, v in state.items()
+        }
+    return out
+
+
+def device_state_bytes(backend) -> int:
+    """Bytes of this rank's shards of every role's parameters and buffers, AdamW and EMA state
+    that sit on the backend's device (what a sleep must move off it)."""
+
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    tensors = [local(t) for m in (backend.model, *backend.frozen.values()) for t in m.parameters()]
+    tensors += [local(t) for m in (backend.model, *backend.frozen.values()) for t in m.buffers()]
+    for opt in (backend.optimizer, backend.ema):
+        tensors += [local(v) for st in opt.state.values() for v in st.values() if v.dim() > 0]
+    return sum(t.numel() * t.element_size() for t in tensors if t.device == backend.device)
+
+
+def sleep_cycles_program(rank, world, hf_dir, ref_dir, teacher_dir, data, out_file, attn="sdpa"):
     """3 rollouts with every role (EMA, reference, teacher); once never slept, once with a
-    sleep/wake after each rollout. Records the actor, EMA and every role's logits per cycle."""
+    sleep/wake after each rollout. Records per cycle the actor, EMA and AdamW state, every
+    role's logits, and (on CUDA) the device memory a sleep released against what it had to."""
     results = {}
     for label in ("control", "slept"):
         backend = FSDPBackend()
@@ -299,21 +368,46 @@ def sleep_cycles_program(rank, world, hf_dir, ref_dir, teacher_dir, data, out_fi
                 custom_prepare_path="role_programs:record_prepare",
                 use_kl_loss=True,
                 kl_loss_coef=0.1,
+                attn_implementation=attn,
                 **EMA_FLAGS,
             )
         )
         rows = my_rows(data, rank, world).to(backend.device)
         cycles = []
         for rollout_id in range(3):
-            backend.train(rollout_id, my_shard(make_samples(seed=rollout_id), rank, world))
+            memory = {}
+            if label == "slept" and rollout_id > 0:
+                backend.sleep()  # left asleep: train() wakes the backend itself
+            metrics = backend.train(
+                rollout_id, my_shard(make_samples(seed=rollout_id), rank, world)
+            )
+            memory["asleep_after_train"] = backend.asleep
             if label == "slept":
+                memory["must_move"] = device_state_bytes(backend)
+                on_cuda = backend.device.type == "cuda"
+                if on_cuda:
+                    torch.cuda.synchronize()
+                    memory["before"] = torch.cuda.memory_allocated(backend.device)
                 backend.sleep()
+                memory["asleep"] = backend.asleep
+                memory["left_on_device"] = device_state_bytes(backend)
+                if on_cuda:
+                    memory["after"] = torch.cuda.memory_allocated(backend.device)
                 backend.wake_up()
             with torch.no_grad():
                 roles = {"actor": backend.model, **backend.frozen}
                 logits = {r: m(input_ids=rows).logits.cpu() for r, m in roles.items()}
             params = {n: v.cpu() for n, v in full_params(backend.model).items()}
-            cycles.append({"logits": logits, "params": params, "ema": full_ema(backend)})
+            cycles.append(
+                {
+                    "logits": logits,
+                    "params": params,
+                    "ema": {n: v.cpu() for n, v in full_ema(backend).items()},
+                    "adam": full_adam_state(backend),
+                    "loss": {k: metrics[k] for k in ("pg_loss", "kl_loss", "grad_norm")},
+                    "memory": memory,
+                }
+            )
         results[label] = cycles
         backend.close()
     if rank == 0:

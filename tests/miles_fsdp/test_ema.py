@@ -153,3 +153,66 @@ def test_ema_state_sleeps_with_the_optimizers():
             torch.testing.assert_close(ema.state[p]["ema"], before[id(p)], atol=0, rtol=0)
     assert moved >= params + adam_bytes + ema_bytes
     mover.close()
+
+
+def dense_response_log_probs(hf_dir, state, samples, temperature=1.0):
+    """Float64 response log-probs of ``samples`` under the HF model with weights ``state``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(hf_dir), dtype=torch.float64, attn_implementation="eager"
+    )
+    model.load_state_dict({n: v.double() for n, v in state.items()}, strict=True)
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            logits = model(input_ids=s.tokens[None], use_cache=False).logits[0, :-1]
+            lp = torch.log_softmax(logits / temperature, dim=-1)
+            out.append(lp.gather(-1, s.tokens[1:, None]).squeeze(-1)[-s.response_length :])
+    return out
+
+
+@pytest.mark.slow
+def test_eval_weights_ema_evaluates_hand_computed_ema_and_restores(tmp_path):
+    from role_programs import EVAL_FLAGS, eval_program, make_samples
+
+    hf_dir = save_tiny_model(tmp_path / "qwen3")
+    out = tmp_path / "out.pt"
+    run_ranks(2, eval_program, str(hf_dir), str(out), timeout=300)
+    ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
+    f = EVAL_FLAGS
+    params = ranks[0]["params"]  # full tensors: the same on both ranks
+    ema = {n: v.double() for n, v in params[0].items()}
+    for k in range(1, 4):  # one update per rollout, decay of the actor's step count k
+        d = hand_decay(
+            k,
+            f["ema_decay_init"],
+            f["ema_decay_ramp"],
+            f["ema_decay_max"],
+            f["ema_decay_flat_steps"],
+        )
+        ema = {n: d * v + (1 - d) * params[k][n].double() for n, v in ema.items()}
+    samples = make_samples(seed=7)
+    expected = dense_response_log_probs(hf_dir, ema, samples)
+    actor = dense_response_log_probs(hf_dir, params[3], samples)
+    total = sum(float(lp.sum()) for lp in expected)
+    tokens = sum(lp.numel() for lp in expected)
+    seen = []
+    for res in ranks:
+        seen += res["sources"]
+        for lp, src in zip(res["log_probs"], res["sources"]):
+            torch.testing.assert_close(lp.double(), expected[src], atol=2e-5, rtol=0)
+        for lp, src in zip(res["actor_log_probs"], res["sources"]):
+            torch.testing.assert_close(lp.double(), actor[src], atol=2e-5, rtol=0)
+        assert res["metrics"]["tokens"] == tokens
+        assert res["metrics"]["log_prob"] == pytest.approx(total / tokens, abs=2e-6)
+        assert res["metrics"]["nll"] == -res["metrics"]["log_prob"]
+        # training weights, EMA and train mode are back; a forward reads the actor again
+        for n, v in params[3].items():
+            torch.testing.assert_close(res["params_after"][n], v, atol=0, rtol=0)
+            torch.testing.assert_close(res["ema_after"][n], res["ema_before"][n], atol=0, rtol=0)
+        torch.testing.assert_close(res["probe_after"], res["probe_before"], atol=0, rtol=0)
+        assert res["training_after"] is True
+    assert sorted(seen) == list(range(len(samples)))
+    # the EMA is visibly not the actor, so evaluating the wrong weights fails above
+    assert max((e - a).abs().max().item() for e, a in zip(expected, actor)) > 1e-3

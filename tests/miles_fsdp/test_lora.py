@@ -188,6 +188,7 @@ def test_lora_actor_two_ranks(dirs, tmp_path):
     assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved)
     for name, v in res["stepped"].items():
         torch.testing.assert_close(res["resumed"][name], v, atol=0, rtol=0, msg=name)
+    assert res["ema_params"] == res["trainable"]  # EMA never averages the frozen base
     # train() with --ref-mode lora_base: KL against the base, adapters keep training
     assert res["kl_metrics"]["kl_loss"] > 0
     assert res["kl_requires_grad"] == res["trainable"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from miles_core.args import ArgumentError
 from miles_fsdp.roles import ActorBuild, FrozenSource, build_frozen_model, component_names
-from role_programs import roles_program
+from role_programs import roles_program, sleep_cycles_program
 from run_args import make_args
 from spawn import run_ranks
 from test_lora import save_adapter
@@ -43,6 +43,7 @@ def test_reference_and_teacher_two_ranks(tmp_path):
         roles_program,
         *map(str, (hf_dir, ref_dir, ref_adapter, teacher_dir)),
         data,
+        str(tmp_path / "ckpt"),
         str(out),
         timeout=400,
     )
@@ -72,6 +73,23 @@ def test_reference_and_teacher_two_ranks(tmp_path):
     for role, value in res["trained"].items():
         torch.testing.assert_close(res["after_sleep"][role], value, atol=0, rtol=0)
     assert res["skipped"] == ["teacher"]
+    # never checkpointed: the iteration holds the actor only; a resume rebuilds the frozen
+    # roles from --ref-load / --teacher-load (and the reference's adapter)
+    import torch.distributed.checkpoint as dcp
+
+    it = tmp_path / "ckpt" / "iter_0000001"
+    assert {p.name for p in it.iterdir()} == {
+        "model",
+        "optimizer",
+        "lr_scheduler",
+        "rng.pt",
+        "meta.json",
+    }
+    saved = dcp.FileSystemReader(str(it / "model")).read_metadata().state_dict_metadata
+    assert sorted(saved) == sorted(f"model.{k}" for k in res["actor_keys"])
+    torch.testing.assert_close(res["resumed"]["actor"], res["trained"]["actor"], atol=0, rtol=0)
+    for role in ("reference", "teacher"):
+        torch.testing.assert_close(res["resumed"][role], res["logits"][role], atol=0, rtol=0)
 
 
 def test_causal_lm_has_one_component():
@@ -122,3 +140,45 @@ def test_hook_errors_name_the_flag(spec, message):
 
     with pytest.raises(ArgumentError, match=message):
         load_hook(spec, "--custom-loss-function-path")
+
+
+def assert_sleep_cycles_match(res):
+    """The slept run equals the never-slept control after every cycle, bit for bit: actor
+    parameters, EMA, AdamW state (so every optimizer update), losses and every role's logits."""
+    assert len(res["control"]) == len(res["slept"]) == 3
+    for cycle, (control, slept) in enumerate(zip(res["control"], res["slept"])):
+        assert slept["memory"]["asleep"] and not slept["memory"]["asleep_after_train"], cycle
+        assert slept["loss"] == control["loss"], cycle
+        for part in ("params", "ema"):
+            assert control[part].keys() == slept[part].keys()
+            for name, value in control[part].items():
+                torch.testing.assert_close(
+                    slept[part][name], value, atol=0, rtol=0, msg=f"cycle {cycle} {part} {name}"
+                )
+        assert control["adam"].keys() == slept["adam"].keys() and control["adam"]
+        for name, state in control["adam"].items():
+            for key, value in state.items():
+                torch.testing.assert_close(
+                    slept["adam"][name][key], value, atol=0, rtol=0, msg=f"{cycle} {name} {key}"
+                )
+        assert sorted(control["logits"]) == ["actor", "reference", "teacher"]
+        for role, value in control["logits"].items():
+            torch.testing.assert_close(
+                slept["logits"][role], value, atol=0, rtol=0, msg=f"cycle {cycle} {role}"
+            )
+    # the actor trained between cycles (the comparison is not of a model that never changes)
+    first, last = res["control"][0]["params"], res["control"][-1]["params"]
+    assert any(not torch.equal(first[n], last[n]) for n in first)
+
+
+@pytest.mark.slow
+def test_sleep_cycles_all_roles_match_never_slept_on_cpu(tmp_path):
+    """The GPU test's program on 2 gloo ranks: the CPU mover's path, same comparison."""
+    dirs = [str(save_tiny_model(tmp_path / name, seed=s)) for s, name in enumerate("art")]
+    data = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(3))
+    out = tmp_path / "out.pt"
+    run_ranks(2, sleep_cycles_program, *dirs, data, str(out), timeout=500)
+    res = torch.load(out, weights_only=False)
+    assert_sleep_cycles_match(res)
+    for cycle in res["slept"]:
+        assert cycle["memory"]["must_move"] > 0

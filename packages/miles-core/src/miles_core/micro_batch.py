@@ -8,12 +8,15 @@ number it needs (:func:`count_micro_batches`, first-fit decreasing), the ranks a
 maximum (:func:`agree_num_micro_batches`, an all-reduce over a gloo group), and each rank then
 splits its data into exactly that many (:func:`make_micro_batches`), balancing token counts with
 Karmarkar-Karp when the budget allows. A rank with fewer samples than micro-batches gets empty
-ones; packing turns those into a block of padding.
+ones; packing turns those into a block of padding. :func:`split_micro_batches` is the whole
+sequence for one rank, in either mode (``--use-dynamic-batch-size`` or ``--micro-batch-size``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -136,3 +139,47 @@ def split_steps(batch: RolloutBatch, num_steps: int) -> list[RolloutBatch]:
     n = len(batch)
     bounds = [n * k // num_steps for k in range(num_steps + 1)]
     return [batch.select(range(bounds[k], bounds[k + 1])) for k in range(num_steps)]
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How a rank cuts its data into micro-batches: by token budget (``dynamic``,
+    ``--use-dynamic-batch-size`` with ``--max-tokens-per-gpu`` x ``cp_size``) or by
+    ``--micro-batch-size`` samples."""
+
+    dynamic: bool
+    max_tokens_per_gpu: int | None
+    micro_batch_size: int
+    cp_size: int = 1
+
+    @classmethod
+    def from_args(cls, args: Any, cp_size: int = 1) -> MicroBatching:
+        return cls(
+            dynamic=bool(args.use_dynamic_batch_size),
+            max_tokens_per_gpu=args.max_tokens_per_gpu,
+            micro_batch_size=args.micro_batch_size,
+            cp_size=cp_size,
+        )
+
+
+def split_micro_batches(
+    batch: RolloutBatch, how: MicroBatching, group: dist.ProcessGroup | None = None
+) -> list[RolloutBatch]:
+    """This rank's micro-batches of ``batch``, as many as the busiest rank of ``group`` needs.
+
+    Each rank counts what it needs (first-fit decreasing under the token budget, or
+    ``ceil(len / micro_batch_size)``, at least 1), the ranks agree on the maximum
+    (:func:`agree_num_micro_batches`, a collective: every rank of ``group`` calls this together),
+    and the batch is split into exactly that many; ranks that need fewer get empty ones.
+    """
+    if how.dynamic:
+        if how.max_tokens_per_gpu is None:
+            raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu")
+        local = count_micro_batches(batch, how.max_tokens_per_gpu, how.cp_size)
+        num = agree_num_micro_batches(local, group=group)
+        return make_micro_batches(batch, how.max_tokens_per_gpu, how.cp_size, num=num)
+    if how.micro_batch_size < 1:
+        raise ValueError(f"--micro-batch-size must be >= 1, got {how.micro_batch_size}")
+    local = max(-(-len(batch) // how.micro_batch_size), 1)
+    num = agree_num_micro_batches(local, group=group)
+    return fixed_size_micro_batches(batch, how.micro_batch_size, num=num)

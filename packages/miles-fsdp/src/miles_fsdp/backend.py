@@ -223,6 +223,8 @@ class FSDPBackend(TrainBackend):
             models={c: self.model},
             reference_models={c: self.frozen["reference"]} if "reference" in self.frozen else {},
             teacher_models={c: self.frozen["teacher"]} if "teacher" in self.frozen else {},
+            attn_implementation=self.attn_implementation,
+            compute_dtype=self.precision.compute_dtype,
         )
 
     @contextmanager
@@ -241,12 +243,11 @@ class FSDPBackend(TrainBackend):
         return DataLayout(dp_rank=rank, dp_size=self.shape.world_size)
 
     # ------------------------------------------------------------------ training
-    def train(self, rollout_id: int, batch: Any) -> dict[str, float]:
-        """Train on this rank's shard of rollout ``rollout_id`` (see :mod:`.rollout_train`)."""
-        from miles_fsdp.rollout_train import RolloutContext, train_rollout
+    def _rollout_context(self) -> Any:
+        """What :mod:`.rollout_train` needs: this backend's model, optimizer, roles and hooks."""
+        from miles_fsdp.rollout_train import RolloutContext
 
-        self.wake_up()
-        ctx = RolloutContext(
+        return RolloutContext(
             model=self.model,
             optimizer=self.optimizer,
             scheduler=self.scheduler,
@@ -261,6 +262,13 @@ class FSDPBackend(TrainBackend):
             ema=self.ema,
             hooks=self.hooks,
         )
+
+    def train(self, rollout_id: int, batch: Any) -> dict[str, float]:
+        """Train on this rank's shard of rollout ``rollout_id`` (see :mod:`.rollout_train`)."""
+        from miles_fsdp.rollout_train import train_rollout
+
+        self.wake_up()
+        ctx = self._rollout_context()
         self.profiler.before(self.state.global_step)
         metrics, steps, micro = train_rollout(ctx, batch)
         self.state.global_step += steps
@@ -271,17 +279,62 @@ class FSDPBackend(TrainBackend):
         self.profiler.after(self.state.global_step, metrics)
         return metrics
 
-    def update_weights(self, engines: Sequence[Any]) -> None:
-        """Publish the current weights to ``engines`` through miles-sync (every rank calls)."""
+    # ------------------------------------------------------------------ evaluation
+    def eval_log_probs(self, batch: Any) -> list[torch.Tensor]:
+        """Per-sample response log-probs (float32, CPU) of this rank's shard ``batch`` at
+        ``--rollout-temperature``, under the weights ``--eval-weights`` names (EMA swapped into
+        the actor's shards and back), in eval mode (no dropout). Collective over DP ranks."""
+        from miles_fsdp.rollout_train import policy_log_probs
+
+        self.wake_up()
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with self.evaluation_weights():
+                return policy_log_probs(self._rollout_context(), batch)
+        finally:
+            self.model.train(was_training)
+
+    def evaluate(self, batch: Any) -> dict[str, float]:
+        """Evaluate the ``--eval-weights`` policy on a batch (every DP rank its shard).
+
+        Returns, over all DP ranks, ``log_prob``: the mean response-token log-prob
+        ``sum(log p) / N`` at ``--rollout-temperature``, ``nll = -log_prob`` and ``tokens`` = N
+        (response tokens, loss mask ignored). Neither the actor nor EMA changes.
+        """
+        from miles_core.aggregation import all_reduce_host
+
+        values = self.eval_log_probs(batch)
+        local = torch.tensor(
+            [sum(float(v.double().sum()) for v in values), float(sum(v.numel() for v in values))],
+            dtype=torch.float64,
+        )
+        total, tokens = all_reduce_host(local, dist.ReduceOp.SUM, self.cpu_group).tolist()
+        log_prob = total / max(tokens, 1.0)
+        return {"log_prob": log_prob, "nll": -log_prob, "tokens": tokens}
+
+    # ------------------------------------------------------------------ publishing
+    def update_weights(self, engines: Sequence[Any], weights: str | None = None) -> None:
+        """Publish weights to ``engines`` through miles-sync (every rank calls).
+
+        ``weights``: ``actor`` or ``ema``; unset: ``--rollout-weights``. An evaluation on the
+        engines with ``--eval-weights`` other than ``--rollout-weights`` publishes
+        ``weights=args.eval_weights`` before it and the rollout weights again after it.
+        """
         from miles_sync.ranks import RankContext
         from miles_sync.weight_sync import SyncConfig, WeightPublisher
 
+        which = weights or self.args.rollout_weights
+        if which not in ("actor", "ema"):
+            raise ValueError(f"update_weights: weights must be 'actor' or 'ema', got {which!r}")
+        if which == "ema" and self.ema is None:
+            raise ValueError("update_weights(weights='ema') needs --use-ema")
         self.wake_up()
         if self.publisher is None:
             self.publisher = WeightPublisher(
                 SyncConfig.from_args(self.args), RankContext.from_default_group()
             )
-        with self.use_weights(self.args.rollout_weights):  # --rollout-weights ema: EMA values
+        with self.use_weights(which):  # ema: EMA values in the actor's shards, restored after
             self.publisher.update_weights(self.weight_source(), list(engines))
 
     # ------------------------------------------------------------------ weights

@@ -13,7 +13,12 @@ run in eval mode with no gradients; call them inside ``torch.no_grad()``.
   packed row, ``packed`` the :class:`~miles_core.packing.PackedBatch` (its ``fields`` hold
   ``advantages``, ``old_log_probs``, ``ref_log_probs`` and the prepare hook's fields),
   ``config`` the ``LossConfig``; ``contribution`` is back-propagated (divide by
-  ``denominator``, see :mod:`miles_fsdp.train_step`), ``parts`` are logged scalars.
+  ``denominator``, see :mod:`miles_fsdp.train_step`), ``parts`` are logged scalars (summed
+  over micro-batches and DP ranks, like the built-in loss's parts).
+
+``ctx.logits(model, packed)`` runs any role on the same packed row the actor saw (attention
+kept inside each sample, the actor's attention implementation), e.g. a teacher for
+distillation.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 
 import torch
 from miles_core.args import ArgumentError
+from miles_core.packing import PackedBatch, packed_attention_kwargs
 from torch import nn
 
 
@@ -37,6 +43,14 @@ class HookContext:
     models: dict[str, nn.Module] = field(default_factory=dict)
     reference_models: dict[str, nn.Module] = field(default_factory=dict)
     teacher_models: dict[str, nn.Module] = field(default_factory=dict)
+    attn_implementation: str = "sdpa"
+    compute_dtype: torch.dtype = torch.float32
+
+    def logits(self, model: nn.Module, packed: PackedBatch) -> torch.Tensor:
+        """Logits ``[1, T, V]`` of ``model`` on the packed row (call frozen roles under
+        ``torch.no_grad()``)."""
+        kwargs = packed_attention_kwargs(packed, self.attn_implementation, self.compute_dtype)
+        return model(input_ids=packed.input_ids, **kwargs).logits
 
 
 def load_hook(spec: str, flag: str) -> Callable:

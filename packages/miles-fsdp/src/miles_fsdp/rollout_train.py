@@ -29,13 +29,7 @@ from miles_core.args.groups.algorithm import kl_term_on
 from miles_core.batch import RolloutBatch
 from miles_core.log_probs import entropy_from_logits, token_log_probs
 from miles_core.losses import LossConfig, compute_policy_loss
-from miles_core.micro_batch import (
-    agree_num_micro_batches,
-    count_micro_batches,
-    fixed_size_micro_batches,
-    make_micro_batches,
-    split_steps,
-)
+from miles_core.micro_batch import MicroBatching, split_micro_batches, split_steps
 from miles_core.packing import PackedBatch, pack_thd, packed_attention_kwargs, unpack_response
 from torch import nn
 
@@ -64,16 +58,9 @@ class RolloutContext:
     hooks: Any = None  # miles_fsdp.hooks.Hooks
 
 
-def split_micro_batches(ctx: RolloutContext, batch: RolloutBatch) -> list[RolloutBatch]:
+def micro_batches(ctx: RolloutContext, batch: RolloutBatch) -> list[RolloutBatch]:
     """This rank's micro-batches of ``batch``, as many as the busiest DP rank needs."""
-    args = ctx.args
-    if args.use_dynamic_batch_size:
-        local = count_micro_batches(batch, args.max_tokens_per_gpu)
-        num = agree_num_micro_batches(local, group=ctx.cpu_group)
-        return make_micro_batches(batch, args.max_tokens_per_gpu, num=num)
-    local = max(-(-len(batch) // args.micro_batch_size), 1)
-    num = agree_num_micro_batches(local, group=ctx.cpu_group)
-    return fixed_size_micro_batches(batch, args.micro_batch_size, num=num)
+    return split_micro_batches(batch, MicroBatching.from_args(ctx.args), group=ctx.cpu_group)
 
 
 def packed_logits(
@@ -104,7 +91,7 @@ def policy_log_probs(
     """Per-sample response log-probs of ``model`` (the actor) at ``--rollout-temperature``."""
     out: list[torch.Tensor | None] = [None] * len(batch)
     index = {src: i for i, src in enumerate(batch.source_indices)}
-    for mb in split_micro_batches(ctx, batch):
+    for mb in micro_batches(ctx, batch):
         packed = pack_thd(mb).to(ctx.device)
         logits = packed_logits(ctx, packed, model)
         lp = token_log_probs(logits, packed.targets, ctx.args.rollout_temperature)
@@ -117,6 +104,8 @@ def _loss_of(ctx: RolloutContext, config: LossConfig, denominator: float, detach
     def loss_of(model: nn.Module, mb: RolloutBatch):
         packed = pack_thd(mb).to(ctx.device)
         logits = packed_logits(ctx, packed)
+        if ctx.hooks is not None and ctx.hooks.loss is not None:  # --custom-loss-function-path
+            return ctx.hooks.loss(ctx.hooks.context, logits, packed, config, denominator)
         log_probs = token_log_probs(logits, packed.targets, config.temperature)
         if config.entropy_coef != 0.0:
             entropy = entropy_from_logits(logits, config.temperature)
@@ -124,8 +113,6 @@ def _loss_of(ctx: RolloutContext, config: LossConfig, denominator: float, detach
             with torch.no_grad():
                 entropy = entropy_from_logits(logits.detach(), config.temperature)
         fields = packed.fields
-        if ctx.hooks is not None and ctx.hooks.loss is not None:
-            return ctx.hooks.loss(ctx.hooks.context, logits, packed, config, denominator)
         return compute_policy_loss(
             log_probs,
             old_log_probs=log_probs.detach() if detach_old else fields["old_log_probs"],
@@ -186,14 +173,14 @@ def train_rollout(ctx: RolloutContext, batch: RolloutBatch) -> tuple[dict[str, f
         denominator = loss_denominator(
             step_batch, config.calculate_per_token_loss, group=ctx.cpu_group
         )
-        micro_batches = split_micro_batches(ctx, step_batch)
-        num_micro += len(micro_batches)
+        step_micro = micro_batches(ctx, step_batch)
+        num_micro += len(step_micro)
         results.append(
             optimizer_step(
                 ctx.model,
                 ctx.optimizer,
                 ctx.scheduler,
-                micro_batches,
+                step_micro,
                 _loss_of(ctx, config, denominator, detach_old),
                 dp_size=ctx.dp_size,
                 clip_grad=args.clip_grad,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -288,6 +291,30 @@ def experts_match_merged_oracle(
         "grads": diffs,
         "expert_modules": expert_modules,
     }
+
+
+def run_programs(
+    rank: int, world: int, programs: list[tuple[str, Callable, tuple]]
+) -> dict[str, dict[str, Any]]:
+    """Run several per-rank bodies ``fn(rank, world, *args)`` in sequence in one spawn, so that
+    the ranks import megatron once: ``{label: {"ok", "value" | "error", "seconds"}}``.
+
+    A body that raises is reported under its label (its test fails with the traceback) and the
+    next body still runs, with the parallel state torn down in between.
+    """
+    from miles_megatron.parallel import destroy_parallel
+
+    out = {}
+    for label, fn, args in programs:
+        start = time.monotonic()
+        try:
+            out[label] = {"ok": True, "value": fn(rank, world, *args)}
+        except Exception:  # noqa: BLE001  (reported to the parent under the label)
+            out[label] = {"ok": False, "error": traceback.format_exc()}
+        finally:
+            destroy_parallel()
+        out[label]["seconds"] = time.monotonic() - start
+    return out
 
 
 # ---------------------------------------------------------------- parent side

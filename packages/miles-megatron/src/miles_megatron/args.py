@@ -48,6 +48,11 @@ class MegatronArgs(ArgGroup):
     ref_update_interval: int | None = flag(
         None, help="Copy the actor into the reference model every N rollouts (unset: never)."
     )
+    publish_lora_adapter: bool = flag(
+        False,
+        help="With --use-lora, publish the adapter's PEFT-named factors (engines that load "
+        "LoRA) instead of the merged weights.",
+    )
 
     @classmethod
     def validate(cls, args: Any) -> None:
@@ -62,6 +67,8 @@ class MegatronArgs(ArgGroup):
             if value is not None and ":" not in value:
                 option = "--" + dest.replace("_", "-")
                 raise ArgumentError(f"{option} {value}: expected module:function")
+        if args.publish_lora_adapter and not getattr(args, "use_lora", False):
+            raise ArgumentError("--publish-lora-adapter requires --use-lora")
         if args.ref_update_interval is not None and args.ref_update_interval < 1:
             raise ArgumentError("--ref-update-interval must be >= 1")
         tp = args.tensor_model_parallel_size

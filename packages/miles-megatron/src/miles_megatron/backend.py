@@ -20,11 +20,17 @@ Not yet here (see docs/miles-megatron.md): CP > 1 training without TransformerEn
 
 Reference model: with ``--ref-load`` (``--ref-mode ref``) the reference's shards are kept on
 the host and swapped in for the reference log-prob pass (:mod:`miles_megatron.reference_model`);
-``train`` attaches ``ref_log_probs`` for the KL loss (``--use-kl-loss``).
+``train`` attaches ``ref_log_probs`` for the KL loss (``--use-kl-loss``). With ``--ref-mode
+lora_base`` the reference is the actor with its LoRA adapters off.
+
+LoRA (``--use-lora``, :mod:`miles_megatron.lora`): adapters on the TP linears, base frozen
+and read from ``--hf-checkpoint``, adapter-only checkpoints, merged (or adapter-only) publish,
+:meth:`MegatronBackend.export_adapter` to a PEFT directory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -62,6 +68,7 @@ class MegatronBackend(TrainBackend):
         self.global_step = 0
         self._publisher: Any = None
         self._async_saves: Any = None  # megatron-core AsyncCallsQueue under --async-save
+        self.lora: Any = None  # miles_megatron.lora.actor.ActorLoRA under --use-lora
 
     # ------------------------------------------------------------------ init
     def init(self, args: Any, role: str = "actor") -> int:
@@ -75,6 +82,15 @@ class MegatronBackend(TrainBackend):
             )
         if role != "actor":
             raise ArgumentError(f"the megatron backend trains role 'actor' only, not {role!r}")
+        if args.use_lora and not args.hf_checkpoint:
+            raise ArgumentError("--use-lora needs --hf-checkpoint (the frozen base weights)")
+        if args.use_lora and args.pipeline_model_parallel_size > 1:
+            raise ArgumentError(
+                "megatron backend: --use-lora with --pipeline-model-parallel-size > 1 is not "
+                "supported yet (adapter export and publish cover one stage)"
+            )
+        if getattr(args, "ref_lora_adapter_path", None):
+            raise ArgumentError("megatron backend: --ref-lora-adapter-path is not supported yet")
         self.args = args
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -87,7 +103,7 @@ class MegatronBackend(TrainBackend):
         config = transformer_config(self.margs, args)
         model = build_gpt_model(self.margs, args, config)
         resumed = self._resolve_load()
-        if resumed is None:
+        if resumed is None or args.use_lora:  # LoRA checkpoints hold the adapters only
             if not args.hf_checkpoint:
                 raise ArgumentError("megatron backend needs --hf-checkpoint or --load")
             load_hf_into_model(
@@ -97,6 +113,13 @@ class MegatronBackend(TrainBackend):
                 self.margs,
                 args.tensor_model_parallel_size,
             )
+        if args.use_lora:
+            from miles_megatron.lora.actor import ActorLoRA
+
+            extra = resumed.meta.extra if resumed is not None else None
+            self.lora = ActorLoRA.attach(args, model, self.bridge, self.margs, extra)
+        elif resumed is not None and "lora" in resumed.meta.extra:
+            raise ArgumentError(f"--load {args.load}: a LoRA adapter checkpoint needs --use-lora")
         model = model.to(self.device)
         if config.bf16 or config.fp16:
             from megatron.core.transformer.module import Float16Module
@@ -111,7 +134,12 @@ class MegatronBackend(TrainBackend):
             from miles_megatron.checkpoint import load_checkpoint
 
             load_checkpoint(
-                resumed.path, self.model, self.optimizer, self.scheduler, args.load_optim
+                resumed.path,
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                args.load_optim,
+                model_sd=self.lora.sharded_state_dict(self.model) if self.lora else None,
             )
             next_rollout_id = resumed.meta.next_rollout_id
             self.global_step = resumed.meta.global_step
@@ -186,7 +214,7 @@ class MegatronBackend(TrainBackend):
         finish_saves(self._async_saves, blocking=False)  # publish writes that are done
         batch = self._share_with_model_parallel_peers(batch)
         ctx = self._context()
-        if self.reference is not None:
+        if self.reference is not None or self._lora_base_reference:
             batch = batch.with_fields(ref_log_probs=self.reference_log_probs(batch, ctx))
         metrics = train_rollout(ctx, rollout_id, batch)
         self.global_step += int(metrics["steps"])
@@ -195,8 +223,26 @@ class MegatronBackend(TrainBackend):
             self.reference.update_from(self.model)
         return metrics
 
+    @property
+    def _lora_base_reference(self) -> bool:
+        return self.lora is not None and getattr(self.args, "ref_mode", None) == "lora_base"
+
+    @contextlib.contextmanager
+    def _reference_weights(self) -> Iterator[None]:
+        """The reference policy in the actor's modules: ``--ref-load``'s weights swapped in
+        and/or the LoRA adapters off (``lora_base``; also with ``ref``: the reference has none)."""
+        from miles_megatron.lora import adapters_disabled
+
+        with contextlib.ExitStack() as stack:
+            if self.reference is not None:
+                stack.enter_context(self.reference.swapped_in(self.model))
+            if self.lora is not None:
+                stack.enter_context(adapters_disabled(self.model))
+            yield
+
     def reference_log_probs(self, batch: Any, ctx: Any = None) -> list[torch.Tensor]:
-        """Per-sample response log-probs of the reference policy (``--ref-load``)."""
+        """Per-sample response log-probs of the reference policy (``--ref-load`` or, with
+        ``--ref-mode lora_base``, the actor without its adapters)."""
         from miles_megatron.packed_forward import rollout_log_probs
         from miles_megatron.train_step import split_micro_batches
 
@@ -204,7 +250,7 @@ class MegatronBackend(TrainBackend):
         if ctx.before_log_prob_hook is not None:
             ctx.before_log_prob_hook(self.args, self.model, batch)
         index = {src: i for i, src in enumerate(batch.source_indices)}
-        with self.reference.swapped_in(self.model):
+        with self._reference_weights():
             return rollout_log_probs(
                 self.model,
                 split_micro_batches(ctx, batch),
@@ -235,8 +281,25 @@ class MegatronBackend(TrainBackend):
 
     # ------------------------------------------------------------------ weights
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named weights of this PP stage (collective over TP/EP; see :attr:`is_weight_source`)."""
-        return iter_hf_weights(self.model, self.bridge, self.margs)
+        """HF-named weights of this PP stage (collective over TP/EP; see :attr:`is_weight_source`).
+
+        Under ``--use-lora``: the base with ``(alpha / r) B A`` merged in, in the base's dtype.
+        """
+        base = iter_hf_weights(self.model, self.bridge, self.margs)
+        return self.lora.merged(base) if self.lora is not None else base
+
+    def publish_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What :meth:`update_weights` sends: :meth:`hf_weights`, or with
+        ``--publish-lora-adapter`` the PEFT-named adapter factors."""
+        if self.lora is not None and getattr(self.args, "publish_lora_adapter", False):
+            return self.lora.adapter_weights()
+        return self.hf_weights()
+
+    def export_adapter(self, out_dir: str) -> None:
+        """Write the actor's adapter as a PEFT directory (collective; rank 0 writes)."""
+        if self.lora is None:
+            raise ValueError("export_adapter needs --use-lora")
+        self.lora.export(out_dir)
 
     @property
     def is_weight_source(self) -> bool:
@@ -263,7 +326,7 @@ class MegatronBackend(TrainBackend):
             self._publisher = WeightPublisher(
                 SyncConfig.from_args(self.args), RankContext.from_default_group()
             )
-        self._publisher.update_weights(self.hf_weights(), list(engines))
+        self._publisher.update_weights(self.publish_weights(), list(engines))
 
     # ------------------------------------------------------------------ checkpoints
     def save_model(self, rollout_id: int, force_sync: bool = False) -> None:
@@ -282,8 +345,9 @@ class MegatronBackend(TrainBackend):
             self.optimizer,
             self.scheduler,
             self.args.save_optim,
-            {"global_step": self.global_step},
+            {"global_step": self.global_step, **({"lora": self.lora.meta()} if self.lora else {})},
             async_queue=None if force_sync else self._async_saves,
+            model_sd=self.lora.sharded_state_dict(self.model) if self.lora else None,
         )
 
     # ------------------------------------------------------------------ memory

@@ -41,9 +41,9 @@ RNG_FILENAME = "rng.pt"
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def _state(model, optimizer, scheduler, with_optim: bool) -> dict[str, Any]:
+def _state(model, optimizer, scheduler, with_optim: bool, model_sd=None) -> dict[str, Any]:
     module = model.module if hasattr(model, "module") else model  # DDP -> Float16Module/GPTModel
-    model_sd = module.sharded_state_dict()
+    model_sd = module.sharded_state_dict() if model_sd is None else model_sd
     state: dict[str, Any] = {"model": model_sd}
     if with_optim:
         from miles_megatron.streamed_optimizer import is_streamed
@@ -122,12 +122,15 @@ def save_checkpoint(
     save_optim: bool,
     meta_extra: dict,
     async_queue: Any = None,
+    model_sd: dict | None = None,
 ) -> Path:
     """Write iteration ``rollout_id + 1`` and move the tracker to it (collective).
 
     With ``async_queue`` (megatron-core ``AsyncCallsQueue``) the tensors are staged and handed
     to a background writer; the tracker moves when :func:`finish_saves` (or the queue's
-    non-blocking finalisation) finds every rank's write done.
+    non-blocking finalisation) finds every rank's write done. ``model_sd`` replaces the model's
+    own sharded state dict (LoRA: the adapters only,
+    :func:`miles_megatron.lora.checkpoint.adapter_sharded_state_dict`).
     """
     from megatron.core import dist_checkpointing
     from miles_core.checkpoint_layout import CheckpointMeta, iteration_dir, prepare_iteration_dir
@@ -148,7 +151,7 @@ def save_checkpoint(
         backend="megatron",
         extra={k: v for k, v in meta_extra.items() if k != "global_step"},
     )
-    state = _state(model, optimizer, scheduler, save_optim)
+    state = _state(model, optimizer, scheduler, save_optim, model_sd)
     if save_optim:  # synchronous, so before any tracker commit (also with --async-save)
         from miles_megatron.streamed_optimizer import save_streamed_state
 
@@ -207,15 +210,22 @@ def _unshare_adam_steps(optimizer) -> None:
                 state["step"] = state["step"].clone()
 
 
-def load_checkpoint(path: Path, model, optimizer, scheduler, load_optim: bool) -> None:
-    """Fill model (and optimizer / schedule) from an iteration directory."""
+def load_checkpoint(
+    path: Path, model, optimizer, scheduler, load_optim: bool, model_sd: dict | None = None
+) -> None:
+    """Fill model (and optimizer / schedule) from an iteration directory.
+
+    With ``model_sd`` (a sharded state dict whose tensors' data are parameters, as saved with
+    :func:`save_checkpoint`'s ``model_sd``) only those parameters are filled.
+    """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import load_common_state_dict
 
     common = load_common_state_dict(str(path)) or {}
     has_optim = "optimizer" in common or any(k.startswith("optimizer") for k in common)
     with_optim = load_optim and has_optim
-    state = _state(model, optimizer, scheduler, with_optim=False)
+    state = _state(model, optimizer, scheduler, with_optim=False, model_sd=model_sd)
+    targets = {k: v.data for k, v in state["model"].items()} if model_sd is not None else None
     if with_optim:
         _materialize_optimizer_state(optimizer)
         model_sd = state["model"]
@@ -223,8 +233,13 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, load_optim: bool) -
             model_sd, is_loading=True, metadata=OPTIMIZER_METADATA
         )
     loaded = dist_checkpointing.load(state, str(path))
-    module = model.module if hasattr(model, "module") else model
-    module.load_state_dict(loaded["model"], strict=False)
+    if targets is not None:
+        with torch.no_grad():
+            for key, param in targets.items():
+                param.copy_(loaded["model"][key])
+    else:
+        module = model.module if hasattr(model, "module") else model
+        module.load_state_dict(loaded["model"], strict=False)
     if with_optim:
         optimizer.load_state_dict(loaded["optimizer"])
         _unshare_adam_steps(optimizer)

@@ -27,6 +27,11 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def is_lora_adapter(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a LoRA factor (marked by :mod:`miles_megatron.lora.layers`)."""
+    return bool(getattr(param, "lora_adapter", False))
+
+
 def is_expert_param(name: str) -> bool:
     return ".experts." in name
 
@@ -105,11 +110,14 @@ def load_global_tensors(
 ) -> int:
     """Copy ``full_tensor(global_name)`` (sliced for this rank) into every parameter.
 
-    Returns the number of parameters filled. Shapes must match exactly.
+    Returns the number of parameters filled. Shapes must match exactly. LoRA adapter
+    parameters (:mod:`miles_megatron.lora`) are not base weights and are skipped.
     """
     module = unwrap(model)
     count = 0
     for name, param in module.named_parameters():
+        if is_lora_adapter(param):
+            continue
         gname = global_name(name, model, num_experts)
         local = shard(full_tensor(gname), name, param, gated)
         if local.shape != param.shape:
@@ -133,7 +141,8 @@ def iter_global_tensors(
 
     Collective: every rank of the stage's TP and EP groups must iterate in step. Expert weights
     are all-gathered over the EP group, so each rank yields every expert of the stage.
-    ``tensors(name, param)`` picks what to gather (default: the parameter itself).
+    ``tensors(name, param)`` picks what to gather (default: the parameter itself). LoRA
+    adapter parameters are skipped (base weights only).
     """
     from megatron.core import parallel_state as ps
 
@@ -141,6 +150,8 @@ def iter_global_tensors(
     ep_group = ps.get_expert_model_parallel_group() if num_experts else None
     ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
     for name, param in module.named_parameters():
+        if is_lora_adapter(param):
+            continue
         value = tensors(name, param) if tensors else param.detach()
         full = gather(value, name, param, gated)
         if ep_size > 1 and is_expert_param(name):

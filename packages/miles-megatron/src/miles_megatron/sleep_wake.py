@@ -26,6 +26,12 @@ DDP all-gathers the buffer over the data-parallel group (``start_param_sync``). 
 is always the cast of its master after a step, so the rebuilt buffer is bit-identical. fp32
 parameter buffers hold their own masters and are copied as usual.
 
+Frozen parameters (the LoRA base, outside the DDP buffers) are copied to pinned host memory
+on the first sleep only and *retained* there, whatever the target: every sleep frees their
+storage and every wake copies the retained copy back, so after the first cycle only what trains
+(adapters, their gradients and optimizer state) travels. ``host_bytes_copied`` counts the bytes
+the last sleep copied off the device.
+
 Both calls are idempotent.
 """
 
@@ -105,6 +111,9 @@ class SleepWake:
         self._moved: list[tuple[torch.UntypedStorage, int]] = []  # (storage, bytes) with data
         self._freed: list[tuple[torch.UntypedStorage, int]] = []  # grads and rematerialized
         self._views: list[torch.Tensor] = []  # cpu target: the arena slots of `_moved`
+        #: frozen parameters: (parameter, retained host copy, bytes), filled at the first sleep
+        self._frozen: list[tuple[torch.Tensor, torch.Tensor, int]] | None = None
+        self.host_bytes_copied = 0
 
     @property
     def store(self) -> PinnedStore | DiskStore:
@@ -146,6 +155,41 @@ class SleepWake:
                 moved.append(MovedTensor(f"optimizer.tensor{k}", flat, flat))
         return moved, freed
 
+    def _frozen_params(self) -> list[torch.Tensor]:
+        """Parameters that do not train and live outside the DDP buffers, one per storage."""
+        taken = {
+            t.untyped_storage().data_ptr()
+            for b in _buffers(self.model)
+            for t in (b.param_data, b.grad_data)
+            if t is not None
+        }
+        out = []
+        for param in self.model.parameters():
+            storage = param.untyped_storage()
+            if param.requires_grad or storage.data_ptr() in taken or storage.nbytes() == 0:
+                continue
+            taken.add(storage.data_ptr())
+            out.append(param)
+        return out
+
+    def _sleep_frozen(self) -> None:
+        """Free the frozen parameters; the first sleep keeps their host copy for every wake."""
+        if self._frozen is None:
+            self._frozen = []
+            for param in self._frozen_params():
+                host = torch.empty(param.shape, dtype=param.dtype, pin_memory=param.is_cuda)
+                host.copy_(param.detach())
+                nbytes = param.untyped_storage().nbytes()
+                self.host_bytes_copied += nbytes
+                self._frozen.append((param, host, nbytes))
+        for param, _, _ in self._frozen:
+            param.untyped_storage().resize_(0)
+
+    def _wake_frozen(self) -> None:
+        for param, host, nbytes in self._frozen or []:
+            param.untyped_storage().resize_(nbytes)
+            param.detach().copy_(host)
+
     def _stream(self) -> int:
         if self.device is not None and self.device.type == "cuda":
             return torch.cuda.current_stream(self.device).cuda_stream
@@ -165,6 +209,7 @@ class SleepWake:
             return
         moved, freed = self._plan()
         stream = self._stream()
+        self.host_bytes_copied = sum(e.nbytes for e in moved)
         if isinstance(self.store, DiskStore):
             self.store.sleep(moved, self.engine, stream)  # writes all, then frees `moved`
             self._views = []
@@ -178,6 +223,7 @@ class SleepWake:
         self._freed = [(t.untyped_storage(), t.untyped_storage().nbytes()) for t in freed]
         for storage, _ in self._freed:
             storage.resize_(0)
+        self._sleep_frozen()
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.asleep = True
@@ -199,6 +245,7 @@ class SleepWake:
             self.engine.submit(dst, src, sizes, to_device=True, after_stream=stream)
         for storage, nbytes in self._freed:
             storage.resize_(nbytes)
+        self._wake_frozen()
         self._sync()
         for buffer in _buffers(self.model):
             if buffer.grad_data is not None:
@@ -234,12 +281,14 @@ class SleepWake:
         return self._store.path if isinstance(self._store, DiskStore) else None
 
     def device_bytes(self) -> int:
-        """Bytes currently held by the buffers' and optimizer tensors' storages (for tests)."""
+        """Bytes currently held by the buffers', parameters' and optimizer tensors' storages
+        (for tests)."""
         total, seen = 0, set()
         tensors = [b.param_data for b in _buffers(self.model)] + [
             b.grad_data for b in _buffers(self.model)
         ]
-        for t in [*tensors, *_optimizer_tensors(self.optimizer)]:
+        params = list(self.model.parameters())
+        for t in [*tensors, *params, *_optimizer_tensors(self.optimizer)]:
             if t is None:
                 continue
             storage = t.untyped_storage()

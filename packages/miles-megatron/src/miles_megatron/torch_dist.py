@@ -22,6 +22,13 @@ def save_strategy(synchronous: bool):
     return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1 if synchronous else 2)
 
 
+def base_sharded_state_dict(module: torch.nn.Module) -> dict:
+    """The model's sharded state dict without LoRA factors (``*.adapter.lora_A|B.*``): the
+    weights of a base checkpoint (adapters have their own, :mod:`miles_megatron.lora.checkpoint`)."""
+    state = module.sharded_state_dict(prefix="")
+    return {k: v for k, v in state.items() if ".adapter.lora_" not in k}
+
+
 def save_model_weights(
     model: torch.nn.Module, directory: str | Path, synchronous: bool = True
 ) -> None:
@@ -30,7 +37,7 @@ def save_model_weights(
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    state = {"model": unwrap(model).sharded_state_dict(prefix="")}
+    state = {"model": base_sharded_state_dict(unwrap(model))}
     dist_checkpointing.save(state, str(directory), sharded_strategy=save_strategy(synchronous))
 
 
@@ -39,9 +46,9 @@ def load_model_weights(model: torch.nn.Module, directory: str | Path) -> None:
     from megatron.core import dist_checkpointing
 
     module = unwrap(model)
-    state = {"model": module.sharded_state_dict(prefix="")}
+    state = {"model": base_sharded_state_dict(module)}
     loaded = dist_checkpointing.load(state, str(directory))
     missing, unexpected = module.load_state_dict(loaded["model"], strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
+    missing = [k for k in missing if not k.endswith("_extra_state") and ".adapter.lora_" not in k]
     if missing:
         raise RuntimeError(f"torch_dist checkpoint {directory} lacks {missing[:5]}")

@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import torch
 import xxhash
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from miles_launch.tiny_model import save_char_tokenizer, tiny_qwen3
+from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 
 HERE = Path(__file__).parent
 VOCAB = 48
@@ -27,42 +27,15 @@ CHECKPOINT_DTYPE = torch.bfloat16
 
 
 def save_tokenizer(path: Path) -> PreTrainedTokenizerFast:
-    """Character-level tokenizer; id 0 is EOS."""
-    vocab = {"<eos>": 0}
-    for ch in "abcdefghijklmnopqrstuvwxyz .,":
-        vocab[ch] = len(vocab)
-    while len(vocab) < VOCAB:
-        vocab[f"<t{len(vocab)}>"] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
-    fast.save_pretrained(path)
-    return fast
+    """Character-level tokenizer (:mod:`miles_launch.tiny_model`); id 0 is EOS."""
+    return save_char_tokenizer(path, "abcdefghijklmnopqrstuvwxyz .,", VOCAB)
 
 
 def tiny_model(seed: int = 0) -> Qwen3ForCausalLM:
-    """A 2-layer Qwen3 (fp32) whose largest tensor (the embedding, 48 x 32 fp32 = 6 KiB;
-    3 KiB in bf16) is larger than the small buckets the tests use."""
-    torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-        eos_token_id=0,
-        tie_word_embeddings=False,
-    )
-    model = Qwen3ForCausalLM(config)
-    with torch.no_grad():  # sharp logits: greedy decoding has no near-ties
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(8.0)
-    return model.eval()
+    """A 2-layer Qwen3 (fp32, sharp logits: greedy decoding has no near-ties) whose largest
+    tensor (the embedding, 48 x 32 fp32 = 6 KiB; 3 KiB in bf16) is larger than the small
+    buckets the tests use."""
+    return tiny_qwen3(seed, vocab_size=VOCAB, max_position_embeddings=256, weight_scale=8.0)
 
 
 def save_checkpoint(model: Qwen3ForCausalLM, path: Path) -> Path:

@@ -19,39 +19,19 @@ import json
 import os
 import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_fsdp_train import flops_per_token, make_rollout  # noqa: E402  (same-directory script)
-
-
-def qwen3_17b_config():
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
-        vocab_size=151936,
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=40960,
-        tie_word_embeddings=True,
-        rope_theta=1000000.0,
-    )
-
-
-def write_model(path: str) -> None:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(qwen3_17b_config(), dtype=torch.bfloat16).save_pretrained(path)
+from train_bench_model import (  # noqa: E402  (same-directory module)
+    flops_per_token,
+    make_rollout,
+    qwen3_config,
+    shared_model_dir,
+    time_train,
+)
 
 
 def run(name: str, hf_dir: str, shard, args, world: int) -> list[float]:
@@ -67,15 +47,8 @@ def run(name: str, hf_dir: str, shard, args, world: int) -> list[float]:
         argv += ["--sequence-parallel"] if args.tp > 1 else []
     backend = cls()
     backend.init(parse_args(argv, [*core_groups(), *cls.arg_groups()]))
-    layout = backend.data_layout()
-    times = []
-    for rollout in range(args.warmup + args.iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        backend.train(rollout, shard if layout.consumes_data else None)
-        torch.cuda.synchronize()
-        if rollout >= args.warmup:
-            times.append(time.perf_counter() - t0)
+    shard = shard if backend.data_layout().consumes_data else None
+    times = time_train(backend, shard, args.warmup, args.iters)
     backend.close()
     return times
 
@@ -95,13 +68,8 @@ def main() -> None:
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    box = [tempfile.mkdtemp(prefix="bench_megatron_") if rank == 0 else None]
-    dist.broadcast_object_list(box)
-    hf_dir = box[0]
-    if rank == 0:
-        write_model(hf_dir)
-    dist.barrier()
-    cfg = qwen3_17b_config()
+    cfg = qwen3_config("1.7B")
+    hf_dir = shared_model_dir(cfg, prefix="bench_megatron_")
     results = {}
     for name in args.backends.split(","):
         dp = world // args.tp if name == "megatron" else world

@@ -163,7 +163,10 @@ class Engine:
 
 # ---- trainer ranks -------------------------------------------------------------------------
 def _rank_main(rank: int, world_size: int, port: int, out_dir: str, job: dict) -> None:
-    """One gloo trainer rank: train, publish, write ``rank<r>.json`` (version or error)."""
+    """One gloo trainer rank: for each of ``job["rounds"]`` (a seed and a ``SyncConfig``), one
+    training step and a publish with a fresh publisher; rank 0 then records every engine's
+    weight digests. Writes ``rank<r>.json``: per round the version, stats (and digests), or
+    the error that ended the job."""
     import datetime
     import json
     import traceback
@@ -180,14 +183,22 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, job: dict) -
         world_size=world_size,
         timeout=datetime.timedelta(seconds=120),
     )
-    result: dict = {}
+    result: dict = {"rounds": []}
     try:
         model = tiny_model(0)
-        train_step(model, job["seed"])
-        publisher = WeightPublisher(SyncConfig(**job["config"]), RankContext.from_default_group())
-        result["version"] = publisher.update_weights(source(model), job["engines"])
-        result["stats"] = publisher.last_stats
-        publisher.close()
+        for round_ in job["rounds"]:
+            train_step(model, round_["seed"])
+            config = SyncConfig(**round_["config"])
+            publisher = WeightPublisher(config, RankContext.from_default_group())
+            done = {"version": publisher.update_weights(source(model), job["engines"])}
+            done["stats"] = publisher.last_stats
+            publisher.close()
+            dist.barrier()  # every rank's share has landed before the digests are read
+            if rank == 0:
+                done["digests"] = [
+                    httpx.get(f"{url}/weights_digest", timeout=60).json() for url in job["engines"]
+                ]
+            result["rounds"].append(done)
     except Exception as error:  # reported to the test
         result["error"] = f"{type(error).__name__}: {error}"
         result["traceback"] = traceback.format_exc()

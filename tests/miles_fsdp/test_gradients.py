@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from rank_programs import gradients_program, layouts_gradients_program
+from rank_programs import gradients_program, layout_gradients, layouts_gradients_program
 from spawn import run_ranks
 from tiny_models import save_tiny_model
 
@@ -50,12 +50,13 @@ def check(hf_dir, data, tmp_path, world, dp_replicate, splits):
     run_ranks(world, gradients_program, hf_dir, data, dp_replicate, splits, str(out), timeout=300)
     got = torch.load(out)
     assert_grads_match(got, reference_grads(hf_dir, data), world)
-    return got
 
 
 @pytest.mark.slow
-def test_one_rank_one_vs_four_micro_batches(hf_dir, data, tmp_path):
-    got = check(hf_dir, data, tmp_path, world=1, dp_replicate=1, splits=(1, 4))
+def test_one_rank_one_vs_four_micro_batches(one_rank_group, hf_dir, data):
+    """World 1 runs in the test process (no spawn)."""
+    got = layout_gradients(0, 1, hf_dir, data, dp_replicate=1, micro_splits=(1, 4))
+    assert_grads_match(got, reference_grads(hf_dir, data), world=1)
     assert got[1]["loss"] == pytest.approx(got[4]["loss"], rel=1e-6)
 
 

@@ -36,6 +36,11 @@ from train_bench_model import (  # noqa: E402  (same-directory module)
 )
 
 
+def say(message: str) -> None:
+    if dist.get_rank() == 0:
+        print(f"bench_fsdp_train: {message}", flush=True)
+
+
 def run_backend(hf_dir, shard, args, world):
     from miles_core.args import core_groups, parse_args
     from miles_fsdp.args import fsdp_groups
@@ -61,16 +66,29 @@ def run_backend(hf_dir, shard, args, world):
         argv += ["--attn-implementation", args.attn]
     backend = FSDPBackend()
     backend.init(parse_args(argv, [*core_groups(), *fsdp_groups()]))
-    times = time_train(backend, shard, args.warmup, args.iters)
+    total = args.warmup + args.iters
+
+    def report(rollout: int, seconds: float) -> None:
+        say(f"miles-fsdp: rollout {rollout + 1}/{total} {seconds:.3f} s")
+
+    times = time_train(backend, shard, args.warmup, args.iters, report=report)
     attn = backend.attn_implementation
     backend.close()
     return times, attn
 
 
 def run_plain(hf_dir, shard, args, attn):
-    """The strong hand-written FSDP2 loop."""
+    """The strong hand-written FSDP2 loop, doing the same RL work as the backend: with more than
+    one step per rollout, a no-grad pass for the old log-probs first, then per step the clipped
+    PPO loss on the micro-batches (their count agreed over ranks, as FSDP's collectives need)."""
     from miles_core.log_probs import token_log_probs
-    from miles_core.micro_batch import make_micro_batches, split_steps
+    from miles_core.losses import ppo_clip_loss
+    from miles_core.micro_batch import (
+        agree_num_micro_batches,
+        count_micro_batches,
+        make_micro_batches,
+        split_steps,
+    )
     from miles_core.packing import pack_thd, packed_attention_kwargs
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -78,6 +96,7 @@ def run_plain(hf_dir, shard, args, attn):
 
     device = torch.device("cuda", torch.cuda.current_device())
     mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    cpu_group = dist.new_group(backend="gloo")
     model = AutoModelForCausalLM.from_pretrained(
         hf_dir, dtype=torch.float32, attn_implementation=attn
     ).to(device)
@@ -87,27 +106,46 @@ def run_plain(hf_dir, shard, args, attn):
     fully_shard(model, mesh=mesh, mp_policy=mp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
     rewards = torch.tensor([s.reward for s in shard])
+
+    def micro_batches(batch):
+        local = count_micro_batches(batch, args.tokens_per_gpu)
+        num = agree_num_micro_batches(local, group=cpu_group)
+        return make_micro_batches(batch, args.tokens_per_gpu, num=num)
+
+    def log_probs(mb):
+        packed = pack_thd(mb).to(device)
+        kwargs = packed_attention_kwargs(packed, attn, dtype=torch.bfloat16)
+        logits = model(input_ids=packed.input_ids, **kwargs).logits
+        return token_log_probs(logits, packed.targets), packed
+
     times = []
     for it in range(args.warmup + args.iters):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for step in split_steps(shard, args.steps):
+        steps = split_steps(shard, args.steps)
+        old = {}
+        if args.steps > 1:
+            with torch.no_grad():
+                for step_index, step in enumerate(steps):
+                    old[step_index] = [log_probs(mb)[0] for mb in micro_batches(step)]
+        for step_index, step in enumerate(steps):
             optimizer.zero_grad(set_to_none=True)
             n_tokens = step.num_loss_tokens
-            for mb in make_micro_batches(step, args.tokens_per_gpu):
-                packed = pack_thd(mb).to(device)
-                kwargs = packed_attention_kwargs(packed, attn, dtype=torch.bfloat16)
-                logits = model(input_ids=packed.input_ids, **kwargs).logits
-                logp = token_log_probs(logits, packed.targets)
-                adv = (rewards.mean() - 0.5).to(device)
-                loss = -(adv * logp * packed.loss_mask).sum() / n_tokens
+            for mb_index, mb in enumerate(micro_batches(step)):
+                logp, packed = log_probs(mb)
+                base = old[step_index][mb_index] if old else logp.detach()
+                adv = (rewards.mean() - 0.5).to(device).expand_as(logp)
+                loss, _, _ = ppo_clip_loss(logp - base, adv, 0.2)
+                loss = (loss * packed.loss_mask).sum() / n_tokens
                 loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
         torch.cuda.synchronize()
         if it >= args.warmup:
             times.append(time.perf_counter() - t0)
-    del model, optimizer
+        say(
+            f"plain loop: rollout {it + 1}/{args.warmup + args.iters} {time.perf_counter() - t0:.3f} s"
+        )
     return times
 
 
@@ -137,6 +175,9 @@ def main() -> None:
     tokens = shard.total_tokens
     seq_len = statistics.mean(shard.total_lengths)
 
+    say(
+        f"{world} GPU(s): {tokens} tokens on rank 0 per rollout; timing miles-fsdp, then the plain loop"
+    )
     results = {}
     torch.cuda.reset_peak_memory_stats()
     times, attn = run_backend(hf_dir, shard, args, world)

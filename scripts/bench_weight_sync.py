@@ -41,6 +41,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+START = time.perf_counter()
+
 SHAPES = {
     # Qwen3-1.7B and a 7B (Qwen2.5-7B-like) shape: hidden, layers, intermediate, heads, kv heads,
     # head dim, vocab.
@@ -203,17 +205,24 @@ def naive_broadcast(group, weights: dict[str, torch.Tensor]) -> None:
             reply.result()
 
 
+def say(message: str) -> None:
+    print(f"bench_weight_sync [{time.perf_counter() - START:.0f}s]: {message}", flush=True)
+
+
 def bench_shape(shape_name: str, args, root: Path) -> list[dict]:
     from miles_core.engine import EngineClient
     from miles_sync.engine_group import form_engine_group, free_port
     from miles_sync.weight_sync import SyncConfig, WeightPublisher
 
     torch.cuda.set_device(0)
+    say(f"{shape_name}: writing a random bf16 checkpoint")
     path, weights = write_checkpoint(shape_name, root)
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     rows = []
+    say(f"{shape_name}: {nbytes / 2**30:.2f} GiB in {len(weights)} tensors; measuring the floors")
     ipc_floor = copy_floor(nbytes, args.repeats)
     bcast_floor = broadcast_floor(nbytes, args.repeats)
+    say(f"{shape_name}: floors {ipc_floor:.4f} s (copy), {bcast_floor:.4f} s (broadcast)")
 
     def row(mode, seconds, floor, naive=None):
         rows.append(
@@ -230,9 +239,11 @@ def bench_shape(shape_name: str, args, root: Path) -> list[dict]:
             )
         )
 
+    say(f"{shape_name}: starting two built-in engines (cuda:0 for IPC, cuda:1 for broadcast)")
     ipc_engine = Engine(path, "cuda:0", free_port(), root)
     bcast_engine = Engine(path, "cuda:1", free_port(), root)
     try:
+        say(f"{shape_name}: ipc publish x{args.repeats}, then the naive per-tensor publish")
         config = SyncConfig(mode="ipc", colocate=True, buffer_size=args.buffer_size)
         publisher = WeightPublisher(config)
         ipc = timed(
@@ -243,6 +254,7 @@ def bench_shape(shape_name: str, args, root: Path) -> list[dict]:
         row("ipc", ipc, ipc_floor, naive)
         row("naive-ipc", naive, ipc_floor)
 
+        say(f"{shape_name}: broadcast publish x{args.repeats}, then the naive per-tensor publish")
         config = SyncConfig(mode="broadcast", buffer_size=args.buffer_size, group_backend="nccl")
         publisher = WeightPublisher(config)
         run = lambda: publisher.update_weights(weights.items(), [bcast_engine.url])  # noqa: E731

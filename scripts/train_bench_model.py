@@ -99,14 +99,18 @@ def flops_per_token(cfg, seq_len: float) -> float:
     return 6 * n_params + attention
 
 
-def time_train(backend, shard, warmup: int, iters: int) -> list[float]:
-    """Seconds of each ``backend.train`` call after ``warmup`` untimed ones (CUDA-synchronised)."""
+def time_train(backend, shard, warmup: int, iters: int, report=None) -> list[float]:
+    """Seconds of each ``backend.train`` call after ``warmup`` untimed ones (CUDA-synchronised);
+    ``report(rollout, seconds)``, when given, hears of every call."""
     times = []
     for rollout in range(warmup + iters):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         backend.train(rollout, shard)
         torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
         if rollout >= warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(seconds)
+        if report is not None:
+            report(rollout, seconds)
     return times

@@ -122,8 +122,10 @@ def test_nccl_broadcast_update(setup):
                 dist.broadcast(pack_bucket(named)[0], src=0, group=pg)
             assert reply.result(timeout=120).status_code == 200
             assert _generate(server) == refs[which]
-    assert server.post("/destroy_weights_update_group", {}).status_code == 200
-    dist.destroy_process_group(pg)
+        # NCCL teardown waits for the peer: both sides destroy at once.
+        destroyed = pool.submit(server.post, "/destroy_weights_update_group", {})
+        dist.destroy_process_group(pg)
+        assert destroyed.result(timeout=120).status_code == 200
 
 
 def test_release_frees_device_memory(setup):

@@ -8,12 +8,9 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from miles_core.args import ArgumentError
 from miles_fsdp.adaptations.moe import resolve_moe_kernel
 from moe_programs import moe_kernel_program
-from run_args import make_args
 from safetensors import safe_open
 from spawn import run_ranks
 from tiny_models import arch_config, save_tiny_model
@@ -86,113 +83,5 @@ def test_fused_experts_train_like_eager_and_publish_per_expert(tmp_path, monkeyp
         torch.testing.assert_close(fused[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
-# --------------------------------------------------------------------------- routing replay
-
-
-@pytest.fixture(scope="module")
-def one_rank_group(tmp_path_factory):
-    init = tmp_path_factory.mktemp("pg") / "init"
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def reference_log_probs(hf_dir, tokens: torch.Tensor, routed: torch.Tensor):
-    """float64 forward of the HF model whose MoE blocks route to ``routed`` [T, layers, k].
-
-    Written out here: ``p = softmax(h Wg^T)``, ``w_j = p[e_j] / sum_j p[e_j]``
-    (norm_topk_prob), ``out = sum_j w_j * W_down[e_j] (silu(g) * u)``, ``[g; u] =
-    W_gate_up[e_j] h``. Returns per-token log-probs of ``tokens[1:]`` and the model.
-    """
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        hf_dir, dtype=torch.float64, attn_implementation="eager"
-    )
-    for layer, block in enumerate(model.model.layers):
-        mlp = block.mlp
-
-        def forward(hidden, mlp=mlp, layer=layer):
-            shape = hidden.shape
-            h = hidden.reshape(-1, shape[-1])
-            probs = torch.softmax(h @ mlp.gate.weight.T, dim=-1)
-            ids = routed[:, layer].long()
-            w = probs.gather(-1, ids)
-            w = w / w.sum(-1, keepdim=True)
-            out = torch.zeros_like(h)
-            for j in range(ids.shape[1]):
-                gate_up = torch.einsum("toh,th->to", mlp.experts.gate_up_proj[ids[:, j]], h)
-                g, u = gate_up.chunk(2, dim=-1)
-                y = torch.einsum("thi,ti->th", mlp.experts.down_proj[ids[:, j]], F.silu(g) * u)
-                out = out + w[:, j : j + 1] * y
-            return out.reshape(shape)
-
-        mlp.forward = forward
-    logits = model(input_ids=tokens[None], use_cache=False).logits[0]
-    logp = torch.log_softmax(logits, -1)[:-1].gather(-1, tokens[1:, None]).squeeze(-1)
-    return logp, model
-
-
-@pytest.mark.slow
-def test_routing_replay_follows_the_engine_and_keeps_router_gradient(one_rank_group, tmp_path):
-    from miles_core.batch import RolloutBatch, Sample
-    from miles_core.log_probs import token_log_probs
-    from miles_core.packing import pack_thd
-    from miles_fsdp.backend import FSDPBackend
-    from miles_fsdp.rollout_train import RolloutContext, packed_logits
-    from torch.distributed.tensor import DTensor
-
-    config = arch_config("qwen3_moe")
-    config.norm_topk_prob = True
-    config.initializer_range = 0.3  # experts and router matter in the output
-    hf_dir = str(save_tiny_model(tmp_path / "m", config))
-    g = torch.Generator().manual_seed(3)
-    tokens = torch.randint(0, 64, (12,), generator=g)
-    # the "engine's" choice: random distinct experts per token and layer (not the router's)
-    routed = (
-        torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(12 * 2)])
-        .reshape(12, 2, 2)
-        .to(torch.int32)
-    )
-    sample = Sample(tokens=tokens, response_length=6, reward=1.0, routed_experts=routed)
-    ref_logp, ref_model = reference_log_probs(hf_dir, tokens, routed)
-    ref_logp.sum().backward()
-
-    backend = FSDPBackend()
-    backend.init(make_args(hf_checkpoint=hf_dir, use_rollout_routing_replay=True))
-    ctx = RolloutContext(
-        model=backend.model,
-        optimizer=backend.optimizer,
-        scheduler=backend.scheduler,
-        args=backend.args,
-        device=backend.device,
-        dp_size=1,
-        cpu_group=None,
-        attn_implementation=backend.attn_implementation,
-        compute_dtype=backend.precision.compute_dtype,
-        routing_replay=backend.routing_replay,
-    )
-    packed = pack_thd(RolloutBatch([sample]))
-    assert packed.routed_experts is not None
-    logp = token_log_probs(packed_logits(ctx, packed), packed.targets, 1.0)[0, :11]
-    torch.testing.assert_close(logp.double(), ref_logp, rtol=0, atol=1e-5)
-    logp.sum().backward()
-    for layer in range(2):
-        grad = backend.model.model.layers[layer].mlp.gate.weight.grad
-        grad = grad.full_tensor() if isinstance(grad, DTensor) else grad
-        want = ref_model.model.layers[layer].mlp.gate.weight.grad
-        assert want.abs().max() > 0
-        torch.testing.assert_close(grad.double(), want, rtol=1e-4, atol=1e-6)
-
-    # without replay the trainer routes by its own top-k, which is not the engine's choice
-    ctx.routing_replay = None
-    backend.routing_replay.set(None)  # the patched routers fall back to their own top-k
-    with torch.no_grad():
-        own = token_log_probs(packed_logits(ctx, packed), packed.targets, 1.0)[0, :11]
-    assert (own.double() - ref_logp).abs().max() > 1e-3
-
-    ctx.routing_replay = backend.routing_replay
-    bare = pack_thd(RolloutBatch([Sample(tokens=tokens, response_length=6, reward=1.0)]))
-    with pytest.raises(ValueError, match="samples carry no routed_experts"):
-        packed_logits(ctx, bare)
-    backend.close()
+# Routing replay (R3): test_routing_replay_engine.py (built-in engine end to end) and
+# test_glm_routing_replay.py (the glm4_moe_lite router).

@@ -61,6 +61,15 @@ def tensor_device(t: torch.Tensor) -> torch.device:
     return t._local_tensor.device if isinstance(t, DTensor) else t.device
 
 
+def _param_groups(state: Any) -> list[Any]:
+    """An FSDP2 state's parameter groups: a list in newer torch (2.13), one optional group in 2.11."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
 def fsdp_params_by_id(module: nn.Module) -> dict[int, Any]:
     """``id(sharded parameter) -> FSDPParam`` for every FSDP2 unit inside ``module``."""
     from torch.distributed.fsdp import FSDPModule
@@ -69,7 +78,7 @@ def fsdp_params_by_id(module: nn.Module) -> dict[int, Any]:
     for sub in module.modules():
         if not isinstance(sub, FSDPModule):
             continue
-        for group in sub._get_fsdp_state()._fsdp_param_groups:
+        for group in _param_groups(sub._get_fsdp_state()):
             for fp in group.fsdp_params:
                 found[id(fp.sharded_param)] = fp
     return found

@@ -81,20 +81,32 @@ class EngineGroup:
         dist.broadcast(tensor, src=0, group=self.pg)
 
     def close(self, tell_engines: bool = True) -> None:
-        """Destroy the trainer's side and (best effort) ask live engines to destroy theirs."""
+        """Destroy the trainer's side and (best effort) ask live engines to destroy theirs.
+
+        The engines' ``/destroy_weights_update_group`` calls run concurrently with the trainer's
+        own ``destroy_process_group``: tearing down an NCCL communicator waits for its peers, so
+        doing one side after the other would stall until the first call's timeout.
+        """
         if self._closed:
             return
         self._closed = True
+        pool = concurrent.futures.ThreadPoolExecutor(max(1, len(self.engines)))
+        asked = []
         if tell_engines:
-            for engine in self.engines:
-                try:
-                    engine.destroy_weights_update_group(self.name, timeout=30)
-                except EngineError as error:
-                    logger.info("destroy_weights_update_group on %s: %s", engine.base_url, error)
+            asked = [
+                (engine, pool.submit(engine.destroy_weights_update_group, self.name, timeout=30))
+                for engine in self.engines
+            ]
         try:
             dist.destroy_process_group(self.pg)
         except Exception as error:  # a group broken by a dead peer may refuse a clean shutdown
             logger.info("destroying weight-update group %s: %s", self.name, error)
+        for engine, reply in asked:
+            try:
+                reply.result()
+            except EngineError as error:
+                logger.info("destroy_weights_update_group on %s: %s", engine.base_url, error)
+        pool.shutdown(wait=True)
 
 
 def form_engine_group(

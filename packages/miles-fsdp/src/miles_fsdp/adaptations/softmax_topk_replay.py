@@ -12,16 +12,11 @@ evaluated at the replayed experts. Returns ``(router_logits, w, e)`` like the or
 
 from __future__ import annotations
 
-import re
-import types
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from miles_fsdp.adaptations.moe import RoutingReplay
-
-LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
+from miles_fsdp.adaptations.moe import RoutingReplay, patch_routers
 
 
 def replayed_softmax_topk(router: nn.Module, hidden: torch.Tensor, ids: torch.Tensor):
@@ -36,20 +31,5 @@ def replayed_softmax_topk(router: nn.Module, hidden: torch.Tensor, ids: torch.Te
 
 
 def patch_softmax_topk_routers(model: nn.Module, replay: RoutingReplay, classes: set[str]) -> int:
-    """Make every router of a class in ``classes`` (at ``...layers.<l>.mlp.gate``) replay."""
-    patched = 0
-    for name, module in model.named_modules():
-        match = LAYER.search(name)
-        if match is None or type(module).__name__ not in classes:
-            continue
-        layer, original = int(match.group(1)), module.forward
-
-        def forward(self, hidden_states, _layer=layer, _original=original):
-            ids = replay.layer_ids(_layer, hidden_states.reshape(-1, self.hidden_dim).shape[0])
-            if ids is None:
-                return _original(hidden_states)
-            return replayed_softmax_topk(self, hidden_states, ids.to(hidden_states.device))
-
-        module.forward = types.MethodType(forward, module)
-        patched += 1
-    return patched
+    """Make every softmax top-k router of a class in ``classes`` replay (see :func:`patch_routers`)."""
+    return patch_routers(model, replay, classes, replayed_softmax_topk)

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Run the GPU tests and benchmarks on the device machine, stage by stage, each under its own
+# time limit, writing logs and JSON results to $OUT (default: ./gpu_out).
+#
+#   bash scripts/gpu_validation.sh setup tests bench-sync          # one call
+#   bash scripts/gpu_validation.sh setup bench-fsdp bench-adam     # another
+#
+# Stages:
+#   setup          scripts/device_setup.sh (carried wheels, editable packages, CUDA native build)
+#   tests          pytest tests/gpu (skips what the machine lacks); TESTS=... picks files
+#   bench-sync     scripts/bench_weight_sync.py (2 GPUs)           SYNC_SHAPES (default "1.7b 7b")
+#   bench-offload  miles-offload-bench on cuda:0, cpu and disk targets
+#   bench-adam     scripts/bench_streamed_adam.py, ADAM_PARAMS_B (default "1 2") on 1 GPU, then
+#                  ADAM_PARAMS_B_2GPU (default "4"; empty skips) on 2 GPUs when there are 2;
+#                  ADAM_DTYPES (default "fp32 bf16") the moment dtypes
+#   bench-fsdp     scripts/bench_fsdp_train.py on 1 GPU, then 2 GPUs     FSDP_ITERS (default 6)
+#   bench-megatron scripts/bench_megatron_train.py on 1 GPU, then TP=2 on 2 GPUs
+#   bench-moe      scripts/bench_fused_moe.py
+#
+# A stage that fails or times out is reported and the next one runs; the exit status is the
+# number of failed stages. STAGE_TIMEOUT_<NAME> (seconds) overrides a stage's limit.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+if [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}; fi
+NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+start=$SECONDS
+failed=0
+
+say() { echo "gpu_validation [$((SECONDS - start))s]: $*"; }
+
+stage_limit() {  # name default
+  local var="STAGE_TIMEOUT_${1//-/_}"
+  echo "${!var:-$2}"
+}
+
+run_stage() {  # name default_limit command...
+  local name=$1 limit
+  limit=$(stage_limit "$1" "$2")
+  shift 2
+  say "stage $name (limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout --signal=TERM --kill-after=15 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/$name.log"
+  if [ $rc -ne 0 ]; then
+    failed=$((failed + 1))
+    say "stage $name FAILED (rc $rc) after $((SECONDS - t0))s"
+  else
+    say "stage $name ok after $((SECONDS - t0))s"
+  fi
+  echo "{\"stage\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - t0))}" >>"$OUT/stages.jsonl"
+}
+
+for stage in "$@"; do
+  case $stage in
+    setup)
+      run_stage setup 120 bash scripts/device_setup.sh ;;
+    tests)
+      run_stage tests 420 python3 -m pytest -o addopts="" -q -rs --timeout 300 \
+        --junitxml "$OUT/tests.xml" ${TESTS:-tests/gpu} ;;
+    bench-sync)
+      run_stage bench-sync 300 python3 scripts/bench_weight_sync.py \
+        --shapes ${SYNC_SHAPES:-1.7b 7b} --json "$OUT/bench_weight_sync.json" ;;
+    bench-offload)
+      run_stage bench-offload 180 python3 -m miles_offload.bench --device cuda:0 \
+        --size-gb "${OFFLOAD_GB:-8}" --cycles 4 --disk-dir /tmp/offload_bench --json "$OUT/bench_offload.json" ;;
+    bench-adam)
+      run_stage bench-adam 240 python3 scripts/bench_streamed_adam.py \
+        --params-b ${ADAM_PARAMS_B:-1 2} --moment-dtype ${ADAM_DTYPES:-fp32 bf16} --steps 2 --disk-dir /tmp/adam_bench \
+        --json "$OUT/bench_streamed_adam_1gpu.json"
+      if [ "$NGPU" -ge 2 ] && [ -n "${ADAM_PARAMS_B_2GPU-4}" ]; then
+        run_stage bench-adam-2gpu 240 torchrun --nproc-per-node 2 scripts/bench_streamed_adam.py \
+          --params-b ${ADAM_PARAMS_B_2GPU-4} --moment-dtype fp32 --steps 2 --disk-dir /tmp/adam_bench \
+          --json "$OUT/bench_streamed_adam_2gpu.json"
+      fi ;;
+    bench-fsdp)
+      run_stage bench-fsdp-1gpu 240 torchrun --nproc-per-node 1 scripts/bench_fsdp_train.py \
+        --iters "${FSDP_ITERS:-6}" --out "$OUT/bench_fsdp_1gpu.json"
+      if [ "$NGPU" -ge 2 ]; then
+        run_stage bench-fsdp-2gpu 240 torchrun --nproc-per-node 2 scripts/bench_fsdp_train.py \
+          --iters "${FSDP_ITERS:-6}" --out "$OUT/bench_fsdp_2gpu.json"
+      fi ;;
+    bench-megatron)
+      run_stage bench-megatron-1gpu 240 torchrun --nproc-per-node 1 scripts/bench_megatron_train.py \
+        --out "$OUT/bench_megatron_1gpu.json"
+      if [ "$NGPU" -ge 2 ]; then
+        run_stage bench-megatron-2gpu 240 torchrun --nproc-per-node 2 scripts/bench_megatron_train.py \
+          --tp 2 --out "$OUT/bench_megatron_2gpu.json"
+      fi ;;
+    bench-moe)
+      run_stage bench-moe 240 python3 scripts/bench_fused_moe.py --out "$OUT/bench_fused_moe.json" ;;
+    *)
+      say "unknown stage '$stage'"; failed=$((failed + 1)) ;;
+  esac
+done
+say "done: $failed stage(s) failed"
+exit "$failed"

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -27,13 +26,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_bench_model import (  # noqa: E402  (same-directory module)
-    flops_per_token,
-    make_rollout,
-    qwen3_config,
-    shared_model_dir,
-    time_train,
-)
+import train_bench_model as bench  # noqa: E402  (same-directory module)
 
 
 def say(message: str) -> None:
@@ -71,7 +64,7 @@ def run_backend(hf_dir, shard, args, world):
     def report(rollout: int, seconds: float) -> None:
         say(f"miles-fsdp: rollout {rollout + 1}/{total} {seconds:.3f} s")
 
-    times = time_train(backend, shard, args.warmup, args.iters, report=report)
+    times = bench.time_train(backend, shard, args.warmup, args.iters, report=report)
     attn = backend.attn_implementation
     backend.close()
     return times, attn
@@ -151,26 +144,20 @@ def run_plain(hf_dir, shard, args, attn):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens-per-gpu", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=2, help="optimizer steps per rollout")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--iters", type=int, default=3)
+    bench.add_timing_flags(parser)
     parser.add_argument(
         "--attn", default=None, help="attention implementation (default: backend's)"
     )
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak per GPU")
     parser.add_argument("--out", default="bench_fsdp_train.json")
     args = parser.parse_args()
 
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    cfg = qwen3_config("0.6B")
-    hf_dir = shared_model_dir(cfg, prefix="bench_fsdp_")
+    rank, world = bench.init_nccl()
+    cfg = bench.qwen3_config("0.6B")
+    hf_dir = bench.shared_model_dir(cfg, prefix="bench_fsdp_")
 
     from miles_core.partition import partition_for_dp
 
-    rollout = make_rollout(args.tokens_per_gpu, world, args.steps, seed=1)
+    rollout = bench.make_rollout(args.tokens_per_gpu, world, args.steps, seed=1)
     shard = partition_for_dp(rollout, world)[rank]
     tokens = shard.total_tokens
     seq_len = statistics.mean(shard.total_lengths)
@@ -194,7 +181,7 @@ def main() -> None:
         tps = tokens / statistics.median(times)
         rows[name] = {
             "tokens_per_s_per_gpu": tps,
-            "mfu": tps * flops_per_token(cfg, seq_len) / (args.peak_tflops * 1e12),
+            "mfu": tps * bench.flops_per_token(cfg, seq_len) / (args.peak_tflops * 1e12),
             "peak_memory_gb": peak / 2**30,
             "seconds_per_rollout": statistics.median(times),
         }

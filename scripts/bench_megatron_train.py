@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -25,13 +24,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_bench_model import (  # noqa: E402  (same-directory module)
-    flops_per_token,
-    make_rollout,
-    qwen3_config,
-    shared_model_dir,
-    time_train,
-)
+import train_bench_model as bench  # noqa: E402  (same-directory module)
 
 
 def run(name: str, hf_dir: str, shard, args, world: int) -> list[float]:
@@ -48,7 +41,7 @@ def run(name: str, hf_dir: str, shard, args, world: int) -> list[float]:
     backend = cls()
     backend.init(parse_args(argv, [*core_groups(), *cls.arg_groups()]))
     shard = shard if backend.data_layout().consumes_data else None
-    times = time_train(backend, shard, args.warmup, args.iters)
+    times = bench.time_train(backend, shard, args.warmup, args.iters)
     backend.close()
     return times
 
@@ -57,23 +50,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default="megatron,fsdp")
     parser.add_argument("--tp", type=int, default=1, help="megatron tensor-parallel size")
-    parser.add_argument("--tokens-per-gpu", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=2, help="optimizer steps per rollout")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak per GPU")
+    bench.add_timing_flags(parser)
     parser.add_argument("--out", default="bench_megatron_train.json")
     args = parser.parse_args()
 
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    cfg = qwen3_config("1.7B")
-    hf_dir = shared_model_dir(cfg, prefix="bench_megatron_")
+    rank, world = bench.init_nccl()
+    cfg = bench.qwen3_config("1.7B")
+    hf_dir = bench.shared_model_dir(cfg, prefix="bench_megatron_")
     results = {}
     for name in args.backends.split(","):
         dp = world // args.tp if name == "megatron" else world
-        rollout = make_rollout(args.tokens_per_gpu, dp, args.steps, seed=1)
+        rollout = bench.make_rollout(args.tokens_per_gpu, dp, args.steps, seed=1)
         from miles_core.partition import partition_for_dp
 
         dp_rank = rank // args.tp if name == "megatron" else rank
@@ -83,7 +70,7 @@ def main() -> None:
         tokens = rollout.total_tokens / world  # per GPU
         seconds = statistics.median(times)
         mean_len = rollout.total_tokens / len(rollout)
-        mfu = tokens * flops_per_token(cfg, mean_len) / seconds / (args.peak_tflops * 1e12)
+        mfu = tokens * bench.flops_per_token(cfg, mean_len) / seconds / (args.peak_tflops * 1e12)
         results[name] = {
             "tokens_per_s_per_gpu": tokens / seconds,
             "mfu": mfu,

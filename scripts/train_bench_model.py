@@ -5,6 +5,8 @@ per token behind MFU, and the timing loop around ``backend.train``.
 
 from __future__ import annotations
 
+import argparse
+import os
 import tempfile
 import time
 
@@ -46,6 +48,22 @@ def write_random_model(path: str, config) -> None:
     PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>"
     ).save_pretrained(path)
+
+
+def add_timing_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags both benchmarks take: work per rollout, timed iterations, the MFU peak."""
+    parser.add_argument("--tokens-per-gpu", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=2, help="optimizer steps per rollout")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak per GPU")
+
+
+def init_nccl() -> tuple[int, int]:
+    """The NCCL process group of a ``torchrun`` launch, this rank's GPU set; (rank, world)."""
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    return dist.get_rank(), dist.get_world_size()
 
 
 def shared_model_dir(config, prefix: str) -> str:

@@ -17,81 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import tempfile
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-
-def qwen3_06b_config():
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=40960,
-        tie_word_embeddings=True,
-        rope_theta=1000000.0,
-    )
-
-
-def write_model(path: str) -> None:
-    from tokenizers import Tokenizer, models
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(qwen3_06b_config(), dtype=torch.bfloat16)
-    model.save_pretrained(path)
-    tok = Tokenizer(models.WordLevel(vocab={"<unk>": 0, "<eos>": 1}, unk_token="<unk>"))
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>"
-    ).save_pretrained(path)
-
-
-def make_rollout(tokens_per_gpu: int, world: int, steps: int, seed: int):
-    """Samples of 512..2048 tokens, ~tokens_per_gpu per GPU per step, groups of 4."""
-    from miles_core.batch import RolloutBatch, Sample
-
-    g = torch.Generator().manual_seed(seed)
-    samples, total, target = [], 0, tokens_per_gpu * world * steps
-    while total < target:
-        length = int(torch.randint(512, 2049, (1,), generator=g))
-        response = length // 2
-        samples.append(
-            Sample(
-                tokens=torch.randint(2, 151936, (length,), generator=g),
-                response_length=response,
-                reward=float(torch.rand((), generator=g)),
-                group_index=len(samples) // 4,
-            )
-        )
-        total += length
-    while len(samples) % 4:
-        samples.pop()
-    return RolloutBatch(samples)
-
-
-def flops_per_token(cfg, seq_len: float) -> float:
-    n_params = (
-        cfg.num_hidden_layers
-        * (
-            cfg.hidden_size
-            * cfg.head_dim
-            * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)
-            + 3 * cfg.hidden_size * cfg.intermediate_size
-        )
-        + cfg.vocab_size * cfg.hidden_size
-    )
-    attention = 6 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
-    return 6 * n_params + attention
+sys.path.insert(0, str(Path(__file__).parent))
+import train_bench_model as bench  # noqa: E402  (same-directory module)
 
 
 def say(message: str) -> None:
@@ -124,18 +59,12 @@ def run_backend(hf_dir, shard, args, world):
         argv += ["--attn-implementation", args.attn]
     backend = FSDPBackend()
     backend.init(parse_args(argv, [*core_groups(), *fsdp_groups()]))
-    times = []
-    for rollout in range(args.warmup + args.iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        backend.train(rollout, shard)
-        torch.cuda.synchronize()
-        if rollout >= args.warmup:
-            times.append(time.perf_counter() - t0)
-        say(
-            f"miles-fsdp: rollout {rollout + 1}/{args.warmup + args.iters} "
-            f"{time.perf_counter() - t0:.3f} s"
-        )
+    total = args.warmup + args.iters
+
+    def report(rollout: int, seconds: float) -> None:
+        say(f"miles-fsdp: rollout {rollout + 1}/{total} {seconds:.3f} s")
+
+    times = bench.time_train(backend, shard, args.warmup, args.iters, report=report)
     attn = backend.attn_implementation
     backend.close()
     return times, attn
@@ -215,33 +144,22 @@ def run_plain(hf_dir, shard, args, attn):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens-per-gpu", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=2, help="optimizer steps per rollout")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--iters", type=int, default=3)
+    bench.add_timing_flags(parser)
     parser.add_argument(
         "--attn", default=None, help="attention implementation (default: backend's)"
     )
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak per GPU")
     parser.add_argument("--out", default="bench_fsdp_train.json")
     args = parser.parse_args()
 
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    box = [tempfile.mkdtemp(prefix="bench_fsdp_") if rank == 0 else None]
-    dist.broadcast_object_list(box)
-    hf_dir = box[0]
-    if rank == 0:
-        write_model(hf_dir)
-    dist.barrier()
+    rank, world = bench.init_nccl()
+    cfg = bench.qwen3_config("0.6B")
+    hf_dir = bench.shared_model_dir(cfg, prefix="bench_fsdp_")
 
     from miles_core.partition import partition_for_dp
 
-    rollout = make_rollout(args.tokens_per_gpu, world, args.steps, seed=1)
+    rollout = bench.make_rollout(args.tokens_per_gpu, world, args.steps, seed=1)
     shard = partition_for_dp(rollout, world)[rank]
     tokens = shard.total_tokens
-    cfg = qwen3_06b_config()
     seq_len = statistics.mean(shard.total_lengths)
 
     say(
@@ -263,7 +181,7 @@ def main() -> None:
         tps = tokens / statistics.median(times)
         rows[name] = {
             "tokens_per_s_per_gpu": tps,
-            "mfu": tps * flops_per_token(cfg, seq_len) / (args.peak_tflops * 1e12),
+            "mfu": tps * bench.flops_per_token(cfg, seq_len) / (args.peak_tflops * 1e12),
             "peak_memory_gb": peak / 2**30,
             "seconds_per_rollout": statistics.median(times),
         }

@@ -16,42 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_fsdp_train import flops_per_token, make_rollout  # noqa: E402  (same-directory script)
-
-
-def qwen3_17b_config():
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
-        vocab_size=151936,
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=40960,
-        tie_word_embeddings=True,
-        rope_theta=1000000.0,
-    )
-
-
-def write_model(path: str) -> None:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(qwen3_17b_config(), dtype=torch.bfloat16).save_pretrained(path)
+import train_bench_model as bench  # noqa: E402  (same-directory module)
 
 
 def run(name: str, hf_dir: str, shard, args, world: int) -> list[float]:
@@ -67,15 +40,8 @@ def run(name: str, hf_dir: str, shard, args, world: int) -> list[float]:
         argv += ["--sequence-parallel"] if args.tp > 1 else []
     backend = cls()
     backend.init(parse_args(argv, [*core_groups(), *cls.arg_groups()]))
-    layout = backend.data_layout()
-    times = []
-    for rollout in range(args.warmup + args.iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        backend.train(rollout, shard if layout.consumes_data else None)
-        torch.cuda.synchronize()
-        if rollout >= args.warmup:
-            times.append(time.perf_counter() - t0)
+    shard = shard if backend.data_layout().consumes_data else None
+    times = bench.time_train(backend, shard, args.warmup, args.iters)
     backend.close()
     return times
 
@@ -84,28 +50,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default="megatron,fsdp")
     parser.add_argument("--tp", type=int, default=1, help="megatron tensor-parallel size")
-    parser.add_argument("--tokens-per-gpu", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=2, help="optimizer steps per rollout")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak per GPU")
+    bench.add_timing_flags(parser)
     parser.add_argument("--out", default="bench_megatron_train.json")
     args = parser.parse_args()
 
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    box = [tempfile.mkdtemp(prefix="bench_megatron_") if rank == 0 else None]
-    dist.broadcast_object_list(box)
-    hf_dir = box[0]
-    if rank == 0:
-        write_model(hf_dir)
-    dist.barrier()
-    cfg = qwen3_17b_config()
+    rank, world = bench.init_nccl()
+    cfg = bench.qwen3_config("1.7B")
+    hf_dir = bench.shared_model_dir(cfg, prefix="bench_megatron_")
     results = {}
     for name in args.backends.split(","):
         dp = world // args.tp if name == "megatron" else world
-        rollout = make_rollout(args.tokens_per_gpu, dp, args.steps, seed=1)
+        rollout = bench.make_rollout(args.tokens_per_gpu, dp, args.steps, seed=1)
         from miles_core.partition import partition_for_dp
 
         dp_rank = rank // args.tp if name == "megatron" else rank
@@ -115,7 +70,7 @@ def main() -> None:
         tokens = rollout.total_tokens / world  # per GPU
         seconds = statistics.median(times)
         mean_len = rollout.total_tokens / len(rollout)
-        mfu = tokens * flops_per_token(cfg, mean_len) / seconds / (args.peak_tflops * 1e12)
+        mfu = tokens * bench.flops_per_token(cfg, mean_len) / seconds / (args.peak_tflops * 1e12)
         results[name] = {
             "tokens_per_s_per_gpu": tokens / seconds,
             "mfu": mfu,

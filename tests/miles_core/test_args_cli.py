@@ -235,3 +235,9 @@ def test_docs_table_lists_every_shared_flag():
         s.option for s in collect_flags(core_groups()).values() if f"`{s.option}`" not in docs
     ]
     assert missing == []
+
+
+def test_tensorboard_dir_is_a_core_flag():
+    """The launcher's reporting and the backends read it: core groups alone parse it."""
+    assert parse_args(["--tensorboard-dir", "tb"], core_groups()).tensorboard_dir == "tb"
+    assert parse_args([], core_groups()).tensorboard_dir is None

@@ -44,8 +44,9 @@ def my_rows(data: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return data[rank::world]
 
 
-def gradients_program(rank, world, hf_dir, data, dp_replicate, micro_splits, out_file):
-    """One optimizer step (lr 0) over the global batch ``data``; save full grads per split."""
+def layout_gradients(rank, world, hf_dir, data, dp_replicate, micro_splits) -> dict:
+    """One optimizer step (lr 0) over the global batch ``data`` per micro-batch split, on a
+    fresh backend with ``dp_replicate`` replicas: ``{split: {"grads", "loss"}}``."""
     backend = FSDPBackend()
     backend.init(
         make_args(hf_checkpoint=hf_dir, dp_replicate_size=dp_replicate, lr=0.0, clip_grad=0.0)
@@ -65,9 +66,26 @@ def gradients_program(rank, world, hf_dir, data, dp_replicate, micro_splits, out
             clip_grad=0.0,
         )
         results[n_micro] = {"grads": full_grads(backend.model), "loss": step.loss}
+    backend.close()
+    return results
+
+
+def gradients_program(rank, world, hf_dir, data, dp_replicate, micro_splits, out_file):
+    """:func:`layout_gradients` of one layout; rank 0 saves ``{split: ...}``."""
+    results = layout_gradients(rank, world, hf_dir, data, dp_replicate, micro_splits)
     if rank == 0:
         torch.save(results, out_file)
-    backend.close()
+
+
+def layouts_gradients_program(rank, world, hf_dir, data, layouts, out_file):
+    """:func:`layout_gradients` of several layouts in the same ranks (one spawn):
+    ``layouts`` maps ``dp_replicate`` to the splits; rank 0 saves ``{dp_replicate: ...}``."""
+    results = {
+        dp_replicate: layout_gradients(rank, world, hf_dir, data, dp_replicate, splits)
+        for dp_replicate, splits in layouts.items()
+    }
+    if rank == 0:
+        torch.save(results, out_file)
 
 
 def train_rollouts(backend, data, rollout_ids, rank, world, losses):

@@ -54,3 +54,10 @@ def run_ranks(
                     if p.is_alive():
                         p.kill()
                 raise TimeoutError(f"{world_size}-rank run did not finish within {timeout}s")
+
+
+def run_in_sequence(rank: int, world_size: int, calls: list[tuple[Callable, tuple]]) -> None:
+    """A rank program that calls each ``fn(rank, world_size, *args)`` of ``calls`` in turn:
+    tests that need the same ranks share one spawn (``run_ranks(n, run_in_sequence, calls)``)."""
+    for fn, args in calls:
+        fn(rank, world_size, *args)

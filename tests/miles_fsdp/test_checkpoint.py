@@ -12,8 +12,10 @@ import pytest
 import torch
 from miles_core.checkpoint_layout import read_meta, read_tracker, resolve_load
 from rank_programs import export_program, resume_program
-from spawn import run_ranks
+from spawn import run_in_sequence, run_ranks
 from tiny_models import qwen3_config, save_tiny_model
+
+MODES = ["straight", "first", "resume", "resume-no-optim"]
 
 
 @pytest.fixture(scope="module")
@@ -26,15 +28,27 @@ def data():
     return torch.randint(0, 64, (4, 10), generator=torch.Generator().manual_seed(3))
 
 
-@pytest.mark.slow
-def test_resume_is_bitwise_and_no_load_optim_keeps_scheduler(hf_dir, data, tmp_path):
-    modes = ["straight", "first", "resume", "resume-no-optim"]
-    out = tmp_path / "results.pt"
-    run_ranks(2, resume_program, hf_dir, data, str(tmp_path), modes, str(out), timeout=300)
-    got = torch.load(out, weights_only=False)
-    straight, first, resumed, no_optim = (got[m] for m in modes)
+@pytest.fixture(scope="module")
+def two_ranks(hf_dir, data, tmp_path_factory):
+    """One spawn of 2 ranks runs both multi-rank programs of this module in turn (a fresh
+    backend each): the resume modes under ``root/<mode>`` and the HF export of ``root/src``
+    (tied embeddings) to ``root/export``."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    export_src = save_tiny_model(root / "src", qwen3_config(tie_word_embeddings=True))
+    calls = [
+        (resume_program, (hf_dir, data, str(root), MODES, str(root / "results.pt"))),
+        (export_program, (str(export_src), str(root / "export"), str(root / "p.pt"))),
+    ]
+    run_ranks(2, run_in_sequence, calls, timeout=400)
+    return root
 
-    saved = tmp_path / "first"
+
+@pytest.mark.slow
+def test_resume_is_bitwise_and_no_load_optim_keeps_scheduler(two_ranks):
+    got = torch.load(two_ranks / "results.pt", weights_only=False)
+    straight, first, resumed, no_optim = (got[m] for m in MODES)
+
+    saved = two_ranks / "first"
     assert read_tracker(saved) == 2  # iteration = rollouts trained
     meta = read_meta(saved / "iter_0000002")
     assert (meta.rollout_id, meta.next_rollout_id, meta.global_step) == (1, 2, 2)
@@ -64,13 +78,11 @@ def test_resume_is_bitwise_and_no_load_optim_keeps_scheduler(hf_dir, data, tmp_p
 
 
 @pytest.mark.slow
-def test_export_hf_round_trips_through_from_pretrained(tmp_path):
+def test_export_hf_round_trips_through_from_pretrained(two_ranks):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    hf_dir = save_tiny_model(tmp_path / "src", qwen3_config(tie_word_embeddings=True))
-    out = tmp_path / "export"
-    run_ranks(2, export_program, str(hf_dir), str(out), str(tmp_path / "p.pt"), timeout=300)
-    trained = torch.load(tmp_path / "p.pt")
+    hf_dir, out = two_ranks / "src", two_ranks / "export"
+    trained = torch.load(two_ranks / "p.pt")
     from safetensors import safe_open
 
     with safe_open(str(out / "model.safetensors"), "pt") as f:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from miles_fsdp.backend import FSDPBackend
 from miles_fsdp.train_step import optimizer_step
 from rank_programs import full_params, nll_contribution
@@ -12,14 +11,6 @@ from run_args import make_args
 from tiny_models import save_tiny_model
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def one_rank_group(tmp_path_factory):
-    init = tmp_path_factory.mktemp("pg") / "init"
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _two_steps(hf_dir, data, sleep_between=False, **flags):

@@ -4,21 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from miles_fsdp.backend import FSDPBackend
 from run_args import make_args
 from safetensors import safe_open
 from tiny_models import qwen3_config, save_tiny_model
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def one_rank_group(tmp_path_factory):
-    init = tmp_path_factory.mktemp("pg") / "init"
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_bf16_checkpoint_trains_in_fp32_and_publishes_bf16(one_rank_group, tmp_path):

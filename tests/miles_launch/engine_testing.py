@@ -14,53 +14,22 @@ from pathlib import Path
 
 import httpx
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from miles_launch import tiny_model
+from miles_launch.tiny_model import save_char_tokenizer
 from transformers import PreTrainedTokenizerFast
 
-CHARS = "abcdefghijklmnopqrstuvwxyz ,.!?0123456789"
 VOCAB_SIZE = 64  # every id has a token string, so decoding is total
 
 
 def save_tokenizer(path: Path) -> PreTrainedTokenizerFast:
-    """A character-level tokenizer: id 0 is ``<|endoftext|>`` (EOS), then one id per char,
-    then filler tokens ``<t42>`` ... up to VOCAB_SIZE."""
-    vocab = {"<|endoftext|>": 0}
-    for ch in CHARS:
-        vocab[ch] = len(vocab)
-    while len(vocab) < VOCAB_SIZE:
-        vocab[f"<t{len(vocab)}>"] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
-    )
-    fast.save_pretrained(path)
-    return fast
+    """The character-level tokenizer of :mod:`miles_launch.tiny_model`: id 0 is
+    ``<|endoftext|>`` (EOS), then one id per character, then fillers up to VOCAB_SIZE."""
+    return save_char_tokenizer(path, vocab_size=VOCAB_SIZE)
 
 
 def tiny_qwen3(seed: int):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=512,
-        eos_token_id=0,
-        tie_word_embeddings=False,
-    )
-    model = Qwen3ForCausalLM(config)
-    with torch.no_grad():  # sharper logits than the 0.02-std init, so greedy has no near-ties
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(8.0)
-    return model.eval()
+    """A 2-layer Qwen3 (hidden 32) with sharpened weights: greedy decoding has no near-ties."""
+    return tiny_model.tiny_qwen3(seed, vocab_size=VOCAB_SIZE, weight_scale=8.0)
 
 
 def tiny_qwen3_moe(seed: int):
@@ -82,12 +51,7 @@ def tiny_qwen3_moe(seed: int):
         eos_token_id=0,
         tie_word_embeddings=False,
     )
-    model = Qwen3MoeForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.mul_(8.0)
-    return model.eval()
+    return tiny_model.sharpen(Qwen3MoeForCausalLM(config), 8.0).eval()
 
 
 def free_port() -> int:
@@ -185,3 +149,52 @@ def greedy_recompute(model, prompt_ids: list[int], max_new_tokens: int) -> list[
         for _ in range(max_new_tokens):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt_ids) :]
+
+
+# ---- requests to a served engine (the built-in engine tests) ------------------------------
+PROMPTS = ["hello world", "ab", "the quick brown fox jumps", "0123"]
+
+
+def generate(engine: EngineProcess, prompt, max_new_tokens=16, **extra):
+    """POST /generate, greedy unless ``sampling_params`` says otherwise; asserts 200."""
+    params = {"max_new_tokens": max_new_tokens, "temperature": 0.0}
+    params.update(extra.pop("sampling_params", {}))
+    r = engine.post("/generate", {"text": prompt, "sampling_params": params, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def reference(models: dict, which: str, prompts=tuple(PROMPTS), max_new_tokens=16):
+    """transformers' greedy generations of ``models[which]`` (memoised in ``models``)."""
+    key = (which, tuple(prompts), max_new_tokens)
+    if key not in models["references"]:
+        tok, model = models["tokenizer"], models[which][1]
+        models["references"][key] = [
+            hf_greedy(model, tok.encode(p), max_new_tokens) for p in prompts
+        ]
+    return models["references"][key]
+
+
+def assert_generates(engine: EngineProcess, models: dict, which: str) -> None:
+    """The engine serves ``models[which]``: its greedy outputs equal transformers'."""
+    got = [o["output_ids"] for o in generate(engine, PROMPTS)]
+    assert got == reference(models, which)
+
+
+def long_request(engine: EngineProcess, n=150, rid=None) -> dict:
+    """A greedy request of exactly ``n`` tokens (EOS ignored)."""
+    body = {
+        "text": "hello",
+        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+    }
+    if rid:
+        body["rid"] = rid
+    return engine.post("/generate", body).json()
+
+
+def wait_running(engine: EngineProcess, count=1, timeout=30) -> None:
+    """Wait until the engine runs ``count`` requests."""
+    deadline = time.monotonic() + timeout
+    while engine.client.get("/get_server_info").json()["num_requests"] < count:
+        assert time.monotonic() < deadline, "request never started"
+        time.sleep(0.01)

@@ -1,9 +1,10 @@
 """``miles_core.engine`` clients against the real built-in engine, endpoint by endpoint.
 
-One server (module scope) serves a tiny Qwen3 saved to disk; a second set of weights
-(another seed) is the "new" model of the weight-update tests, which restore the old one
-afterwards. References are transformers' own ``generate`` and a float64 forward pass of the
-same HF model. A second server, started with ``--api-key``, checks authentication.
+One server (module scope) serves a tiny Qwen3 saved to disk (conftest.py's ``models``); a
+second set of weights (another seed) is the "new" model of the weight-update tests, which
+restore the old one afterwards. References are transformers' own ``generate`` and a float64
+forward pass of the same HF model. A second server, started with ``--api-key``, checks
+authentication.
 """
 
 from __future__ import annotations
@@ -18,14 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing
-from engine_testing import (
-    EngineProcess,
-    free_port,
-    greedy_recompute,
-    hf_greedy,
-    save_tokenizer,
-    tiny_qwen3,
-)
+from engine_testing import EngineProcess, free_port, greedy_recompute, reference
 from miles_core.engine import AsyncEngineClient, EngineClient, EngineError, SamplingParams
 from miles_launch.engine.weights import join_weight_update_group
 from miles_sync.buckets import dumps_sglang_wire, pack_bucket, to_sglang_metadata
@@ -41,17 +35,12 @@ API_KEY = "s3cret"
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("client-engine")
-    out = {}
-    for name, seed in (("old", 0), ("new", 1)):
-        model = tiny_qwen3(seed)
-        model.save_pretrained(root / name)
-        out["tokenizer"] = save_tokenizer(root / name)
-        out[name] = (root / name, model)
-    tok = out["tokenizer"]
-    for name in ("old", "new"):  # transformers' greedy generations, the reference
-        out[f"{name}_ref"] = [hf_greedy(out[name][1], tok.encode(p), NEW_TOKENS) for p in PROMPTS]
+def models(models):
+    """The tiny models of conftest.py (their files; this module starts its own servers) plus
+    transformers' greedy generations of PROMPTS, the reference."""
+    out = dict(models)
+    for name in ("old", "new"):
+        out[f"{name}_ref"] = reference(models, name, tuple(PROMPTS), NEW_TOKENS)
     assert all(a != b for a, b in zip(out["old_ref"], out["new_ref"]))  # updates are visible
     return out
 

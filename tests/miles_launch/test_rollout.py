@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 from miles_launch.async_loop import union_overlap
-from miles_launch.demo import save_char_tokenizer
+from miles_launch.demo import CHARS, VOCAB_SIZE
 from miles_launch.rollout.filtering import has_signal
 from miles_launch.rollout.generate import GeneratedSample, sampling_seed, to_rollout_batch
 from miles_launch.rollout.prompts import Prompt, PromptDataError, PromptOrder, load_prompts
@@ -20,11 +20,12 @@ from miles_launch.rollout.rewards import (
     label_char_fraction,
     math_reward,
 )
+from miles_launch.tiny_model import save_char_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    return save_char_tokenizer(tmp_path_factory.mktemp("tok"))
+    return save_char_tokenizer(tmp_path_factory.mktemp("tok"), CHARS, VOCAB_SIZE)  # the demo's
 
 
 def _write(path, lines):

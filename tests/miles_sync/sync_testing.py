@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import torch
 import xxhash
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from miles_launch.tiny_model import save_char_tokenizer, tiny_qwen3
+from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 
 HERE = Path(__file__).parent
 VOCAB = 48
@@ -27,42 +27,15 @@ CHECKPOINT_DTYPE = torch.bfloat16
 
 
 def save_tokenizer(path: Path) -> PreTrainedTokenizerFast:
-    """Character-level tokenizer; id 0 is EOS."""
-    vocab = {"<eos>": 0}
-    for ch in "abcdefghijklmnopqrstuvwxyz .,":
-        vocab[ch] = len(vocab)
-    while len(vocab) < VOCAB:
-        vocab[f"<t{len(vocab)}>"] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
-    fast.save_pretrained(path)
-    return fast
+    """Character-level tokenizer (:mod:`miles_launch.tiny_model`); id 0 is EOS."""
+    return save_char_tokenizer(path, "abcdefghijklmnopqrstuvwxyz .,", VOCAB)
 
 
 def tiny_model(seed: int = 0) -> Qwen3ForCausalLM:
-    """A 2-layer Qwen3 (fp32) whose largest tensor (the embedding, 48 x 32 fp32 = 6 KiB;
-    3 KiB in bf16) is larger than the small buckets the tests use."""
-    torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-        eos_token_id=0,
-        tie_word_embeddings=False,
-    )
-    model = Qwen3ForCausalLM(config)
-    with torch.no_grad():  # sharp logits: greedy decoding has no near-ties
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(8.0)
-    return model.eval()
+    """A 2-layer Qwen3 (fp32, sharp logits: greedy decoding has no near-ties) whose largest
+    tensor (the embedding, 48 x 32 fp32 = 6 KiB; 3 KiB in bf16) is larger than the small
+    buckets the tests use."""
+    return tiny_qwen3(seed, vocab_size=VOCAB, max_position_embeddings=256, weight_scale=8.0)
 
 
 def save_checkpoint(model: Qwen3ForCausalLM, path: Path) -> Path:
@@ -190,7 +163,10 @@ class Engine:
 
 # ---- trainer ranks -------------------------------------------------------------------------
 def _rank_main(rank: int, world_size: int, port: int, out_dir: str, job: dict) -> None:
-    """One gloo trainer rank: train, publish, write ``rank<r>.json`` (version or error)."""
+    """One gloo trainer rank: for each of ``job["rounds"]`` (a seed and a ``SyncConfig``), one
+    training step and a publish with a fresh publisher; rank 0 then records every engine's
+    weight digests. Writes ``rank<r>.json``: per round the version, stats (and digests), or
+    the error that ended the job."""
     import datetime
     import json
     import traceback
@@ -207,14 +183,22 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, job: dict) -
         world_size=world_size,
         timeout=datetime.timedelta(seconds=120),
     )
-    result: dict = {}
+    result: dict = {"rounds": []}
     try:
         model = tiny_model(0)
-        train_step(model, job["seed"])
-        publisher = WeightPublisher(SyncConfig(**job["config"]), RankContext.from_default_group())
-        result["version"] = publisher.update_weights(source(model), job["engines"])
-        result["stats"] = publisher.last_stats
-        publisher.close()
+        for round_ in job["rounds"]:
+            train_step(model, round_["seed"])
+            config = SyncConfig(**round_["config"])
+            publisher = WeightPublisher(config, RankContext.from_default_group())
+            done = {"version": publisher.update_weights(source(model), job["engines"])}
+            done["stats"] = publisher.last_stats
+            publisher.close()
+            dist.barrier()  # every rank's share has landed before the digests are read
+            if rank == 0:
+                done["digests"] = [
+                    httpx.get(f"{url}/weights_digest", timeout=60).json() for url in job["engines"]
+                ]
+            result["rounds"].append(done)
     except Exception as error:  # reported to the test
         result["error"] = f"{type(error).__name__}: {error}"
         result["traceback"] = traceback.format_exc()

@@ -124,28 +124,41 @@ def test_one_rank_publish(mode, engines, checkpoint, tmp_path, request):
     publisher.close()
 
 
-@pytest.mark.parametrize("mode", ["broadcast", "p2p", "ipc"])
-def test_two_rank_publish(mode, engines, tmp_path):
-    """broadcast: rank 0 sends to both engines (group ranks 0, 1, 2); p2p: both ranks send their
-    share over their own groups; ipc: each rank is the leader of its own engine."""
+def test_two_rank_publish_in_every_group_mode(engines, tmp_path):
+    """One pair of ranks publishes three times, a training step before each: broadcast (rank 0
+    sends to both engines, group ranks 0, 1, 2), p2p (both ranks send their share over their
+    own groups), ipc (each rank is the leader of its own engine). After each publish both
+    engines hold that step's weights bit for bit; at the end they generate as the model."""
+    modes = ["broadcast", "p2p", "ipc"]
+    seeds = [21, 22, 23]
     before = max(int_version(e) for e in engines)
     job = {
-        "seed": 21,
         "engines": [e.url for e in engines],
-        "config": {"mode": mode, "buffer_size": BUCKET, "colocate": mode == "ipc"},
+        "rounds": [
+            {
+                "seed": seed,
+                "config": {"mode": mode, "buffer_size": BUCKET, "colocate": mode == "ipc"},
+            }
+            for mode, seed in zip(modes, seeds)
+        ],
     }
     results = run_ranks(2, tmp_path, job)
-    assert [r.get("error") for r in results] == [None, None]
-    assert [r["version"] for r in results] == [before + 1] * 2
-    sent = [r["stats"].get("buckets", 0) for r in results]
-    if mode == "broadcast":
-        assert sent[0] > 0 and sent[1] == 0
-    else:
-        assert sent[0] > 0 and sent[1] > 0
+    assert [r.get("error") for r in results] == [None, None], results[0].get("traceback")
     model = tiny_model(0)
-    train_step(model, 21)
+    for i, (mode, seed) in enumerate(zip(modes, seeds)):
+        train_step(model, seed)
+        rounds = [r["rounds"][i] for r in results]
+        assert [r["version"] for r in rounds] == [before + i + 1] * 2, mode
+        sent = [r["stats"].get("buckets", 0) for r in rounds]
+        if mode == "broadcast":
+            assert sent[0] > 0 and sent[1] == 0
+        else:
+            assert sent[0] > 0 and sent[1] > 0, mode
+        want = expected_digests(model)
+        for digests in rounds[0]["digests"]:
+            assert {name: digests[name] for name in want} == want, mode
     for engine in engines:
-        assert engine.version() == str(before + 1)
+        assert engine.version() == str(before + len(modes))
         assert_serves(engine, model)
 
 

@@ -88,9 +88,6 @@ class FSDPArgs(ArgGroup):
     memory_snapshot_path: str = flag(
         "memory_snapshot.pickle", metavar="PATH", help="Where the memory snapshot is written."
     )
-    tensorboard_dir: str | None = flag(
-        None, metavar="DIR", help="Write profiler traces and step metrics under this directory."
-    )
 
     @classmethod
     def validate(cls, args: Any) -> None:

@@ -1,8 +1,8 @@
 """Flags the launcher owns: placement, engines, rollout and output (``launch`` entry point).
 
 ``--colocate`` and ``--train-backend`` are miles-core's (shared placement group); the offload
-tri-states are resolved by miles-core's offload group. ``--tensorboard-dir`` is declared by the
-backends (``miles_fsdp`` has it); the launcher reads it when present.
+tri-states are resolved by miles-core's offload group. ``--tensorboard-dir`` is miles-core's
+(shared reporting group): the backends write under it too.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The demo's material, made locally (nothing is downloaded): a tiny Qwen3 and a prompt set.
 
 * **Model**: a Qwen3-architecture causal LM (2 layers, hidden 64) with random weights, saved
-  as safetensors with its config and a character-level tokenizer built with ``tokenizers``
-  (id 0 is ``<|endoftext|>``, then one id per character of :data:`CHARS`).
+  as safetensors with its config and a character-level tokenizer (id 0 is ``<|endoftext|>``,
+  then one id per character of :data:`CHARS`); both come from :mod:`miles_launch.tiny_model`.
 * **Task**: every prompt is ``"digits please: <letters>"`` with the label ``"0123"``; the
   reward (``--rm-type label-char-fraction``) is the share of the ``--rollout-max-response-len``
   positions filled with one of those characters. A random model scores about 4/40 = 0.1;
@@ -17,56 +17,29 @@ import json
 import random
 from pathlib import Path
 
+from miles_launch.tiny_model import save_char_tokenizer, tiny_qwen3
+
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 :"
 VOCAB_SIZE = 40  # <|endoftext|> + 38 characters + one filler
 TARGET = "0123"
 
 
-def save_char_tokenizer(path: str | Path):
-    """A character-level fast tokenizer saved under ``path`` (and returned)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<|endoftext|>": 0}
-    for ch in CHARS:
-        vocab[ch] = len(vocab)
-    while len(vocab) < VOCAB_SIZE:
-        vocab[f"<t{len(vocab)}>"] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
-    )
-    fast.save_pretrained(path)
-    return fast
-
-
 def build_tiny_qwen3(path: str | Path, seed: int = 0) -> Path:
-    """Write a random tiny Qwen3 checkpoint (config, tokenizer, safetensors) to ``path``."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
+    """Write the demo's random tiny Qwen3 (config, tokenizer, safetensors) to ``path``: 2
+    layers, hidden 64 (intermediate 128, head dim 16), vocabulary :data:`VOCAB_SIZE`."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_char_tokenizer(path)
-    torch.manual_seed(seed)
-    config = Qwen3Config(
+    save_char_tokenizer(path, CHARS, VOCAB_SIZE)
+    model = tiny_qwen3(
+        seed,
         vocab_size=VOCAB_SIZE,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=16,
         max_position_embeddings=256,
-        eos_token_id=0,
         pad_token_id=0,
         bos_token_id=0,
-        tie_word_embeddings=False,
-        dtype="float32",
     )
-    model = Qwen3ForCausalLM(config)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

@@ -5,8 +5,8 @@ The per-rollout line (stdout)::
     rollout 3/12 | reward 0.412 | resp_len 7.9 | loss -0.0123 | kl 0.0001 | version 4 |
     gen 1.20s train 0.80s save 0.00s update 0.10s
 
-Scalars go to TensorBoard under ``--tensorboard-dir`` (when a group declares it: the backends
-do) as ``rollout/<name>``, ``train/<name>``, ``time/<phase>``, ``eval/<name>``; to W&B with
+Scalars go to TensorBoard under ``--tensorboard-dir`` (miles-core's reporting group) as
+``rollout/<name>``, ``train/<name>``, ``time/<phase>``, ``eval/<name>``; to W&B with
 ``--use-wandb`` when ``wandb`` is installed; and as one JSON object per rollout to
 ``--metrics-jsonl``.
 """

@@ -9,6 +9,7 @@ from miles_core.args.groups.offload import OffloadArgs
 from miles_core.args.groups.optimizer import OptimizerArgs
 from miles_core.args.groups.parallel import ParallelArgs
 from miles_core.args.groups.placement import PlacementArgs
+from miles_core.args.groups.reporting import ReportingArgs
 from miles_core.args.groups.roles import RolesArgs
 from miles_core.args.groups.sync import SyncArgs
 
@@ -19,6 +20,7 @@ __all__ = [
     "OptimizerArgs",
     "ParallelArgs",
     "PlacementArgs",
+    "ReportingArgs",
     "RolesArgs",
     "SyncArgs",
     "core_groups",
@@ -36,4 +38,5 @@ def core_groups() -> list[type[ArgGroup]]:
         RolesArgs,
         OffloadArgs,
         SyncArgs,
+        ReportingArgs,
     ]

@@ -1,0 +1,134 @@
+"""What the training benchmarks (``bench_fsdp_train.py``, ``bench_megatron_train.py``) share:
+a random Qwen3-shaped model written once as a HF directory, synthetic GRPO rollouts, the FLOPs
+per token behind MFU, and the timing loop around ``backend.train``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+VOCAB_SIZE = 151936
+# hidden, intermediate; every size has 28 layers, 16 query / 8 key-value heads of dim 128.
+QWEN3_SIZES = {"0.6B": (1024, 3072), "1.7B": (2048, 6144)}
+
+
+def qwen3_config(size: str):
+    """Qwen3-``size`` shapes (``QWEN3_SIZES``) with tied embeddings, rope theta 1e6."""
+    from transformers import Qwen3Config
+
+    hidden, intermediate = QWEN3_SIZES[size]
+    return Qwen3Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+    )
+
+
+def write_random_model(path: str, config) -> None:
+    """A bf16 random model (seed 0) and a two-token tokenizer saved under ``path``."""
+    from tokenizers import Tokenizer, models
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
+    tok = Tokenizer(models.WordLevel(vocab={"<unk>": 0, "<eos>": 1}, unk_token="<unk>"))
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>"
+    ).save_pretrained(path)
+
+
+def add_timing_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags both benchmarks take: work per rollout, timed iterations, the MFU peak."""
+    parser.add_argument("--tokens-per-gpu", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=2, help="optimizer steps per rollout")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak per GPU")
+
+
+def init_nccl() -> tuple[int, int]:
+    """The NCCL process group of a ``torchrun`` launch, this rank's GPU set; (rank, world)."""
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def shared_model_dir(config, prefix: str) -> str:
+    """Rank 0 writes the random model into a fresh temp directory; every rank gets its path
+    (the process group must be initialised)."""
+    box = [tempfile.mkdtemp(prefix=prefix) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box)
+    if dist.get_rank() == 0:
+        write_random_model(box[0], config)
+    dist.barrier()
+    return box[0]
+
+
+def make_rollout(tokens_per_gpu: int, world: int, steps: int, seed: int):
+    """Samples of 512..2048 tokens (half of each is the response), ~tokens_per_gpu per GPU per
+    step, groups of 4 with uniform random rewards."""
+    from miles_core.batch import RolloutBatch, Sample
+
+    g = torch.Generator().manual_seed(seed)
+    samples, total, target = [], 0, tokens_per_gpu * world * steps
+    while total < target:
+        length = int(torch.randint(512, 2049, (1,), generator=g))
+        samples.append(
+            Sample(
+                tokens=torch.randint(2, VOCAB_SIZE, (length,), generator=g),
+                response_length=length // 2,
+                reward=float(torch.rand((), generator=g)),
+                group_index=len(samples) // 4,
+            )
+        )
+        total += length
+    while len(samples) % 4:
+        samples.pop()
+    return RolloutBatch(samples)
+
+
+def flops_per_token(cfg, seq_len: float) -> float:
+    """Training FLOPs per token: ``6 N + 6 L h d s`` (N the matmul parameters, embedding
+    included once; L layers, h heads of dim d, s the mean sequence length)."""
+    n_params = (
+        cfg.num_hidden_layers
+        * (
+            cfg.hidden_size
+            * cfg.head_dim
+            * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)
+            + 3 * cfg.hidden_size * cfg.intermediate_size
+        )
+        + cfg.vocab_size * cfg.hidden_size
+    )
+    attention = 6 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
+    return 6 * n_params + attention
+
+
+def time_train(backend, shard, warmup: int, iters: int, report=None) -> list[float]:
+    """Seconds of each ``backend.train`` call after ``warmup`` untimed ones (CUDA-synchronised);
+    ``report(rollout, seconds)``, when given, hears of every call."""
+    times = []
+    for rollout in range(warmup + iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        backend.train(rollout, shard)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        if rollout >= warmup:
+            times.append(seconds)
+        if report is not None:
+            report(rollout, seconds)
+    return times

@@ -1,0 +1,44 @@
+"""Fixtures of the built-in engine tests (``test_builtin_engine_*.py``).
+
+One built-in engine server serves all of those modules (session scope: each server start costs
+a subprocess with torch, transformers and a model load). It serves a tiny Qwen3 saved to disk
+(``models["old"]``); a second set of weights (another seed, ``models["new"]``) is what the
+weight-update tests load, and they restore the first afterwards. Modules that define their own
+``models`` fixture (test_client_engine) override this one.
+"""
+
+from __future__ import annotations
+
+import pytest
+from engine_testing import EngineProcess, save_tokenizer, tiny_qwen3
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    tokenizer = None
+    out = {}
+    for name, seed in (("old", 0), ("new", 1)):
+        model = tiny_qwen3(seed)
+        model.save_pretrained(root / name)
+        tokenizer = save_tokenizer(root / name)
+        out[name] = (root / name, model)
+    out["tokenizer"] = tokenizer
+    out["references"] = {}
+    return out
+
+
+@pytest.fixture(scope="session")
+def builtin_server(models):
+    server = EngineProcess(
+        models["old"][0], "--enable-weights-cpu-backup", "--max-running-requests", "3"
+    )
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def engine(builtin_server):
+    """The shared server; a failed pause test must not leave it paused for the next ones."""
+    yield builtin_server
+    builtin_server.post("/continue_generation")

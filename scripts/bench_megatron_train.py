@@ -18,6 +18,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -38,12 +39,24 @@ def run(name: str, hf_dir: str, shard, args, world: int) -> list[float]:
     if name == "megatron":
         argv += ["--tensor-model-parallel-size", str(args.tp)]
         argv += ["--sequence-parallel"] if args.tp > 1 else []
+    say(f"{name}: building the backend (world {world})")
+    start = time.perf_counter()
     backend = cls()
     backend.init(parse_args(argv, [*core_groups(), *cls.arg_groups()]))
+    say(f"{name}: ready after {time.perf_counter() - start:.1f} s; training")
     shard = shard if backend.data_layout().consumes_data else None
-    times = bench.time_train(backend, shard, args.warmup, args.iters)
+
+    def report(rollout: int, seconds: float) -> None:
+        say(f"{name}: rollout {rollout + 1}/{args.warmup + args.iters} {seconds:.3f} s")
+
+    times = bench.time_train(backend, shard, args.warmup, args.iters, report=report)
     backend.close()
     return times
+
+
+def say(message: str) -> None:
+    if dist.get_rank() == 0:
+        print(f"bench_megatron_train: {message}", flush=True)
 
 
 def main() -> None:
@@ -56,6 +69,7 @@ def main() -> None:
 
     rank, world = bench.init_nccl()
     cfg = bench.qwen3_config("1.7B")
+    say("writing a random Qwen3-1.7B-shaped checkpoint")
     hf_dir = bench.shared_model_dir(cfg, prefix="bench_megatron_")
     results = {}
     for name in args.backends.split(","):

@@ -1,6 +1,6 @@
-"""scripts/bump_version.py on a copy of the workspace's pyproject.toml and CHANGELOG.md files."""
+"""scripts/bump_version.py on a workspace shaped like ours (pyproject.toml and CHANGELOG.md files)."""
 
-import shutil
+import json
 import subprocess
 import sys
 import tomllib
@@ -10,17 +10,53 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "bump_version.py"
-MEMBERS = sorted(p.parent.relative_to(REPO) for p in REPO.glob("packages/*/pyproject.toml")) + [
-    Path("native")
-]
+
+#: A workspace shaped like ours (same members, same kinds of requirements) at fixed versions, so
+#: the expectations below do not move when the real packages are bumped.
+LAYOUT = {
+    "packages/miles-core": ("miles-core", [], {}),
+    "packages/miles-offload": (
+        "miles-offload",
+        ["miles-core>=0.1,<0.2", "miles-native>=0.1,<0.2"],
+        {},
+    ),
+    "packages/miles-sync": ("miles-sync", ["miles-core>=0.1,<0.2"], {}),
+    "packages/miles-fsdp": (
+        "miles-fsdp",
+        ["miles-core>=0.1,<0.2", "miles-sync>=0.1,<0.2", "miles-offload>=0.1,<0.2", "torch>=2.5"],
+        {},
+    ),
+    "packages/miles-megatron": (
+        "miles-megatron",
+        ["miles-core>=0.1,<0.2", "miles-sync>=0.1,<0.2", "miles-offload>=0.1,<0.2"],
+        {},
+    ),
+    "packages/miles-launch": (
+        "miles-launch",
+        ["miles-core>=0.1,<0.2", "miles-sync>=0.1,<0.2"],
+        {"fsdp": ["miles-fsdp>=0.1,<0.2"], "megatron": ["miles-megatron>=0.1,<0.2"]},
+    ),
+    "native": ("miles_native", [], {}),
+}
+MEMBERS = [Path(m) for m in LAYOUT]
+
+
+def _pyproject(name: str, deps: list[str], extras: dict[str, list[str]]) -> str:
+    lines = ["[project]", f'name = "{name}"', 'version = "0.1.0"  # kept', "dependencies = ["]
+    lines += [f'  "{d}",' for d in deps] + ["]"]
+    if extras:
+        lines.append("\n[project.optional-dependencies]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in extras.items()]
+    return "\n".join(lines) + "\n"
 
 
 @pytest.fixture
 def workspace(tmp_path) -> Path:
-    for member in MEMBERS:
+    for member, (name, deps, extras) in LAYOUT.items():
         (tmp_path / member).mkdir(parents=True)
-        for name in ("pyproject.toml", "CHANGELOG.md"):
-            shutil.copy(REPO / member / name, tmp_path / member / name)
+        (tmp_path / member / "pyproject.toml").write_text(_pyproject(name, deps, extras))
+        title = name.replace("_", "-")
+        (tmp_path / member / "CHANGELOG.md").write_text(f"# Changelog — {title}\n\n## 0.1.0\n")
     return tmp_path
 
 
@@ -78,7 +114,7 @@ def test_minor_bump_widens_every_dependent(workspace):
         assert reqs == ["miles-core>=0.1,<0.3"], member
     # Other requirements and the rest of the files are untouched.
     fsdp = (workspace / "packages/miles-fsdp/pyproject.toml").read_text()
-    original = (REPO / "packages/miles-fsdp/pyproject.toml").read_text()
+    original = _pyproject(*LAYOUT["packages/miles-fsdp"])
     assert fsdp == original.replace('"miles-core>=0.1,<0.2"', '"miles-core>=0.1,<0.3"')
     assert "miles-core: 0.1.0 -> 0.2.0" in out.stdout
 

@@ -1,5 +1,5 @@
 """Megatron LoRA on GPUs with NCCL (TP=2 on 2 devices, TP=1 on one): the CPU test's backend run
-(tests/miles_megatron/test_lora.py) — lora_base KL, sleep/wake x2 equal to a never-slept run
+(tests/miles_megatron/test_megatron_lora.py) — lora_base KL, sleep/wake x2 equal to a never-slept run
 with the frozen base copied to the host once, adapter-only checkpoint resumed at TP=1, PEFT
 export loaded by PEFT and the FSDP backend, merged publish bit-exact.
 

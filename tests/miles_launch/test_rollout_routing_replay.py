@@ -292,7 +292,7 @@ def test_trainer_replays_the_launchers_samples(
     backend.close()
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.skipif(not fsdp_available(), reason="the FSDP backend is not installed")
 def test_miles_train_with_routing_replay(tmp_path):
     """The whole path: ``miles train`` on Ray (2 gloo FSDP ranks, 1 built-in engine) of a tiny

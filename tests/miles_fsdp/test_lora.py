@@ -1,18 +1,16 @@
-"""LoRA via PEFT: adapter checks, and (2 gloo ranks) gradients and the AdamW step against a
+"""LoRA via PEFT: the adapter's flag checks and targets (the directories themselves are tested in
+tests/miles_core/test_peft_adapter.py), and (2 gloo ranks) gradients and the AdamW step against a
 dense float64 oracle ``W + (alpha/r) * B @ A``, merged publishing in base names, the lora_base
 forward, fp32 gradients after a first forward with adapters disabled, adapter-only checkpoints."""
 
 from __future__ import annotations
-
-import json
-import re
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from miles_core.args import ArgumentError
-from miles_fsdp.lora import AdapterError, actor_lora, merge_lora_tensors, read_adapter
+from miles_fsdp.lora import LoRASettings, actor_lora, inject_lora, lora_layers, merge_lora_tensors
 from role_programs import lora_program
 from run_args import make_args
 from spawn import run_ranks
@@ -40,43 +38,11 @@ def save_adapter(hf_dir, out, r=RANK, alpha=ALPHA, seed=5):
     return out
 
 
-def edit_config(adapter_dir, **changes):
-    path = adapter_dir / "adapter_config.json"
-    cfg = json.loads(path.read_text()) | changes
-    path.write_text(json.dumps(cfg))
-
-
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     hf_dir = save_tiny_model(root / "qwen3")
     return hf_dir, save_adapter(str(hf_dir), root / "adapter")
-
-
-def copy_adapter(dirs, tmp_path):
-    import shutil
-
-    return shutil.copytree(dirs[1], tmp_path / "adapter")
-
-
-@pytest.mark.parametrize(
-    "change, message",
-    [
-        (dict(use_dora=True), "DoRA adapters (use_dora) are not supported"),
-        (dict(bias="lora_only"), "adapters with trained biases (bias='lora_only')"),
-        (dict(modules_to_save=["lm_head"]), "modules_to_save is not supported"),
-    ],
-)
-def test_unsupported_adapters_rejected(dirs, tmp_path, change, message):
-    adapter = copy_adapter(dirs, tmp_path)
-    edit_config(adapter, **change)
-    with pytest.raises(AdapterError, match=re.escape(f"adapter_config.json: {message}")):
-        read_adapter(adapter)
-
-
-def test_missing_adapter_config(tmp_path):
-    with pytest.raises(AdapterError, match="adapter_config.json: missing"):
-        read_adapter(tmp_path)
 
 
 def test_rank_alpha_mismatch_names_flags(dirs):
@@ -86,6 +52,18 @@ def test_rank_alpha_mismatch_names_flags(dirs):
     assert str(err.value).endswith(
         "r=4, lora_alpha=8, but --lora-rank 8 --lora-alpha 16: pass --lora-rank 4 --lora-alpha 8"
     )
+
+
+def test_string_target_modules_are_one_regex(dirs):
+    """A PEFT config's string ``target_modules`` is one regex matched in full, not a suffix."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(dirs[0])
+    settings = LoRASettings(RANK, ALPHA, 0.0, r".*layers\.1\.self_attn\.(q|v)_proj")
+    inject_lora(model, settings, on_meta=False)
+    layers = {id(m) for m in lora_layers(model)}
+    wrapped = sorted(n for n, m in model.named_modules() if id(m) in layers)
+    assert wrapped == ["model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.v_proj"]
 
 
 def test_merge_lora_tensors_names_and_values():

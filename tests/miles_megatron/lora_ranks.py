@@ -21,17 +21,12 @@ def logits_with_grad(model, input_ids: torch.Tensor, vocab_size: int) -> torch.T
 
 def lora_model(hf_dir: str, adapter_dir: str | None, tp: int, extra: list[str] = ()):
     """Megatron model from ``hf_dir`` with LoRA, factors from ``adapter_dir`` (or fresh)."""
-    from miles_megatron.lora import (
-        LoRAConfig,
-        init_fresh,
-        inject_lora,
-        load_factors,
-        read_adapter_dir,
-    )
+    from miles_core.peft_adapter import read_peft_adapter
+    from miles_megatron.lora import LoRAConfig, init_fresh, inject_lora, load_factors
 
     args, margs, model, bridge = build_from_hf(hf_dir, [*layout_argv(tp=tp), *extra])
     if adapter_dir is not None:
-        adapter = read_adapter_dir(adapter_dir)
+        adapter = read_peft_adapter(adapter_dir)
         config = LoRAConfig(adapter.rank, adapter.alpha, 0.0, adapter.target_modules)
         injected = inject_lora(model, bridge, margs, config)
         load_factors(injected, adapter)
@@ -340,10 +335,11 @@ def peft_adapter(hf_dir, out_dir, targets, seed=7):
 
 def fsdp_lora_model(hf_dir, adapter_dir):
     """The FSDP backend's LoRA model: HF model + miles_fsdp.lora injection + adapter load."""
-    from miles_fsdp.lora import LoRASettings, inject_lora, load_adapter_weights, read_adapter
+    from miles_core.peft_adapter import read_peft_adapter
+    from miles_fsdp.lora import LoRASettings, inject_lora, load_adapter_weights
     from transformers import AutoModelForCausalLM
 
-    adapter = read_adapter(adapter_dir)
+    adapter = read_peft_adapter(adapter_dir)
     model = AutoModelForCausalLM.from_pretrained(
         hf_dir, dtype=torch.float32, attn_implementation="eager"
     )
@@ -377,7 +373,7 @@ def hf_log_probs(hf_dir, samples, temperature=1.0):
 def check_lora_flow(r: dict, hf_dir: str, export: Path, targets: list[str]) -> None:
     """The parent's checks of :func:`backend_lora_flow`'s result (CPU and GPU tests)."""
     from backend_reference import samples
-    from miles_megatron.lora import read_adapter_dir
+    from miles_core.peft_adapter import read_peft_adapter
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -399,7 +395,7 @@ def check_lora_flow(r: dict, hf_dir: str, export: Path, targets: list[str]) -> N
     assert "needs --use-lora" in r["errors"]["no_lora"]
 
     # the exported directory: PEFT keys of the targeted modules only, the trained values
-    exported = read_adapter_dir(export)
+    exported = read_peft_adapter(export)
     assert sorted(exported.target_modules) == sorted(targets)
     assert len(exported.factors) == 2 * len(targets)
     assert r["peft_named"] == sorted(load_file(str(export / "adapter_model.safetensors")))

@@ -8,7 +8,8 @@
   reference log-probs equal the HF base, sleep/wake copies the base once, adapter-only
   checkpoint resumes at TP=1, exported PEFT directory loads in PEFT and the FSDP backend,
   merged publish equals ``W + (alpha/r) B A`` bit-exactly (fp32 and a bf16 checkpoint);
-* PEFT directories and flag errors (fast, no ranks).
+* flag errors and target matching (fast, no ranks); PEFT directories themselves are
+  tested in tests/miles_core/test_peft_adapter.py.
 
 The multi-rank checks share one spawn of 2 gloo ranks (the module fixture ``rank_runs``): the
 ranks import megatron once and run every program in sequence; each test asserts on its program's
@@ -17,7 +18,6 @@ result, so each still names one behaviour and fails on its own program's error.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,12 +29,6 @@ from lora_ranks import fsdp_lora_model, inputs, peft_adapter
 from megatron_ranks import parse
 from megatron_tiny_models import make_tiny_hf
 from miles_core.args import ArgumentError
-from miles_megatron.lora import (
-    AdapterDirError,
-    check_matches_flags,
-    read_adapter_dir,
-    write_adapter_dir,
-)
 from miles_megatron.lora.layers import is_targeted
 
 FLOW_TARGETS = ["q_proj", "v_proj", "gate_proj", "down_proj"]  # partly fused: k/up stay zero
@@ -195,80 +189,7 @@ def test_merged_publish_is_bit_exact_in_bf16(bf16_dir, rank_runs):
     assert changed == 2 * 7
 
 
-# ---------------------------------------------------------------- fast: directories and flags
-
-
-def _write(tmp_path, **config_overrides):
-    factors = {
-        "model.layers.0.self_attn.q_proj": {
-            "lora_A": torch.randn(4, 64),
-            "lora_B": torch.randn(64, 4),
-        }
-    }
-    path = write_adapter_dir(tmp_path / "a", factors, 4, 8.0, ["q_proj"])
-    if config_overrides:
-        cfg = json.loads((path / "adapter_config.json").read_text())
-        cfg.update(config_overrides)
-        (path / "adapter_config.json").write_text(json.dumps(cfg))
-    return path, factors
-
-
-def test_adapter_dir_round_trip_readable_by_peft(tmp_path):
-    from peft import LoraConfig
-    from safetensors.torch import load_file
-
-    path, factors = _write(tmp_path)
-    adapter = read_adapter_dir(path)
-    assert (adapter.rank, adapter.alpha, adapter.target_modules) == (4, 8.0, ("q_proj",))
-    assert adapter.scale == 2.0
-    for factor in ("lora_A", "lora_B"):
-        got = adapter.factors["model.layers.0.self_attn.q_proj"][factor]
-        assert torch.equal(got, factors["model.layers.0.self_attn.q_proj"][factor])
-    keys = sorted(load_file(str(path / "adapter_model.safetensors")))
-    assert keys == [
-        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
-        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight",
-    ]
-    config = LoraConfig.from_pretrained(str(path))
-    assert (config.r, config.lora_alpha, set(config.target_modules)) == (4, 8.0, {"q_proj"})
-
-
-@pytest.mark.parametrize(
-    "override, field",
-    [
-        ({"use_dora": True}, "use_dora"),
-        ({"use_rslora": True}, "use_rslora"),
-        ({"bias": "all"}, "bias"),
-        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
-        ({"rank_pattern": {"q_proj": 8}}, "rank_pattern"),
-        ({"peft_type": "IA3"}, "peft_type"),
-    ],
-)
-def test_unsupported_adapters_are_rejected_naming_file_and_field(tmp_path, override, field):
-    path, _ = _write(tmp_path, **override)
-    with pytest.raises(AdapterDirError, match=f"adapter_config.json: {field}"):
-        read_adapter_dir(path)
-
-
-def test_missing_weights_and_rank_mismatch_in_factors(tmp_path):
-    path, _ = _write(tmp_path, r=8)
-    with pytest.raises(AdapterDirError, match="r=8 needs"):
-        read_adapter_dir(path)
-    (path / "adapter_model.safetensors").unlink()
-    with pytest.raises(AdapterDirError, match="adapter_model.safetensors: missing"):
-        read_adapter_dir(path)
-    with pytest.raises(AdapterDirError, match="not a PEFT adapter directory"):
-        read_adapter_dir(tmp_path)
-
-
-def test_rank_alpha_mismatch_names_the_flags(tmp_path):
-    path, _ = _write(tmp_path)
-    adapter = read_adapter_dir(path)
-    check_matches_flags(adapter, 4, 8.0)
-    with pytest.raises(ArgumentError, match="but --lora-rank 16 --lora-alpha 32: pass "):
-        check_matches_flags(adapter, 16, 32.0)
-    with pytest.raises(ArgumentError, match="pass --lora-rank 4 --lora-alpha 8"):
-        check_matches_flags(adapter, 4, 16.0)
+# ---------------------------------------------------------------- fast: flags and targets
 
 
 def test_publish_lora_adapter_requires_use_lora():

@@ -15,40 +15,41 @@ Frozen roles (``--ref-lora-adapter-path``, ``--teacher-lora-adapter-path``): ran
 ``(alpha / r) * B @ A`` of the adapter's own ``r`` / ``lora_alpha`` into the base weights
 before the broadcast; the role then runs as a plain model.
 
-Loaded adapters must be plain LoRA: DoRA (``use_dora``), trained biases (``bias`` other than
-``"none"``) and ``modules_to_save`` are rejected, naming the file.
+Adapter directories are read by :func:`miles_core.peft_adapter.read_peft_adapter`, which
+accepts plain LoRA only (DoRA, rsLoRA, trained biases, ``modules_to_save``, ... are rejected,
+naming the file and field).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-from miles_core.args import ArgumentError
+from miles_core.peft_adapter import (
+    PeftAdapter,
+    PeftAdapterError,
+    check_matches_flags,
+    read_peft_adapter,
+)
 from torch import nn
 
 ADAPTER_NAME = "default"
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-PEFT_PREFIX = "base_model.model."
-
-
-class AdapterError(ValueError):
-    """A PEFT adapter directory cannot be used; the message names the file."""
 
 
 @dataclass(frozen=True)
 class LoRASettings:
-    """``--lora-rank``, ``--lora-alpha``, ``--lora-dropout``, ``--lora-target-modules``."""
+    """``--lora-rank``, ``--lora-alpha``, ``--lora-dropout``, ``--lora-target-modules``.
+
+    ``target_modules`` is PEFT's: ``("all-linear",)``, module-name suffixes, or (from a loaded
+    adapter's config) one regex string matched in full.
+    """
 
     rank: int = 16
     alpha: float = 32.0
     dropout: float = 0.0
-    target_modules: tuple[str, ...] = ("all-linear",)
+    target_modules: str | tuple[str, ...] = ("all-linear",)
 
     @classmethod
     def from_args(cls, args: Any) -> LoRASettings:
@@ -67,82 +68,18 @@ class LoRASettings:
         from peft import LoraConfig
 
         targets = self.target_modules
+        if not isinstance(targets, str):
+            targets = "all-linear" if targets == ("all-linear",) else list(targets)
         return LoraConfig(
             r=self.rank,
             lora_alpha=self.alpha,
             lora_dropout=self.dropout,
-            target_modules="all-linear" if targets == ("all-linear",) else list(targets),
+            target_modules=targets,
             bias="none",
         )
 
 
-@dataclass(frozen=True)
-class Adapter:
-    """A plain PEFT adapter directory read from disk (``save_pretrained`` output)."""
-
-    path: Path
-    rank: int
-    alpha: float
-    target_modules: tuple[str, ...]
-    weights: dict[str, torch.Tensor]  # "<module>.lora_A.weight" / "<module>.lora_B.weight"
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
-
-
-def read_adapter(path: str | Path) -> Adapter:
-    """Read and check a PEFT adapter directory (config and safetensors weights)."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    config_file = path / ADAPTER_CONFIG
-    if not config_file.is_file():
-        raise AdapterError(f"{config_file}: missing (not a PEFT adapter directory)")
-    try:
-        cfg = json.loads(config_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise AdapterError(f"{config_file}: invalid JSON ({exc})") from exc
-    if cfg.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"{config_file}: peft_type {cfg['peft_type']!r} is not LORA")
-    if cfg.get("use_dora"):
-        raise AdapterError(f"{config_file}: DoRA adapters (use_dora) are not supported")
-    if cfg.get("bias", "none") != "none":
-        raise AdapterError(f"{config_file}: adapters with trained biases (bias={cfg['bias']!r})")
-    if cfg.get("modules_to_save"):
-        raise AdapterError(f"{config_file}: modules_to_save is not supported")
-    if cfg.get("use_rslora"):
-        raise AdapterError(f"{config_file}: rsLoRA scaling (use_rslora) is not supported")
-    weights_file = path / ADAPTER_WEIGHTS
-    if not weights_file.is_file():
-        raise AdapterError(f"{weights_file}: missing")
-    weights = {}
-    for name, tensor in load_file(str(weights_file)).items():
-        short = name.removeprefix(PEFT_PREFIX)
-        if not short.endswith((".lora_A.weight", ".lora_B.weight")):
-            raise AdapterError(f"{weights_file}: unexpected tensor {name} (plain LoRA only)")
-        weights[short] = tensor
-    targets = cfg.get("target_modules") or ()
-    return Adapter(
-        path=path,
-        rank=int(cfg["r"]),
-        alpha=float(cfg["lora_alpha"]),
-        target_modules=(targets,) if isinstance(targets, str) else tuple(targets),
-        weights=weights,
-    )
-
-
-def check_adapter_matches(adapter: Adapter, settings: LoRASettings) -> None:
-    """The actor's adapter must have the flags' ``r`` and ``lora_alpha``."""
-    if adapter.rank != settings.rank or adapter.alpha != settings.alpha:
-        raise ArgumentError(
-            f"{adapter.path / ADAPTER_CONFIG}: r={adapter.rank}, lora_alpha={adapter.alpha:g}, "
-            f"but --lora-rank {settings.rank} --lora-alpha {settings.alpha:g}: pass "
-            f"--lora-rank {adapter.rank} --lora-alpha {adapter.alpha:g}"
-        )
-
-
-def settings_for(adapter: Adapter, settings: LoRASettings) -> LoRASettings:
+def settings_for(adapter: PeftAdapter, settings: LoRASettings) -> LoRASettings:
     """The flags' settings with the loaded adapter's target modules (so its weights fit)."""
     return LoRASettings(settings.rank, settings.alpha, settings.dropout, adapter.target_modules)
 
@@ -163,57 +100,56 @@ def is_adapter_name(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
-def _adapter_targets(model: nn.Module, adapter: Adapter) -> dict[str, nn.Module]:
+def _adapter_targets(model: nn.Module, adapter: PeftAdapter) -> dict[str, nn.Module]:
     modules = dict(model.named_modules())
     out = {}
-    for key in adapter.weights:
-        module_name = key.rsplit(".lora_", 1)[0]
+    for module_name in adapter.factors:
         if module_name not in modules:
-            raise AdapterError(
-                f"{adapter.path / ADAPTER_WEIGHTS}: {key} names no module of the model"
+            raise PeftAdapterError(
+                f"{adapter.weights_file}: {module_name} names no module of the model"
             )
         out[module_name] = modules[module_name]
     return out
 
 
 @torch.no_grad()
-def load_adapter_weights(model: nn.Module, adapter: Adapter) -> None:
+def load_adapter_weights(model: nn.Module, adapter: PeftAdapter) -> None:
     """Copy ``adapter``'s A/B into the injected layers of a (full, rank-0) model."""
     for module_name, module in _adapter_targets(model, adapter).items():
         for part in ("lora_A", "lora_B"):
             layer = getattr(module, part, None)
             if layer is None or ADAPTER_NAME not in layer:
-                raise AdapterError(
-                    f"{adapter.path / ADAPTER_WEIGHTS}: {module_name} is not a LoRA target of "
+                raise PeftAdapterError(
+                    f"{adapter.weights_file}: {module_name} is not a LoRA target of "
                     "the model (--lora-target-modules)"
                 )
-            src = adapter.weights[f"{module_name}.{part}.weight"]
+            src = adapter.factors[module_name][part]
             dst = layer[ADAPTER_NAME].weight
             if src.shape != dst.shape:
-                raise AdapterError(
-                    f"{adapter.path / ADAPTER_WEIGHTS}: {module_name}.{part} has shape "
+                raise PeftAdapterError(
+                    f"{adapter.weights_file}: {module_name}.{part} has shape "
                     f"{tuple(src.shape)}, the model needs {tuple(dst.shape)}"
                 )
             dst.copy_(src.to(dst.dtype))
 
 
 @torch.no_grad()
-def merge_adapter_into(model: nn.Module, adapter: Adapter) -> None:
+def merge_adapter_into(model: nn.Module, adapter: PeftAdapter) -> None:
     """Add ``(alpha / r) * B @ A`` to each target linear's weight (frozen roles, rank 0)."""
     for module_name, module in _adapter_targets(model, adapter).items():
-        a = adapter.weights[f"{module_name}.lora_A.weight"].double()
-        b = adapter.weights[f"{module_name}.lora_B.weight"].double()
+        a = adapter.factors[module_name]["lora_A"].double()
+        b = adapter.factors[module_name]["lora_B"].double()
         weight = module.weight
         delta = adapter.scale * (b @ a)
         if delta.shape != weight.shape:
-            raise AdapterError(
-                f"{adapter.path / ADAPTER_WEIGHTS}: {module_name} adapter gives "
+            raise PeftAdapterError(
+                f"{adapter.weights_file}: {module_name} adapter gives "
                 f"{tuple(delta.shape)}, the weight is {tuple(weight.shape)}"
             )
         weight.copy_((weight.double() + delta).to(weight.dtype))
 
 
-def actor_lora_fixup(settings: LoRASettings, adapter: Adapter | None) -> Callable:
+def actor_lora_fixup(settings: LoRASettings, adapter: PeftAdapter | None) -> Callable:
     """Post-load fixup for rank 0's full actor: inject LoRA, then load ``adapter`` if given."""
 
     def fixup(model: nn.Module, config: Any) -> None:
@@ -224,7 +160,7 @@ def actor_lora_fixup(settings: LoRASettings, adapter: Adapter | None) -> Callabl
     return fixup
 
 
-def merge_fixup(adapter: Adapter) -> Callable:
+def merge_fixup(adapter: PeftAdapter) -> Callable:
     """Post-load fixup for a frozen role: merge ``adapter`` into its base weights."""
 
     def fixup(model: nn.Module, config: Any) -> None:
@@ -274,13 +210,13 @@ def merge_lora_tensors(
     return out
 
 
-def actor_lora(args: Any) -> tuple[LoRASettings | None, Adapter | None]:
+def actor_lora(args: Any) -> tuple[LoRASettings | None, PeftAdapter | None]:
     """``--use-lora``: the actor's settings and its ``--lora-adapter-path`` adapter, checked."""
     if not args.use_lora:
         return None, None
     settings = LoRASettings.from_args(args)
     if not args.lora_adapter_path:
         return settings, None
-    adapter = read_adapter(args.lora_adapter_path[0])  # a causal LM has one component
-    check_adapter_matches(adapter, settings)
+    adapter = read_peft_adapter(args.lora_adapter_path[0])  # a causal LM has one component
+    check_matches_flags(adapter, settings.rank, settings.alpha)
     return settings_for(adapter, settings), adapter

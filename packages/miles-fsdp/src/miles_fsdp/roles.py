@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from miles_core.args import ArgumentError
+from miles_core.peft_adapter import read_peft_adapter
 from torch import nn
 
 from miles_fsdp.ema import drop_gathered_copies
@@ -38,7 +39,7 @@ from miles_fsdp.loading import (
     read_full_state,
     validate_on_rank0,
 )
-from miles_fsdp.lora import lora_layers, merge_fixup, read_adapter
+from miles_fsdp.lora import lora_layers, merge_fixup
 from miles_fsdp.wrapping import apply_fsdp
 
 DEFAULT_COMPONENT = "model"
@@ -133,7 +134,7 @@ def build_frozen_model(source: FrozenSource, actor: ActorBuild) -> nn.Module:
     state = buffers = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         fixups = list(adaptation.post_load_fixups)
-        fixups += [merge_fixup(read_adapter(p)) for p in source.adapter_paths]
+        fixups += [merge_fixup(read_peft_adapter(p)) for p in source.adapter_paths]
         state, buffers = read_full_state(
             source.path, config, precision.master_dtype, actor.attn_implementation, fixups
         )

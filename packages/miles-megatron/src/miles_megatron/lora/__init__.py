@@ -1,17 +1,11 @@
-"""LoRA for the megatron backend: adapters on TP linears, PEFT directories without peft.
+"""LoRA for the megatron backend: adapters on TP linears, exchanged as PEFT directories.
 
 See :mod:`miles_megatron.lora.layers` (the layers and their sharding),
-:mod:`miles_megatron.lora.adapter_dir` (PEFT directories), :mod:`miles_megatron.lora.weights`
-(gather / load / merge) and :mod:`miles_megatron.lora.checkpoint` (adapter-only torch_dist).
+:mod:`miles_megatron.lora.weights` (gather / load / merge) and
+:mod:`miles_megatron.lora.checkpoint` (adapter-only torch_dist). PEFT directories are read and
+written by :mod:`miles_core.peft_adapter` (shared with the FSDP backend; no peft import).
 """
 
-from miles_megatron.lora.adapter_dir import (
-    AdapterDir,
-    AdapterDirError,
-    check_matches_flags,
-    read_adapter_dir,
-    write_adapter_dir,
-)
 from miles_megatron.lora.layers import (
     LoRAAdapter,
     LoRAConfig,
@@ -24,12 +18,9 @@ from miles_megatron.lora.layers import (
 from miles_megatron.lora.weights import gather_factors, load_factors, merge_into_hf
 
 __all__ = [
-    "AdapterDir",
-    "AdapterDirError",
     "LoRAAdapter",
     "LoRAConfig",
     "adapters_disabled",
-    "check_matches_flags",
     "gather_factors",
     "init_fresh",
     "inject_lora",
@@ -37,6 +28,4 @@ __all__ = [
     "load_factors",
     "lora_adapters",
     "merge_into_hf",
-    "read_adapter_dir",
-    "write_adapter_dir",
 ]

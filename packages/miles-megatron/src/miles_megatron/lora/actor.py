@@ -23,14 +23,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from miles_core.args import ArgumentError
-
-from miles_megatron.lora.adapter_dir import (
-    FACTORS,
+from miles_core.peft_adapter import (
+    PeftAdapter,
     check_matches_flags,
-    peft_key,
-    read_adapter_dir,
-    write_adapter_dir,
+    read_peft_adapter,
+    write_peft_adapter,
 )
+
 from miles_megatron.lora.checkpoint import adapter_sharded_state_dict
 from miles_megatron.lora.layers import LoRAConfig, init_fresh, inject_lora
 from miles_megatron.lora.weights import gather_factors, load_factors, merge_into_hf
@@ -70,7 +69,7 @@ class ActorLoRA:
             targets = targets if isinstance(targets, str) else tuple(targets)
             config = dataclasses.replace(config, target_modules=targets)
         elif args.lora_adapter_path:
-            adapter = read_adapter_dir(args.lora_adapter_path[0])  # one component: the model
+            adapter = read_peft_adapter(args.lora_adapter_path[0])  # one component: the model
             check_matches_flags(adapter, args.lora_rank, args.lora_alpha)
             config = dataclasses.replace(config, target_modules=adapter.target_modules)
         try:
@@ -126,23 +125,26 @@ class ActorLoRA:
 
     def adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """PEFT-named full factors (``base_model.model.<module>.lora_A.weight``; collective)."""
-        for module, pair in sorted(self.factors().items()):
-            for factor in FACTORS:
-                yield peft_key(module, factor), pair[factor]
+        yield from self.peft_adapter().peft_tensors().items()
+
+    def peft_adapter(self) -> PeftAdapter:
+        """The adapter with its full factors (collective); its ``target_modules`` are the
+        module-name suffixes it covers, which is how PEFT records a resolved ``all-linear``."""
+        factors = self.factors()
+        return PeftAdapter(
+            rank=self.config.rank,
+            alpha=self.config.alpha,
+            target_modules=tuple(sorted({m.rsplit(".", 1)[-1] for m in factors})),
+            factors=factors,
+            dropout=self.config.dropout,
+            base_model=self.base_model,
+        )
 
     def export(self, out_dir: str | Path) -> Path:
         """Write the adapter as a PEFT directory from global rank 0 (collective)."""
-        factors = self.factors()
+        adapter = self.peft_adapter()
         if not dist.is_initialized() or dist.get_rank() == 0:
-            write_adapter_dir(
-                out_dir,
-                factors,
-                self.config.rank,
-                self.config.alpha,
-                sorted({m.rsplit(".", 1)[-1] for m in factors}),
-                self.config.dropout,
-                self.base_model,
-            )
+            write_peft_adapter(out_dir, adapter)
         if dist.is_initialized():
             dist.barrier()
         return Path(out_dir)

@@ -13,11 +13,9 @@ from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
+from miles_core.peft_adapter import FACTORS, Factors, PeftAdapter, PeftAdapterError
 
-from miles_megatron.lora.adapter_dir import FACTORS, AdapterDir, AdapterDirError
 from miles_megatron.lora.layers import LinearTarget, LoRAAdapter
-
-Factors = dict[str, dict[str, torch.Tensor]]
 
 
 def _ep_group(targets: list[tuple[LinearTarget, LoRAAdapter]]):
@@ -59,22 +57,22 @@ def _hf_module_for(target: LinearTarget, short: str, expert: int) -> str:
 
 
 @torch.no_grad()
-def load_factors(injected: list[tuple[LinearTarget, LoRAAdapter]], adapter: AdapterDir) -> None:
+def load_factors(injected: list[tuple[LinearTarget, LoRAAdapter]], adapter: PeftAdapter) -> None:
     """Copy a PEFT adapter's factors into this rank's shards; every targeted module of the
     model must be in the adapter and every adapter module targeted here."""
-    weights = adapter.path / "adapter_model.safetensors"
+    weights = adapter.weights_file
     used = set()
     for _, lora in injected:
         for short in lora.modules_on:
             module = lora.hf_names[short]
             if module not in adapter.factors:
-                raise AdapterDirError(f"{weights}: no factors for {module}")
+                raise PeftAdapterError(f"{weights}: no factors for {module}")
             used.add(module)
             for factor in FACTORS:
                 local = lora.shard_of(factor, adapter.factors[module][factor])
                 param = getattr(lora, factor)[short]
                 if local.shape != param.shape:
-                    raise AdapterDirError(
+                    raise PeftAdapterError(
                         f"{weights}: {module}.{factor} has shape "
                         f"{tuple(adapter.factors[module][factor].shape)}, which does not fit "
                         f"the model (this rank's shard {tuple(param.shape)})"
@@ -84,7 +82,7 @@ def load_factors(injected: list[tuple[LinearTarget, LoRAAdapter]], adapter: Adap
     layers = {_layer_prefix(m) for m in stage_modules}
     extra = sorted(m for m in adapter.factors if m not in used and _layer_prefix(m) in layers)
     if extra:
-        raise AdapterDirError(
+        raise PeftAdapterError(
             f"{weights}: {extra[0]} is not a LoRA target of the model here "
             "(--lora-target-modules, or a module megatron does not adapt)"
         )

@@ -232,6 +232,7 @@ def test_rank_alpha_must_match_the_flags(tmp_path):
 
 def test_rewrite_replaces_an_adapter_directory(tmp_path):
     write_peft_adapter(tmp_path / "a", small_adapter(("q_proj",)))
+    (tmp_path / "a" / "README.md").write_text("PEFT's model card")
     second = PeftAdapter(
         8, 16.0, ("o_proj",), random_factors({"model.layers.1.self_attn.o_proj": (16, 32)}, 8)
     )
@@ -239,6 +240,10 @@ def test_rewrite_replaces_an_adapter_directory(tmp_path):
     back = read_peft_adapter(tmp_path / "a")
     assert (back.rank, back.target_modules) == (8, ("o_proj",))
     assert list(back.factors) == ["model.layers.1.self_attn.o_proj"]
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
 
 

@@ -220,31 +220,32 @@ def peft_config(adapter: PeftAdapter) -> dict[str, Any]:
     }
 
 
+def _foreign_entries(path: Path) -> list[str]:
+    """What an existing ``path`` holds besides an adapter (PEFT also writes a README.md)."""
+    if not path.is_dir():
+        return [path.name]
+    ours = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, "README.md")
+    return sorted(p.name for p in path.iterdir() if p.name not in ours)
+
+
 def write_peft_adapter(path: str | Path, adapter: PeftAdapter) -> Path:
     """Write ``adapter`` as a PEFT directory at ``path``, atomically; returns ``path``.
 
     Both files are written into a temporary sibling directory that is then renamed to
-    ``path``, so readers see the old adapter or the new one, never a half-written one. An
-    existing adapter directory at ``path`` is replaced; any other existing ``path`` (a file, or
-    a directory holding other files) is refused rather than deleted.
+    ``path``, so ``path`` never holds a half-written adapter (while an existing one is being
+    replaced, ``path`` is absent between two renames). An existing adapter directory at
+    ``path`` is replaced; any other existing ``path`` (a file, or a directory holding other
+    files) is refused rather than deleted.
     """
     from safetensors.torch import save_file
 
     path = Path(path)
     check_factors(adapter.factors, adapter.rank, path / ADAPTER_WEIGHTS)
-    if path.exists():
-        extra = (
-            sorted(
-                p.name for p in path.iterdir() if p.name not in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
-            )
-            if path.is_dir()
-            else [path.name]
+    foreign = _foreign_entries(path) if path.exists() else []
+    if foreign:
+        raise PeftAdapterError(
+            f"{path}: exists and is not an adapter directory ({foreign[0]}); refusing to replace it"
         )
-        if extra:
-            raise PeftAdapterError(
-                f"{path}: exists and is not an adapter directory ({extra[0]}); refusing to "
-                "replace it"
-            )
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:

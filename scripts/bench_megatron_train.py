@@ -15,7 +15,9 @@ attention costs ``T^2`` memory per micro-batch: keep ``--tokens-per-gpu`` modera
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import logging
 import statistics
 import sys
 import time
@@ -65,7 +67,16 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1, help="megatron tensor-parallel size")
     bench.add_timing_flags(parser)
     parser.add_argument("--out", default="bench_megatron_train.json")
+    parser.add_argument(
+        "--stack-dump-s",
+        type=float,
+        default=0,
+        help="print every thread's stack every N seconds (finding where a slow run spends time)",
+    )
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.stack_dump_s:
+        faulthandler.dump_traceback_later(args.stack_dump_s, repeat=True)
 
     rank, world = bench.init_nccl()
     cfg = bench.qwen3_config("1.7B")

@@ -85,10 +85,10 @@ for stage in "$@"; do
           --iters "${FSDP_ITERS:-6}" --out "$OUT/bench_fsdp_2gpu.json"
       fi ;;
     bench-megatron)
-      run_stage bench-megatron-1gpu 240 torchrun --nproc-per-node 1 scripts/bench_megatron_train.py \
+      run_stage bench-megatron-1gpu 240 torchrun --nproc-per-node 1 scripts/bench_megatron_train.py --stack-dump-s 45 \
         --out "$OUT/bench_megatron_1gpu.json"
       if [ "$NGPU" -ge 2 ]; then
-        run_stage bench-megatron-2gpu 240 torchrun --nproc-per-node 2 scripts/bench_megatron_train.py \
+        run_stage bench-megatron-2gpu 240 torchrun --nproc-per-node 2 scripts/bench_megatron_train.py --stack-dump-s 45 \
           --tp 2 --out "$OUT/bench_megatron_2gpu.json"
       fi ;;
     bench-moe)

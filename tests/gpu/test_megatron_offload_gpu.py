@@ -51,10 +51,18 @@ def _make_hf(out: Path) -> str:
     return str(out)
 
 
-def _free() -> int:
+def _use() -> tuple[int, int]:
+    """``(bytes in use on the device, bytes torch's caching allocator reserves)`` after
+    ``empty_cache``. The difference is what lives outside torch's allocator: the CUDA context,
+    loaded kernels, cuBLAS handles and the NCCL communicators of megatron's process groups."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    return torch.cuda.mem_get_info()[0]
+    free, total = torch.cuda.mem_get_info()
+    return total - free, torch.cuda.memory_reserved()
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
 
 
 def _backend(hf_dir: str, extra: list[str]):
@@ -77,26 +85,37 @@ def _params(backend) -> list[torch.Tensor]:
     return [b.param_data.detach().clone() for b in backend.model.buffers]
 
 
-def check_sleep_returns_memory(hf_dir: str, work: str, target: str) -> None:
-    """Free memory asleep is back to the pre-model baseline (within 10% of what the model
-    held awake, and 256 MiB); training after a wake equals training without the sleep."""
+def check_sleep_returns_memory(hf_dir: str, work: str, target: str) -> int:
+    """Asleep, torch's allocator is back to its pre-model reservation (within 10% of what the
+    model reserved awake, and 256 MiB), what lives outside it (NCCL communicators created for
+    megatron's groups) does not grow from cycle to cycle, and training after a wake equals
+    training without the sleep."""
     extra = ["--offload-train", "--offload-train-target", target]
     if target == "disk":
         extra += ["--offload-train-disk-dir", os.path.join(work, "offload")]
-    baseline = _free()
+    base_used, base_reserved = _use()
     backend = _backend(hf_dir, extra)
     batch = _batch()
     losses = [backend.train(0, batch)["loss"]]
-    awake = _free()
-    held = baseline - awake
+    used, reserved = _use()
+    held = reserved - base_reserved
     assert held > GIB // 2, f"the model should hold > 0.5 GiB, holds {held / GIB:.2f}"
-    for _ in range(3):
+    outside = []
+    for cycle in range(3):
         backend.sleep()
-        asleep = _free()
-        leftover = baseline - asleep
+        used, reserved = _use()
+        leftover = reserved - base_reserved
+        outside.append((used - base_used) - leftover)
+        if _rank() == 0:
+            print(
+                f"{target} sleep {cycle}: allocator {leftover / GIB:.3f} GiB above the baseline "
+                f"(awake {held / GIB:.2f}); outside the allocator {outside[-1] / GIB:.3f} GiB",
+                flush=True,
+            )
         assert leftover < max(0.1 * held, 256 << 20), (
-            f"{target}: {leftover / GIB:.2f} GiB still held asleep (awake: {held / GIB:.2f} GiB)"
+            f"{target}: {leftover / GIB:.2f} GiB still reserved asleep (awake: {held / GIB:.2f})"
         )
+        assert abs(outside[-1] - outside[0]) < 64 << 20, (target, outside)
         backend.wake_up()
     losses.append(backend.train(1, batch)["loss"])
     backend.close()
@@ -109,6 +128,8 @@ def check_sleep_returns_memory(hf_dir: str, work: str, target: str) -> None:
         losses,
         plain_losses,
     )
+    used, reserved = _use()
+    return used - reserved  # outside the allocator once both backends closed
 
 
 def check_remat_bit_identical(hf_dir: str) -> None:
@@ -178,8 +199,10 @@ def main(work: str) -> None:
     if rank == 0:
         _make_hf(Path(hf_dir))
     dist.barrier()
-    check_sleep_returns_memory(hf_dir, work, "cpu")
-    check_sleep_returns_memory(hf_dir, work, "disk")
+    outside_first = check_sleep_returns_memory(hf_dir, work, "cpu")
+    outside_second = check_sleep_returns_memory(hf_dir, work, "disk")
+    # closing a backend destroys the process groups megatron made (and their NCCL buffers)
+    assert outside_second - outside_first < 128 << 20, (outside_first, outside_second)
     check_remat_bit_identical(hf_dir)
     check_streamed_equals_in_memory(hf_dir, os.path.join(work, "streamed"))
     check_cpu_offloaded_optimizer_trains(hf_dir)

@@ -12,6 +12,7 @@ from miles_sync.buckets import (
     dumps_sglang_wire,
     pack_bucket,
     plan_buckets,
+    plan_buckets_marked,
     tensor_nbytes,
     to_sglang_metadata,
     unpack_bucket,
@@ -145,3 +146,37 @@ def test_sglang_class_path_pickles_and_reconstructs():
     for m, want in zip(back["metadata"], [torch.arange(3, dtype=torch.int16), torch.ones(2)]):
         got = back["flattened_tensor"][m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape)
         assert torch.equal(got, want)
+
+
+def test_wire_pickling_leaves_no_stand_in_modules():
+    """Without sglang installed, SGLang's module path resolves only while a payload is pickled."""
+    import importlib.util
+    import sys
+
+    flat, meta = pack_bucket([("a", torch.ones(2))])
+    dumps_sglang_wire({"flattened_tensor": flat, "metadata": to_sglang_metadata(meta)})
+    if importlib.util.find_spec("sglang") is None:
+        assert not [name for name in sys.modules if name.split(".")[0] == "sglang"]
+
+
+@pytest.mark.parametrize("sizes", [[4, 4, 4], [8, 8], [3, 9, 2, 8], [16], [2, 2, 2, 2, 8]])
+def test_marked_planner_marks_only_the_last_group_reading_one_tensor_ahead(sizes):
+    """Same groups as plan_buckets (bound 8 bytes of int8); only the last is marked; when a
+    group is handed out, the stream was read at most one tensor past it."""
+    named = [(f"t{i}", torch.zeros(n, dtype=torch.int8)) for i, n in enumerate(sizes)]
+    consumed = []
+
+    def stream():
+        for item in named:
+            consumed.append(item[0])
+            yield item
+
+    expected = [[n for n, _ in g] for g in plan_buckets(named, 8)]
+    got, marks = [], []
+    for group, last in plan_buckets_marked(stream(), 8):
+        names = [n for n, _ in group]
+        got.append(names)
+        marks.append(last)
+        assert len(consumed) <= named.index(group[-1]) + 2  # at most one tensor ahead
+    assert got == expected
+    assert marks == [False] * (len(got) - 1) + [True]

@@ -31,7 +31,9 @@ and read from ``--hf-checkpoint``, adapter-only checkpoints, merged (or adapter-
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -49,6 +51,19 @@ from miles_megatron.optimizer import build_optimizer, wrap_ddp
 from miles_megatron.parallel import destroy_parallel, initialize_parallel
 from miles_megatron.reference_model import ReferenceModel, wants_reference
 from miles_megatron.sleep_wake import sleeper_from_args
+
+logger = logging.getLogger(__name__)
+
+
+class _Phases:
+    """Rank 0 logs each phase of init with the seconds since init began."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __call__(self, what: str) -> None:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            logger.info("megatron backend [%.1fs]: %s", time.perf_counter() - self.start, what)
 
 
 class MegatronBackend(TrainBackend):
@@ -97,15 +112,19 @@ class MegatronBackend(TrainBackend):
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device("cpu")
+        phase = _Phases()
         self.margs = resolve_model_args(args)
         self.bridge = bridge_for(self.margs.get("model_type") or "")
+        phase("creating megatron's process groups")
         initialize_parallel(args, self.margs)
         config = transformer_config(self.margs, args)
+        phase(f"building the {self.margs.get('model_type') or 'GPT'} model")
         model = build_gpt_model(self.margs, args, config)
         resumed = self._resolve_load()
         if resumed is None or args.use_lora:  # LoRA checkpoints hold the adapters only
             if not args.hf_checkpoint:
                 raise ArgumentError("megatron backend needs --hf-checkpoint or --load")
+            phase(f"loading the HF weights of {args.hf_checkpoint}")
             load_hf_into_model(
                 model,
                 HFCheckpoint(args.hf_checkpoint),
@@ -126,6 +145,7 @@ class MegatronBackend(TrainBackend):
 
             model = Float16Module(config, model)
             restore_marked_dtypes(model)
+        phase("wrapping the model in DDP and building the optimizer")
         self.model = wrap_ddp(model, config, args)
         self.optimizer, self.scheduler = build_optimizer(self.model, args)
         self.sleeper = sleeper_from_args(self.model, self.optimizer, args)
@@ -133,6 +153,7 @@ class MegatronBackend(TrainBackend):
         if resumed is not None:
             from miles_megatron.checkpoint import load_checkpoint
 
+            phase(f"loading the checkpoint {resumed.path}")
             load_checkpoint(
                 resumed.path,
                 self.model,
@@ -145,6 +166,7 @@ class MegatronBackend(TrainBackend):
             self.global_step = resumed.meta.global_step
         self.reference = None
         if wants_reference(args):
+            phase(f"loading the reference model {args.ref_load}")
             self.reference = ReferenceModel.load(
                 self.model, args.ref_load, self.bridge, self.margs, args.tensor_model_parallel_size
             )
@@ -161,6 +183,7 @@ class MegatronBackend(TrainBackend):
             from miles_megatron.checkpoint import load_rng
 
             load_rng(resumed.path)  # last: nothing in init draws after it
+        phase("ready")
         return next_rollout_id
 
     def _resolve_load(self):

@@ -59,7 +59,11 @@ def transformer_config(margs: Mapping[str, Any], args: Any):
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        use_cpu_initialization=True,
+        # on a GPU the parameters are created (and randomly initialised, before the checkpoint
+        # overwrites them) there: megatron's CPU init draws every weight in fp32 on the host.
+        # perform_initialization stays on: megatron sets the tensor-parallel attributes of a
+        # weight only inside its init functions.
+        use_cpu_initialization=not torch.cuda.is_available(),
         variable_seq_lengths=args.pipeline_model_parallel_size > 1,
     )
     if margs.get("init_method_std") is not None:

@@ -2,7 +2,8 @@
 
 While bucket ``i`` is on its way (an HTTP call plus a broadcast, or an IPC load), bucket ``i + 1``
 is packed into the other slot; a slot is reused only after its previous bucket was delivered
-(the caller waits for that). The byte layout is the codec's (:func:`miles_sync.buckets.bucket_layout`:
+(the caller waits for that). Packing does not block the host: the copies are stream-ordered and
+a consumer on another thread calls :meth:`BucketSlots.wait_ready`. The byte layout is the codec's (:func:`miles_sync.buckets.bucket_layout`:
 each tensor at the next multiple of its item size, zero padding), so a receiver that rebuilds the
 layout from names, dtypes and shapes finds every tensor where the sender put it.
 """
@@ -27,6 +28,7 @@ class BucketSlots:
         self.capacity = int(capacity)
         self.shared = shared
         self._slots: list[torch.Tensor | None] = [None] * count
+        self._ready: list[torch.cuda.Event | None] = [None] * count
 
     def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
         buf = self._slots[slot]
@@ -53,6 +55,15 @@ class BucketSlots:
                     tensor.detach().contiguous().view(-1).view(torch.uint8), non_blocking=True
                 )
             end = meta.end_idx
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        if self.device.type == "cuda":  # no host wait: consumers wait for this event
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._ready[index % len(self._slots)] = event
         return flat, metadata
+
+    def wait_ready(self, index: int) -> None:
+        """Make the calling thread's current stream wait until bucket ``index`` is packed (a
+        CUDA IPC receiver needs nothing: torch's IPC handle carries its own event)."""
+        event = self._ready[index % len(self._slots)]
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)

@@ -17,7 +17,7 @@ import torch
 from miles_core.engine import EngineError
 
 from miles_sync.bucket_slots import BucketSlots
-from miles_sync.buckets import plan_buckets
+from miles_sync.buckets import plan_buckets_marked
 from miles_sync.engine_group import EngineGroup
 
 logger = logging.getLogger(__name__)
@@ -26,9 +26,12 @@ logger = logging.getLogger(__name__)
 REPLY_AFTER_FAILURE_S = 30.0
 
 
-def deliver_bucket(group: EngineGroup, flat: torch.Tensor, metadata: list) -> None:
+def deliver_bucket(
+    group: EngineGroup, flat: torch.Tensor, metadata: list, flush_cache: bool = False
+) -> None:
     """One bucket to every engine of ``group``: the HTTP calls, then the broadcast, then their
-    replies. Raises the first engine's :class:`EngineError`."""
+    replies. Raises the first engine's :class:`EngineError`. ``flush_cache``: the engines flush
+    their cache after loading it (the last bucket of a publish)."""
     names = [m.name for m in metadata]
     dtypes = [m.dtype for m in metadata]
     shapes = [list(m.shape) for m in metadata]
@@ -41,7 +44,7 @@ def deliver_bucket(group: EngineGroup, flat: torch.Tensor, metadata: list) -> No
                 shapes,
                 group_name=group.name,
                 load_format="flattened_bucket",
-                flush_cache=True,
+                flush_cache=flush_cache,
             )
             for engine in group.engines
         ]
@@ -59,6 +62,11 @@ def deliver_bucket(group: EngineGroup, flat: torch.Tensor, metadata: list) -> No
             raise
         for reply in replies:
             reply.result()
+
+
+def _deliver(slots: BucketSlots, index: int, group, flat, metadata, last: bool) -> None:
+    slots.wait_ready(index)  # this thread's stream waits for the packing copies
+    deliver_bucket(group, flat, metadata, flush_cache=last)
 
 
 def push_buckets(
@@ -80,7 +88,7 @@ def push_buckets(
     error: BaseException | None = None
     sent = nbytes = 0
     try:
-        for index, named in enumerate(plan_buckets(source, buffer_size)):
+        for index, (named, last) in enumerate(plan_buckets_marked(source, buffer_size)):
             if error is not None or not owns(index):
                 continue
             slot = sent % 2
@@ -92,7 +100,7 @@ def push_buckets(
                     error = failure
                     continue
             flat, metadata = slots.pack(sent, named)
-            in_flight[slot] = worker.submit(deliver_bucket, group, flat, metadata)
+            in_flight[slot] = worker.submit(_deliver, slots, sent, group, flat, metadata, last)
             sent += 1
             nbytes += flat.numel()
         for future in in_flight:

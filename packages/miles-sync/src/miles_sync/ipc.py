@@ -26,7 +26,7 @@ import torch.multiprocessing
 from miles_core.engine import EngineClient
 
 from miles_sync.bucket_slots import BucketSlots
-from miles_sync.buckets import dumps_sglang_wire, plan_buckets, to_sglang_metadata
+from miles_sync.buckets import dumps_sglang_wire, plan_buckets_marked, to_sglang_metadata
 from miles_sync.ranks import RankContext
 
 
@@ -92,7 +92,8 @@ class IpcTransport:
         error: BaseException | None = None
         buckets = nbytes = 0
         try:
-            for index, named in enumerate(plan_buckets(source, self.buffer_size)):
+            marked = plan_buckets_marked(source, self.buffer_size)
+            for index, (named, last) in enumerate(marked):
                 flat, metadata = self._slots.pack(index, named)
                 entry = serialize_bucket(flat, metadata)
                 if pending is not None:
@@ -107,7 +108,7 @@ class IpcTransport:
                         self.engine.update_weights_from_tensor,
                         entries[first : first + g],
                         load_format="flattened_bucket",
-                        flush_cache=True,
+                        flush_cache=last,  # once, after the last bucket
                     )
                 buckets += 1
                 nbytes += flat.numel()

@@ -7,7 +7,7 @@
         -> update_weight_version(new)          exactly one version change per publish
     end_weight_update  ->  continue_generation  (always, also after an error)
 
-The new version is set only after every bucket landed, so a publish that died half-way is
+Each step runs on every engine at once (a thread per engine). The new version is set only after every bucket landed, so a publish that died half-way is
 visible from outside: the engine's ``/get_model_info`` still reports the previous version.
 The engine's update lock (begin/end) and the pause are always released on the engines that
 are still alive; the first failure is raised as :class:`~miles_sync.errors.PublishError` with
@@ -16,6 +16,7 @@ the engine's message, and the publish can be retried.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from collections.abc import Callable, Sequence
 
@@ -48,37 +49,38 @@ class PublishRound:
             f"publish of weight version {self.version}: {step} on {engine.base_url} failed: {error}"
         )
 
+    def _run(self, step: str, call, record: list | None = None) -> None:
+        """``call`` on every engine at once; ``record`` gets those it succeeded on; the first
+        failure (in engine order) is raised after every call returned."""
+        succeeded, failure = _on_each(call, self.engines)
+        if record is not None:
+            record.extend(succeeded)
+        if failure is not None:
+            engine, error = failure
+            raise self._fail(step, engine, error) from error
+
     def open(self) -> None:
         """Pause every engine, flush its cache and open its update window."""
-        for engine in self.engines:
-            try:
-                engine.pause_generation(self.pause_mode)
-            except EngineError as error:
-                raise self._fail("pause_generation", engine, error) from error
-            self._paused.append(engine)
-        for engine in self.engines:
-            try:
-                engine.flush_cache()
-            except EngineError as error:
-                if error.status_code is None:
-                    raise self._fail("flush_cache", engine, error) from error
-                # retract / in_place keep their requests: the cache cannot be flushed now; the
-                # update calls flush it themselves (flush_cache: true).
-                logger.debug("flush_cache on %s deferred: %s", engine.base_url, error.message)
-        for engine in self.engines:
-            try:
-                engine.begin_weight_update()
-            except EngineError as error:
-                raise self._fail("begin_weight_update", engine, error) from error
-            self._begun.append(engine)
+        self._run("pause_generation", lambda e: e.pause_generation(self.pause_mode), self._paused)
+        self._run("flush_cache", self._flush)
+        self._run("begin_weight_update", lambda e: e.begin_weight_update(), self._begun)
+
+    def _flush(self, engine: EngineClient) -> None:
+        try:
+            engine.flush_cache()
+        except EngineError as error:
+            if error.status_code is None:
+                raise
+            # retract / in_place keep their requests: the cache cannot be flushed now; the last
+            # bucket's update call flushes it (flush_cache: true).
+            logger.debug("flush_cache on %s deferred: %s", engine.base_url, error.message)
 
     def commit(self) -> None:
         """Set the new weight version on every engine (after every bucket landed)."""
-        for engine in self.engines:
-            try:
-                engine.update_weight_version(self.version, abort_all_requests=False)
-            except EngineError as error:
-                raise self._fail("update_weight_version", engine, error) from error
+        self._run(
+            "update_weight_version",
+            lambda e: e.update_weight_version(self.version, abort_all_requests=False),
+        )
 
     def close(self) -> list[str]:
         """End the update window and continue generation on every engine this round touched.
@@ -87,20 +89,40 @@ class PublishRound:
         ended the round is the one the caller sees.
         """
         problems: list[str] = []
-        for engine in self._begun:
-            try:
-                engine.end_weight_update()
-            except EngineError as error:
-                problems.append(f"end_weight_update: {error}")
-        for engine in self._paused:
-            try:
-                engine.continue_generation()
-            except EngineError as error:
-                problems.append(f"continue_generation: {error}")
+        for step, call, engines in (
+            ("end_weight_update", lambda e: e.end_weight_update(), self._begun),
+            ("continue_generation", lambda e: e.continue_generation(), self._paused),
+        ):
+            _, failure = _on_each(call, engines)
+            if failure is not None:
+                problems.append(f"{step}: {failure[1]}")
         for problem in problems:
             logger.warning("publish of weight version %s: %s", self.version, problem)
         self._begun, self._paused = [], []
         return problems
+
+
+def _on_each(
+    call: Callable[[EngineClient], object], engines: Sequence[EngineClient]
+) -> tuple[list[EngineClient], tuple[EngineClient, EngineError] | None]:
+    """``call(engine)`` on every engine at once (a thread each, so that a round over many
+    engines costs one HTTP round trip per step, not one per engine). Returns the engines it
+    succeeded on and the first failure in engine order (or None)."""
+
+    def outcome(engine: EngineClient) -> EngineError | None:
+        try:
+            call(engine)
+        except EngineError as error:
+            return error
+        return None
+
+    if len(engines) <= 1:
+        errors = [outcome(e) for e in engines]
+    else:
+        with concurrent.futures.ThreadPoolExecutor(min(len(engines), 64)) as pool:
+            errors = list(pool.map(outcome, engines))
+    failed = [(e, err) for e, err in zip(engines, errors) if err is not None]
+    return [e for e, err in zip(engines, errors) if err is None], (failed[0] if failed else None)
 
 
 def publish_round(

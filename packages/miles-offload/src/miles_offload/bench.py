@@ -149,6 +149,15 @@ def time_mover(model, opt, device, target, cycles, frozen=False):
     return records, host
 
 
+def _mean_phase(stats: list, name: str) -> float:
+    return sum(st.phases.get(name, 0.0) for st in stats) / len(stats)
+
+
+def _mean_phases(stats: list) -> dict[str, float]:
+    names = sorted({n for st in stats for n in st.phases})
+    return {n: _mean_phase(stats, n) for n in names}
+
+
 def naive(model, opt, device) -> tuple[float, float]:
     tensors = list(model.parameters()) + [
         v for st in opt.state.values() for k, v in st.items() if k != "step"
@@ -200,6 +209,20 @@ def run(args: argparse.Namespace) -> dict:
             h2d.name,
             h2d.seconds / h2d.gigabytes * gb / wake_s,
         ),
+        Row(
+            "ours: sleep, copy phase only",
+            gb,
+            _mean_phase([s for s, _ in steady], "copy"),
+            d2h.name,
+            d2h.seconds / d2h.gigabytes * gb / _mean_phase([s for s, _ in steady], "copy"),
+        ),
+        Row(
+            "ours: wake, copy phase only",
+            gb,
+            _mean_phase([w for _, w in steady], "copy"),
+            h2d.name,
+            h2d.seconds / h2d.gigabytes * gb / _mean_phase([w for _, w in steady], "copy"),
+        ),
         Row("ours: 1st sleep (pins arena)", gb, first_s.seconds),
         Row("ours: 1st wake", gb, first_w.seconds),
     ]
@@ -239,6 +262,10 @@ def run(args: argparse.Namespace) -> dict:
         "arena_bytes": arena_bytes,
         "disk": disk_info,
         "speedup_vs_naive": {"sleep": ns / sleep_s, "wake": nw / wake_s},
+        "phases_seconds": {
+            "sleep": _mean_phases([s for s, _ in steady]),
+            "wake": _mean_phases([w for _, w in steady]),
+        },
         "frozen_resleep_ms_per_gb": fr[1][0].seconds * 1e3 / model_gb,
         "rows": [asdict(r) | {"gbps": r.gbps} for r in rows],
     }
@@ -261,6 +288,9 @@ def format_table(result: dict) -> str:
     sp = result["speedup_vs_naive"]
     lines.append(f"speed-up over naive: sleep {sp['sleep']:.1f}x, wake {sp['wake']:.1f}x")
     lines.append(f"frozen re-sleep: {result['frozen_resleep_ms_per_gb']:.2f} ms per GB")
+    for call, phases in result["phases_seconds"].items():
+        spent = ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in phases.items())
+        lines.append(f"{call} phases (cycle >= 2): {spent}")
     if result["disk"]:
         d = result["disk"]
         lines.append(

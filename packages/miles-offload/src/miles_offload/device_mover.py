@@ -49,11 +49,36 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class MoveStats:
-    """The last sleep or wake: bytes copied and wall seconds (including the final sync)."""
+    """The last sleep or wake: bytes copied and wall seconds (including the final sync).
+
+    ``phases``: where the seconds went. Sleep: ``plan`` (finding the tensors, sizing the
+    arena), ``copy`` (enqueueing and waiting for the copies), ``rebind`` (pointing the model
+    and optimizer at the host copies), ``free`` (returning the cached device memory). Wake:
+    ``copy`` (allocating on the device while the copies run) and ``rebind``.
+    """
 
     bytes_copied: int = 0
     seconds: float = 0.0
     new_host_bytes: int = 0  # pinned memory allocated by this call (first sleep, layout change)
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+class _PhaseClock:
+    """Adds the wall time spent in each named phase to ``phases``."""
+
+    def __init__(self, phases: dict[str, float]):
+        self.phases = phases
+        self.name: str | None = None
+        self.since = time.perf_counter()
+
+    def switch(self, name: str | None) -> None:
+        now = time.perf_counter()
+        if self.name is not None:
+            self.phases[self.name] = self.phases.get(self.name, 0.0) + now - self.since
+        self.name, self.since = name, now
+
+    def stop(self) -> None:
+        self.switch(None)
 
 
 @dataclass
@@ -171,31 +196,39 @@ class DeviceMover:
             return self.last
         start = time.perf_counter()
         stats = MoveStats()
+        clock = _PhaseClock(stats.phases)
         stream = self._stream()
         pinned: list[tuple[_Group, list[torch.Tensor]]] = []
         for group in self._groups:
+            clock.switch("plan")
             group.entries = self._collect(group)
             store = self._store(group)
             if isinstance(store, DiskStore):
+                clock.switch("copy")
                 stats.bytes_copied += store.sleep(group.entries, self.engine, stream)
                 store.holds_current = True
                 continue
             if store.prepare(group.entries):
                 stats.new_host_bytes += store.nbytes
+            clock.switch("copy")
             if store.holds_current:  # a frozen model whose copy is still valid
                 views = [store.view(i, e) for i, e in enumerate(group.entries)]
             else:
                 views = store.copy_in(group.entries, self.engine, stream)
                 stats.bytes_copied += sum(e.nbytes for e in group.entries)
             pinned.append((group, views))
+        clock.switch("copy")
         self._synchronize()
+        clock.switch("rebind")
         for group, views in pinned:
             values = {id(e.tensor): e.rebuild(v) for e, v in zip(group.entries, views)}
             self._rebind(group, values)
             group.store.holds_current = True
         for group in self._groups:
             group.entries = []
+        clock.switch("free")
         self._release_device_cache()
+        clock.stop()
         self.is_asleep = True
         stats.seconds = time.perf_counter() - start
         self.last = stats
@@ -209,6 +242,8 @@ class DeviceMover:
             return self.last
         start = time.perf_counter()
         stats = MoveStats()
+        clock = _PhaseClock(stats.phases)
+        clock.switch("copy")
         stream = self._stream()
         placed: list[tuple[_Group, list[MovedTensor], list[torch.Tensor]]] = []
         for group in self._groups:
@@ -222,9 +257,11 @@ class DeviceMover:
                 placed.append((group, entries, fresh))
             store.holds_current = group.frozen
         self._synchronize()
+        clock.switch("rebind")
         for group, entries, fresh in placed:
             values = {id(e.tensor): e.rebuild(t) for e, t in zip(entries, fresh)}
             self._rebind(group, values)
+        clock.stop()
         self.is_asleep = False
         stats.seconds = time.perf_counter() - start
         self.last = stats

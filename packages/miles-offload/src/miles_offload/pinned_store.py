@@ -89,9 +89,15 @@ class PinnedStore:
         device: torch.device,
         engine: CopyEngine,
         after_stream: int,
+        submit_bytes: int = 256 << 20,
     ) -> list[torch.Tensor]:
-        """Allocate device tensors and enqueue arena -> device copies (``e.source`` in the arena)."""
+        """Allocate device tensors and enqueue arena -> device copies (``e.source`` in the arena).
+
+        Copies are enqueued every ``submit_bytes`` of allocated tensors, so the copy engine is
+        busy while the rest is allocated (a fresh allocation after a sleep is a cudaMalloc).
+        """
         out, dst, src, size = [], [], [], []
+        pending = 0
         for e in entries:
             t = torch.empty(e.source.shape, dtype=e.source.dtype, device=device)
             out.append(t)
@@ -99,7 +105,12 @@ class PinnedStore:
                 dst.append(t.data_ptr())
                 src.append(e.source.data_ptr())
                 size.append(e.nbytes)
-        engine.submit(dst, src, size, to_device=True, after_stream=after_stream)
+                pending += e.nbytes
+            if pending >= submit_bytes:
+                engine.submit(dst, src, size, to_device=True, after_stream=after_stream)
+                dst, src, size, pending = [], [], [], 0
+        if dst:
+            engine.submit(dst, src, size, to_device=True, after_stream=after_stream)
         return out
 
     def close(self) -> None:

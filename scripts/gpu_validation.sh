@@ -10,11 +10,12 @@
 #   tests          pytest tests/gpu (skips what the machine lacks); TESTS=... picks files
 #   bench-sync     scripts/bench_weight_sync.py (2 GPUs)           SYNC_SHAPES (default "1.7b 7b")
 #   bench-offload  miles-offload-bench on cuda:0, cpu and disk targets
-#   bench-adam     scripts/bench_streamed_adam.py, ADAM_PARAMS_B (default "1 2") on 1 GPU, then
-#                  ADAM_PARAMS_B_2GPU (default "4"; empty skips) on 2 GPUs when there are 2;
-#                  ADAM_DTYPES (default "fp32 bf16") the moment dtypes
+#   bench-adam     scripts/bench_streamed_adam.py, ADAM_PARAMS_B (default "1 2"; empty skips) on
+#                  1 GPU, then ADAM_PARAMS_B_2GPU (default "4"; empty skips) on 2 GPUs when there
+#                  are 2; ADAM_DTYPES (default "fp32 bf16") the moment dtypes, ADAM_STEPS (default
+#                  2) the timed steps, ADAM_EXTRA more flags (e.g. --skip-resident)
 #   bench-fsdp     scripts/bench_fsdp_train.py on 1 GPU, then 2 GPUs     FSDP_ITERS (default 6)
-#   bench-megatron scripts/bench_megatron_train.py on 1 GPU, then TP=2 on 2 GPUs
+#   bench-megatron scripts/bench_megatron_train.py at TP = each of MEGATRON_GPUS (default "1 2")
 #   bench-moe      scripts/bench_fused_moe.py
 #
 # A stage that fails or times out is reported and the next one runs; the exit status is the
@@ -69,13 +70,16 @@ for stage in "$@"; do
       run_stage bench-offload 180 python3 -m miles_offload.bench --device cuda:0 \
         --size-gb "${OFFLOAD_GB:-8}" --cycles 4 --disk-dir /tmp/offload_bench --json "$OUT/bench_offload.json" ;;
     bench-adam)
-      run_stage bench-adam 240 python3 scripts/bench_streamed_adam.py \
-        --params-b ${ADAM_PARAMS_B:-1 2} --moment-dtype ${ADAM_DTYPES:-fp32 bf16} --steps 2 --disk-dir /tmp/adam_bench \
-        --json "$OUT/bench_streamed_adam_1gpu.json"
+      if [ -n "${ADAM_PARAMS_B-1 2}" ]; then
+        run_stage bench-adam 240 python3 scripts/bench_streamed_adam.py \
+          --params-b ${ADAM_PARAMS_B-1 2} --moment-dtype ${ADAM_DTYPES:-fp32 bf16} \
+          --steps "${ADAM_STEPS:-2}" ${ADAM_EXTRA:-} --disk-dir /tmp/adam_bench \
+          --json "$OUT/bench_streamed_adam_1gpu.json"
+      fi
       if [ "$NGPU" -ge 2 ] && [ -n "${ADAM_PARAMS_B_2GPU-4}" ]; then
         run_stage bench-adam-2gpu 240 torchrun --nproc-per-node 2 scripts/bench_streamed_adam.py \
-          --params-b ${ADAM_PARAMS_B_2GPU-4} --moment-dtype fp32 --steps 2 --disk-dir /tmp/adam_bench \
-          --json "$OUT/bench_streamed_adam_2gpu.json"
+          --params-b ${ADAM_PARAMS_B_2GPU-4} --moment-dtype fp32 --steps "${ADAM_STEPS:-2}" \
+          ${ADAM_EXTRA:-} --disk-dir /tmp/adam_bench --json "$OUT/bench_streamed_adam_2gpu.json"
       fi ;;
     bench-fsdp)
       run_stage bench-fsdp-1gpu 240 torchrun --nproc-per-node 1 scripts/bench_fsdp_train.py \
@@ -85,12 +89,12 @@ for stage in "$@"; do
           --iters "${FSDP_ITERS:-6}" --out "$OUT/bench_fsdp_2gpu.json"
       fi ;;
     bench-megatron)
-      run_stage bench-megatron-1gpu 240 torchrun --nproc-per-node 1 scripts/bench_megatron_train.py --stack-dump-s 45 \
-        --out "$OUT/bench_megatron_1gpu.json"
-      if [ "$NGPU" -ge 2 ]; then
-        run_stage bench-megatron-2gpu 240 torchrun --nproc-per-node 2 scripts/bench_megatron_train.py --stack-dump-s 45 \
-          --tp 2 --out "$OUT/bench_megatron_2gpu.json"
-      fi ;;
+      for n in ${MEGATRON_GPUS:-1 2}; do
+        [ "$n" -le "$NGPU" ] || continue
+        run_stage "bench-megatron-${n}gpu" 240 torchrun --nproc-per-node "$n" \
+          scripts/bench_megatron_train.py --stack-dump-s 45 --tp "$n" \
+          --out "$OUT/bench_megatron_${n}gpu.json"
+      done ;;
     bench-moe)
       run_stage bench-moe 240 python3 scripts/bench_fused_moe.py --out "$OUT/bench_fused_moe.json" ;;
     *)

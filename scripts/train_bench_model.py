@@ -43,7 +43,11 @@ def write_random_model(path: str, config) -> None:
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
+    # initialised on the GPU: transformers' CPU init of a 1.7B model took over a minute
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with device:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path)
     tok = Tokenizer(models.WordLevel(vocab={"<unk>": 0, "<eos>": 1}, unk_token="<unk>"))
     PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>"

@@ -87,9 +87,9 @@ def _params(backend) -> list[torch.Tensor]:
 
 def check_sleep_returns_memory(hf_dir: str, work: str, target: str) -> int:
     """Asleep, torch's allocator is back to its pre-model reservation (within 10% of the bytes
-    the model's storages hold awake, and 256 MiB), what lives outside it (NCCL communicators created for
-    megatron's groups) does not grow from cycle to cycle, and training after a wake equals
-    training without the sleep."""
+    the model's storages hold awake, and 256 MiB), what lives outside it (NCCL communicators
+    created for megatron's groups) does not grow from cycle to cycle, and training after a wake
+    equals training without the sleep."""
     extra = ["--offload-train", "--offload-train-target", target]
     if target == "disk":
         extra += ["--offload-train-disk-dir", os.path.join(work, "offload")]

@@ -192,37 +192,21 @@ def run(args: argparse.Namespace) -> dict:
     records, arena_bytes = time_mover(model, opt, device, OffloadTarget("cpu"), args.cycles)
     first_s, first_w = records[0]
     steady = records[1:] or records
-    sleep_s = sum(s.seconds for s, _ in steady) / len(steady)
-    wake_s = sum(w.seconds for _, w in steady) / len(steady)
+    sleeps, wakes = [s for s, _ in steady], [w for _, w in steady]
+    sleep_s = sum(s.seconds for s in sleeps) / len(sleeps)
+    wake_s = sum(w.seconds for w in wakes) / len(wakes)
+
+    def against(name: str, seconds: float, ceiling: Row) -> Row:
+        """Our ``gb`` in ``seconds``, as a fraction of ``ceiling``'s bandwidth."""
+        return Row(
+            name, gb, seconds, ceiling.name, ceiling.seconds / ceiling.gigabytes * gb / seconds
+        )
+
     rows += [
-        Row(
-            "ours: sleep (cycle >= 2)",
-            gb,
-            sleep_s,
-            d2h.name,
-            d2h.seconds / d2h.gigabytes * gb / sleep_s,
-        ),
-        Row(
-            "ours: wake (cycle >= 2)",
-            gb,
-            wake_s,
-            h2d.name,
-            h2d.seconds / h2d.gigabytes * gb / wake_s,
-        ),
-        Row(
-            "ours: sleep, copy phase only",
-            gb,
-            _mean_phase([s for s, _ in steady], "copy"),
-            d2h.name,
-            d2h.seconds / d2h.gigabytes * gb / _mean_phase([s for s, _ in steady], "copy"),
-        ),
-        Row(
-            "ours: wake, copy phase only",
-            gb,
-            _mean_phase([w for _, w in steady], "copy"),
-            h2d.name,
-            h2d.seconds / h2d.gigabytes * gb / _mean_phase([w for _, w in steady], "copy"),
-        ),
+        against("ours: sleep (cycle >= 2)", sleep_s, d2h),
+        against("ours: wake (cycle >= 2)", wake_s, h2d),
+        against("ours: sleep, copy phase only", _mean_phase(sleeps, "copy"), d2h),
+        against("ours: wake, copy phase only", _mean_phase(wakes, "copy"), h2d),
         Row("ours: 1st sleep (pins arena)", gb, first_s.seconds),
         Row("ours: 1st wake", gb, first_w.seconds),
     ]
@@ -263,8 +247,8 @@ def run(args: argparse.Namespace) -> dict:
         "disk": disk_info,
         "speedup_vs_naive": {"sleep": ns / sleep_s, "wake": nw / wake_s},
         "phases_seconds": {
-            "sleep": _mean_phases([s for s, _ in steady]),
-            "wake": _mean_phases([w for _, w in steady]),
+            "sleep": _mean_phases(sleeps),
+            "wake": _mean_phases(wakes),
         },
         "frozen_resleep_ms_per_gb": fr[1][0].seconds * 1e3 / model_gb,
         "rows": [asdict(r) | {"gbps": r.gbps} for r in rows],

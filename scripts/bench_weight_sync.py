@@ -15,10 +15,14 @@ Rows (median of ``--repeats`` after one warm-up):
   bytes on GPU 0. Target <= 3x the floor.
 * ``broadcast``: the same in ``broadcast`` mode. Floor: one NCCL broadcast of all bytes from
   GPU 0 to a process on GPU 1. Target <= 1.5x the floor.
+* ``p2p`` (``--p2p-ranks N``, default 2): N trainer processes, all on GPU 0 (gloo among
+  themselves), each rank 0 of its own NCCL group with the engine on GPU 1 and sending its share
+  of the buckets. Floor: the broadcast floor (the senders share GPU 0's links, so this measures
+  p2p's own overhead, not its fan-in).
 * ``naive-ipc`` / ``naive-broadcast``: one HTTP call and one transfer per tensor. Targets:
   ``ipc`` and ``broadcast`` >= 10x faster.
 
-p2p needs several trainer ranks and disk-delta measures the filesystem; neither is run here.
+disk-delta measures the filesystem and is not run here.
 Prints a table and writes JSON; asserts nothing.
 """
 
@@ -205,6 +209,52 @@ def naive_broadcast(group, weights: dict[str, torch.Tensor]) -> None:
             reply.result()
 
 
+def _p2p_rank(rank: int, world: int, port: int, path: str, url: str, args, queue) -> None:
+    """One p2p trainer rank: the checkpoint's tensors on GPU 0, its share of every publish."""
+    from miles_sync.ranks import RankContext
+    from miles_sync.weight_sync import SyncConfig, WeightPublisher
+    from safetensors.torch import load_file
+
+    torch.cuda.set_device(0)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    weights = load_file(str(Path(path) / "model.safetensors"), device="cuda:0")
+    config = SyncConfig(mode="p2p", buffer_size=args.buffer_size, group_backend="nccl")
+    publisher = WeightPublisher(config, RankContext.from_default_group())
+    seconds = timed(lambda: publisher.update_weights(weights.items(), [url]), args.repeats)
+    publisher.close()
+    dist.barrier()
+    if rank == 0:
+        queue.put(seconds)
+    dist.destroy_process_group()
+
+
+def p2p_publish(path: Path, url: str, args) -> float:
+    """Median p2p publish time over ``--p2p-ranks`` trainer processes (rank 0's clock)."""
+    from miles_sync.engine_group import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_p2p_rank, args=(r, args.p2p_ranks, port, str(path), url, args, queue))
+        for r in range(args.p2p_ranks)
+    ]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + args.p2p_timeout
+    for proc in procs:
+        proc.join(max(1.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    codes = [proc.exitcode for proc in procs]
+    if any(code != 0 for code in codes):
+        raise RuntimeError(f"p2p trainer ranks ended with {codes} (timeout {args.p2p_timeout} s)")
+    return queue.get()
+
+
 def say(message: str) -> None:
     print(f"bench_weight_sync [{time.perf_counter() - START:.0f}s]: {message}", flush=True)
 
@@ -266,6 +316,14 @@ def bench_shape(shape_name: str, args, root: Path) -> list[dict]:
         group.close()
         row("broadcast", bcast, bcast_floor, naive)
         row("naive-broadcast", naive, bcast_floor)
+        if args.p2p_ranks > 1:
+            say(
+                f"{shape_name}: p2p publish from {args.p2p_ranks} trainer processes x{args.repeats}"
+            )
+            try:
+                row("p2p", p2p_publish(path, bcast_engine.url, args), bcast_floor, naive)
+            except RuntimeError as error:  # report it, keep the other rows
+                say(f"{shape_name}: p2p row left out: {error}")
     finally:
         ipc_engine.close()
         bcast_engine.close()
@@ -277,6 +335,10 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["1.7b", "7b"], choices=sorted(SHAPES))
     parser.add_argument("--buffer-size", type=int, default=512 * 1024**2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--p2p-ranks", type=int, default=2, help="trainer processes (0: no p2p row)"
+    )
+    parser.add_argument("--p2p-timeout", type=float, default=180.0, help="seconds for the p2p row")
     parser.add_argument("--json", default="bench_weight_sync.json")
     parser.add_argument("--work-dir", default=None)
     args = parser.parse_args()

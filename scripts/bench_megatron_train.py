@@ -8,8 +8,8 @@ in memory through its bridge) on the same synthetic rollouts (``--tokens-per-gpu
 per optimizer step, THD-packed by miles-core), bf16 with fp32 master weights and reduction.
 Reported per backend: tokens/s per GPU, MFU (``6 N + 6 L h d s`` FLOPs per token against
 ``--peak-tflops``), peak memory. Prints a table and writes JSON; asserts nothing about speed.
-Megatron runs its local (non-TransformerEngine) spec with an explicit block-causal mask, so its
-attention costs ``T^2`` memory per micro-batch: keep ``--tokens-per-gpu`` moderate.
+Megatron runs its local (non-TransformerEngine) spec; its attention is torch's SDPA with a
+boolean block-causal mask (``T^2`` bytes per micro-batch, the scores are not stored).
 """
 
 from __future__ import annotations

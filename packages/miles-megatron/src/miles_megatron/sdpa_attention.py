@@ -1,0 +1,84 @@
+"""Core attention of the local (non-TransformerEngine) layer spec through torch's SDPA.
+
+megatron-core's ``DotProductAttention`` materialises the attention scores: ``[b * heads, T, T]``
+per layer, kept for the backward in the softmax's dtype, and a masked softmax over them. For a
+THD-packed row of ``T`` tokens that is ``heads * T^2`` values per layer (a 1.7B Qwen3 at
+``T = 4096``: 16 heads, 0.5 GiB per layer in bf16, 14 GiB over 28 layers), and it is what made
+the megatron backend slower and twice as hungry as the FSDP one on the device.
+
+:class:`SDPAttention` computes the same function with ``torch.nn.functional.
+scaled_dot_product_attention`` and the same boolean block-causal mask (inverted: megatron masks
+where the mask is True, SDPA attends where it is True): on a GPU that is the memory-efficient
+kernel, which never stores the scores (the backward recomputes them), with grouped-query heads
+shared without copies (``enable_gqa``). What SDPA cannot express falls back to megatron's own
+forward: a softmax offset (``--softmax-type off-by-one|learnable``), sliding-window layers, an
+attention bias, and packed-sequence params (the THD format of TransformerEngine).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+
+
+class SDPAttention(DotProductAttention):
+    """``DotProductAttention`` (same constructor, parameters and checkpoint) whose forward is
+    one SDPA call: ``softmax(scale * q k^T, masked) v`` per head, inputs ``[s, b, heads, d]``,
+    output ``[s, b, heads * d]``."""
+
+    def _sdpa_supported(self, attention_bias, packed_seq_params) -> bool:
+        return (
+            attention_bias is None
+            and packed_seq_params is None
+            and self.softmax_offset is None
+            and self.scale_mask_softmax.window_size is None
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type=None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if not self._sdpa_supported(attention_bias, packed_seq_params):
+            return super().forward(
+                query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
+            )
+        # megatron folds query-key layer scaling into the softmax (scale / coeff, then * coeff)
+        scale = self.softmax_scale
+        if self.config.apply_query_key_layer_scaling:
+            scale *= self.layer_number
+        # [s, b, h, d] -> [b, h, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        mask = None if attention_mask is None else ~attention_mask.to(torch.bool)
+        causal = mask is None and (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+        dropout = self.attention_dropout.p if self.training else 0.0
+
+        def attend() -> torch.Tensor:
+            return F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=dropout,
+                is_causal=causal,
+                scale=scale,
+                enable_gqa=q.size(1) != k.size(1),
+            )
+
+        if dropout and not self.config.sequence_parallel:
+            from megatron.core import tensor_parallel
+
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                context = attend()
+        else:
+            context = attend()
+        # [b, h, s, d] -> [s, b, h * d]
+        context = context.permute(2, 0, 1, 3).contiguous()
+        return context.view(*context.shape[:2], self.hidden_size_per_partition)

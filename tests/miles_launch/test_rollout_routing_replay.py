@@ -3,11 +3,12 @@
 A tiny qwen3_moe is served by the built-in engine started as the launcher starts it (the
 command of ``builtin_engine_command`` under ``--use-rollout-routing-replay``). The launcher's
 :class:`Generator` samples groups from it; each sample's ``routed_experts`` must equal what the
-engine reports for the same request made directly (decoded here with numpy, not with the
-launcher's decoder) and what the HF model's own routers choose for the same tokens. Then the
-FSDP trainer, whose routers are perturbed so that its own top-k differs from the engine's (see
-tests/miles_fsdp/test_routing_replay_engine.py), is fed the launcher's batch: with replay its
-log-probs equal the engine's, without they do not, and one training step sees no
+engine reports for the same request made directly (decoded with numpy by
+tests/miles_fsdp/routed_experts_testing.py, not with the launcher's decoder) and what the HF
+model's own routers choose for the same tokens. Then the FSDP trainer, whose routers are
+perturbed so that its own top-k differs from the engine's (``perturb_routers``), is fed the
+launcher's batch: with replay its log-probs equal the engine's, without they do not, and one
+training step sees no
 engine/trainer mismatch (TIS weight 1). Last, ``miles train`` itself runs one rollout under
 the flag on Ray.
 """
@@ -44,11 +45,16 @@ from miles_launch.rollout.routed_experts import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "miles_fsdp"))
 
-from test_routing_replay_engine import (  # noqa: E402
+from routed_experts_testing import (  # noqa: E402
+    ENGINE_FLAG,
+    differs,
+    generate_routed,
     moe_config,
     one_rank_group,  # noqa: F401 (fixture)
     own_top_k,
     perturb_routers,
+    rollout_context,
+    save_trainer_copy,
 )
 from tiny_models import qwen3_config, save_tiny_model  # noqa: E402
 
@@ -145,7 +151,7 @@ def moe_engine(tmp_path_factory):
         launch_args(hf_checkpoint=str(hf_dir)), host="127.0.0.1", port=0, device="cpu"
     )
     flags = cmd[cmd.index("--device") + 2 :]  # what the launcher adds after the basics
-    assert flags == ["--enable-return-routed-experts"]
+    assert flags == [ENGINE_FLAG]
     engine = EngineProcess(hf_dir, *flags, timeout=240)
     yield hf_dir, engine
     engine.close()
@@ -183,35 +189,23 @@ def test_launcher_samples_carry_the_engines_routed_experts(moe_engine, launcher_
     batch = to_rollout_batch(launcher_groups)
     assert len(batch) == len(PROMPTS) * SAMPLES_PER_PROMPT
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    layers, top_k = model.config.num_hidden_layers, model.config.num_experts_per_tok
     for g, group in enumerate(launcher_groups):
         for k, generated in enumerate(group):
             sample = batch[g * SAMPLES_PER_PROMPT + k]
             prompt = generated.prompt
-            body = {
-                "input_ids": list(prompt.token_ids),
-                "sampling_params": {
-                    "max_new_tokens": CFG.max_new_tokens,
-                    "temperature": CFG.temperature,
-                    "top_p": CFG.top_p,
-                    "top_k": CFG.top_k,
-                    "sampling_seed": sampling_seed(CFG.seed, prompt.index, k),
-                },
-                "return_routed_experts": True,
+            params = {
+                "max_new_tokens": CFG.max_new_tokens,
+                "temperature": CFG.temperature,
+                "top_p": CFG.top_p,
+                "top_k": CFG.top_k,
+                "sampling_seed": sampling_seed(CFG.seed, prompt.index, k),
             }
-            reply = engine.post("/generate", body).json()
-            assert sample.tokens.tolist() == list(prompt.token_ids) + reply["output_ids"]
-            raw = base64.b64decode(reply["meta_info"]["routed_experts"])
-            direct = np.frombuffer(raw, dtype="<i4").reshape(-1, layers, top_k)
-            # every token but the last was fed, prompt included
-            assert direct.shape[0] == sample.total_length - 1
+            direct = generate_routed(engine, prompt.token_ids, params, model.config, logprob=False)
+            assert sample.tokens.tolist() == list(prompt.token_ids) + direct.output_ids
             assert sample.routed_experts.dtype == torch.int32
-            assert torch.equal(sample.routed_experts, torch.from_numpy(direct.copy()))
+            assert torch.equal(sample.routed_experts, direct.routed)
             # and they are the model's own choice for those tokens
-            own = own_top_k(model, sample.tokens[:-1])
-            for layer, ids in own.items():
-                got = sample.routed_experts[:, layer].sort(-1).values
-                assert torch.equal(got, ids.to(torch.int32).sort(-1).values), layer
+            assert not differs(own_top_k(model, sample.tokens[:-1]), sample.routed_experts)
 
 
 @pytest.mark.slow
@@ -225,9 +219,8 @@ def test_trainer_replays_the_launchers_samples(
     from miles_core.log_probs import token_log_probs
     from miles_core.packing import pack_thd, unpack_response
     from miles_fsdp.backend import FSDPBackend
-    from miles_fsdp.rollout_train import RolloutContext, packed_logits
+    from miles_fsdp.rollout_train import packed_logits
     from run_args import make_args
-    from tiny_models import save_tokenizer
     from transformers import AutoModelForCausalLM
 
     hf_dir, _ = moe_engine
@@ -238,14 +231,8 @@ def test_trainer_replays_the_launchers_samples(
     # at the engine's experts)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     perturb_routers(model, torch.cat([s.routed_experts for s in batch]))
-    trainer_dir = tmp_path / "trainer"
-    model.save_pretrained(trainer_dir)
-    save_tokenizer(trainer_dir, model.config.vocab_size)
-    assert any(
-        not torch.equal(ids.sort(-1).values, s.routed_experts[:, layer].long().sort(-1).values)
-        for s in batch
-        for layer, ids in own_top_k(model, s.tokens[:-1]).items()
-    )
+    trainer_dir = save_trainer_copy(model, tmp_path / "trainer")
+    assert any(differs(own_top_k(model, s.tokens[:-1]), s.routed_experts) for s in batch)
 
     backend = FSDPBackend()
     backend.init(
@@ -257,18 +244,7 @@ def test_trainer_replays_the_launchers_samples(
             global_batch_size=len(batch),
         )
     )
-    ctx = RolloutContext(
-        model=backend.model,
-        optimizer=backend.optimizer,
-        scheduler=backend.scheduler,
-        args=backend.args,
-        device=backend.device,
-        dp_size=1,
-        cpu_group=None,
-        attn_implementation=backend.attn_implementation,
-        compute_dtype=backend.precision.compute_dtype,
-        routing_replay=backend.routing_replay,
-    )
+    ctx = rollout_context(backend)
     packed = pack_thd(batch)
 
     def response_log_probs() -> list[torch.Tensor]:

@@ -178,18 +178,5 @@ def save_trainer_copy(model, directory: Path) -> Path:
 
 
 def rollout_context(backend):
-    """The FSDP backend's actor as :mod:`miles_fsdp.rollout_train` uses it, one DP rank."""
-    from miles_fsdp.rollout_train import RolloutContext
-
-    return RolloutContext(
-        model=backend.model,
-        optimizer=backend.optimizer,
-        scheduler=backend.scheduler,
-        args=backend.args,
-        device=backend.device,
-        dp_size=1,
-        cpu_group=None,
-        attn_implementation=backend.attn_implementation,
-        compute_dtype=backend.precision.compute_dtype,
-        routing_replay=backend.routing_replay,
-    )
+    """The FSDP backend's actor as :mod:`miles_fsdp.rollout_train` uses it (the backend's own)."""
+    return backend._rollout_context()

@@ -27,6 +27,7 @@ Run on 1 or 2 H200s through pytest (which starts torchrun itself, world = min(2,
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,7 @@ TESTS = Path(__file__).parents[1]
 SUPPORT = [str(TESTS / "miles_megatron"), str(TESTS / "miles_sync")]
 ENGINE_DTYPE = torch.bfloat16
 PASSED = "megatron publish checks passed:"
+TORCHRUN_TIMEOUT_S = 420  # both modes take ~50 s on 2 gloo CPU ranks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -100,6 +102,9 @@ def check_publish(work: Path, mode: str) -> None:
     hf_dir, engine_dir = str(work / "hf"), work / "engine_ckpt"
     device = _engine_device(mode, rank, world)
     engine = Engine(engine_dir, device=device, timeout=300) if device is not None else None
+    pid_file = work / f"engine-{mode}-rank{rank}.pid"
+    if engine is not None:
+        pid_file.write_text(str(engine.proc.pid))  # for the driver, should this rank be killed
     try:
         urls = [None] * world
         dist.all_gather_object(urls, engine.url if engine is not None else None)
@@ -119,10 +124,14 @@ def check_publish(work: Path, mode: str) -> None:
 
         failures = []
         if engine is not None:
-            failures = _engine_failures(engine, served, before, initial, trained)
+            try:
+                failures = _engine_failures(engine, served, before, initial, trained)
+            except Exception as error:  # an engine that fails a request: reported by all ranks
+                failures = [f"{type(error).__name__}: {error}"]
     finally:
         if engine is not None:
             engine.close()
+            pid_file.unlink()
     everyone: list = [None] * world
     dist.all_gather_object(everyone, failures)
     report = [f"rank {r} ({mode}): {f}" for r, fs in enumerate(everyone) for f in fs]
@@ -160,8 +169,13 @@ def _engine_failures(engine, served, before, initial, trained) -> list[str]:
 
 def main(work: str, modes: list[str]) -> None:
     """torchrun entry: NCCL on the GPUs when there are any, else gloo with the megatron shim."""
+    import datetime
+
     import torch.distributed as dist
 
+    # torchrun stops the other ranks with SIGTERM when one fails: exit through the finally
+    # blocks, so that no engine outlives its rank
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     for path in SUPPORT:
         sys.path.insert(0, path)
     cuda = torch.cuda.is_available()
@@ -172,7 +186,8 @@ def main(work: str, modes: list[str]) -> None:
 
         torch.set_num_threads(1)
         megatron_shim.install()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    # a rank stuck in a collective fails after 5 minutes instead of hanging
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=5))
     root = Path(work)
     if dist.get_rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
@@ -193,6 +208,16 @@ def _gpu_modes() -> list[str]:
     return modes
 
 
+def _kill_orphaned_engines(work: Path) -> None:
+    """Kill the engines whose rank died before its finally block (their pid files remain)."""
+    for pid_file in work.glob("engine-*.pid"):
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        pid_file.unlink()
+
+
 @pytest.mark.parametrize("mode", ["broadcast", "ipc"])
 def test_megatron_publish_under_torchrun(mode, tmp_path):
     pytest.importorskip("megatron.core")
@@ -201,9 +226,25 @@ def test_megatron_publish_under_torchrun(mode, tmp_path):
     world = min(2, torch.cuda.device_count())
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}"]
     cmd += [__file__, str(tmp_path), mode]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
-    assert f"{PASSED} {mode}" in result.stdout
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        # SIGTERM: torchrun passes it to the ranks (each in its own session), which leave
+        # through their finally blocks and kill their engines
+        proc.terminate()
+        try:
+            stdout, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        pytest.fail(
+            f"torchrun did not finish in {TORCHRUN_TIMEOUT_S} s:\n{stdout[-4000:]}{stderr[-8000:]}"
+        )
+    finally:
+        _kill_orphaned_engines(tmp_path)
+    assert proc.returncode == 0, stdout[-4000:] + stderr[-8000:]
+    assert f"{PASSED} {mode}" in stdout
 
 
 if __name__ == "__main__":

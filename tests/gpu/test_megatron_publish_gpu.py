@@ -39,7 +39,7 @@ TESTS = Path(__file__).parents[1]
 SUPPORT = [str(TESTS / "miles_megatron"), str(TESTS / "miles_sync")]
 ENGINE_DTYPE = torch.bfloat16
 PASSED = "megatron publish checks passed:"
-TORCHRUN_TIMEOUT_S = 420  # both modes take ~50 s on 2 gloo CPU ranks
+TORCHRUN_TIMEOUT_S = 200  # + 60 s to stop: inside the 300 s of pytest-timeout below
 
 pytestmark = [
     pytest.mark.gpu,
@@ -208,6 +208,17 @@ def _gpu_modes() -> list[str]:
     return modes
 
 
+def _stop(proc: subprocess.Popen) -> tuple[str, str]:
+    """SIGTERM torchrun, which passes it to the ranks (each in its own session); they leave
+    through their finally blocks and kill their engines. SIGKILL after a minute."""
+    proc.terminate()
+    try:
+        return proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()
+
+
 def _kill_orphaned_engines(work: Path) -> None:
     """Kill the engines whose rank died before its finally block (their pid files remain)."""
     for pid_file in work.glob("engine-*.pid"):
@@ -218,6 +229,7 @@ def _kill_orphaned_engines(work: Path) -> None:
         pid_file.unlink()
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["broadcast", "ipc"])
 def test_megatron_publish_under_torchrun(mode, tmp_path):
     pytest.importorskip("megatron.core")
@@ -230,18 +242,13 @@ def test_megatron_publish_under_torchrun(mode, tmp_path):
     try:
         stdout, stderr = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        # SIGTERM: torchrun passes it to the ranks (each in its own session), which leave
-        # through their finally blocks and kill their engines
-        proc.terminate()
-        try:
-            stdout, stderr = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            stdout, stderr = proc.communicate()
+        stdout, stderr = _stop(proc)
         pytest.fail(
             f"torchrun did not finish in {TORCHRUN_TIMEOUT_S} s:\n{stdout[-4000:]}{stderr[-8000:]}"
         )
     finally:
+        if proc.poll() is None:  # interrupted (pytest-timeout, Ctrl-C)
+            _stop(proc)
         _kill_orphaned_engines(tmp_path)
     assert proc.returncode == 0, stdout[-4000:] + stderr[-8000:]
     assert f"{PASSED} {mode}" in stdout

@@ -153,31 +153,30 @@ def _flatten(state, prefix=""):
 
 
 def test_resume_matches_an_uninterrupted_run(material, tmp_path):
-    """3 rollouts straight vs 2, a restart from the checkpoint at 2, and the third."""
-    straight, split = tmp_path / "straight", tmp_path / "split"
+    """3 rollouts straight (saving at 2 and 3) vs a restart from that run's checkpoint at 2
+    (``--ckpt-step 2``, while its tracker says 3) that trains the third rollout again."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     common = [*SMALL, "--save-interval", "2"]
     a = train(
         material, tmp_path / "a.jsonl", *common, "--num-rollout", "3", "--save", str(straight)
     )
     assert a.returncode == 0, a.stderr[-3000:]
-    b1 = train(material, tmp_path / "b.jsonl", *common, "--num-rollout", "2", "--save", str(split))
-    assert b1.returncode == 0, b1.stderr[-3000:]
-    b2 = train(
+    b = train(
         material, tmp_path / "b.jsonl", *common, "--num-rollout", "3",
-        "--save", str(split), "--load", str(split),
+        "--save", str(resumed), "--load", str(straight), "--ckpt-step", "2",
     )  # fmt: skip
-    assert b2.returncode == 0, b2.stderr[-3000:]
+    assert b.returncode == 0, b.stderr[-3000:]
 
     ra, rb = records(tmp_path / "a.jsonl"), records(tmp_path / "b.jsonl")
-    assert [r["rollout_id"] for r in rb] == [0, 1, 2]
-    assert [r["prompt_ids"] for r in rb] == [r["prompt_ids"] for r in ra]
-    assert [r["data_position"] for r in rb] == [r["data_position"] for r in ra] == [0, 4, 8]
-    assert json.loads((split / "launcher" / "iter_0000002.json").read_text()) == {
+    assert [r["rollout_id"] for r in ra] == [0, 1, 2] and [r["rollout_id"] for r in rb] == [2]
+    assert rb[0]["prompt_ids"] == ra[2]["prompt_ids"]
+    assert [r["data_position"] for r in ra] == [0, 4, 8] and rb[0]["data_position"] == 8
+    assert json.loads((straight / "launcher" / "iter_0000002.json").read_text()) == {
         "next_rollout_id": 2,
         "data_position": 8,
     }
     wa = _flatten(_dcp_model(straight / "iter_0000003" / "model"))  # the last rollout's save
-    wb = _flatten(_dcp_model(split / "iter_0000003" / "model"))
+    wb = _flatten(_dcp_model(resumed / "iter_0000003" / "model"))
     assert wa.keys() == wb.keys() and len(wa) > 0
     for name in wa:
         assert torch.equal(wa[name], wb[name]), name

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from miles_fsdp.adaptations import adaptation_for, registered_model_types
 from miles_fsdp.backend import FSDPBackend
 from run_args import make_args
@@ -17,14 +16,6 @@ from safetensors import safe_open
 from tiny_models import arch_config, save_tiny_model
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def one_rank_group(tmp_path_factory):
-    init = tmp_path_factory.mktemp("pg") / "init"
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def backend_for(tmp_path, model_type):

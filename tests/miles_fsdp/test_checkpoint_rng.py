@@ -7,21 +7,12 @@ import random
 
 import pytest
 import torch
-import torch.distributed as dist
 from miles_fsdp.backend import FSDPBackend
 from role_programs import make_samples, my_shard
 from run_args import make_args
 from tiny_models import save_tiny_model
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def one_rank_group(tmp_path_factory):
-    init = tmp_path_factory.mktemp("pg") / "init"
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def draws() -> tuple[list[float], float]:

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import xxhash
 from miles_core.batch import RolloutBatch, Sample
 from miles_fsdp.backend import FSDPBackend
@@ -25,14 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "miles_sync"))
 from sync_testing import CHECKPOINT_DTYPE, VOCAB, Engine, save_checkpoint, tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def one_rank_group(tmp_path_factory):
-    init = tmp_path_factory.mktemp("pg") / "init"
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def digests(named: dict[str, torch.Tensor]) -> dict[str, list]:

@@ -10,7 +10,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from miles_core.args import ArgumentError
-from miles_fsdp.lora import LoRASettings, actor_lora, inject_lora, lora_layers, merge_lora_tensors
+from miles_core.peft_adapter import LoRAConfig
+from miles_fsdp.lora import actor_lora, inject_lora, lora_layers, merge_lora_tensors
 from role_programs import lora_program
 from run_args import make_args
 from spawn import run_ranks
@@ -59,7 +60,7 @@ def test_string_target_modules_are_one_regex(dirs):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(dirs[0])
-    settings = LoRASettings(RANK, ALPHA, 0.0, r".*layers\.1\.self_attn\.(q|v)_proj")
+    settings = LoRAConfig(RANK, ALPHA, 0.0, r".*layers\.1\.self_attn\.(q|v)_proj")
     inject_lora(model, settings, on_meta=False)
     layers = {id(m) for m in lora_layers(model)}
     wrapped = sorted(n for n, m in model.named_modules() if id(m) in layers)

@@ -335,15 +335,15 @@ def peft_adapter(hf_dir, out_dir, targets, seed=7):
 
 def fsdp_lora_model(hf_dir, adapter_dir):
     """The FSDP backend's LoRA model: HF model + miles_fsdp.lora injection + adapter load."""
-    from miles_core.peft_adapter import read_peft_adapter
-    from miles_fsdp.lora import LoRASettings, inject_lora, load_adapter_weights
+    from miles_core.peft_adapter import LoRAConfig, read_peft_adapter
+    from miles_fsdp.lora import inject_lora, load_adapter_weights
     from transformers import AutoModelForCausalLM
 
     adapter = read_peft_adapter(adapter_dir)
     model = AutoModelForCausalLM.from_pretrained(
         hf_dir, dtype=torch.float32, attn_implementation="eager"
     )
-    settings = LoRASettings(adapter.rank, adapter.alpha, 0.0, adapter.target_modules)
+    settings = LoRAConfig(adapter.rank, adapter.alpha, 0.0, adapter.target_modules)
     inject_lora(model, settings, on_meta=False)
     load_adapter_weights(model, adapter)
     return model

@@ -19,6 +19,7 @@ one writes the other (and ``peft.PeftModel.from_pretrained``) loads.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -35,6 +36,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 FACTORS = ("lora_A", "lora_B")
+ALL_LINEAR = "all-linear"
 
 Factors = dict[str, dict[str, torch.Tensor]]  # HF module -> {"lora_A": A, "lora_B": B}
 
@@ -50,6 +52,39 @@ _UNSUPPORTED = (
     ("target_parameters", "target_parameters"),
     ("fan_in_fan_out", "Conv1D (fan_in_fan_out) layouts"),
 )
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """``--lora-rank``, ``--lora-alpha``, ``--lora-dropout``, ``--lora-target-modules``: what both
+    backends inject.
+
+    ``target_modules`` follows PEFT: ``("all-linear",)``, module-name suffixes (a module
+    ``model.layers.0.self_attn.q_proj`` matches ``q_proj``), or (from a loaded adapter's config)
+    one regex string matched in full.
+    """
+
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: str | tuple[str, ...] = (ALL_LINEAR,)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    @classmethod
+    def from_args(cls, args: Any) -> LoRAConfig:
+        return cls(
+            rank=args.lora_rank,
+            alpha=float(args.lora_alpha),
+            dropout=args.lora_dropout,
+            target_modules=tuple(args.lora_target_modules),
+        )
+
+    def with_targets(self, target_modules: str | tuple[str, ...]) -> LoRAConfig:
+        """These flags with another target set (a loaded adapter's, so its weights fit)."""
+        return dataclasses.replace(self, target_modules=target_modules)
 
 
 class PeftAdapterError(ValueError):

@@ -23,11 +23,12 @@ naming the file and field).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from miles_core.peft_adapter import (
+    ALL_LINEAR,
+    LoRAConfig,
     PeftAdapter,
     PeftAdapterError,
     check_matches_flags,
@@ -38,58 +39,28 @@ from torch import nn
 ADAPTER_NAME = "default"
 
 
-@dataclass(frozen=True)
-class LoRASettings:
-    """``--lora-rank``, ``--lora-alpha``, ``--lora-dropout``, ``--lora-target-modules``.
+def peft_lora_config(config: LoRAConfig) -> Any:
+    """``config`` as peft's ``LoraConfig`` (no bias adapters)."""
+    from peft import LoraConfig
 
-    ``target_modules`` is PEFT's: ``("all-linear",)``, module-name suffixes, or (from a loaded
-    adapter's config) one regex string matched in full.
-    """
-
-    rank: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
-    target_modules: str | tuple[str, ...] = ("all-linear",)
-
-    @classmethod
-    def from_args(cls, args: Any) -> LoRASettings:
-        return cls(
-            rank=args.lora_rank,
-            alpha=float(args.lora_alpha),
-            dropout=args.lora_dropout,
-            target_modules=tuple(args.lora_target_modules),
-        )
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
-
-    def peft_config(self) -> Any:
-        from peft import LoraConfig
-
-        targets = self.target_modules
-        if not isinstance(targets, str):
-            targets = "all-linear" if targets == ("all-linear",) else list(targets)
-        return LoraConfig(
-            r=self.rank,
-            lora_alpha=self.alpha,
-            lora_dropout=self.dropout,
-            target_modules=targets,
-            bias="none",
-        )
+    targets = config.target_modules
+    if not isinstance(targets, str):
+        targets = ALL_LINEAR if targets == (ALL_LINEAR,) else list(targets)
+    return LoraConfig(
+        r=config.rank,
+        lora_alpha=config.alpha,
+        lora_dropout=config.dropout,
+        target_modules=targets,
+        bias="none",
+    )
 
 
-def settings_for(adapter: PeftAdapter, settings: LoRASettings) -> LoRASettings:
-    """The flags' settings with the loaded adapter's target modules (so its weights fit)."""
-    return LoRASettings(settings.rank, settings.alpha, settings.dropout, adapter.target_modules)
-
-
-def inject_lora(model: nn.Module, settings: LoRASettings, on_meta: bool) -> nn.Module:
+def inject_lora(model: nn.Module, settings: LoRAConfig, on_meta: bool) -> nn.Module:
     """Wrap the target linears of ``model`` with PEFT LoRA layers; only adapters train."""
     from peft import inject_adapter_in_model
 
     model = inject_adapter_in_model(
-        settings.peft_config(), model, adapter_name=ADAPTER_NAME, low_cpu_mem_usage=on_meta
+        peft_lora_config(settings), model, adapter_name=ADAPTER_NAME, low_cpu_mem_usage=on_meta
     )
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter_name(name))
@@ -149,7 +120,7 @@ def merge_adapter_into(model: nn.Module, adapter: PeftAdapter) -> None:
         weight.copy_((weight.double() + delta).to(weight.dtype))
 
 
-def actor_lora_fixup(settings: LoRASettings, adapter: PeftAdapter | None) -> Callable:
+def actor_lora_fixup(settings: LoRAConfig, adapter: PeftAdapter | None) -> Callable:
     """Post-load fixup for rank 0's full actor: inject LoRA, then load ``adapter`` if given."""
 
     def fixup(model: nn.Module, config: Any) -> None:
@@ -210,13 +181,13 @@ def merge_lora_tensors(
     return out
 
 
-def actor_lora(args: Any) -> tuple[LoRASettings | None, PeftAdapter | None]:
+def actor_lora(args: Any) -> tuple[LoRAConfig | None, PeftAdapter | None]:
     """``--use-lora``: the actor's settings and its ``--lora-adapter-path`` adapter, checked."""
     if not args.use_lora:
         return None, None
-    settings = LoRASettings.from_args(args)
+    settings = LoRAConfig.from_args(args)
     if not args.lora_adapter_path:
         return settings, None
     adapter = read_peft_adapter(args.lora_adapter_path[0])  # a causal LM has one component
     check_matches_flags(adapter, settings.rank, settings.alpha)
-    return settings_for(adapter, settings), adapter
+    return settings.with_targets(adapter.target_modules), adapter

@@ -42,40 +42,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from miles_core.peft_adapter import ALL_LINEAR, LoRAConfig
 from torch import nn
 
 from miles_megatron.bridge import attention_shape
 from miles_megatron.bridge.rules import WeightRule, match_rule
 from miles_megatron.sharding import global_name, is_lora_adapter, unwrap
-
-ALL_LINEAR = "all-linear"
-
-
-@dataclass(frozen=True)
-class LoRAConfig:
-    """``--lora-rank``, ``--lora-alpha``, ``--lora-dropout``, ``--lora-target-modules``.
-
-    ``target_modules`` follows PEFT: ``("all-linear",)``, module-name suffixes (a module
-    ``model.layers.0.self_attn.q_proj`` matches ``q_proj``), or one regex string matched in full.
-    """
-
-    rank: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
-    target_modules: str | tuple[str, ...] = (ALL_LINEAR,)
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
-
-    @classmethod
-    def from_args(cls, args: Any) -> LoRAConfig:
-        return cls(
-            rank=args.lora_rank,
-            alpha=float(args.lora_alpha),
-            dropout=args.lora_dropout,
-            target_modules=tuple(args.lora_target_modules),
-        )
 
 
 def is_targeted(hf_module: str, targets: str | tuple[str, ...]) -> bool:

@@ -169,3 +169,24 @@ def normalize_advantages(
     var = max(total_sq / count - mean * mean, 0.0)
     scale = (var + eps) ** -0.5
     return [((a - mean) * scale * m).to(a.dtype) for a, m in zip(advantages, loss_masks)]
+
+
+def with_advantages(batch: RolloutBatch, args, group: dist.ProcessGroup | None) -> RolloutBatch:
+    """``batch`` with its ``advantages`` field, as the flags ask: ``--advantage-estimator``
+    (``--gamma``, ``--lambd``), ``--kl-coef``'s reward KL (``--kl-loss-type``; needs the batch's
+    ``old_log_probs`` and ``ref_log_probs``) and ``--normalize-advantages`` (statistics over
+    the data-parallel ``group``). What every backend does once per rollout."""
+    from miles_core.kl import reward_kl
+
+    adv = compute_advantages(
+        batch,
+        args.advantage_estimator,
+        gamma=args.gamma,
+        lambd=args.lambd,
+        kl_coef=args.kl_coef,
+        kl=reward_kl(batch, args.kl_loss_type) if args.kl_coef != 0.0 else None,
+    )
+    advantages = adv.advantages
+    if args.normalize_advantages:
+        advantages = normalize_advantages(advantages, [s.mask for s in batch], group=group)
+    return batch.with_fields(advantages=advantages)

@@ -23,11 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from miles_core.advantages import compute_advantages, normalize_advantages
+from miles_core.advantages import with_advantages
 from miles_core.aggregation import loss_denominator
 from miles_core.args.groups.algorithm import kl_term_on
 from miles_core.batch import RolloutBatch
-from miles_core.kl import reward_kl
 from miles_core.log_probs import entropy_from_logits, token_log_probs
 from miles_core.losses import LossConfig, compute_policy_loss
 from miles_core.micro_batch import MicroBatching, split_micro_batches, split_steps
@@ -157,18 +156,7 @@ def train_rollout(ctx: RolloutContext, batch: RolloutBatch) -> tuple[dict[str, f
     if kl_term_on(args):
         with reference_forward(ctx.model, ctx.reference, ref_mode(args)) as ref:
             batch = batch.with_fields(ref_log_probs=policy_log_probs(ctx, batch, ref))
-    adv = compute_advantages(
-        batch,
-        args.advantage_estimator,
-        gamma=args.gamma,
-        lambd=args.lambd,
-        kl_coef=args.kl_coef,
-        kl=reward_kl(batch, args.kl_loss_type) if args.kl_coef != 0.0 else None,
-    )
-    advantages = adv.advantages
-    if args.normalize_advantages:
-        advantages = normalize_advantages(advantages, [s.mask for s in batch], group=ctx.cpu_group)
-    batch = batch.with_fields(advantages=advantages)
+    batch = with_advantages(batch, args, ctx.cpu_group)
 
     results: list[StepResult] = []
     num_micro = 0

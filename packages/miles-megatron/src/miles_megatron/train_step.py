@@ -22,10 +22,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from miles_core.advantages import compute_advantages, normalize_advantages
+from miles_core.advantages import with_advantages
 from miles_core.aggregation import loss_denominator
 from miles_core.batch import RolloutBatch
-from miles_core.kl import reward_kl
 from miles_core.log_probs import entropy_from_logits, token_log_probs
 from miles_core.losses import LossConfig, compute_policy_loss
 from miles_core.micro_batch import (
@@ -163,20 +162,7 @@ def train_rollout(ctx: TrainContext, rollout_id: int, batch: RolloutBatch) -> di
                 ctx.device,
             )
         )
-    adv = compute_advantages(
-        batch,
-        args.advantage_estimator,
-        gamma=args.gamma,
-        lambd=args.lambd,
-        kl_coef=args.kl_coef,
-        kl=reward_kl(batch, args.kl_loss_type) if args.kl_coef != 0.0 else None,
-    )
-    advantages = adv.advantages
-    if args.normalize_advantages:
-        advantages = normalize_advantages(
-            advantages, [s.mask for s in batch], group=ctx.dp_group_gloo
-        )
-    batch = batch.with_fields(advantages=advantages)
+    batch = with_advantages(batch, args, ctx.dp_group_gloo)
     results = []
     for step, step_batch in enumerate(split_steps(batch, num_steps)):
         if ctx.before_train_step_hook is not None:

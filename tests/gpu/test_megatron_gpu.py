@@ -10,70 +10,18 @@ Run: ``python -m pytest tests/gpu/test_megatron_gpu.py -v`` (2 GPUs; each test s
 
 from __future__ import annotations
 
-import importlib
-import multiprocessing as mp
-import os
-import socket
 import sys
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
+from nccl_ranks import SUPPORT, run_ranks
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-SUPPORT = str(Path(__file__).parents[1] / "miles_megatron")
 sys.path.insert(0, SUPPORT)
-
-
-def _rank(rank: int, world: int, port: int, target: str, args: tuple, queue) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
-    try:
-        sys.path.insert(0, SUPPORT)
-        import torch.distributed as dist
-
-        module, name = target.split(":")
-        fn = getattr(importlib.import_module(module), name)
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl")
-        result = fn(rank, world, *args)
-        dist.destroy_process_group()
-        queue.put((rank, "ok", result))
-    except BaseException:  # noqa: BLE001  (reported to the parent)
-        queue.put((rank, "error", traceback.format_exc()))
-
-
-def run_ranks(world: int, target: str, *args) -> list:
-    """``target(rank, world, *args)`` (``module:function`` of the test support) on ``world``
-    GPUs; every rank's result."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [
-        ctx.Process(target=_rank, args=(r, world, port, target, args, queue)) for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    results = {}
-    for _ in range(world):
-        rank, status, value = queue.get(timeout=500)
-        assert status == "ok", value
-        results[rank] = value
-    for p in procs:
-        p.join(timeout=30)
-    return [results[r] for r in range(world)]
 
 
 def test_tp2_train_matches_hf_adamw_and_resumes_at_tp1(tmp_path):

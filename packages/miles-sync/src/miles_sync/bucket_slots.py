@@ -3,9 +3,10 @@
 While bucket ``i`` is on its way (an HTTP call plus a broadcast, or an IPC load), bucket ``i + 1``
 is packed into the other slot; a slot is reused only after its previous bucket was delivered
 (the caller waits for that). Packing does not block the host: the copies are stream-ordered and
-a consumer on another thread calls :meth:`BucketSlots.wait_ready`. The byte layout is the codec's (:func:`miles_sync.buckets.bucket_layout`:
-each tensor at the next multiple of its item size, zero padding), so a receiver that rebuilds the
-layout from names, dtypes and shapes finds every tensor where the sender put it.
+a consumer on another thread calls :meth:`BucketSlots.wait_ready`. The byte layout is the
+codec's (:func:`miles_sync.buckets.bucket_layout`: each tensor at the next multiple of its item
+size, zero padding), so a receiver that rebuilds the layout from names, dtypes and shapes finds
+every tensor where the sender put it.
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@
         -> update_weight_version(new)          exactly one version change per publish
     end_weight_update  ->  continue_generation  (always, also after an error)
 
-Each step runs on every engine at once (a thread per engine). The new version is set only after every bucket landed, so a publish that died half-way is
-visible from outside: the engine's ``/get_model_info`` still reports the previous version.
+Each step runs on every engine at once (a thread per engine). The new version is set only
+after every bucket landed, so a publish that died half-way is visible from outside: the
+engine's ``/get_model_info`` still reports the previous version.
 The engine's update lock (begin/end) and the pause are always released on the engines that
 are still alive; the first failure is raised as :class:`~miles_sync.errors.PublishError` with
 the engine's message, and the publish can be retried.

@@ -274,7 +274,8 @@ def bench_shape(shape_name: str, args, root: Path) -> list[dict]:
     bcast_floor = broadcast_floor(nbytes, args.repeats)
     say(f"{shape_name}: floors {ipc_floor:.4f} s (copy), {bcast_floor:.4f} s (broadcast)")
 
-    def row(mode, seconds, floor, naive=None):
+    def row(mode, seconds, floor, naive=None, stats=None):
+        stats = stats or {}
         rows.append(
             dict(
                 shape=shape_name,
@@ -286,6 +287,9 @@ def bench_shape(shape_name: str, args, root: Path) -> list[dict]:
                 x_floor=seconds / floor if floor else None,
                 naive_seconds=naive,
                 x_faster_than_naive=naive / seconds if naive else None,
+                buckets=stats.get("buckets"),
+                phases=stats.get("phases"),  # the last repeat's, trainer rank 0
+                delivery_wait_s=stats.get("delivery_wait_s"),
             )
         )
 
@@ -299,9 +303,10 @@ def bench_shape(shape_name: str, args, root: Path) -> list[dict]:
         ipc = timed(
             lambda: publisher.update_weights(weights.items(), [ipc_engine.url]), args.repeats
         )
+        ipc_stats = publisher.last_stats
         publisher.close()
         naive = timed(lambda: naive_ipc(ipc_engine.url, weights), 1)
-        row("ipc", ipc, ipc_floor, naive)
+        row("ipc", ipc, ipc_floor, naive, ipc_stats)
         row("naive-ipc", naive, ipc_floor)
 
         say(f"{shape_name}: broadcast publish x{args.repeats}, then the naive per-tensor publish")
@@ -309,12 +314,13 @@ def bench_shape(shape_name: str, args, root: Path) -> list[dict]:
         publisher = WeightPublisher(config)
         run = lambda: publisher.update_weights(weights.items(), [bcast_engine.url])  # noqa: E731
         bcast = timed(run, args.repeats)
+        bcast_stats = publisher.last_stats
         publisher.close()
         client = EngineClient(bcast_engine.url, timeout=600)
         group = form_engine_group([client], group_name="naive", backend="nccl")
         naive = timed(lambda: naive_broadcast(group, weights), 1)
         group.close()
-        row("broadcast", bcast, bcast_floor, naive)
+        row("broadcast", bcast, bcast_floor, naive, bcast_stats)
         row("naive-broadcast", naive, bcast_floor)
         if args.p2p_ranks > 1:
             say(
@@ -358,6 +364,13 @@ def main() -> None:
             f"{r['shape']:6} {r['mode']:16} {r['gib']:7.2f} {r['seconds']:8.3f} "
             f"{r['gib_per_s']:8.1f} {r['floor_seconds']:8.4f} {x_floor:>8} {x_naive:>8}"
         )
+    print("where the time went (last repeat, trainer rank 0, ms):")
+    for r in rows:
+        if r.get("phases"):
+            parts = " ".join(f"{k} {v * 1e3:.1f}" for k, v in r["phases"].items())
+            wait = r.get("delivery_wait_s")
+            wait = f", of push waiting for the engine {wait * 1e3:.1f}" if wait is not None else ""
+            print(f"  {r['shape']} {r['mode']}: {r['buckets']} buckets; {parts}{wait}")
     Path(args.json).write_text(
         json.dumps({"rows": rows, "buffer_size": args.buffer_size}, indent=1)
     )

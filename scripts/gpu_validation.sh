@@ -65,7 +65,7 @@ for stage in "$@"; do
         --junitxml "$OUT/tests.xml" ${TESTS:-tests/gpu} ;;
     bench-sync)
       run_stage bench-sync 300 python3 scripts/bench_weight_sync.py \
-        --shapes ${SYNC_SHAPES:-1.7b 7b} --json "$OUT/bench_weight_sync.json" ;;
+        --shapes ${SYNC_SHAPES:-1.7b 7b} ${SYNC_EXTRA:-} --json "$OUT/bench_weight_sync${SYNC_TAG:-}.json" ;;
     bench-offload)
       run_stage bench-offload 180 python3 -m miles_offload.bench --device cuda:0 \
         --size-gb "${OFFLOAD_GB:-8}" --cycles 4 --disk-dir /tmp/offload_bench --json "$OUT/bench_offload.json" ;;

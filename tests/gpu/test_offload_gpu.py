@@ -90,3 +90,48 @@ def test_200_cycles_return_device_memory_and_keep_host_memory_constant():
         assert mover.host_bytes == host
         mover.wake_up()
     mover.close()
+
+
+def _segments_holding(tensors) -> set[int]:
+    """Base addresses of the caching allocator's segments that hold ``tensors``."""
+    segments = [
+        (s["address"], s["address"] + s["total_size"]) for s in torch.cuda.memory_snapshot()
+    ]
+    found = set()
+    for t in tensors:
+        ptr = t.data_ptr()
+        found.update(start for start, end in segments if start <= ptr < end)
+    return found
+
+
+def test_wake_carves_each_group_from_one_segment_and_sleep_returns_it():
+    torch.cuda.empty_cache()
+    baseline = torch.cuda.memory_reserved()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 1024, device="cuda")
+
+    def step():
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    reference = [p.detach().clone() for p in model.parameters()]
+    mover = DeviceMover({"actor": model}, [opt])
+    mover.sleep()
+    mover.wake_up()
+    weights = [p for p in model.parameters() if p.nbytes > (1 << 20)]
+    moments = [v for p in weights for v in opt.state[p].values() if v.nbytes > (1 << 20)]
+    assert len(weights) == 8 and len(moments) == 16
+    assert len(_segments_holding(weights)) == 1
+    assert len(_segments_holding(moments)) == 1
+    assert all(torch.equal(a, b) for a, b in zip(reference, model.parameters()))
+    for _ in range(3):  # training between wake and sleep leaves nothing behind in the segments
+        step()
+        mover.sleep()
+        torch.cuda.empty_cache()
+        assert torch.cuda.memory_reserved() - baseline <= 4 << 20  # x and small-pool leftovers
+        mover.wake_up()
+    mover.close()

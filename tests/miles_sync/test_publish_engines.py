@@ -154,6 +154,12 @@ def test_two_rank_publish_in_every_group_mode(engines, tmp_path):
             assert sent[0] > 0 and sent[1] == 0
         else:
             assert sent[0] > 0 and sent[1] > 0, mode
+        for r in rounds:  # where the publish's time went, on every rank
+            phases = r["stats"]["phases"]
+            assert list(phases) == ["prepare", "open", "push", "commit", "close"], mode
+            assert all(s >= 0 for s in phases.values())
+            assert sum(phases.values()) <= r["stats"]["seconds"] + 1e-3
+        assert rounds[0]["stats"]["delivery_wait_s"] <= rounds[0]["stats"]["phases"]["push"]
         want = expected_digests(model)
         for digests in rounds[0]["digests"]:
             assert {name: digests[name] for name in want} == want, mode

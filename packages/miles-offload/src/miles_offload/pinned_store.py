@@ -13,6 +13,9 @@ from miles_native import CopyEngine, PinnedArena
 from miles_offload.state_tensors import MovedTensor
 
 ALIGNMENT = 512  # bytes between slots; DMA-friendly and a multiple of every dtype size
+# torch's CUDA caching allocator: requests above 1 MiB come from its large pool, rounded to 512 B.
+LARGE_POOL_MIN = 1 << 20
+ALLOCATOR_ROUND = 512
 
 
 def _round_up(n: int, to: int) -> int:
@@ -21,6 +24,30 @@ def _round_up(n: int, to: int) -> int:
 
 def layout_of(entries: list[MovedTensor]) -> tuple[tuple[str, int, str], ...]:
     return tuple((e.key, e.nbytes, str(e.source.dtype)) for e in entries)
+
+
+def reserve_one_segment(entries: list[MovedTensor], device: torch.device) -> bool:
+    """Have torch's caching allocator carve the tensors about to be allocated for ``entries``
+    from one device segment instead of one segment each.
+
+    Allocating and freeing one block of their total size leaves a free cached segment of that
+    size; the allocations that follow are best-fit splits of it. The next sleep then frees one
+    segment (one ``cudaFree``) instead of hundreds, and this wake makes one ``cudaMalloc``.
+    Tensors of 1 MiB or less come from the allocator's small pool and are not counted. Returns
+    False (and changes nothing) when the block does not fit.
+
+    A segment is returned only when all of it is free: the moved tensors must die together,
+    which they do at the next sleep (a training step updates them in place).
+    """
+    total = sum(_round_up(e.nbytes, ALLOCATOR_ROUND) for e in entries if e.nbytes > LARGE_POOL_MIN)
+    if total == 0:
+        return False
+    try:
+        block = torch.empty(total, dtype=torch.uint8, device=device)
+    except torch.OutOfMemoryError:
+        return False
+    del block
+    return True
 
 
 class PinnedStore:
@@ -96,6 +123,8 @@ class PinnedStore:
         Copies are enqueued every ``submit_bytes`` of allocated tensors, so the copy engine is
         busy while the rest is allocated (a fresh allocation after a sleep is a cudaMalloc).
         """
+        if device.type == "cuda":
+            reserve_one_segment(entries, device)
         out, dst, src, size = [], [], [], []
         pending = 0
         for e in entries:

@@ -87,11 +87,10 @@ class BroadcastTransport(GroupTransport):
             for _ in source:  # collective source: iterate in lock step, send nothing
                 pass
             return {"buckets": 0, "bytes": 0}
-        sent, nbytes = push_buckets(
+        return push_buckets(
             source,
             self.group,
             buffer_size=self.buffer_size,
             device=self.device(),
             owns=lambda index: True,
         )
-        return {"buckets": sent, "bytes": nbytes}

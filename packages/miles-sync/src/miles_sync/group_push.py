@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from collections.abc import Callable, Iterable
 
 import torch
@@ -76,17 +77,19 @@ def push_buckets(
     buffer_size: int,
     device: torch.device,
     owns: Callable[[int], bool],
-) -> tuple[int, int]:
+) -> dict:
     """Iterate ``source``; deliver the buckets ``owns(index)`` selects through ``group``.
 
-    Returns (buckets sent, bytes sent). Raises the first delivery error after the source was
-    iterated to its end.
+    Returns ``{"buckets", "bytes", "delivery_wait_s"}``: the last is the time this thread spent
+    waiting for deliveries (HTTP replies and broadcasts) rather than iterating and packing. Raises
+    the first delivery error after the source was iterated to its end.
     """
     slots = BucketSlots(device, buffer_size)
     worker = concurrent.futures.ThreadPoolExecutor(1)
     in_flight: list[concurrent.futures.Future | None] = [None, None]
     error: BaseException | None = None
     sent = nbytes = 0
+    waited = 0.0
     try:
         for index, (named, last) in enumerate(plan_buckets_marked(source, buffer_size)):
             if error is not None or not owns(index):
@@ -94,23 +97,28 @@ def push_buckets(
             slot = sent % 2
             previous = in_flight[slot]
             if previous is not None:
+                since = time.perf_counter()
                 try:
                     previous.result()
                 except BaseException as failure:  # stop sending; keep iterating the source
                     error = failure
                     continue
+                finally:
+                    waited += time.perf_counter() - since
             flat, metadata = slots.pack(sent, named)
             in_flight[slot] = worker.submit(_deliver, slots, sent, group, flat, metadata, last)
             sent += 1
             nbytes += flat.numel()
+        since = time.perf_counter()
         for future in in_flight:
             if future is not None and error is None:
                 try:
                     future.result()
                 except BaseException as failure:
                     error = failure
+        waited += time.perf_counter() - since
     finally:
         worker.shutdown(wait=True)
     if error is not None:
         raise error
-    return sent, nbytes
+    return {"buckets": sent, "bytes": nbytes, "delivery_wait_s": round(waited, 6)}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import time
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -91,16 +92,19 @@ class IpcTransport:
         pending: concurrent.futures.Future | None = None
         error: BaseException | None = None
         buckets = nbytes = 0
+        waited = 0.0  # blocked on the engine's replies rather than packing
         try:
             marked = plan_buckets_marked(source, self.buffer_size)
             for index, (named, last) in enumerate(marked):
                 flat, metadata = self._slots.pack(index, named)
                 entry = serialize_bucket(flat, metadata)
                 if pending is not None:
+                    since = time.perf_counter()
                     try:
                         pending.result()
                     except BaseException as failure:
                         error = error or failure
+                    waited += time.perf_counter() - since
                     pending = None
                 entries = self.ctx.all_gather_object(entry)
                 if self.is_leader and error is None:
@@ -113,12 +117,14 @@ class IpcTransport:
                 buckets += 1
                 nbytes += flat.numel()
             if pending is not None:
+                since = time.perf_counter()
                 try:
                     pending.result()
                 except BaseException as failure:
                     error = error or failure
+                waited += time.perf_counter() - since
         finally:
             pool.shutdown(wait=True)
         if error is not None:
             raise error
-        return {"buckets": buckets, "bytes": nbytes}
+        return {"buckets": buckets, "bytes": nbytes, "delivery_wait_s": round(waited, 6)}

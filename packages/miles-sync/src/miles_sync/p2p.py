@@ -31,7 +31,6 @@ class P2PTransport(GroupTransport):
         return index % self.ctx.world_size == self.ctx.rank
 
     def push(self, source: Iterable[tuple[str, torch.Tensor]]) -> dict:
-        sent, nbytes = push_buckets(
+        return push_buckets(
             source, self.group, buffer_size=self.buffer_size, device=self.device(), owns=self.owns
         )
-        return {"buckets": sent, "bytes": nbytes}

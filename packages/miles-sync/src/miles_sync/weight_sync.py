@@ -185,6 +185,7 @@ class WeightPublisher:
     def _publish(self, source, clients: list[EngineClient], version: int) -> dict:
         ctx = self.ctx
         # 1. Connect (collective in p2p: every rank forms its own group).
+        start = time.perf_counter()
         error = None
         if self._transport is not None:
             try:
@@ -223,6 +224,16 @@ class WeightPublisher:
 
         # 3. The round: rank 0 opens it, every rank pushes, rank 0 commits and closes.
         round_ = PublishRound(clients, str(version), self.config.pause_mode)
+        phases = stats.setdefault("phases", {})
+        mark = start
+
+        def phase(name: str) -> None:
+            nonlocal mark
+            now = time.perf_counter()
+            phases[name] = round(now - mark, 6)
+            mark = now
+
+        phase("prepare")  # connect, and disk-delta's write and pull
         try:
             error = None
             if ctx.is_source:
@@ -233,6 +244,7 @@ class WeightPublisher:
             error = ctx.broadcast_object(error)
             if error is not None:
                 raise PublishError(error)
+            phase("open")
             error = None
             try:
                 if self.config.mode == "disk-delta":
@@ -248,6 +260,7 @@ class WeightPublisher:
             error = ctx.first_error(error)
             if error is not None:
                 raise PublishError(f"publish of weight version {version}: {error}")
+            phase("push")
             if ctx.is_source:
                 try:
                     round_.commit()
@@ -256,9 +269,11 @@ class WeightPublisher:
             error = ctx.broadcast_object(error)
             if error is not None:
                 raise PublishError(error)
+            phase("commit")
         finally:
             if ctx.is_source:
                 round_.close()
+        phase("close")
         return stats
 
     def close(self) -> None:

@@ -26,24 +26,39 @@ def layout_of(entries: list[MovedTensor]) -> tuple[tuple[str, int, str], ...]:
     return tuple((e.key, e.nbytes, str(e.source.dtype)) for e in entries)
 
 
-def reserve_one_segment(entries: list[MovedTensor], device: torch.device) -> bool:
-    """Have torch's caching allocator carve the tensors about to be allocated for ``entries``
-    from one device segment instead of one segment each.
+def plan_segments(nbytes: list[int], segment_bytes: int) -> dict[int, int]:
+    """Where :meth:`PinnedStore.copy_out` reserves allocator segments: ``{index: bytes}``, a
+    reservation made just before tensor ``index`` is allocated, covering it and the following
+    large-pool tensors up to ``segment_bytes`` in all (a larger tensor gets one of its own).
+    Tensors of 1 MiB or less come from the allocator's small pool and are not counted."""
+    plan: dict[int, int] = {}
+    first, total = None, 0
+    for i, n in enumerate(nbytes):
+        if n <= LARGE_POOL_MIN:
+            continue
+        size = _round_up(n, ALLOCATOR_ROUND)
+        if first is not None and total + size > segment_bytes:
+            plan[first] = total
+            first, total = None, 0
+        if first is None:
+            first = i
+        total += size
+    if first is not None:
+        plan[first] = total
+    return plan
 
-    Allocating and freeing one block of their total size leaves a free cached segment of that
-    size; the allocations that follow are best-fit splits of it. The next sleep then frees one
-    segment (one ``cudaFree``) instead of hundreds, and this wake makes one ``cudaMalloc``.
-    Tensors of 1 MiB or less come from the allocator's small pool and are not counted. Returns
-    False (and changes nothing) when the block does not fit.
 
-    A segment is returned only when all of it is free: the moved tensors must die together,
-    which they do at the next sleep (a training step updates them in place).
+def reserve_segment(nbytes: int, device: torch.device) -> bool:
+    """Leave one free cached segment of ``nbytes`` in torch's caching allocator, so that the
+    allocations that follow are best-fit splits of it rather than segments of their own.
+
+    The next sleep then frees a few large segments (one ``cudaFree`` each) instead of hundreds,
+    and wake makes a few ``cudaMalloc`` calls. A segment is returned to the device only when all
+    of it is free: the moved tensors die together at the next sleep (training updates them in
+    place). Returns False (and changes nothing) when the block does not fit.
     """
-    total = sum(_round_up(e.nbytes, ALLOCATOR_ROUND) for e in entries if e.nbytes > LARGE_POOL_MIN)
-    if total == 0:
-        return False
     try:
-        block = torch.empty(total, dtype=torch.uint8, device=device)
+        block = torch.empty(nbytes, dtype=torch.uint8, device=device)
     except torch.OutOfMemoryError:
         return False
     del block
@@ -117,17 +132,23 @@ class PinnedStore:
         engine: CopyEngine,
         after_stream: int,
         submit_bytes: int = 256 << 20,
+        segment_bytes: int = 2 << 30,
     ) -> list[torch.Tensor]:
         """Allocate device tensors and enqueue arena -> device copies (``e.source`` in the arena).
 
-        Copies are enqueued every ``submit_bytes`` of allocated tensors, so the copy engine is
-        busy while the rest is allocated (a fresh allocation after a sleep is a cudaMalloc).
+        On CUDA the tensors are carved from allocator segments of up to ``segment_bytes``
+        reserved as the allocation reaches them (:func:`plan_segments`); copies are enqueued
+        every ``submit_bytes`` of allocated tensors, so the copy engine is busy while the next
+        segment is reserved (a ``cudaMalloc``).
         """
+        reserve_at = {}
         if device.type == "cuda":
-            reserve_one_segment(entries, device)
+            reserve_at = plan_segments([e.nbytes for e in entries], segment_bytes)
         out, dst, src, size = [], [], [], []
         pending = 0
-        for e in entries:
+        for i, e in enumerate(entries):
+            if i in reserve_at:
+                reserve_segment(reserve_at[i], device)
             t = torch.empty(e.source.shape, dtype=e.source.dtype, device=device)
             out.append(t)
             if e.nbytes:

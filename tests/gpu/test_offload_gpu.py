@@ -127,6 +127,7 @@ def test_wake_carves_each_group_from_one_segment_and_sleep_returns_it():
     assert len(weights) == 8 and len(moments) == 16
     assert len(_segments_holding(weights)) == 1
     assert len(_segments_holding(moments)) == 1
+    del weights, moments  # the next sleep replaces the state tensors: hold none of them
     assert all(torch.equal(a, b.cpu()) for a, b in zip(reference, model.parameters()))
     for _ in range(3):  # training between wake and sleep leaves nothing behind in the segments
         step()

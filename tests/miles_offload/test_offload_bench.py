@@ -23,12 +23,17 @@ def test_bench_runs_and_accounts_for_its_time(tmp_path, capsys):
         "ours: wake, copy phase only",
         "ours: sleep to disk",
         "naive: .cpu() per tensor",
+        "diagnostic: H2D per tensor, allocated",
+        "diagnostic: H2D into fresh memory",
     ):
         assert rows[name]["seconds"] > 0, name
     sleep, wake = rows["ours: sleep (cycle >= 2)"], rows["ours: wake (cycle >= 2)"]
     assert sleep["ratio"] == pytest.approx(
         rows["ceiling: pinned D2H"]["gbps"] and sleep["gbps"] / rows["ceiling: pinned D2H"]["gbps"]
     )
+    per_tensor = rows["diagnostic: H2D per tensor, allocated"]
+    assert per_tensor["gigabytes"] == pytest.approx(result["state_gb"])
+    assert per_tensor["ceiling"] == "ceiling: pinned H2D"
     # the phases are parts of the call: they add up to no more than its wall time
     phases = result["phases_seconds"]
     assert set(phases["sleep"]) == {"plan", "copy", "rebind", "free"}

@@ -133,6 +133,57 @@ def disk_ceilings(nbytes: int, disk_dir: str, chunk_bytes: int) -> tuple[Row, Ro
         s.close(remove=True)
 
 
+def h2d_diagnostics(
+    model, opt, device, engine: CopyEngine, nbytes: int, ceiling: Row
+) -> tuple[Row, Row]:
+    """Two host-to-device copies that bracket wake's copy path (best of 3 each):
+
+    * the state's own tensors, one copy each from a pinned arena into device memory that is
+      already allocated (per-tensor overhead, no allocation);
+    * one copy of ``nbytes`` into memory allocated right before it, after the allocator
+      returned its cache (what a wake copies into).
+    """
+    tensors = list(model.parameters()) + [
+        v for st in opt.state.values() for k, v in st.items() if k != "step"
+    ]
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    arena = PinnedArena(sum(sizes))
+    dst = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
+    src, off = [], 0
+    for n in sizes:
+        src.append(arena.ptr + off)
+        off += n
+    ptrs = [d.data_ptr() for d in dst]
+    best = math.inf
+    for _ in range(4):  # the first is a warm-up
+        t = time.perf_counter()
+        engine.submit(ptrs, src, sizes, to_device=True).wait()
+        best = min(best, time.perf_counter() - t)
+    gb = sum(sizes) / 1e9
+    per_tensor = Row(
+        "diagnostic: H2D per tensor, allocated", gb, best, ceiling.name, gb / best / ceiling.gbps
+    )
+    del dst
+    fresh_best = math.inf
+    for _ in range(3):
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        t = time.perf_counter()
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        engine.submit([dev.data_ptr()], [arena.ptr], [nbytes], to_device=True).wait()
+        fresh_best = min(fresh_best, time.perf_counter() - t)
+        del dev
+    gb = nbytes / 1e9
+    fresh = Row(
+        "diagnostic: H2D into fresh memory",
+        gb,
+        fresh_best,
+        ceiling.name,
+        gb / fresh_best / ceiling.gbps,
+    )
+    return per_tensor, fresh
+
+
 def time_mover(model, opt, device, target, cycles, frozen=False):
     name = "model"
     mover = DeviceMover(
@@ -210,6 +261,7 @@ def run(args: argparse.Namespace) -> dict:
         Row("ours: 1st sleep (pins arena)", gb, first_s.seconds),
         Row("ours: 1st wake", gb, first_w.seconds),
     ]
+    rows += h2d_diagnostics(model, opt, device, engine, min(total, 2 << 30), h2d)
     fr, _ = time_mover(model, opt, device, OffloadTarget("cpu"), 2, frozen=True)
     model_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
     rows.append(Row("ours: frozen re-sleep", model_gb, fr[1][0].seconds))

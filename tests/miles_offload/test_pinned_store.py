@@ -1,6 +1,6 @@
-"""Wake's device layout helpers (plan_segments, coalesce_copies): arithmetic checked by hand."""
+"""Wake's device layout helpers (plan_segments): arithmetic checked by hand."""
 
-from miles_offload.pinned_store import coalesce_copies, plan_segments
+from miles_offload.pinned_store import plan_segments
 
 MiB = 1 << 20
 
@@ -26,40 +26,3 @@ def test_a_tensor_larger_than_a_segment_gets_its_own():
 def test_nothing_to_reserve():
     assert plan_segments([], 1 << 30) == {}
     assert plan_segments([0, 512, MiB], 1 << 30) == {}
-
-
-def test_copies_following_on_at_the_same_distance_merge():
-    # two tensors of 1000 and 24 bytes in 512-byte slots, then one that follows at a different
-    # distance on the device side, then one 600 bytes further (too far to be padding)
-    dst = [0, 1024, 1536, 1536 + 512 + 600 + 512]
-    src = [10_000, 11_024, 11_536 + 64, 11_536 + 64 + 512 + 600 + 512]
-    size = [1000, 24, 100, 8]
-    merged = coalesce_copies(dst, src, size)
-    assert merged == ([0, 1536, 2648 + 512], [10_000, 11_600, 13_224], [1048, 100, 8])
-
-
-def test_merged_copies_move_the_same_tensor_bytes():
-    """The merged list, applied to byte arrays, leaves every tensor's bytes where the per-tensor
-    list puts them (the gaps carry padding only)."""
-    import random
-
-    rng = random.Random(0)
-    sizes = [rng.choice([7, 512, 1000, 4096, 3]) for _ in range(40)]
-    offsets, end = [], 0
-    for n in sizes:
-        offsets.append(end)
-        end = (end + n + 511) // 512 * 512
-    source = bytes(rng.randrange(256) for _ in range(end))
-
-    def apply(dst, src, size):
-        out = bytearray(end)
-        for d, s, n in zip(dst, src, size):
-            out[d : d + n] = source[s : s + n]
-        return out
-
-    per_tensor = apply(offsets, offsets, sizes)
-    merged = coalesce_copies(offsets, offsets, sizes)
-    assert len(merged[0]) == 1  # one copy for the whole run
-    coalesced = apply(*merged)
-    for off, n in zip(offsets, sizes):
-        assert coalesced[off : off + n] == per_tensor[off : off + n]

@@ -48,38 +48,6 @@ def plan_segments(nbytes: list[int], segment_bytes: int) -> dict[int, int]:
     return plan
 
 
-def coalesce_copies(
-    dst: list[int], src: list[int], size: list[int], max_gap: int = ALIGNMENT
-) -> tuple[list[int], list[int], list[int]]:
-    """Merge copies whose sources and destinations both follow on from the previous copy's at
-    the same distance (less than ``max_gap`` bytes past its end): one larger copy instead of
-    several. The gap bytes are copied too; they are the padding of the earlier tensor's slot
-    (the arena's alignment and the caching allocator's 512-byte rounding coincide), which no
-    tensor reads. A wake's tensors, carved in order from one reserved segment, sit exactly so.
-
-    Only for CUDA memory: there every block is a multiple of 512 bytes at a 512-byte boundary,
-    so a gap under 512 bytes lies inside the earlier block. Host ``malloc`` gives no such
-    promise (another small allocation may sit in the gap)."""
-    out_dst: list[int] = []
-    out_src: list[int] = []
-    out_size: list[int] = []
-    for d, s_, n in zip(dst, src, size):
-        if out_dst:
-            gap_d = d - (out_dst[-1] + out_size[-1])
-            gap_s = s_ - (out_src[-1] + out_size[-1])
-            if gap_d == gap_s and 0 <= gap_d < max_gap:
-                out_size[-1] += gap_d + n
-                continue
-        out_dst.append(d)
-        out_src.append(s_)
-        out_size.append(n)
-    return out_dst, out_src, out_size
-
-
-def _as_is(dst: list[int], src: list[int], size: list[int]):
-    return dst, src, size
-
-
 def reserve_segment(nbytes: int, device: torch.device) -> bool:
     """Leave one free cached segment of ``nbytes`` in torch's caching allocator, so that the
     allocations that follow are best-fit splits of it rather than segments of their own.
@@ -154,8 +122,6 @@ class PinnedStore:
                 size.append(e.nbytes)
             else:
                 v.copy_(e.source, non_blocking=True)
-        if entries and entries[0].source.is_cuda:
-            dst, src, size = coalesce_copies(dst, src, size)
         engine.submit(dst, src, size, to_device=False, after_stream=after_stream)
         return views
 
@@ -176,10 +142,8 @@ class PinnedStore:
         segment is reserved (a ``cudaMalloc``).
         """
         reserve_at = {}
-        merge = _as_is
-        if device.type == "cuda":  # the allocator's 512-byte blocks make the gaps padding
+        if device.type == "cuda":
             reserve_at = plan_segments([e.nbytes for e in entries], segment_bytes)
-            merge = coalesce_copies
         out, dst, src, size = [], [], [], []
         pending = 0
         for i, e in enumerate(entries):
@@ -193,10 +157,10 @@ class PinnedStore:
                 size.append(e.nbytes)
                 pending += e.nbytes
             if pending >= submit_bytes:
-                engine.submit(*merge(dst, src, size), to_device=True, after_stream=after_stream)
+                engine.submit(dst, src, size, to_device=True, after_stream=after_stream)
                 dst, src, size, pending = [], [], [], 0
         if dst:
-            engine.submit(*merge(dst, src, size), to_device=True, after_stream=after_stream)
+            engine.submit(dst, src, size, to_device=True, after_stream=after_stream)
         return out
 
     def close(self) -> None:

@@ -182,11 +182,11 @@ def check_cpu_offloaded_optimizer_trains(hf_dir: str) -> None:
     inner = offloaded.optimizer.chained_optimizers[0].optimizer
     assert type(inner).__name__ == "HybridDeviceOptimizer"
     loss = offloaded.train(0, batch)["loss"]
-    got = {k: v.float() for k, v in offloaded.hf_weights()}
+    got = {k: v.float().cpu() for k, v in offloaded.hf_weights()}
     offloaded.close()
     plain = _backend(hf_dir, one_step)
     plain_loss = plain.train(0, batch)["loss"]
-    want = {k: v.float() for k, v in plain.hf_weights()}
+    want = {k: v.float().cpu() for k, v in plain.hf_weights()}
     plain.close()
     start = {k: v.float() for k, v in _backend_start_weights(hf_dir).items()}
     # the same weights before the step: the same forward

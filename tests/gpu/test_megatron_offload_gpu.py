@@ -171,10 +171,16 @@ def check_streamed_equals_in_memory(hf_dir: str, work: str, bucket_numel: int = 
 
 def check_cpu_offloaded_optimizer_trains(hf_dir: str) -> None:
     """--optimizer-cpu-offload: megatron's HybridDeviceOptimizer steps on the host (torch's CPU
-    AdamW). After one step its bf16 weights equal the device optimizer's up to the last bit of
-    a few casts (fp32 rounding differs between the two AdamW implementations). A second step is
-    not compared: with Adam's sign-like first updates (lr 1e-3) one flipped bf16 bit changes the
-    next gradients, and the runs drift apart for reasons that are not the optimizer's."""
+    AdamW). After one step (lr 1e-3) its bf16 weights equal the device optimizer's but for a
+    few rounding flips: at most 5% of the learning rate apart anywhere, and fewer than 0.1% of
+    the weights differ at all (a step that did not happen would move most weights by ~lr).
+
+    Not compared bit for bit, nor two steps on: Adam's first update is lr * g / (|g| + eps),
+    which for gradients near eps (1e-8) turns the last bits of g (cuDNN attention's backward is
+    not deterministic) into differences of 1e-5; measured on 2x H200: at most 73 of 3.1M
+    weights of a matrix differ, by at most 1.53e-5. One such flip changes the next step's
+    gradients, so losses two steps later drift apart for reasons that are not the optimizer's.
+    """
     batch = _batch()
     one_step = ["--num-steps-per-rollout", "1"]
     flags = ["--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d", *one_step]
@@ -189,19 +195,19 @@ def check_cpu_offloaded_optimizer_trains(hf_dir: str) -> None:
     want = {k: v.float().cpu() for k, v in plain.hf_weights()}
     plain.close()
     start = {k: v.float() for k, v in _backend_start_weights(hf_dir).items()}
+    lr = 1e-3  # BOTH_BACKENDS_FLAGS
     # the same weights before the step: the same forward
     assert abs(loss - plain_loss) <= 1e-6 * max(1.0, abs(plain_loss)), (loss, plain_loss)
     assert got.keys() == want.keys() and set(want) <= set(start)
     moved = differ = total = 0
     for name, w in want.items():
-        g = got[name]
-        ulp = torch.finfo(torch.bfloat16).eps * w.abs().clamp_min(1e-30)
-        assert ((g - w).abs() <= 2 * ulp).all(), name  # at most a rounding apart
-        differ += int((g != w).sum())
+        gap = float((got[name] - w).abs().max())
+        assert gap <= 0.05 * lr, f"{name}: {gap:.3g} apart"
+        differ += int((got[name] != w).sum())
         moved += int((w != start[name]).sum())
         total += w.numel()
     assert moved > total // 2, f"the step should change most weights, changed {moved} of {total}"
-    assert differ < total // 100, f"{differ} of {total} weights differ by a rounding"
+    assert differ < total // 1000, f"{differ} of {total} weights differ"
 
 
 def _backend_start_weights(hf_dir: str) -> dict[str, torch.Tensor]:

@@ -1,8 +1,10 @@
 """One training job: its pieces set up in order, torn down in reverse, and its data position.
 
 Setup order (what can fail on a bad file fails before Ray starts): tokenizer and prompts ->
-reward function -> Ray and the placement group -> trainer ranks (``init``, which resumes from
-``--load``) -> engines (health-checked) . Teardown closes the trainer (or kills it after a
+reward function -> Ray and the placement group -> engines started (disaggregated: they start
+while the trainer does) -> trainer ranks (``init``, which resumes from ``--load``) -> engines
+started (colocated: after the trainer, which sleeps first with ``--offload-train``) -> engines
+health-checked. Teardown closes the trainer (or kills it after a
 failure), stops the engines, removes the placement group and shuts down the Ray it started.
 
 Resume: the launcher keeps its own state next to the backend's checkpoint, written before
@@ -155,12 +157,21 @@ class Job:
         )
         self.placement = Placement(self.layout)
         self.trainer = TrainerGroup(self.placement, args.train_backend)
+        self.engines = EngineSet(args, self.placement)
+        # Disaggregated, the engines have GPUs of their own: they start while the trainer
+        # initialises. Colocated, they start once the trainer is built (and asleep with
+        # --offload-train), since they share its GPUs.
+        overlap = not self.layout.colocate
+        if overlap:
+            logger.info("starting the engines while the trainer initialises")
+            self.engines.start()
         next_rollout_id = self.trainer.init(args)
         self.state = read_launcher_state(args, next_rollout_id)
         if args.offload_train:
             self.trainer.sleep()
-        self.engines = EngineSet(args, self.placement)
-        self.engines.launch()
+        if not overlap:
+            self.engines.start()
+        self.engines.wait_ready()
 
     def teardown(self, failed: bool = False) -> None:
         import ray

@@ -1,9 +1,11 @@
 """The job's engines: launched on their bundles, health-checked, watched, stopped.
 
-``EngineSet.launch()`` starts one process per engine (SGLang or built-in) through a
+``EngineSet.start()`` starts one process per engine (SGLang or built-in) through a
 :class:`~miles_launch.engines.process.ProcessHost` actor on the engine's first bundle, with
-``CUDA_VISIBLE_DEVICES`` naming the GPUs of all its bundles; waits until every ``/health``
-answers 200; then starts the SGLang router (or registers with an external one). Any engine
+``CUDA_VISIBLE_DEVICES`` naming the GPUs of all its bundles, and returns at once;
+``EngineSet.wait_ready()`` waits until every ``/health`` answers 200, then starts the SGLang
+router (or registers with an external one). Between the two the job initialises the trainer
+(disaggregated), so that engine start-up and trainer start-up overlap. Any engine
 that exits, at start or later, raises :class:`~miles_launch.engines.process.EngineDied` with
 its log tail (:meth:`EngineSet.check_alive`).
 """
@@ -49,7 +51,8 @@ class EngineSet:
         self.router_url: str | None = None
 
     # ------------------------------------------------------------------ start
-    def launch(self) -> None:
+    def start(self) -> None:
+        """Start every engine's process; returns without waiting for them to serve."""
         import ray
 
         layout = self.placement.layout
@@ -72,6 +75,9 @@ class EngineSet:
             url = f"http://{ip}:{port}"
             self.engines.append(EngineProcess(f"engine {k}", url, host, pid, log_path))
             logger.info("engine %d: %s (pid %d, log %s)", k, url, pid, log_path)
+
+    def wait_ready(self) -> None:
+        """Wait until every started engine answers ``/health``, then start the router."""
         self.wait_healthy(self.engines)
         self._start_router()
 

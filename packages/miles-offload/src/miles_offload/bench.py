@@ -82,11 +82,20 @@ def build_state(shapes, device) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
+def state_tensors(model, opt) -> list[torch.Tensor]:
+    """What a sleep moves: the parameters and the optimizer's state (not its step counts)."""
+    return list(model.parameters()) + [
+        v for st in opt.state.values() for k, v in st.items() if k != "step"
+    ]
+
+
 def state_bytes(model, opt) -> int:
-    n = sum(p.numel() * p.element_size() for p in model.parameters())
-    for st in opt.state.values():
-        n += sum(v.numel() * v.element_size() for k, v in st.items() if k != "step")
-    return n
+    return sum(t.numel() * t.element_size() for t in state_tensors(model, opt))
+
+
+def against(name: str, gigabytes: float, seconds: float, ceiling: Row) -> Row:
+    """``gigabytes`` in ``seconds``, with its bandwidth as a fraction of ``ceiling``'s."""
+    return Row(name, gigabytes, seconds, ceiling.name, gigabytes / seconds / ceiling.gbps)
 
 
 def _sync(device: torch.device) -> None:
@@ -143,10 +152,7 @@ def h2d_diagnostics(
     * one copy of ``nbytes`` into memory allocated right before it, after the allocator
       returned its cache (what a wake copies into).
     """
-    tensors = list(model.parameters()) + [
-        v for st in opt.state.values() for k, v in st.items() if k != "step"
-    ]
-    sizes = [t.numel() * t.element_size() for t in tensors]
+    sizes = [t.numel() * t.element_size() for t in state_tensors(model, opt)]
     arena = PinnedArena(sum(sizes))
     dst = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
     src, off = [], 0
@@ -159,10 +165,7 @@ def h2d_diagnostics(
         t = time.perf_counter()
         engine.submit(ptrs, src, sizes, to_device=True).wait()
         best = min(best, time.perf_counter() - t)
-    gb = sum(sizes) / 1e9
-    per_tensor = Row(
-        "diagnostic: H2D per tensor, allocated", gb, best, ceiling.name, gb / best / ceiling.gbps
-    )
+    per_tensor = against("diagnostic: H2D per tensor, allocated", sum(sizes) / 1e9, best, ceiling)
     del dst
     fresh_best = math.inf
     for _ in range(3):
@@ -173,14 +176,7 @@ def h2d_diagnostics(
         engine.submit([dev.data_ptr()], [arena.ptr], [nbytes], to_device=True).wait()
         fresh_best = min(fresh_best, time.perf_counter() - t)
         del dev
-    gb = nbytes / 1e9
-    fresh = Row(
-        "diagnostic: H2D into fresh memory",
-        gb,
-        fresh_best,
-        ceiling.name,
-        gb / fresh_best / ceiling.gbps,
-    )
+    fresh = against("diagnostic: H2D into fresh memory", nbytes / 1e9, fresh_best, ceiling)
     return per_tensor, fresh
 
 
@@ -210,9 +206,7 @@ def _mean_phases(stats: list) -> dict[str, float]:
 
 
 def naive(model, opt, device) -> tuple[float, float]:
-    tensors = list(model.parameters()) + [
-        v for st in opt.state.values() for k, v in st.items() if k != "step"
-    ]
+    tensors = state_tensors(model, opt)
     _sync(device)
     t = time.perf_counter()
     host = [x.detach().to("cpu", copy=True) for x in tensors]
@@ -247,17 +241,11 @@ def run(args: argparse.Namespace) -> dict:
     sleep_s = sum(s.seconds for s in sleeps) / len(sleeps)
     wake_s = sum(w.seconds for w in wakes) / len(wakes)
 
-    def against(name: str, seconds: float, ceiling: Row) -> Row:
-        """Our ``gb`` in ``seconds``, as a fraction of ``ceiling``'s bandwidth."""
-        return Row(
-            name, gb, seconds, ceiling.name, ceiling.seconds / ceiling.gigabytes * gb / seconds
-        )
-
     rows += [
-        against("ours: sleep (cycle >= 2)", sleep_s, d2h),
-        against("ours: wake (cycle >= 2)", wake_s, h2d),
-        against("ours: sleep, copy phase only", _mean_phase(sleeps, "copy"), d2h),
-        against("ours: wake, copy phase only", _mean_phase(wakes, "copy"), h2d),
+        against("ours: sleep (cycle >= 2)", gb, sleep_s, d2h),
+        against("ours: wake (cycle >= 2)", gb, wake_s, h2d),
+        against("ours: sleep, copy phase only", gb, _mean_phase(sleeps, "copy"), d2h),
+        against("ours: wake, copy phase only", gb, _mean_phase(wakes, "copy"), h2d),
         Row("ours: 1st sleep (pins arena)", gb, first_s.seconds),
         Row("ours: 1st wake", gb, first_w.seconds),
     ]
@@ -276,14 +264,8 @@ def run(args: argparse.Namespace) -> dict:
         rows += [
             w_ceiling,
             r_ceiling,
-            Row(
-                "ours: sleep to disk",
-                gb,
-                ds,
-                w_ceiling.name,
-                w_ceiling.gbps and (gb / ds) / w_ceiling.gbps,
-            ),
-            Row("ours: wake from disk", gb, dw, r_ceiling.name, (gb / dw) / r_ceiling.gbps),
+            against("ours: sleep to disk", gb, ds, w_ceiling),
+            against("ours: wake from disk", gb, dw, r_ceiling),
         ]
         disk_info = {"dir": disk_dir, "o_direct": direct, "host_ring_bytes": ring}
 

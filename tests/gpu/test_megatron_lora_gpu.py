@@ -8,23 +8,28 @@ export loaded by PEFT and the FSDP backend, merged publish bit-exact.
 
 from __future__ import annotations
 
+import functools
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from nccl_ranks import SUPPORT, run_ranks
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-sys.path.insert(0, SUPPORT)
+# the CPU tests' support: the rank functions and the spawn harness (NCCL, one GPU per rank)
+sys.path.insert(0, str(Path(__file__).parents[1] / "miles_megatron"))
+from dist_ranks import spawn_ranks  # noqa: E402
+
+nccl_ranks = functools.partial(spawn_ranks, timeout=600, shim=False, backend="nccl")
 TARGETS = ["q_proj", "v_proj", "gate_proj", "down_proj"]
 
 
 def test_lora_backend_flow_on_gpus(tmp_path):
-    from lora_ranks import check_lora_flow, peft_adapter
+    from lora_ranks import backend_lora_flow, check_lora_flow, peft_adapter
     from megatron_tiny_models import make_tiny_hf
 
     hf_dir = str(make_tiny_hf("qwen3", tmp_path / "hf"))
@@ -32,5 +37,5 @@ def test_lora_backend_flow_on_gpus(tmp_path):
     export = tmp_path / "export"
     paths = (hf_dir, adapter, str(tmp_path / "save"), str(export))
     world = min(2, torch.cuda.device_count())
-    results = run_ranks(world, "lora_ranks:backend_lora_flow", *paths)
+    results = nccl_ranks(backend_lora_flow, world, *paths)
     check_lora_flow(results[0], hf_dir, export, TARGETS)

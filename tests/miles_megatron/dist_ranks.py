@@ -1,4 +1,6 @@
-"""Test support: run a function on N spawned gloo ranks with the megatron CPU shim installed.
+"""Test support: run a function on N spawned ranks: gloo with the megatron CPU shim installed
+(the CPU tests), or NCCL with one GPU per rank (the GPU tests in tests/gpu, which repeat these
+tests' checks at real sizes).
 
 ``spawn_ranks(fn, world_size, *args)`` returns every rank's return value (picklable) and
 raises the first rank's error; a rank that does not finish within ``timeout`` seconds fails the
@@ -24,7 +26,14 @@ def free_port() -> int:
 
 
 def _entry(
-    rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, shim: bool
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable,
+    args: tuple,
+    queue,
+    shim: bool,
+    backend: str,
 ) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -32,8 +41,9 @@ def _entry(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
-        OMP_NUM_THREADS="1",
     )
+    if backend == "gloo":
+        os.environ["OMP_NUM_THREADS"] = "1"
     try:
         import sys
 
@@ -43,10 +53,13 @@ def _entry(
         sys.path.insert(0, os.path.dirname(__file__))
         import megatron_shim
 
-        torch.set_num_threads(1)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        else:
+            torch.set_num_threads(1)
         if shim:
             megatron_shim.install()
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         try:
             result = fn(rank, world_size, *args)
         finally:
@@ -61,17 +74,29 @@ def _entry(
 
 
 def spawn_ranks(
-    fn: Callable, world_size: int, *args: Any, timeout: float = 180, shim: bool = True
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    timeout: float = 180,
+    shim: bool = True,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return their results.
 
     ``shim=False`` leaves torch as it is (for code that is not megatron-core, e.g. FSDP).
+    ``backend="nccl"``: rank ``r`` on GPU ``r``, no shim (megatron-core's CUDA paths are real).
     """
+    if backend == "nccl" and shim:
+        raise ValueError("the megatron CPU shim is for gloo ranks: pass shim=False with nccl")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, shim), daemon=False)
+        ctx.Process(
+            target=_entry,
+            args=(r, world_size, port, fn, args, queue, shim, backend),
+            daemon=False,
+        )
         for r in range(world_size)
     ]
     for p in procs:

@@ -48,21 +48,19 @@ def plan_segments(nbytes: list[int], segment_bytes: int) -> dict[int, int]:
     return plan
 
 
-def reserve_segment(nbytes: int, device: torch.device) -> bool:
+def reserve_segment(nbytes: int, device: torch.device) -> None:
     """Leave one free cached segment of ``nbytes`` in torch's caching allocator, so that the
     allocations that follow are best-fit splits of it rather than segments of their own.
 
     The next sleep then frees a few large segments (one ``cudaFree`` each) instead of hundreds,
     and wake makes a few ``cudaMalloc`` calls. A segment is returned to the device only when all
     of it is free: the moved tensors die together at the next sleep (training updates them in
-    place). Returns False (and changes nothing) when the block does not fit.
+    place). When the block does not fit, nothing changes: the tensors get segments of their own.
     """
     try:
-        block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        torch.empty(nbytes, dtype=torch.uint8, device=device)
     except torch.OutOfMemoryError:
-        return False
-    del block
-    return True
+        pass
 
 
 class PinnedStore:

@@ -58,7 +58,7 @@ def free_port() -> int:
 
 def bench_engine(args, model_path: Path, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
     port = free_port()
-    cmd = [sys.executable, "-m", "miles_launch.engine", "--model-path", str(model_path)]
+    cmd = [sys.executable, "-m", "miles_launch.builtin_engine", "--model-path", str(model_path)]
     cmd += ["--port", str(port), "--device", args.device, "--dtype", args.dtype]
     cmd += ["--max-running-requests", str(args.max_running_requests)]
     proc = subprocess.Popen(cmd)

@@ -6,7 +6,7 @@ against a naive publish.
 Needs 2 GPUs (``nvidia-h200-x2``): the IPC engine shares GPU 0 with the trainer (colocated), the
 broadcast engine sits on GPU 1 (NCCL needs one GPU per rank). Each shape is a Qwen3-shaped bf16
 model with random weights, written once as a HF checkpoint that the built-in engine
-(``python -m miles_launch.engine --device cuda:N``) loads; the trainer's tensors live on GPU 0.
+(``python -m miles_launch.builtin_engine --device cuda:N``) loads; the trainer's tensors live on GPU 0.
 
 Rows (median of ``--repeats`` after one warm-up):
 
@@ -107,7 +107,7 @@ def write_checkpoint(shape_name: str, root: Path) -> tuple[Path, dict[str, torch
 class Engine:
     def __init__(self, model_path: Path, device: str, port: int, log_dir: Path):
         self.url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "miles_launch.engine", "--model-path", str(model_path)]
+        cmd = [sys.executable, "-m", "miles_launch.builtin_engine", "--model-path", str(model_path)]
         cmd += ["--port", str(port), "--device", device, "--dtype", "bfloat16"]
         self.log = open(log_dir / f"engine-{port}.log", "w")  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)

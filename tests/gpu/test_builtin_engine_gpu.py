@@ -88,7 +88,7 @@ def test_cuda_ipc_tensor_updates(setup):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs the engine on another GPU")
 def test_nccl_broadcast_update(setup):
     import torch.distributed as dist
-    from miles_launch.engine.weights import join_weight_update_group
+    from miles_launch.builtin_engine.weights import join_weight_update_group
 
     server, models, _, refs, _ = setup
     port = free_port()

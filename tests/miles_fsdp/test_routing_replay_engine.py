@@ -1,6 +1,6 @@
 """R3 end to end: the built-in engine's routed experts replayed in the FSDP trainer.
 
-The engine (``python -m miles_launch.engine --enable-return-routed-experts``) samples a
+The engine (``python -m miles_launch.builtin_engine --enable-return-routed-experts``) samples a
 response from a tiny MoE and returns its log-probs and routed experts. The trainer loads the
 same weights except for a perturbed router, chosen so that its own top-k differs from the
 engine's while the routing weights at the engine's experts stay the same:

@@ -61,7 +61,7 @@ def free_port() -> int:
 
 
 class EngineProcess:
-    """``python -m miles_launch.engine`` on a free port; waits for /health."""
+    """``python -m miles_launch.builtin_engine`` on a free port; waits for /health."""
 
     def __init__(
         self, model_path: Path, *flags: str, api_key: str | None = None, timeout: float = 120.0
@@ -71,7 +71,7 @@ class EngineProcess:
         cmd = [
             sys.executable,
             "-m",
-            "miles_launch.engine",
+            "miles_launch.builtin_engine",
             "--model-path",
             str(model_path),
             "--port",

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from engine_testing import EngineProcess, save_tokenizer, tiny_qwen3, tiny_qwen3_moe
-from miles_launch.engine.weights import WeightStore
+from miles_launch.builtin_engine.weights import WeightStore
 
 API_KEY = "sekrit"
 
@@ -83,7 +83,7 @@ def test_tp_size_above_one_is_an_error_naming_the_flag(tmp_path):
         [
             sys.executable,
             "-m",
-            "miles_launch.engine",
+            "miles_launch.builtin_engine",
             "--model-path",
             str(tmp_path),
             "--tp-size",

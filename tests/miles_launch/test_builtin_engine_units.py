@@ -12,9 +12,9 @@ from multiprocessing.reduction import ForkingPickler
 import pytest
 import torch
 import torch.multiprocessing as mp
-from miles_launch.engine.safe_unpickle import UnsafePayloadError, decode_serialized
-from miles_launch.engine.sampling import SamplingParams, SamplingParamsError, choose_token
-from miles_launch.engine.weights import decode_tensor_payload
+from miles_launch.builtin_engine.safe_unpickle import UnsafePayloadError, decode_serialized
+from miles_launch.builtin_engine.sampling import SamplingParams, SamplingParamsError, choose_token
+from miles_launch.builtin_engine.weights import decode_tensor_payload
 from miles_sync.buckets import dumps_sglang_wire, pack_bucket, to_sglang_metadata
 
 

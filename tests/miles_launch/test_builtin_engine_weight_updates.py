@@ -74,7 +74,7 @@ def test_update_from_disk(engine, models):
 def test_update_from_distributed_gloo(engine, models):
     """The test process is rank 0 and hosts the TCPStore, as the trainer does."""
     import torch.distributed as dist
-    from miles_launch.engine.weights import join_weight_update_group
+    from miles_launch.builtin_engine.weights import join_weight_update_group
 
     port = free_port()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:

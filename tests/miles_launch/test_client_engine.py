@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing
 from engine_testing import EngineProcess, free_port, greedy_recompute, reference
 from miles_core.engine import AsyncEngineClient, EngineClient, EngineError, SamplingParams
-from miles_launch.engine.weights import join_weight_update_group
+from miles_launch.builtin_engine.weights import join_weight_update_group
 from miles_sync.buckets import dumps_sglang_wire, pack_bucket, to_sglang_metadata
 
 # Starts an engine subprocess (torch + transformers import, model load).

@@ -9,9 +9,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from launch_testing import parse
-from miles_launch.engines.builtin_launcher import builtin_engine_command
-from miles_launch.engines.router import external_router_url, register_worker, router_command
-from miles_launch.engines.sglang_launcher import sglang_server_command
+from miles_launch.engine_launch.builtin_launcher import builtin_engine_command
+from miles_launch.engine_launch.router import external_router_url, register_worker, router_command
+from miles_launch.engine_launch.sglang_launcher import sglang_server_command
 
 
 def test_sglang_command_line_with_passthrough(tmp_path):
@@ -96,7 +96,7 @@ def test_builtin_engine_command_line(tmp_path):
     args = parse(tmp_path, "--rollout-engine", "builtin")
     cmd = builtin_engine_command(args, host="127.0.0.1", port=5, device="cpu", python="py")
     assert cmd == [
-        "py", "-m", "miles_launch.engine",
+        "py", "-m", "miles_launch.builtin_engine",
         "--model-path", str(tmp_path / "hf"),
         "--host", "127.0.0.1",
         "--port", "5",

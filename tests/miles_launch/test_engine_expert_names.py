@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_testing import tiny_qwen3_moe
-from miles_launch.engine.weights import WeightStore
+from miles_launch.builtin_engine.weights import WeightStore
 from safetensors import safe_open
 
 

@@ -6,7 +6,7 @@ import signal
 import sys
 import time
 
-from miles_launch.engines.process import ProcessHost, exit_description, read_tail
+from miles_launch.engine_launch.process import ProcessHost, exit_description, read_tail
 
 
 def _wait_exit(host: ProcessHost, timeout: float = 30.0) -> int:

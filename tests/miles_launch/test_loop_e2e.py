@@ -210,7 +210,7 @@ def _engine_pids(marker: str) -> list[int]:
         except OSError:
             continue
         args = [a.decode(errors="replace") for a in cmdline]
-        if "miles_launch.engine" in args and marker in args:
+        if "miles_launch.builtin_engine" in args and marker in args:
             pids.append(int(entry))
     return pids
 

@@ -31,8 +31,8 @@ from engine_testing import EngineProcess, tiny_qwen3_moe
 from engine_testing import save_tokenizer as save_char_tokenizer
 from miles_core.args import ArgumentError, entry_point_groups, parse_args
 from miles_launch.demo import demo_flags, write_demo_prompts
-from miles_launch.engines.builtin_launcher import builtin_engine_command
-from miles_launch.engines.sglang_launcher import sglang_server_command
+from miles_launch.engine_launch.builtin_launcher import builtin_engine_command
+from miles_launch.engine_launch.sglang_launcher import sglang_server_command
 from miles_launch.rollout.generate import Generator, SamplingConfig, to_rollout_batch
 from miles_launch.rollout.prompts import Prompt
 from miles_launch.rollout.routed_experts import (
@@ -290,7 +290,7 @@ def test_miles_train_with_routing_replay(tmp_path):
     engine_log = re.search(r"engine 0: \S+ \(pid \d+, log (\S+)\)", output)
     assert engine_log, output[-2000:]
     command = Path(engine_log.group(1)).read_text().splitlines()[0]
-    assert "miles_launch.engine" in command and "--enable-return-routed-experts" in command
+    assert "miles_launch.builtin_engine" in command and "--enable-return-routed-experts" in command
     (record,) = [r for r in map(json.loads, metrics.read_text().splitlines()) if "train" in r]
     assert record["train"]["tis"] == pytest.approx(1.0, abs=1e-4)
     assert record["train"]["tis_clipfrac"] == 0.0

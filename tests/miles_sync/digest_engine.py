@@ -1,7 +1,7 @@
 """The built-in engine plus one test-only endpoint, ``GET /weights_digest``.
 
 ``python digest_engine.py --model-path DIR --port P`` serves exactly what ``python -m
-miles_launch.engine`` serves (same argument parser, state and app) and adds a route that returns
+miles_launch.builtin_engine`` serves (same argument parser, state and app) and adds a route that returns
 the xxh3-128 of every parameter's raw bytes, read on the scheduler thread, so tests can compare
 the engine's live weights with the trainer's bit for bit.
 """
@@ -13,8 +13,8 @@ import asyncio
 import torch
 import uvicorn
 import xxhash
-from miles_launch.engine.__main__ import build_state, parse_args
-from miles_launch.engine.server import build_app
+from miles_launch.builtin_engine.__main__ import build_state, parse_args
+from miles_launch.builtin_engine.server import build_app
 
 
 def digests(tensors: dict[str, torch.Tensor]) -> dict[str, list]:

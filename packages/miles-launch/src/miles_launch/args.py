@@ -129,7 +129,7 @@ class EngineLaunchArgs(ArgGroup):
 
     @classmethod
     def validate(cls, args: Any) -> None:
-        from miles_launch.engines.sglang_launcher import check_passthrough
+        from miles_launch.engine_launch.sglang_launcher import check_passthrough
 
         check_passthrough(args.sglang_passthrough)
         if (args.sglang_router_ip is None) != (args.sglang_router_port is None):

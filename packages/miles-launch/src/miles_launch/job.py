@@ -23,7 +23,7 @@ from typing import Any
 
 from miles_core.checkpoint_layout import atomic_write_text, iteration_dir_name, resolve_load
 
-from miles_launch.engines.engine_set import EngineSet
+from miles_launch.engine_launch.engine_set import EngineSet
 from miles_launch.placement import Layout, Placement, init_ray, plan_layout, prepare_ray_env
 from miles_launch.reporting import Reporter
 from miles_launch.rollout.prompts import Prompt, PromptOrder, load_prompts

@@ -24,7 +24,7 @@ from miles_core.backends import BackendNotInstalledError
 from miles_core.checkpoint_layout import CheckpointError
 from miles_core.engine import EngineError
 
-from miles_launch.engines.process import EngineDied
+from miles_launch.engine_launch.process import EngineDied
 from miles_launch.rollout.prompts import PromptDataError
 from miles_launch.trainer_group import TrainerFailure
 

@@ -8,7 +8,7 @@ go to the router, or round-robin over the engines. With routing replay (a
 sets ``return_routed_experts`` and the reply's routed experts travel with the sample
 (``Sample.routed_experts``, see :mod:`miles_launch.rollout.routed_experts`). While requests
 are in flight every engine process is polled each second: an engine that dies raises
-:class:`~miles_launch.engines.process.EngineDied` with its log tail instead of a bare
+:class:`~miles_launch.engine_launch.process.EngineDied` with its log tail instead of a bare
 connection error.
 """
 

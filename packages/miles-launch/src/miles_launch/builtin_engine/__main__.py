@@ -1,4 +1,4 @@
-"""``python -m miles_launch.engine --model-path DIR --port P``: serve the built-in engine.
+"""``python -m miles_launch.builtin_engine --model-path DIR --port P``: serve the built-in engine.
 
 Loads the model, starts the scheduler thread, runs one 1-token generation (the health
 check: ``/health`` answers 200 only after it succeeded), then serves HTTP with uvicorn.
@@ -19,7 +19,7 @@ _DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 def parse_args(argv: list[str] | None = None):
-    p = argparse.ArgumentParser(prog="python -m miles_launch.engine", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m miles_launch.builtin_engine", description=__doc__)
     p.add_argument(
         "--model-path", required=True, help="HF model directory (config, safetensors, tokenizer)"
     )
@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None = None):
 
     if ns.device.startswith("cuda") and not torch.cuda.is_available():
         _fail(f"--device {ns.device}: CUDA is not available")
-    from miles_launch.engine.server import EngineConfig
+    from miles_launch.builtin_engine.server import EngineConfig
 
     config = EngineConfig(**vars(ns))
     logging.basicConfig(level=log_level.upper())
@@ -73,8 +73,8 @@ def _fail(message: str) -> None:
 
 def health_check(scheduler, tokenizer, timeout: float = 300.0) -> None:
     """Generate one token through the scheduler; raise if it does not come back."""
-    from miles_launch.engine.sampling import SamplingParams
-    from miles_launch.engine.scheduler import Request
+    from miles_launch.builtin_engine.sampling import SamplingParams
+    from miles_launch.builtin_engine.scheduler import Request
 
     done = threading.Event()
     prompt = tokenizer.encode("hello") or [0]
@@ -94,9 +94,9 @@ def build_state(config):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from miles_launch.engine.scheduler import Scheduler
-    from miles_launch.engine.server import EngineState
-    from miles_launch.engine.weights import WeightStore
+    from miles_launch.builtin_engine.scheduler import Scheduler
+    from miles_launch.builtin_engine.server import EngineState
+    from miles_launch.builtin_engine.weights import WeightStore
 
     device = torch.device(config.device)
     if device.type == "cuda" and device.index is not None:
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     import uvicorn
 
-    from miles_launch.engine.server import build_app
+    from miles_launch.builtin_engine.server import build_app
 
     state = build_state(config)
     app = build_app(state)

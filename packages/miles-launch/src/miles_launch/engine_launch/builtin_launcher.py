@@ -1,4 +1,4 @@
-"""The command line of one built-in engine (``python -m miles_launch.engine``).
+"""The command line of one built-in engine (``python -m miles_launch.builtin_engine``).
 
 The built-in engine serves the HF model with transformers on one device; ``--sglang-*``
 passthrough flags do not apply to it (they are logged and ignored). Under
@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 def builtin_engine_command(
     args: Any, *, host: str, port: int, device: str, python: str = sys.executable
 ) -> list[str]:
-    """``python -m miles_launch.engine ...`` for one engine of this job."""
+    """``python -m miles_launch.builtin_engine ...`` for one engine of this job."""
     if args.sglang_passthrough:
         logger.warning(
             "built-in engine: ignoring SGLang flags %s",
@@ -28,7 +28,7 @@ def builtin_engine_command(
     cmd = [
         python,
         "-m",
-        "miles_launch.engine",
+        "miles_launch.builtin_engine",
         "--model-path",
         str(args.hf_checkpoint),
         "--host",

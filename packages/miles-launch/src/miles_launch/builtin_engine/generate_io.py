@@ -6,7 +6,7 @@ import base64
 
 import torch
 
-from miles_launch.engine.scheduler import Request
+from miles_launch.builtin_engine.scheduler import Request
 
 
 class GenerateInputError(ValueError):

@@ -1,12 +1,12 @@
 """The job's engines: launched on their bundles, health-checked, watched, stopped.
 
 ``EngineSet.start()`` starts one process per engine (SGLang or built-in) through a
-:class:`~miles_launch.engines.process.ProcessHost` actor on the engine's first bundle, with
+:class:`~miles_launch.engine_launch.process.ProcessHost` actor on the engine's first bundle, with
 ``CUDA_VISIBLE_DEVICES`` naming the GPUs of all its bundles, and returns at once;
 ``EngineSet.wait_ready()`` waits until every ``/health`` answers 200, then starts the SGLang
 router (or registers with an external one). Between the two the job initialises the trainer
 (disaggregated), so that engine start-up and trainer start-up overlap. Any engine
-that exits, at start or later, raises :class:`~miles_launch.engines.process.EngineDied` with
+that exits, at start or later, raises :class:`~miles_launch.engine_launch.process.EngineDied` with
 its log tail (:meth:`EngineSet.check_alive`).
 """
 
@@ -19,10 +19,10 @@ from typing import Any
 
 from miles_core.engine import EngineClient, EngineError
 
-from miles_launch.engines.builtin_launcher import builtin_engine_command
-from miles_launch.engines.process import EngineDied, ProcessHost, exit_description
-from miles_launch.engines.router import external_router_url, register_worker, router_command
-from miles_launch.engines.sglang_launcher import sglang_server_command
+from miles_launch.engine_launch.builtin_launcher import builtin_engine_command
+from miles_launch.engine_launch.process import EngineDied, ProcessHost, exit_description
+from miles_launch.engine_launch.router import external_router_url, register_worker, router_command
+from miles_launch.engine_launch.sglang_launcher import sglang_server_command
 from miles_launch.placement import ENGINE_HOST_SHARE, Placement
 from miles_launch.rollout.routed_experts import routing_replay_on
 

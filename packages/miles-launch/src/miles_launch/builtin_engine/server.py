@@ -18,12 +18,12 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from miles_launch.engine.generate_io import GenerateInputError, format_reply, parse_prompts
-from miles_launch.engine.safe_unpickle import UnsafePayloadError
-from miles_launch.engine.sampling import SamplingParams, SamplingParamsError
-from miles_launch.engine.scheduler import Request as GenRequest
-from miles_launch.engine.scheduler import Scheduler
-from miles_launch.engine.weights import (
+from miles_launch.builtin_engine.generate_io import GenerateInputError, format_reply, parse_prompts
+from miles_launch.builtin_engine.safe_unpickle import UnsafePayloadError
+from miles_launch.builtin_engine.sampling import SamplingParams, SamplingParamsError
+from miles_launch.builtin_engine.scheduler import Request as GenRequest
+from miles_launch.builtin_engine.scheduler import Scheduler
+from miles_launch.builtin_engine.weights import (
     WeightStore,
     decode_tensor_payload,
     destroy_weight_update_group,

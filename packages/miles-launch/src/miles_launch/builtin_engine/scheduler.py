@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from miles_launch.engine.routed_experts import RoutedExpertsRecorder
-from miles_launch.engine.sampling import (
+from miles_launch.builtin_engine.routed_experts import RoutedExpertsRecorder
+from miles_launch.builtin_engine.sampling import (
     SamplingParams,
     abort_reason,
     choose_token,

@@ -3,7 +3,7 @@
 Every update ends in :meth:`WeightStore.load_named`: each ``(name, tensor)`` is copied into
 the parameter (or buffer) of that HF name, cast to the parameter's dtype; a checkpoint's
 per-expert name goes into its slice of transformers' batched expert parameter
-(:mod:`~miles_launch.engine.expert_names`). A name the model does not have, or a shape that
+(:mod:`~miles_launch.builtin_engine.expert_names`). A name the model does not have, or a shape that
 differs, fails the whole call with a message naming it.
 """
 
@@ -19,8 +19,8 @@ import torch.distributed as dist
 from miles_sync.buckets import bucket_layout, unpack_bucket
 from safetensors.torch import load_file
 
-from miles_launch.engine.expert_names import batched_expert_slice
-from miles_launch.engine.safe_unpickle import UnsafePayloadError, decode_serialized
+from miles_launch.builtin_engine.expert_names import batched_expert_slice
+from miles_launch.builtin_engine.safe_unpickle import UnsafePayloadError, decode_serialized
 
 WEIGHT_UPDATE_TIMEOUT = datetime.timedelta(minutes=10)
 

@@ -1,16 +1,19 @@
 #!/usr/bin/env python3
-"""Bump one workspace package's version; keep its dependents' ranges admitting it.
+"""Bump one workspace package's version; move its dependents' ranges to the new release.
 
     uv run scripts/bump_version.py miles-core minor      # 0.1.0 -> 0.2.0
 
 1. ``[project].version`` in the package's pyproject.toml: major -> (M+1).0.0, minor ->
    M.(m+1).0, patch -> M.m.(p+1).
 2. A ``## <new version>`` header at the top of the package's CHANGELOG.md (fill in the notes).
-3. Every requirement on the package in the other packages' ``dependencies`` and
-   ``optional-dependencies`` that the new version falls outside of is widened: its lower bound
-   stays, its upper bound becomes the next incompatible release of the new version (``<0.(m+1)``
-   below 1.0, ``<(M+1)`` from 1.0 on). ``miles-core>=0.1,<0.2`` becomes ``miles-core>=0.1,<0.3``
-   after a minor bump of miles-core to 0.2.0. A patch bump never leaves a compatible range.
+3. On a minor or major bump, every requirement on the package in the other packages'
+   ``dependencies`` and ``optional-dependencies`` is moved to the new release: its lower bound
+   becomes the new ``MAJOR.MINOR`` and its upper bound the next incompatible release
+   (``<0.(m+1)`` below 1.0, ``<(M+1)`` from 1.0 on). ``miles-core>=0.1,<0.2`` becomes
+   ``miles-core>=0.2,<0.3`` after a minor bump of miles-core to 0.2.0. The dependents are
+   developed against the package as it is now (below 1.0 a minor release changes the API), so a
+   range that still admitted the old release would let a user install a combination nobody
+   tested. A patch bump leaves the ranges alone (a patch stays inside them).
 
 The pyproject files are edited in place as text (comments and layout kept). Run ``uv lock``
 afterwards. Errors (unknown package, malformed version) print one line and exit with status 2.
@@ -81,22 +84,22 @@ def next_incompatible(version: str) -> str:
     return f"0.{minor + 1}" if major == 0 else f"{major + 1}"
 
 
-def widened(requirement: str, new_version: str) -> str | None:
-    """``requirement`` with its upper bound raised to admit ``new_version``; None if it does."""
+def retargeted(requirement: str, new_version: str) -> str | None:
+    """``requirement`` moved to ``>=MAJOR.MINOR,<next incompatible`` of ``new_version``.
+
+    None when it already reads so. Pins (``==``, ``~=``, ``===``) are refused: edit them by hand.
+    """
     req = Requirement(requirement)
-    if req.specifier.contains(new_version, prereleases=True):
-        return None
-    kept = [spec for spec in req.specifier if spec.operator in (">=", ">", "!=")]
-    dropped = [spec for spec in req.specifier if spec.operator not in (">=", ">", "!=", "<", "<=")]
-    if dropped:
-        raise BumpError(f"requirement '{requirement}' pins with {dropped[0]}; widen it by hand")
-    lower = sorted(kept, key=lambda s: (s.operator != ">=", s.operator))
-    specs = [str(s) for s in lower] + [f"<{next_incompatible(new_version)}"]
+    pinned = [spec for spec in req.specifier if spec.operator not in (">=", ">", "!=", "<", "<=")]
+    if pinned:
+        raise BumpError(f"requirement '{requirement}' pins with {pinned[0]}; edit it by hand")
+    major, minor = Version(new_version).release[:2]
+    specs = [f">={major}.{minor}", f"<{next_incompatible(new_version)}"]
     extras = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
     marker = f" ; {req.marker}" if req.marker else ""
     new = f"{req.name}{extras}{','.join(specs)}{marker}"
-    if not Requirement(new).specifier.contains(new_version, prereleases=True):
-        raise BumpError(f"cannot widen '{requirement}' to admit {new_version}; edit it by hand")
+    if Requirement(new).specifier == req.specifier:
+        return None
     return new
 
 
@@ -148,14 +151,14 @@ def bump(root: Path, package: str, part: str) -> list[str]:
     changes.append(f"{target.changelog}: added '## {new_version}'")
 
     for other in packages.values():
-        if other.name == target.name:
+        if other.name == target.name or part == "patch":
             continue
         text = other.pyproject.read_text()
         edited = text
         for requirement in dependent_requirements(other.pyproject):
             if canonicalize_name(Requirement(requirement).name) != target.name:
                 continue
-            new = widened(requirement, new_version)
+            new = retargeted(requirement, new_version)
             if new is None:
                 continue
             edited = edited.replace(f'"{requirement}"', f'"{new}"')

@@ -98,7 +98,7 @@ def test_patch_bump_leaves_dependents_alone(workspace):
     assert changelog.startswith("# Changelog — miles-core\n\n## 0.1.1\n\n## 0.1.0\n")
 
 
-def test_minor_bump_widens_every_dependent(workspace):
+def test_minor_bump_moves_every_dependent_to_the_new_release(workspace):
     out = _bump(workspace, "miles-core", "minor")
     assert out.returncode == 0, out.stderr
     assert _project(workspace, "packages/miles-core")["version"] == "0.2.0"
@@ -111,11 +111,11 @@ def test_minor_bump_widens_every_dependent(workspace):
         "packages/miles-sync",
     }
     for member, reqs in deps.items():
-        assert reqs == ["miles-core>=0.1,<0.3"], member
+        assert reqs == ["miles-core>=0.2,<0.3"], member
     # Other requirements and the rest of the files are untouched.
     fsdp = (workspace / "packages/miles-fsdp/pyproject.toml").read_text()
     original = _pyproject(*LAYOUT["packages/miles-fsdp"])
-    assert fsdp == original.replace('"miles-core>=0.1,<0.2"', '"miles-core>=0.1,<0.3"')
+    assert fsdp == original.replace('"miles-core>=0.1,<0.2"', '"miles-core>=0.2,<0.3"')
     assert "miles-core: 0.1.0 -> 0.2.0" in out.stdout
 
 
@@ -125,20 +125,20 @@ def test_major_bump_reaches_optional_dependencies(workspace):
     assert out.returncode == 0, out.stderr
     assert _project(workspace, "packages/miles-fsdp")["version"] == "1.0.0"
     extras = _project(workspace, "packages/miles-launch")["optional-dependencies"]
-    assert extras["fsdp"] == ["miles-fsdp>=0.1,<2"]
+    assert extras["fsdp"] == ["miles-fsdp>=1.0,<2"]
     assert extras["megatron"] == untouched  # another package's range is left alone
-    # From 1.0 on the range is per major: a later minor bump stays inside it.
+    # From 1.0 on the upper bound is per major; a minor bump raises the lower bound only.
     assert _bump(workspace, "miles-fsdp", "minor").returncode == 0
     assert _project(workspace, "packages/miles-fsdp")["version"] == "1.1.0"
     extras = _project(workspace, "packages/miles-launch")["optional-dependencies"]
-    assert extras["fsdp"] == ["miles-fsdp>=0.1,<2"]
+    assert extras["fsdp"] == ["miles-fsdp>=1.1,<2"]
 
 
 def test_native_package_bumps_too(workspace):
     assert _bump(workspace, "miles_native", "minor").returncode == 0
     assert _project(workspace, "native")["version"] == "0.2.0"
     assert _deps_on(workspace, "miles-native") == {
-        "packages/miles-offload": ["miles-native>=0.1,<0.3"]
+        "packages/miles-offload": ["miles-native>=0.2,<0.3"]
     }
 
 
@@ -152,3 +152,28 @@ def test_bad_input_is_one_line_and_status_2(workspace):
     out = _bump(workspace, "miles-core", "huge")
     assert out.returncode == 2 and "invalid choice: 'huge'" in out.stderr
     assert _project(workspace, "packages/miles-core")["version"] == "0.1.0"
+
+
+def test_the_workspace_ranges_start_at_each_siblings_current_release():
+    """Every requirement on a sibling reads ``>=its MAJOR.MINOR,<its next incompatible``.
+
+    That is what bump_version leaves behind; a range edited by hand, or one a bump missed, would
+    let a user install a combination of releases that was never tested together.
+    """
+    sys.path.insert(0, str(SCRIPT.parent))
+    import bump_version
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    packages = bump_version.workspace_packages(REPO)
+    stale = []
+    for package in packages.values():
+        for requirement in bump_version.dependent_requirements(package.pyproject):
+            name = canonicalize_name(Requirement(requirement).name)
+            if name in packages:
+                assert Requirement(requirement).specifier.contains(packages[name].version)
+                if bump_version.retargeted(requirement, packages[name].version) is not None:
+                    stale.append(
+                        f"{package.name}: {requirement} ({name} is {packages[name].version})"
+                    )
+    assert stale == []

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Run the GPU tests and benchmarks on the device machine, stage by stage, each under its own
-# time limit, writing logs and JSON results to $OUT (default: ./gpu_out).
+# Run the GPU tests and benchmarks on a GPU node, stage by stage, each under its own time limit,
+# writing logs and JSON results to OUT_DIR.
 #
-#   bash scripts/gpu_validation.sh setup tests bench-sync          # one call
-#   bash scripts/gpu_validation.sh setup bench-fsdp bench-adam     # another
+#   bash scripts/gpu_validation.sh [--out OUT_DIR] [--wheels WHEEL_DIR] STAGE...
+#   bash scripts/gpu_validation.sh --out results --wheels wheels setup tests bench-sync
+#
+# --out defaults to ./gpu_out; --wheels (offline wheels for the setup stage) to none.
 #
 # Stages:
-#   setup          scripts/device_setup.sh (carried wheels, editable packages, CUDA native build)
+#   setup          scripts/gpu_node_setup.sh WHEEL_DIR (offline wheels, editable packages, CUDA native build)
 #   tests          pytest tests/gpu (skips what the machine lacks); TESTS=... picks files
 #   bench-sync     scripts/bench_weight_sync.py (2 GPUs)           SYNC_SHAPES (default "1.7b 7b")
 #   bench-offload  miles-offload-bench on cuda:0, cpu and disk targets
@@ -23,10 +25,23 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-OUT=${OUT:-gpu_out}
+OUT=gpu_out
+WHEELS=""
+while [ $# -gt 0 ]; do
+  case $1 in
+    --out) OUT=$2; shift 2 ;;
+    --wheels) WHEELS=$2; shift 2 ;;
+    --) shift; break ;;
+    -*) echo "gpu_validation: unknown option $1" >&2; exit 2 ;;
+    *) break ;;
+  esac
+done
+if [ $# -eq 0 ]; then
+  echo "usage: scripts/gpu_validation.sh [--out OUT_DIR] [--wheels WHEEL_DIR] STAGE..." >&2
+  exit 2
+fi
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-if [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}; fi
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 start=$SECONDS
 failed=0
@@ -59,7 +74,7 @@ run_stage() {  # name default_limit command...
 for stage in "$@"; do
   case $stage in
     setup)
-      run_stage setup 120 bash scripts/device_setup.sh ;;
+      run_stage setup 120 bash scripts/gpu_node_setup.sh "$WHEELS" ;;
     tests)
       run_stage tests 420 python3 -m pytest -o addopts="" -q -rs --timeout 300 \
         --junitxml "$OUT/tests.xml" ${TESTS:-tests/gpu} ;;

@@ -1,6 +1,6 @@
 """FSDP backend on 2 GPUs with NCCL and sdpa: the CPU suite's invariants on real devices.
 
-Run on the device machine: ``uv run pytest tests/gpu/test_fsdp_gpu.py`` (skipped without CUDA).
+Run on a GPU node: ``uv run pytest tests/gpu/test_fsdp_gpu.py`` (skipped without CUDA).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from spawn import run_ranks  # noqa: E402
 from test_gradients import reference_grads  # noqa: E402
 from test_train import make_samples, reference_params  # noqa: E402
 from tiny_models import save_tiny_model  # noqa: E402
+from tolerances import adam_step_atol, assert_within  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -49,12 +50,13 @@ def test_train_two_gpus_sdpa_matches_reference(tmp_path):
     out = tmp_path / "t.pt"
     run_ranks(2, rollout_program, hf_dir, samples, configs, str(out), backend="nccl", timeout=300)
     got = torch.load(out, map_location="cpu", weights_only=False)
-    ref = reference_params(hf_dir, samples)
+    ref, grads = reference_params(hf_dir, samples)
     for label in ("one_micro", "many_micro"):
         for name, value in ref.items():
-            torch.testing.assert_close(
-                got[label]["params"][name], value, atol=1e-5, rtol=0, msg=f"{label}: {name}"
-            )
+            # SDPA's backward on a GPU accumulates in another order than the CPU reference: a
+            # looser gradient error than the CPU test's, still turned into lr units by Adam.
+            atol = adam_step_atol(grads[name], value, lr=1e-3, eps=1e-8, grad_rel_err=1e-4)
+            assert_within(got[label]["params"][name], value, atol, f"{label}: {name}")
     assert torch.isfinite(torch.tensor(got["bf16"]["metrics"]["pg_loss"]))
     assert got["bf16"]["metrics"]["peak_memory_gb"] > 0
 

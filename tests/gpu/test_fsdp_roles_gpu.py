@@ -2,7 +2,7 @@
 and EMA state keeps outputs and optimizer updates equal to a never-slept control over 3
 cycles, bit for bit, and each sleep really releases that state's device memory.
 
-Run on the device machine (2 GPUs)::
+Run on a GPU node (2 GPUs)::
 
     CUBLAS_WORKSPACE_CONFIG=:4096:8 uv run pytest -q tests/gpu/test_fsdp_roles_gpu.py
 

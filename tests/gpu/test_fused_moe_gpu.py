@@ -3,7 +3,7 @@
 Skipped without CUDA. The kernels are imported here, at collection, compiled for the GPU; the
 interpreter tests (tests/miles_native/test_fused_moe.py) then skip in the same process.
 
-Run on the device machine: ``uv run pytest tests/gpu/test_fused_moe_gpu.py`` (one GPU).
+Run on a GPU node: ``uv run pytest tests/gpu/test_fused_moe_gpu.py`` (one GPU).
 """
 
 import sys

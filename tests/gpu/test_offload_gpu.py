@@ -1,6 +1,6 @@
 """DeviceMover on a CUDA device: real async copies, uneven FSDP shards, memory returned.
 
-Skipped without CUDA (tests/conftest.py). Run on the device machine with
+Skipped without CUDA (tests/conftest.py). Run on a GPU node with
 ``uv run pytest tests/gpu/test_offload_gpu.py``.
 """
 

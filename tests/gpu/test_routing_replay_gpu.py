@@ -27,7 +27,7 @@ weights, same routing) against float64 gives ``floor_logp`` (max abs log-prob er
 * the trainer's router gradient (replay) has relative error below ``max(3 * floor_grad, 1e-2)``
   against float64, for every MoE layer.
 
-Run on the device machine (one GPU, ~2 min): ``python3 -m pytest -s tests/gpu/test_routing_replay_gpu.py``
+Run on a GPU node (one GPU, ~2 min): ``python3 -m pytest -s tests/gpu/test_routing_replay_gpu.py``
 (``-s`` prints the measured errors). The same check at tiny sizes on the CPU (kernels under
 Triton's interpreter; not part of CI): ``uv run python tests/gpu/test_routing_replay_gpu.py``.
 """

@@ -1,6 +1,6 @@
 """StreamedAdamW on a CUDA device: fused AdamW bit-identity, at most 3 buckets resident.
 
-Skipped without CUDA (tests/conftest.py). Run on the device machine with
+Skipped without CUDA (tests/conftest.py). Run on a GPU node with
 ``python -m pytest tests/gpu/test_streamed_adam_gpu.py``.
 """
 

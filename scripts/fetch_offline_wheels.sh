@@ -1,22 +1,26 @@
 #!/usr/bin/env bash
-# Download, on a machine with internet, the Python 3.12 wheels the GPU machine lacks into .whl/.
+# Download the Python 3.12 wheels a GPU node without package-index access needs, into DEST_DIR.
 #
-#   scripts/fetch_device_wheels.sh            # -> .whl/*.whl  (then carry ".whl" to the device)
+#   scripts/fetch_offline_wheels.sh DEST_DIR     # on a machine with the index, then copy DEST_DIR
 #
-# The GPU machine's image already holds torch 2.11, transformers, peft, safetensors, xxhash,
-# httpx, numpy, pyyaml, rich, tqdm, tensorboard, matplotlib, pytest, packaging, pathspec and
-# pluggy (/work/.library/device/KINDS.md). What it lacks, and miles needs, is listed below.
-# Versions come from uv.lock where the workspace locks them (the Python >= 3.12 entry), so the
-# device runs what CI resolved; megatron-core is the 0.16 line CI (Python 3.11) tests.
-# Build backends are pinned here: they are not in uv.lock. typing-extensions and packaging are
-# carried (though the image has them) because pydantic and hatchling need recent ones.
+# For a GPU node whose image already holds torch (with CUDA), transformers, peft, safetensors,
+# xxhash, httpx, numpy, pyyaml, rich, tqdm, tensorboard, matplotlib, pytest, packaging, pathspec
+# and pluggy: what such an image lacks, and miles needs, is listed below. Versions come from
+# uv.lock where the workspace locks them (the Python >= 3.12 entry), so the node runs what CI
+# resolved; megatron-core is the 0.16 line CI (Python 3.11) tests. Build backends are pinned here:
+# they are not in uv.lock. typing-extensions and packaging are included (though such images have
+# them) because pydantic and hatchling need recent ones.
 #
-# Not carried: ray (its wheel alone is larger than the 64 MiB a device call may carry); the
-# device runs backends under torchrun, not the Ray launcher.
+# Not included: ray (its wheel is large); such a node runs the backends under torchrun. Set
+# PYTHON for the interpreter that reads uv.lock (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DEST=${DEST:-.whl}
+if [ $# -ne 1 ]; then
+  echo "usage: scripts/fetch_offline_wheels.sh DEST_DIR" >&2
+  exit 2
+fi
+DEST=$1
 PYTHON=${PYTHON:-python3}
 
 # name -> version ("lock" = take it from uv.lock).
@@ -49,7 +53,7 @@ import sys, tomllib
 name = sys.argv[1]
 entries = [p for p in tomllib.load(open("uv.lock", "rb"))["package"] if p["name"] == name]
 if not entries:
-    sys.exit(f"fetch_device_wheels: {name} is not in uv.lock; pin it in PACKAGES")
+    sys.exit(f"fetch_offline_wheels: {name} is not in uv.lock; pin it in PACKAGES")
 for p in entries:  # several entries: the one resolved for Python >= 3.12
     if any(">= '3.12'" in m for m in p.get("resolution-markers", [])):
         print(p["version"]); break
@@ -73,7 +77,7 @@ for spec in "${specs[@]}"; do
   rm -f "$DEST/${stem}"-[0-9]*.whl
 done
 
-echo "fetch_device_wheels: ${specs[*]}"
+echo "fetch_offline_wheels: ${specs[*]}"
 "$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: \
   --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \

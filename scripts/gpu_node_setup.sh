@@ -1,44 +1,47 @@
 #!/usr/bin/env bash
-# Prepare the GPU machine for miles, offline, in seconds:
-#   1. install the carried Python 3.12 wheels from .whl/ (made by scripts/fetch_device_wheels.sh);
-#   2. install every workspace package editable, without dependencies (the image has torch 2.11
-#      and the rest; no resolver, no index, no build isolation);
-#   3. build miles-native with the machine's nvcc (CUDA on, sm_90), editable;
+# Prepare a GPU node for the GPU tests and benchmarks, offline, in seconds:
+#   1. install the Python 3.12 wheels in WHEEL_DIR (made by scripts/fetch_offline_wheels.sh), if any;
+#   2. install every workspace package editable, without dependencies (the node's image has torch
+#      with CUDA and the rest; no resolver, no index, no build isolation);
+#   3. build miles-native with the node's nvcc (CUDA on, sm_90 by default), editable;
 #   4. import everything and print what was built.
 #
-# Usage on the device (carry ".whl" with the call):
-#   bash scripts/device_setup.sh && python3 -m pytest tests/gpu
+#   bash scripts/gpu_node_setup.sh [WHEEL_DIR] && python3 -m pytest tests/gpu
 #
-# Environment: PYTHON (default python3), WHEELS (default .whl), MILES_NATIVE_CUDA (default ON;
-# AUTO or OFF for a CPU-only build), CUDA_ARCHS (default 90, the H200's sm_90).
+# On a GPU node that reaches the package index, `uv sync` (CUDA torch from the lock) followed by
+# the native build of BUILD_NOTES.md does the same; this script is for images without an index.
+# Environment: PYTHON (default python3), MILES_NATIVE_CUDA (default ON; AUTO or OFF for a CPU-only
+# build), CUDA_ARCHS (default 90: Hopper).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
-WHEELS=${WHEELS:-.whl}
+WHEELS=${1:-}
 export MILES_NATIVE_CUDA=${MILES_NATIVE_CUDA:-ON}
 CUDA_ARCHS=${CUDA_ARCHS:-90}
 PIP=("$PYTHON" -m pip install --quiet --no-index --no-deps --no-compile --disable-pip-version-check)
 start=$SECONDS
 
-say() { echo "device_setup [$((SECONDS - start))s]: $*"; }
+say() { echo "gpu_node_setup [$((SECONDS - start))s]: $*"; }
 
 say "$("$PYTHON" -c 'import sys; print("python", sys.version.split()[0])'),\
  $("$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>/dev/null || echo "no torch")"
 
-# 1. Carried wheels.
-shopt -s nullglob
-wheels=("$WHEELS"/*.whl)
-shopt -u nullglob
+# 1. The offline wheels.
+wheels=()
+if [ -n "$WHEELS" ]; then
+  shopt -s nullglob
+  wheels=("$WHEELS"/*.whl)
+  shopt -u nullglob
+  [ ${#wheels[@]} -gt 0 ] || say "no wheels in $WHEELS/"
+fi
 if [ ${#wheels[@]} -gt 0 ]; then
-  say "installing ${#wheels[@]} carried wheels from $WHEELS/"
+  say "installing ${#wheels[@]} wheels from $WHEELS/"
   "${PIP[@]}" "${wheels[@]}"
-else
-  say "no wheels in $WHEELS/ (run scripts/fetch_device_wheels.sh here and carry .whl)"
 fi
 for backend in hatchling scikit_build_core pybind11; do
   if ! "$PYTHON" -c "import $backend" 2>/dev/null; then
-    echo "device_setup: build backend '$backend' is missing; carry it in $WHEELS/ (scripts/fetch_device_wheels.sh)" >&2
+    echo "gpu_node_setup: build backend '$backend' is missing; put its wheel in WHEEL_DIR (scripts/fetch_offline_wheels.sh)" >&2
     exit 1
   fi
 done
@@ -76,6 +79,6 @@ print(f"  backends registered: {', '.join(backends.available()) or 'none'}")
 EOF
 if [ "$MILES_NATIVE_CUDA" = ON ]; then
   "$PYTHON" -c "import miles_native, sys; sys.exit(0 if miles_native.built_with_cuda() else 1)" \
-    || { echo "device_setup: miles_native was built without CUDA" >&2; exit 1; }
+    || { echo "gpu_node_setup: miles_native was built without CUDA" >&2; exit 1; }
 fi
 say "done"

@@ -1,0 +1,68 @@
+"""Tolerances derived from the arithmetic, for tests that compare fp32 training to a reference.
+
+A numeric test compares what our code computes in fp32 with a reference written in the test
+(usually float64). The allowed difference comes from how fp32 rounding propagates through the
+operations involved, not from what one machine happened to give: another CPU kernel path
+(AVX2, AVX-512, or ATen's ``default`` one; CI runs the numeric tests under both) rounds
+differently, and a bound that was read off one machine fails on the next.
+
+``FP32_EPS`` is fp32's unit roundoff (2^-24). A gradient is a sum over tokens of products along the
+backward chain; its fp32 rounding error is bounded, relative to the tensor's largest gradient, by
+``GRAD_REL_ERR``: a few hundred roundings (reductions of ~100 token contributions through a
+2-layer model's backward), i.e. ~2^-24 * 256 ~ 1.5e-5, rounded up to 2e-5.
+
+Adam turns gradient rounding into lr-sized differences: at step 1 its update is
+``lr * g / (|g| + eps)``, whose derivative in ``g`` is ``lr * eps / (|g| + eps)^2``; an element whose
+gradient is within a few ``eps`` of zero can flip its update by up to ``2 * lr`` for a last-bit
+difference in ``g``. :func:`adam_step_atol` gives that bound element by element, so elements with
+ordinary gradients are still held to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP32_EPS = 2.0**-24
+GRAD_REL_ERR = 2e-5
+
+
+def ulp_atol(reference: torch.Tensor, ulps: float = 8) -> torch.Tensor:
+    """``ulps`` units in the last place of fp32 at each element's magnitude."""
+    return ulps * FP32_EPS * reference.double().abs().clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def adam_step_atol(
+    grad: torch.Tensor,
+    param: torch.Tensor,
+    *,
+    lr: float,
+    eps: float,
+    steps: int = 1,
+    grad_rel_err: float = GRAD_REL_ERR,
+) -> torch.Tensor:
+    """Elementwise bound on ``|fp32 weight - reference weight|`` after ``steps`` Adam(W) steps.
+
+    ``grad`` is the reference gradient of the first step and ``param`` the reference weight.
+    The gradient's fp32 error ``dg = grad_rel_err * max|grad|`` moves the step-1 update
+    ``g / (|g| + eps)`` by at most ``eps * dg / (|g| + eps)^2`` (never more than 2); each step
+    adds at most that times ``lr``, plus a few ulps for the update's own rounding, at the
+    magnitude of the operands (the weight before the step, at most ``|param| + lr`` a step).
+    """
+    g = grad.double().abs()
+    dg = grad_rel_err * float(g.max()) if g.numel() else 0.0
+    sensitivity = (eps * dg / (g + eps) ** 2).clamp(max=2.0)
+    return steps * (lr * sensitivity + ulp_atol(param.double().abs() + steps * lr))
+
+
+def assert_within(got: torch.Tensor, want: torch.Tensor, atol: torch.Tensor, what: str) -> None:
+    """``|got - want| <= atol`` element by element, reporting the worst element if not."""
+    diff = (got.double() - want.double()).abs()
+    excess = diff - atol.double()
+    if bool((excess > 0).any()):
+        worst = int(excess.argmax())
+        raise AssertionError(
+            f"{what}: {int((excess > 0).sum())} of {diff.numel()} elements outside the bound; "
+            f"worst at {worst}: |{float(got.flatten()[worst]):.9g} - "
+            f"{float(want.flatten()[worst]):.9g}| = {float(diff.flatten()[worst]):.3g} "
+            f"> {float(atol.flatten()[worst]):.3g}"
+        )

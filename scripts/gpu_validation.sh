@@ -25,11 +25,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-OUT=gpu_out
+OUT_DIR=gpu_out
 WHEELS=""
 while [ $# -gt 0 ]; do
   case $1 in
-    --out) OUT=$2; shift 2 ;;
+    --out) OUT_DIR=$2; shift 2 ;;
     --wheels) WHEELS=$2; shift 2 ;;
     --) shift; break ;;
     -*) echo "gpu_validation: unknown option $1" >&2; exit 2 ;;
@@ -40,7 +40,7 @@ if [ $# -eq 0 ]; then
   echo "usage: scripts/gpu_validation.sh [--out OUT_DIR] [--wheels WHEEL_DIR] STAGE..." >&2
   exit 2
 fi
-mkdir -p "$OUT"
+mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 start=$SECONDS
@@ -59,16 +59,16 @@ run_stage() {  # name default_limit command...
   shift 2
   say "stage $name (limit ${limit}s): $*"
   local t0=$SECONDS
-  timeout --signal=TERM --kill-after=15 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  timeout --signal=TERM --kill-after=15 "$limit" "$@" >"$OUT_DIR/$name.log" 2>&1
   local rc=$?
-  tail -n 25 "$OUT/$name.log"
+  tail -n 25 "$OUT_DIR/$name.log"
   if [ $rc -ne 0 ]; then
     failed=$((failed + 1))
     say "stage $name FAILED (rc $rc) after $((SECONDS - t0))s"
   else
     say "stage $name ok after $((SECONDS - t0))s"
   fi
-  echo "{\"stage\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - t0))}" >>"$OUT/stages.jsonl"
+  echo "{\"stage\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - t0))}" >>"$OUT_DIR/stages.jsonl"
 }
 
 for stage in "$@"; do
@@ -77,41 +77,41 @@ for stage in "$@"; do
       run_stage setup 120 bash scripts/gpu_node_setup.sh "$WHEELS" ;;
     tests)
       run_stage tests 420 python3 -m pytest -o addopts="" -q -rs --timeout 300 \
-        --junitxml "$OUT/tests.xml" ${TESTS:-tests/gpu} ;;
+        --junitxml "$OUT_DIR/tests.xml" ${TESTS:-tests/gpu} ;;
     bench-sync)
       run_stage bench-sync 300 python3 scripts/bench_weight_sync.py \
-        --shapes ${SYNC_SHAPES:-1.7b 7b} ${SYNC_EXTRA:-} --json "$OUT/bench_weight_sync${SYNC_TAG:-}.json" ;;
+        --shapes ${SYNC_SHAPES:-1.7b 7b} ${SYNC_EXTRA:-} --json "$OUT_DIR/bench_weight_sync${SYNC_TAG:-}.json" ;;
     bench-offload)
       run_stage bench-offload 180 python3 -m miles_offload.bench --device cuda:0 \
-        --size-gb "${OFFLOAD_GB:-8}" --cycles 4 --disk-dir /tmp/offload_bench --json "$OUT/bench_offload.json" ;;
+        --size-gb "${OFFLOAD_GB:-8}" --cycles 4 --disk-dir /tmp/offload_bench --json "$OUT_DIR/bench_offload.json" ;;
     bench-adam)
       if [ -n "${ADAM_PARAMS_B-1 2}" ]; then
         run_stage bench-adam 240 python3 scripts/bench_streamed_adam.py \
           --params-b ${ADAM_PARAMS_B-1 2} --moment-dtype ${ADAM_DTYPES:-fp32 bf16} \
           --steps "${ADAM_STEPS:-2}" ${ADAM_EXTRA:-} --disk-dir /tmp/adam_bench \
-          --json "$OUT/bench_streamed_adam_1gpu.json"
+          --json "$OUT_DIR/bench_streamed_adam_1gpu.json"
       fi
       if [ "$NGPU" -ge 2 ] && [ -n "${ADAM_PARAMS_B_2GPU-4}" ]; then
         run_stage bench-adam-2gpu 240 torchrun --nproc-per-node 2 scripts/bench_streamed_adam.py \
           --params-b ${ADAM_PARAMS_B_2GPU-4} --moment-dtype fp32 --steps "${ADAM_STEPS:-2}" \
-          ${ADAM_EXTRA:-} --disk-dir /tmp/adam_bench --json "$OUT/bench_streamed_adam_2gpu.json"
+          ${ADAM_EXTRA:-} --disk-dir /tmp/adam_bench --json "$OUT_DIR/bench_streamed_adam_2gpu.json"
       fi ;;
     bench-fsdp)
       run_stage bench-fsdp-1gpu 240 torchrun --nproc-per-node 1 scripts/bench_fsdp_train.py \
-        --iters "${FSDP_ITERS:-6}" --out "$OUT/bench_fsdp_1gpu.json"
+        --iters "${FSDP_ITERS:-6}" --out "$OUT_DIR/bench_fsdp_1gpu.json"
       if [ "$NGPU" -ge 2 ]; then
         run_stage bench-fsdp-2gpu 240 torchrun --nproc-per-node 2 scripts/bench_fsdp_train.py \
-          --iters "${FSDP_ITERS:-6}" --out "$OUT/bench_fsdp_2gpu.json"
+          --iters "${FSDP_ITERS:-6}" --out "$OUT_DIR/bench_fsdp_2gpu.json"
       fi ;;
     bench-megatron)
       for n in ${MEGATRON_GPUS:-1 2}; do
         [ "$n" -le "$NGPU" ] || continue
         run_stage "bench-megatron-${n}gpu" 240 torchrun --nproc-per-node "$n" \
           scripts/bench_megatron_train.py --stack-dump-s 45 --tp "$n" \
-          --out "$OUT/bench_megatron_${n}gpu.json"
+          --out "$OUT_DIR/bench_megatron_${n}gpu.json"
       done ;;
     bench-moe)
-      run_stage bench-moe 240 python3 scripts/bench_fused_moe.py --out "$OUT/bench_fused_moe.json" ;;
+      run_stage bench-moe 240 python3 scripts/bench_fused_moe.py --out "$OUT_DIR/bench_fused_moe.json" ;;
     *)
       say "unknown stage '$stage'"; failed=$((failed + 1)) ;;
   esac

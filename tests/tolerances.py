@@ -31,6 +31,17 @@ def ulp_atol(reference: torch.Tensor, ulps: float = 8) -> torch.Tensor:
     return ulps * FP32_EPS * reference.double().abs().clamp_min(torch.finfo(torch.float32).tiny)
 
 
+def grad_atol(reference: torch.Tensor, grad_rel_err: float = GRAD_REL_ERR) -> torch.Tensor:
+    """Bound on an fp32 gradient's error: ``grad_rel_err`` times the tensor's largest gradient.
+
+    A gradient element is a sum of many signed terms; its rounding error scales with the size of
+    those terms (bounded by the tensor's largest gradient), not with the element itself, which
+    cancellation can make arbitrarily small: an ``rtol`` on the element is not a bound.
+    """
+    scale = float(reference.double().abs().max()) if reference.numel() else 0.0
+    return torch.full_like(reference, grad_rel_err * scale, dtype=torch.float64)
+
+
 def adam_step_atol(
     grad: torch.Tensor,
     param: torch.Tensor,

@@ -16,6 +16,8 @@ from miles_core.advantages import (
 )
 from miles_core.batch import RolloutBatch, Sample
 
+pytestmark = pytest.mark.numeric
+
 
 def _batch(rewards, groups, resp_lengths, seed=0, all_masked=()):
     g = torch.Generator().manual_seed(seed)

@@ -27,6 +27,8 @@ from miles_core.micro_batch import agree_num_micro_batches, count_micro_batches,
 from miles_core.packing import pack_thd, packed_attention_kwargs
 from miles_core.partition import partition_for_dp
 
+pytestmark = pytest.mark.numeric
+
 VOCAB = 48
 CONFIGS = {
     "grpo_seq_mean": dict(

@@ -20,6 +20,8 @@ from miles_core.losses import (
     tis_weights,
 )
 
+pytestmark = pytest.mark.numeric
+
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 

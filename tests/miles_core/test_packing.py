@@ -8,6 +8,8 @@ from miles_core.batch import RolloutBatch, Sample
 from miles_core.log_probs import token_log_probs
 from miles_core.packing import pack_thd, packed_attention_kwargs, unpack_response
 
+pytestmark = pytest.mark.numeric
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():

@@ -15,7 +15,7 @@ from run_args import make_args
 from safetensors import safe_open
 from tiny_models import arch_config, save_tiny_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.numeric, pytest.mark.slow]
 
 
 def backend_for(tmp_path, model_type):

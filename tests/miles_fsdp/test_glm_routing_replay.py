@@ -14,6 +14,8 @@ from miles_fsdp.adaptations.moe import install_routing_replay
 from moe_reference import reference_log_probs, sigmoid_topk_weights
 from tiny_models import arch_config, qwen3_config
 
+pytestmark = pytest.mark.numeric
+
 NUM_EXPERTS, TOP_K, LAYERS, TOKENS = 8, 2, 3, 10
 
 

@@ -13,6 +13,8 @@ from miles_fsdp.loss_scale import LossScaler
 from miles_fsdp.train_step import optimizer_step
 from torch import nn
 
+pytestmark = pytest.mark.numeric
+
 
 def parse(*argv):
     return parse_args(list(argv), [*core_groups(), *fsdp_groups()])

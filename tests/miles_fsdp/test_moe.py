@@ -15,6 +15,8 @@ from safetensors import safe_open
 from spawn import run_ranks
 from tiny_models import arch_config, save_tiny_model
 
+pytestmark = pytest.mark.numeric
+
 
 def test_moe_kernel_resolution():
     assert resolve_moe_kernel(None, "qwen3_moe", "cuda") == "fused"

@@ -14,6 +14,8 @@ from spawn import run_ranks
 from tiny_models import save_tiny_model
 from tolerances import adam_step_atol, assert_within
 
+pytestmark = pytest.mark.numeric
+
 LR = 1e-3
 ADAM = dict(betas=(0.9, 0.98), eps=1e-8, weight_decay=0.01)
 

@@ -9,6 +9,8 @@ from dist_ranks import spawn_ranks
 from megatron_ranks import layout_argv, logits_and_roundtrip
 from megatron_tiny_models import FAMILIES, hf_logits, make_tiny_hf
 
+pytestmark = pytest.mark.numeric
+
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):

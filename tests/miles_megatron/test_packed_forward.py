@@ -10,6 +10,8 @@ from megatron_ranks import packed_log_probs_match
 from megatron_tiny_models import make_tiny_hf
 from miles_core.batch import Sample
 
+pytestmark = pytest.mark.numeric
+
 
 @pytest.mark.slow
 def test_packed_log_probs_equal_per_sample_hf(tmp_path):

@@ -5,8 +5,11 @@ scaling; and the local spec uses it in every layer."""
 
 from __future__ import annotations
 
+import pytest
 from dist_ranks import spawn_ranks
 from sdpa_attention_ranks import CASES, compare_all
+
+pytestmark = pytest.mark.numeric
 
 
 def test_sdpa_attention_equals_megatron_and_float64():

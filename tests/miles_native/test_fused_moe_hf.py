@@ -21,9 +21,10 @@ from miles_native.kernels.hf_experts import (  # noqa: E402
     use_fused_experts,
 )
 
-pytestmark = pytest.mark.skipif(
-    not INTERPRETED, reason="kernels were imported for the GPU in this process"
-)
+pytestmark = [
+    pytest.mark.numeric,
+    pytest.mark.skipif(not INTERPRETED, reason="kernels were imported for the GPU in this process"),
+]
 transformers = pytest.importorskip("transformers")
 
 

@@ -19,6 +19,8 @@ from miles_offload.optimizer_buckets import ALIGNMENT, Shard, plan_buckets
 from miles_offload.streamed_adam import StreamedAdamConfig, StreamedAdamW, from_args
 from torch import nn
 
+pytestmark = pytest.mark.numeric
+
 LR, WD, BETAS, EPS = 1e-2, 0.1, (0.9, 0.95), 1e-8
 
 

@@ -9,6 +9,9 @@ from typing import Any
 #: the training flags of every case; backend_reference.reference runs the same math in HF
 TRAIN_FLAGS = ["--weight-decay", "0", "--micro-batch-size", "2", "--advantage-estimator", "grpo"]
 
+#: rollouts per case (test_layouts.py)
+LAYOUT_ROLLOUTS = 3
+
 #: --use-lora's flags of the LoRA case (TP=2, merged publish)
 LORA_FLAGS = ["--use-lora", "--lora-rank", "4", "--lora-alpha", "8"]
 
@@ -66,3 +69,29 @@ def train_then_publish(hf_dir: str, argv: list[str], rollouts: int) -> dict:
         result["names_error"] = str(error)
     backend.close()
     return result
+
+
+def two_rank_cases(hf_dirs: dict[str, str]) -> list:
+    """The default suite's 2-rank layouts (test_layouts.py checks them)."""
+    moe, llama = hf_dirs["qwen3_moe"], hf_dirs["llama"]
+    return [
+        ("moe ep2 allgather", moe, argv_of(ep=2)),
+        ("moe ep2 alltoall", moe, argv_of(ep=2, a2a=True)),
+        ("moe pp2", moe, argv_of(pp=2, a2a=True)),  # PP > 1 needs the all-to-all
+        ("llama dp2", llama, argv_of()),
+        ("llama pp2", llama, argv_of(pp=2)),
+        ("llama tp2 lora", llama, [*argv_of(tp=2), *LORA_FLAGS]),
+    ]
+
+
+def layouts_then_pipeline(
+    rank: int, world: int, cases: list, rollouts: int, pipeline_hf: str, save: str
+) -> dict:
+    """:func:`train_and_publish`, then megatron_ranks.pipeline_run, in the same ranks: one
+    spawn for test_layouts.py and test_pipeline.py (megatron's import dominates a spawn)."""
+    from megatron_ranks import pipeline_run
+
+    return {
+        "layouts": train_and_publish(rank, world, cases, rollouts),
+        "pipeline": pipeline_run(rank, world, pipeline_hf, save),
+    }

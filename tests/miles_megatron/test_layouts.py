@@ -10,8 +10,9 @@ bit for bit the same; a publish whose names are not the checkpoint's raises.
 
 qwen3_moe trains with the all-gather and the all-to-all token dispatchers (the all-to-all on
 gloo through the CPU shim's split-size adapter, megatron_shim.py); llama is the dense control.
-The default suite runs the 2-rank layouts (EP=2, PP=2, TP=2 with LoRA merged); the 4-rank ones
-(EP=2 x TP=2 at ETP=1 and ETP=TP, PP=2 x TP=2, PP=2 x EP=2) are ``extended``.
+The default suite runs the 2-rank layouts (EP=2, PP=2, TP=2 with LoRA merged; in the spawn
+test_pipeline.py shares, conftest.py); the 4-rank ones (EP=2 x TP=2 at ETP=1 and ETP=TP,
+PP=2 x TP=2, PP=2 x EP=2) are ``extended``.
 """
 
 from __future__ import annotations
@@ -21,23 +22,16 @@ import pytest
 import torch
 from backend_reference import reference
 from dist_ranks import spawn_ranks
-from layout_ranks import LORA_FLAGS, argv_of, train_and_publish
-from megatron_tiny_models import make_tiny_hf
+from layout_ranks import LAYOUT_ROLLOUTS, argv_of, train_and_publish, two_rank_cases
 from safetensors.torch import load_file
-
-ROLLOUTS = 3
-
-
-@pytest.fixture(scope="module")
-def hf_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hf")
-    return {f: str(make_tiny_hf(f, root / f)) for f in ("qwen3_moe", "llama")}
 
 
 def check(results: list[dict], cases: list, hf_dirs: dict) -> None:
-    references = {f: reference(d, rollouts=ROLLOUTS) for f, d in hf_dirs.items()}
+    families = {hf_dir: f for f, hf_dir in hf_dirs.items()}
+    used = {families[hf_dir] for _, hf_dir, _ in cases}
+    references = {f: reference(hf_dirs[f], rollouts=LAYOUT_ROLLOUTS) for f in used}
     for label, hf_dir, argv in cases:
-        family = next(f for f, d in hf_dirs.items() if d == hf_dir)
+        family = families[hf_dir]
         steps, ref_weights = references[family]
         first = results[0][label]["to_first"]
         names = sorted(load_file(f"{hf_dir}/model.safetensors"))
@@ -58,41 +52,23 @@ def check(results: list[dict], cases: list, hf_dirs: dict) -> None:
         assert worst < 1e-4, (label, worst)  # Adam moves each weight ~lr = 1e-3 per step
 
 
-def run(world: int, cases: list, hf_dirs: dict) -> None:
-    results = spawn_ranks(train_and_publish, world, cases, ROLLOUTS, timeout=900)
-    check(results, cases, hf_dirs)
-
-
 @pytest.mark.slow
-def test_two_rank_layouts_train_like_hf_and_publish_every_stage(hf_dirs):
-    moe, llama = hf_dirs["qwen3_moe"], hf_dirs["llama"]
-    run(
-        2,
-        [
-            ("moe ep2 allgather", moe, argv_of(ep=2)),
-            ("moe ep2 alltoall", moe, argv_of(ep=2, a2a=True)),
-            ("moe pp2", moe, argv_of(pp=2, a2a=True)),  # PP > 1 needs the all-to-all
-            ("llama dp2", llama, argv_of()),
-            ("llama pp2", llama, argv_of(pp=2)),
-            ("llama tp2 lora", llama, [*argv_of(tp=2), *LORA_FLAGS]),
-        ],
-        hf_dirs,
-    )
+def test_two_rank_layouts_train_like_hf_and_publish_every_stage(two_rank_run, layout_hf_dirs):
+    layouts = [r["layouts"] for r in two_rank_run]
+    check(layouts, two_rank_cases(layout_hf_dirs), layout_hf_dirs)
 
 
 @pytest.mark.extended
-def test_four_rank_layouts_train_like_hf_and_publish_every_stage(hf_dirs):
-    moe, llama = hf_dirs["qwen3_moe"], hf_dirs["llama"]
-    run(
-        4,
-        [
-            ("moe tp2 ep2 etp1 allgather", moe, argv_of(tp=2, ep=2, etp=1)),
-            ("moe tp2 ep2 etp1 alltoall", moe, argv_of(tp=2, ep=2, etp=1, a2a=True)),
-            ("moe tp2 ep2 etp2 allgather", moe, argv_of(tp=2, ep=2, etp=2)),
-            ("moe tp2 ep2 etp2 alltoall", moe, argv_of(tp=2, ep=2, etp=2, a2a=True)),
-            ("moe pp2 ep2", moe, argv_of(pp=2, ep=2, a2a=True)),
-            ("llama tp2 dp2", llama, argv_of(tp=2)),
-            ("llama pp2 tp2", llama, argv_of(pp=2, tp=2)),
-        ],
-        hf_dirs,
-    )
+def test_four_rank_layouts_train_like_hf_and_publish_every_stage(layout_hf_dirs):
+    moe, llama = layout_hf_dirs["qwen3_moe"], layout_hf_dirs["llama"]
+    cases = [
+        ("moe tp2 ep2 etp1 allgather", moe, argv_of(tp=2, ep=2, etp=1)),
+        ("moe tp2 ep2 etp1 alltoall", moe, argv_of(tp=2, ep=2, etp=1, a2a=True)),
+        ("moe tp2 ep2 etp2 allgather", moe, argv_of(tp=2, ep=2, etp=2)),
+        ("moe tp2 ep2 etp2 alltoall", moe, argv_of(tp=2, ep=2, etp=2, a2a=True)),
+        ("moe pp2 ep2", moe, argv_of(pp=2, ep=2, a2a=True)),
+        ("llama tp2 dp2", llama, argv_of(tp=2)),
+        ("llama pp2 tp2", llama, argv_of(pp=2, tp=2)),
+    ]
+    results = spawn_ranks(train_and_publish, 4, cases, LAYOUT_ROLLOUTS, timeout=900)
+    check(results, cases, layout_hf_dirs)

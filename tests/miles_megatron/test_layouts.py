@@ -72,3 +72,17 @@ def test_four_rank_layouts_train_like_hf_and_publish_every_stage(layout_hf_dirs)
     ]
     results = spawn_ranks(train_and_publish, 4, cases, LAYOUT_ROLLOUTS, timeout=900)
     check(results, cases, layout_hf_dirs)
+
+
+def test_publish_name_check_names_missing_extra_and_repeated():
+    from miles_megatron.publish_source import PublishNamesError, check_names
+
+    check_names(["b", "a"], ["a", "b"], "ckpt")  # order is free
+    for sent, part in (
+        (["a"], "missing ['b']"),
+        (["a", "b", "c"], "not in it ['c']"),
+        (["a", "b", "a"], "repeated ['a']"),
+    ):
+        with pytest.raises(PublishNamesError, match=part.replace("[", r"\[")) as error:
+            check_names(sent, ["a", "b"], "ckpt")
+        assert "ckpt's names" in str(error.value)

@@ -8,7 +8,10 @@ decay 0). Used by tests/miles_megatron/test_backend.py (gloo) and tests/gpu (NCC
 
 from __future__ import annotations
 
+import tempfile
+
 import torch
+from safetensors.torch import load_file
 
 LR = 1e-3
 REWARDS = (1.0, 0.0, 0.5, 2.0)  # two prompt groups of two samples
@@ -67,8 +70,9 @@ def run_backend(hf_dir: str, save: str, tp: int) -> dict:
     }
 
 
-def reference(hf_dir: str, device: str = "cpu"):
-    """``([(loss, grad_norm)] per rollout, final HF state dict)`` of the HF + AdamW run."""
+def reference(hf_dir: str, device: str = "cpu", rollouts: int = ROLLOUTS):
+    """``([(loss, grad_norm)] per rollout, final weights)`` of the HF + AdamW run; the weights
+    under the names of the HF checkpoint it saves (transformers fuses experts in memory)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device)
@@ -82,7 +86,7 @@ def reference(hf_dir: str, device: str = "cpu"):
         members = rewards[[j for j, h in enumerate(GROUPS) if h == g]]
         adv.append(float((rewards[i] - members.mean()) / (members.std() + 1e-6)))
     steps = []
-    for _ in range(ROLLOUTS):
+    for _ in range(rollouts):
         opt.zero_grad()
         loss = torch.zeros((), device=device)
         for s, a in zip(data, adv, strict=True):
@@ -96,7 +100,9 @@ def reference(hf_dir: str, device: str = "cpu"):
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         steps.append((loss.item(), norm.item()))
-    return steps, {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    with tempfile.TemporaryDirectory() as out:  # in the checkpoint's names (experts unfused)
+        model.save_pretrained(out)
+        return steps, load_file(f"{out}/model.safetensors")
 
 
 def check(results: list[dict], hf_dir: str, device: str = "cpu") -> None:

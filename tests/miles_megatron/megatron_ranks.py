@@ -321,6 +321,8 @@ def async_then_sync_saves(rank: int, world: int, hf_dir: str, root: str) -> dict
         dist.barrier()
         out[mode + "_sentinel_left"] = sentinel.exists()
         backend.train(1, batch)
+        for _ in range(rank + 1):  # each rank's streams away from the seed, and from its peer's
+            _draws()
         backend.save_model(1)
         out[mode + "_tracker_in_flight"] = read_tracker(save)
         out[mode + "_draws"] = _draws()

@@ -14,8 +14,11 @@ dist-checkpointing (sync and async):
    to the CPU; ``Tensor.cuda()`` returns the tensor, ``Tensor.pin_memory()`` a copy.
 5. ``Tensor.type()`` names a CPU float tensor ``torch.cuda.FloatTensor`` (the optimizers accept
    parameters by these type strings).
-
-Not covered: the MoE all-to-all dispatcher hands gloo tensor split sizes (use ``allgather``).
+6. Collectives gloo lacks in the form the MoE all-to-all dispatcher uses (NCCL has them):
+   ``all_to_all_single`` gets its split sizes as lists (the dispatcher passes tensors of
+   counts); ``all_gather`` into a list of unequal sizes gathers zero-padded equal blocks and
+   trims them; ``reduce_scatter`` of a list of unequal sizes all-reduces the concatenation and
+   keeps this rank's part. Same results, gloo's own exchanges; nothing outside these calls.
 Every patch is undone by :func:`uninstall`; :func:`installed` is a context manager.
 """
 
@@ -86,6 +89,52 @@ def _cuda_type_name(self: torch.Tensor, dtype: object = None, *args: object, **k
     return original(self, dtype, *args, **kwargs)
 
 
+def _split_sizes(sizes: object) -> object:
+    return [int(n) for n in sizes.tolist()] if hasattr(sizes, "tolist") else sizes
+
+
+def _all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, **kw):
+    """``all_to_all_single`` with tensor split sizes turned into the lists gloo takes."""
+    original = _SAVED["all_to_all_single"]
+    return original(
+        output, input, _split_sizes(output_split_sizes), _split_sizes(input_split_sizes), **kw
+    )
+
+
+def _all_gather(tensor_list, tensor, group=None, async_op=False):
+    """``all_gather`` whose outputs may differ in their first dimension (gloo: equal only)."""
+    original = _SAVED["all_gather"]
+    if all(t.shape == tensor.shape for t in tensor_list):
+        return original(tensor_list, tensor, group=group, async_op=async_op)
+    longest = max(t.shape[0] for t in tensor_list)
+    block = tensor.new_zeros((longest, *tensor.shape[1:]))
+    block[: tensor.shape[0]] = tensor
+    blocks = [torch.empty_like(block) for _ in tensor_list]
+    original(blocks, block, group=group)
+    for out, got in zip(tensor_list, blocks, strict=True):
+        out.copy_(got[: out.shape[0]])
+    return None
+
+
+def _reduce_scatter(output, input_list, op=None, group=None, async_op=False):
+    """``reduce_scatter`` (sum) of a list of tensors of any sizes: all-reduce, keep ours."""
+    import torch.distributed as dist
+
+    full = torch.cat([t.reshape(-1) for t in input_list])
+    dist.all_reduce(full, group=group)
+    rank = dist.get_rank(group)
+    start = sum(t.numel() for t in input_list[:rank])
+    output.copy_(full[start : start + output.numel()].view_as(output))
+    return None
+
+
+_COLLECTIVES = {
+    "all_to_all_single": _all_to_all_single,
+    "all_gather": _all_gather,
+    "reduce_scatter": _reduce_scatter,
+}
+
+
 def install() -> None:
     """Apply the patches (idempotent)."""
     if _SAVED:
@@ -120,6 +169,9 @@ def install() -> None:
 
     _SAVED["Tensor.type"] = torch.Tensor.type
     torch.Tensor.type = _cuda_type_name
+    for name, adapter in _COLLECTIVES.items():
+        _SAVED[name] = getattr(torch.distributed, name)
+        setattr(torch.distributed, name, adapter)
     _SAVED["Tensor.cuda"] = torch.Tensor.cuda
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     _SAVED["Tensor.pin_memory"] = torch.Tensor.pin_memory
@@ -140,6 +192,8 @@ def uninstall() -> None:
     for name in _CUDA_LITERAL_MODULES:
         importlib.import_module(name).torch = _SAVED["torch@" + name]
     torch.Tensor.type = _SAVED["Tensor.type"]
+    for name in _COLLECTIVES:
+        setattr(torch.distributed, name, _SAVED[name])
     torch.Tensor.cuda = _SAVED["Tensor.cuda"]
     torch.Tensor.pin_memory = _SAVED["Tensor.pin_memory"]
     mrandom.initialize_rng_tracker(force_reset=True)

@@ -135,6 +135,24 @@ def test_layout_rejected_at_argument_time(hf_dirs, monkeypatch):
         parse(["--context-parallel-size", "2"])
 
 
+def test_expert_tensor_parallel_above_tensor_parallel_is_refused(hf_dirs):
+    """TP=1 x ETP=2 trained wrong expert weights (step-1 grad norm 4.25253 against HF's
+    4.25319, weights 3e-3 off after 3 rollouts on the tiny qwen3_moe, see test_layouts.py):
+    refused with one line; 1 < ETP < TP has no CPU test and is refused too."""
+    from megatron_ranks import layout_argv, parse
+
+    def argv(tp: int, etp: int) -> list[str]:
+        flags = ["--hf-checkpoint", hf_dirs["qwen3_moe"], *layout_argv(tp=tp)]
+        return flags + ["--expert-tensor-parallel-size", str(etp)]
+
+    for tp, etp in ((1, 2), (4, 2)):  # ETP > TP (wrong), 1 < ETP < TP (untested)
+        with pytest.raises(ArgumentError, match="--expert-tensor-parallel-size") as error:
+            parse(argv(tp, etp))
+        assert "\n" not in str(error.value)
+    for tp, etp in ((2, 1), (2, 2)):  # trained and published in test_layouts.py
+        parse(argv(tp, etp))
+
+
 def test_generated_flags_reach_transformer_config(hf_dirs):
     from megatron_ranks import parse
     from miles_megatron.model_config import transformer_config

@@ -44,8 +44,7 @@ def test_logits_match_hf_each_family(tiny_models, input_ids):
         for k in families:
             cases.append((f"{k}@tp{tp}", tiny_models[k], layout_argv(tp=tp)))
             refs[f"{k}@tp{tp}"] = hf[k]
-    # gloo's all_to_all_single takes list splits; the alltoall dispatcher hands it CPU
-    # tensors, so the CPU run uses the allgather dispatcher (alltoall: tests/gpu).
+    # the all-gather dispatcher here; the all-to-all one trains in test_layouts.py
     ep_argv = [*layout_argv(ep=2), "--moe-token-dispatcher-type", "allgather"]
     cases.append(("qwen3_moe@ep2", tiny_models["qwen3_moe"], ep_argv))
     refs["qwen3_moe@ep2"] = hf["qwen3_moe"]

@@ -1,6 +1,7 @@
 """MegatronBackend.update_weights against a real built-in engine (subprocess): 2 gloo ranks at
 TP=2 train one rollout, publish in the default non-colocated mode (broadcast), and the engine
 then holds the trainer's TP-gathered HF weights cast to its dtype bit for bit, one version later.
+``extended``: the same at PP=2, where rank 0 sends both stages' layers.
 
 The trainer loads the fp32 tiny checkpoint (its master copy); the engine serves a bf16 copy of
 the same checkpoint, so "bit for bit" means the engine's bf16 bytes equal ``w.to(bfloat16)`` of
@@ -24,16 +25,19 @@ from sync_testing import Engine, save_tokenizer  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-def train_and_publish(rank: int, world: int, hf_dir: str, engine_url: str) -> dict:
-    """On every rank: one rollout at TP=world, then ``update_weights``; the HF weights before
-    and after training (numpy, so no shared-memory handles cross to the parent)."""
+def train_and_publish(rank: int, world: int, hf_dir: str, engine_url: str, pp: int) -> dict:
+    """On every rank: one rollout at TP=world/pp x PP=pp, then ``update_weights``; this
+    stage's HF weights before and after training (numpy: no shared-memory handles cross to the
+    parent)."""
     from backend_reference import samples
     from megatron_ranks import BOTH_BACKENDS_FLAGS, layout_argv, parse
     from miles_core.batch import RolloutBatch
     from miles_megatron.backend import MegatronBackend
 
     backend = MegatronBackend()
-    args = parse(["--hf-checkpoint", hf_dir, *BOTH_BACKENDS_FLAGS, *layout_argv(tp=world)])
+    args = parse(
+        ["--hf-checkpoint", hf_dir, *BOTH_BACKENDS_FLAGS, *layout_argv(tp=world // pp, pp=pp)]
+    )
     assert args.update_weight_transfer_mode in (None, "broadcast") and not args.colocate
     backend.init(args)
     initial = {k: v.detach().cpu().numpy().copy() for k, v in backend.hf_weights()}
@@ -56,7 +60,11 @@ def digests(weights: dict, dtype: torch.dtype) -> dict[str, list]:
     return out
 
 
-def test_update_weights_broadcasts_tp_gathered_weights(tmp_path):
+@pytest.mark.parametrize(
+    "pp", [pytest.param(1, id="tp2"), pytest.param(2, marks=pytest.mark.extended, id="pp2")]
+)
+def test_update_weights_broadcasts_tp_gathered_weights(tmp_path, pp):
+    """TP=2, and (extended) PP=2: the engine gets both stages' layers, rank 0 sends them."""
     hf_dir = make_tiny_hf("qwen3", tmp_path / "hf")
     engine_dir = tmp_path / "engine_ckpt"
     from transformers import AutoModelForCausalLM
@@ -69,12 +77,17 @@ def test_update_weights_broadcasts_tp_gathered_weights(tmp_path):
         dtypes = {entry[1] for entry in served.values()}
         assert dtypes == {"torch.bfloat16"}, dtypes
         before = engine.version()
-        results = spawn_ranks(train_and_publish, 2, str(hf_dir), engine.url, timeout=500)
+        results = spawn_ranks(train_and_publish, 2, str(hf_dir), engine.url, pp, timeout=500)
 
-        # TP peers gathered the same full HF tensors; training moved them.
         initial, trained = results[0]["initial"], results[0]["trained"]
-        assert sorted(trained) == sorted(results[1]["trained"])
-        assert all((trained[k] == results[1]["trained"][k]).all() for k in trained)
+        if pp == 1:  # TP peers gathered the same full HF tensors
+            assert sorted(trained) == sorted(results[1]["trained"])
+            assert all((trained[k] == results[1]["trained"][k]).all() for k in trained)
+        else:  # each stage's own layers; together the whole model
+            assert not set(trained) & set(results[1]["trained"])
+            initial = {**initial, **results[1]["initial"]}
+            trained = {**trained, **results[1]["trained"]}
+        # training moved them
         assert served == digests(initial, torch.bfloat16)  # the engine starts on the checkpoint
         want = digests(trained, torch.bfloat16)
         unmoved = [k for k in want if want[k] == served[k]]

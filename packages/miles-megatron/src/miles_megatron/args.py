@@ -171,6 +171,11 @@ def check_parallel_sizes(args: Any, world_size: int | None, model_args: dict | N
                 f"world size {world_size} is not divisible by --expert-tensor-parallel-size {etp}"
                 f" x --expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp}"
             )
+    if etp not in (1, tp):
+        raise ArgumentError(
+            f"--expert-tensor-parallel-size {etp} with --tensor-model-parallel-size {tp}: "
+            f"supported are 1 and {tp} (at ETP > TP expert gradients differ from HF's)"
+        )
     if model_args is None:
         return
     heads, groups = model_args["num_attention_heads"], model_args["num_query_groups"]
@@ -183,11 +188,8 @@ def check_parallel_sizes(args: Any, world_size: int | None, model_args: dict | N
             f"query groups ({groups}) not divisible by --tensor-model-parallel-size {tp}"
         )
     experts = model_args.get("num_experts")
-    if not experts and (ep > 1 or (args.expert_tensor_parallel_size or 1) > tp):
-        raise ArgumentError(
-            "--expert-model-parallel-size / --expert-tensor-parallel-size on a dense model "
-            "(no --num-experts)"
-        )
+    if not experts and ep > 1:
+        raise ArgumentError("--expert-model-parallel-size on a dense model (no --num-experts)")
     if experts and tp > 1 and not getattr(args, "sequence_parallel", False):
         raise ArgumentError(
             "MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (megatron-core)"

@@ -43,12 +43,13 @@ from miles_core.args import ArgumentError
 from miles_core.contract import DataLayout, TrainBackend
 
 from miles_megatron.arch_args import resolve_model_args
-from miles_megatron.bridge import bridge_for
+from miles_megatron.bridge import BridgeError, bridge_for
 from miles_megatron.fp32_params import restore_marked_dtypes
 from miles_megatron.hf_weights import HFCheckpoint, iter_hf_weights, load_hf_into_model
 from miles_megatron.model_config import build_gpt_model, import_function, transformer_config
 from miles_megatron.optimizer import build_optimizer, wrap_ddp
 from miles_megatron.parallel import destroy_parallel, initialize_parallel
+from miles_megatron.publish_source import TO_ALL_MODES, model_weights
 from miles_megatron.reference_model import ReferenceModel, wants_reference
 from miles_megatron.sleep_wake import sleeper_from_args
 
@@ -84,6 +85,7 @@ class MegatronBackend(TrainBackend):
         self._publisher: Any = None
         self._async_saves: Any = None  # megatron-core AsyncCallsQueue under --async-save
         self.lora: Any = None  # miles_megatron.lora.actor.ActorLoRA under --use-lora
+        self._checkpoint_names: list[str] | None = None  # what every publish must deliver
 
     # ------------------------------------------------------------------ init
     def init(self, args: Any, role: str = "actor") -> int:
@@ -102,7 +104,7 @@ class MegatronBackend(TrainBackend):
         if args.use_lora and args.pipeline_model_parallel_size > 1:
             raise ArgumentError(
                 "megatron backend: --use-lora with --pipeline-model-parallel-size > 1 is not "
-                "supported yet (adapter export and publish cover one stage)"
+                "supported yet (adapter export and --publish-lora-adapter cover one stage)"
             )
         if getattr(args, "ref_lora_adapter_path", None):
             raise ArgumentError("megatron backend: --ref-lora-adapter-path is not supported yet")
@@ -121,13 +123,21 @@ class MegatronBackend(TrainBackend):
         phase(f"building the {self.margs.get('model_type') or 'GPT'} model")
         model = build_gpt_model(self.margs, args, config)
         resumed = self._resolve_load()
+        hf = None
+        try:
+            hf = HFCheckpoint(args.hf_checkpoint) if args.hf_checkpoint else None
+        except BridgeError:
+            if resumed is None or args.use_lora:
+                raise
+        # a publish delivers exactly these names (unchecked beside an architecture-only dir)
+        self._checkpoint_names = hf.names() if hf is not None else None
         if resumed is None or args.use_lora:  # LoRA checkpoints hold the adapters only
             if not args.hf_checkpoint:
                 raise ArgumentError("megatron backend needs --hf-checkpoint or --load")
             phase(f"loading the HF weights of {args.hf_checkpoint}")
             load_hf_into_model(
                 model,
-                HFCheckpoint(args.hf_checkpoint),
+                hf,
                 self.bridge,
                 self.margs,
                 args.tensor_model_parallel_size,
@@ -304,19 +314,29 @@ class MegatronBackend(TrainBackend):
 
     # ------------------------------------------------------------------ weights
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named weights of this PP stage (collective over TP/EP; see :attr:`is_weight_source`).
+        """HF-named weights of this PP stage, TP-merged, experts EP-gathered and unfused (a
+        collective over the stage's TP/EP groups; :meth:`publish_weights` joins the stages).
 
         Under ``--use-lora``: the base with ``(alpha / r) B A`` merged in, in the base's dtype.
         """
         base = iter_hf_weights(self.model, self.bridge, self.margs)
         return self.lora.merged(base) if self.lora is not None else base
 
-    def publish_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """What :meth:`update_weights` sends: :meth:`hf_weights`, or with
-        ``--publish-lora-adapter`` the PEFT-named adapter factors."""
+    def publish_weights(self, to_all: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """What :meth:`update_weights` sends (collective on every rank): every stage's
+        :meth:`hf_weights` on global rank 0, or with ``to_all`` (the ``ipc`` and ``p2p``
+        transports) on every rank (:mod:`miles_megatron.publish_source`); their names are
+        checked against ``--hf-checkpoint``'s. With ``--publish-lora-adapter``: the PEFT-named
+        adapter factors (one stage: LoRA runs at PP = 1)."""
         if self.lora is not None and getattr(self.args, "publish_lora_adapter", False):
             return self.lora.adapter_weights()
-        return self.hf_weights()
+        return model_weights(
+            self.hf_weights,
+            self.device,
+            to_all,
+            self._checkpoint_names,
+            f"--hf-checkpoint {self.args.hf_checkpoint}",
+        )
 
     def export_adapter(self, out_dir: str) -> None:
         """Write the actor's adapter as a PEFT directory (collective; rank 0 writes)."""
@@ -324,22 +344,12 @@ class MegatronBackend(TrainBackend):
             raise ValueError("export_adapter needs --use-lora")
         self.lora.export(out_dir)
 
-    @property
-    def is_weight_source(self) -> bool:
-        """One source rank per PP stage: TP rank 0, EP rank 0, DP rank 0."""
-        from megatron.core import parallel_state as ps
-
-        return (
-            ps.get_tensor_model_parallel_rank() == 0
-            and ps.get_expert_model_parallel_rank() == 0
-            and ps.get_data_parallel_rank() == 0
-        )
-
     def update_weights(self, engines: Sequence[Any]) -> None:
         """Publish the HF-named weights to ``engines`` through miles-sync (every rank calls).
 
-        :meth:`hf_weights` gathers full tensors over TP/EP on every rank, which is the source
-        protocol miles-sync's publisher expects; rank 0 drives the publish round.
+        miles-sync's transports read one collective source on every rank; :meth:`publish_weights`
+        brings every pipeline stage's tensors to the ranks the mode sends from (rank 0 for
+        ``broadcast`` and ``disk-delta``, every rank for ``ipc`` and ``p2p``).
         """
         from miles_sync.ranks import RankContext
         from miles_sync.weight_sync import SyncConfig, WeightPublisher
@@ -349,7 +359,8 @@ class MegatronBackend(TrainBackend):
             self._publisher = WeightPublisher(
                 SyncConfig.from_args(self.args), RankContext.from_default_group()
             )
-        self._publisher.update_weights(self.publish_weights(), list(engines))
+        to_all = self._publisher.config.mode in TO_ALL_MODES
+        self._publisher.update_weights(self.publish_weights(to_all), list(engines))
 
     # ------------------------------------------------------------------ checkpoints
     def save_model(self, rollout_id: int, force_sync: bool = False) -> None:

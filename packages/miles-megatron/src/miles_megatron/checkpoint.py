@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from miles_megatron.optimizer import distributed_optimizers
 from miles_megatron.torch_dist import save_strategy
 
 RNG_FILENAME = "rng.pt"
@@ -185,7 +186,7 @@ def _materialize_optimizer_state(optimizer) -> None:
     ``_init_optimizer_states_with_dummy_values`` takes one zero-gradient step, whose values the
     load then overwrites.
     """
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in distributed_optimizers(optimizer):
         inner = getattr(opt, "optimizer", None)
         if (
             inner is not None
@@ -203,7 +204,7 @@ def _unshare_adam_steps(optimizer) -> None:
     state's ``step`` in place, so the shared counter would advance once per parameter per step
     and the bias correction of a resumed run would differ from the run that never stopped.
     """
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in distributed_optimizers(optimizer):
         inner = getattr(opt, "optimizer", None)
         for state in getattr(inner, "state", {}).values():
             if isinstance(state.get("step"), torch.Tensor):

@@ -38,6 +38,13 @@ def wrap_ddp(model: torch.nn.Module, config: Any, args: Any) -> torch.nn.Module:
     return DistributedDataParallel(config, DistributedDataParallelConfig(**kwargs), model)
 
 
+def distributed_optimizers(optimizer: Any) -> list:
+    """The distributed optimizers of this model: the parts of megatron-core's
+    ``ChainedOptimizer`` (one for the dense parameters, one for the expert parameters of an MoE),
+    or ``optimizer`` itself when it is not chained."""
+    return [o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if o is not None]
+
+
 def optimizer_config(args: Any):
     """megatron-core's ``OptimizerConfig`` from the flags (see the module docstring)."""
     from megatron.core.optimizer import OptimizerConfig

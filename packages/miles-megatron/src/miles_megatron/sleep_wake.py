@@ -46,6 +46,8 @@ from miles_offload.offload_target import OffloadTarget
 from miles_offload.pinned_store import PinnedStore
 from miles_offload.state_tensors import MovedTensor
 
+from miles_megatron.optimizer import distributed_optimizers
+
 _HALF = (torch.bfloat16, torch.float16)
 
 
@@ -53,12 +55,8 @@ def _buffers(model) -> list:
     return list(model.buffers) + list(getattr(model, "expert_parallel_buffers", []))
 
 
-def _distributed_optimizers(optimizer) -> list:
-    return [o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if o is not None]
-
-
 def _optimizer_tensors(optimizer) -> Iterator[torch.Tensor]:
-    for opt in _distributed_optimizers(optimizer):
+    for opt in distributed_optimizers(optimizer):
         inner = getattr(opt, "optimizer", None)
         if inner is None:
             continue
@@ -260,7 +258,7 @@ class SleepWake:
         for buffer in _buffers(self.model):
             if buffer.param_data is not None and buffer.param_data.dtype in _HALF:
                 buffer.param_data.zero_()  # the padding between parameters, as DDP left it
-        for opt in _distributed_optimizers(self.optimizer):
+        for opt in distributed_optimizers(self.optimizer):
             opt._copy_main_params_to_model_params()
         self.model.start_param_sync(force_sync=True)
         self._sync()

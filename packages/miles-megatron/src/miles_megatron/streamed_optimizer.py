@@ -38,6 +38,8 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from miles_core.args import ArgumentError
 from miles_offload.streamed_adam import StreamedAdamConfig, StreamedAdamW
 
+from miles_megatron.optimizer import distributed_optimizers
+
 STATE_DIR = "streamed_optimizer"
 
 
@@ -76,10 +78,6 @@ class StreamedDistributedOptimizer(DistributedOptimizer):
     @property
     def streamed(self) -> StreamedAdamW:
         return self.optimizer
-
-
-def _distributed_optimizers(optimizer) -> list:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 def _shard_names(opt: DistributedOptimizer) -> dict[int, str]:
@@ -126,7 +124,7 @@ def stream_optimizer_state(optimizer, args: Any) -> None:
     ``--stream-optimizer-bucket-numel`` and ``--stream-optimizer-min-numel``.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
-    for i, opt in enumerate(_distributed_optimizers(optimizer)):
+    for i, opt in enumerate(distributed_optimizers(optimizer)):
         if not isinstance(opt, DistributedOptimizer) or opt.is_stub_optimizer:
             continue
         inner = opt.optimizer
@@ -171,14 +169,14 @@ def stream_optimizer_state(optimizer, args: Any) -> None:
 
 def is_streamed(optimizer) -> bool:
     return any(
-        isinstance(o, StreamedDistributedOptimizer) for o in _distributed_optimizers(optimizer)
+        isinstance(o, StreamedDistributedOptimizer) for o in distributed_optimizers(optimizer)
     )
 
 
 def _streamed(optimizer) -> list[StreamedAdamW]:
     return [
         o.streamed
-        for o in _distributed_optimizers(optimizer)
+        for o in distributed_optimizers(optimizer)
         if isinstance(o, StreamedDistributedOptimizer)
     ]
 

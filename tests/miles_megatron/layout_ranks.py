@@ -1,0 +1,97 @@
+"""Test support: train and publish at one parallel layout after another in one spawn
+(tests/miles_megatron/test_layouts.py): the metrics of each rollout, and what a publish
+delivers on each rank for both kinds of transport (rank 0 only / every rank)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: the training flags of every case; backend_reference.reference runs the same math in HF
+TRAIN_FLAGS = ["--weight-decay", "0", "--micro-batch-size", "2", "--advantage-estimator", "grpo"]
+
+#: rollouts per case (test_layouts.py)
+LAYOUT_ROLLOUTS = 3
+
+#: --use-lora's flags of the LoRA case (TP=2, merged publish)
+LORA_FLAGS = ["--use-lora", "--lora-rank", "4", "--lora-alpha", "8"]
+
+
+def argv_of(tp: int = 1, ep: int = 1, pp: int = 1, etp: int | None = None, a2a: bool = False):
+    """The parallel flags of one layout (and the MoE token dispatcher)."""
+    from megatron_ranks import layout_argv
+
+    argv = layout_argv(tp=tp, ep=ep, pp=pp)
+    if etp is not None:
+        argv += ["--expert-tensor-parallel-size", str(etp)]
+    return argv + ["--moe-token-dispatcher-type", "alltoall" if a2a else "allgather"]
+
+
+def _numpy(source) -> dict[str, Any]:
+    return {k: v.detach().cpu().numpy().copy() for k, v in source}
+
+
+def train_and_publish(rank: int, world: int, cases: list, rollouts: int) -> dict:
+    """For each ``(label, hf_dir, argv)``: :func:`train_then_publish` (errors name the case)."""
+    out: dict[str, Any] = {}
+    for label, hf_dir, argv in cases:
+        try:
+            out[label] = train_then_publish(hf_dir, argv, rollouts)
+        except Exception as error:
+            raise RuntimeError(f"case {label!r}") from error
+    return out
+
+
+def train_then_publish(hf_dir: str, argv: list[str], rollouts: int) -> dict:
+    """``rollouts`` rollouts on this rank's DP shard of backend_reference's samples, then
+    ``publish_weights`` for a rank-0 transport and for an every-rank one; and the error a
+    publish raises when one checkpoint name is not expected."""
+    from backend_reference import LR, samples
+    from megatron_ranks import parse
+    from miles_core.batch import RolloutBatch
+    from miles_core.partition import partition_for_dp
+    from miles_megatron.backend import MegatronBackend
+    from miles_megatron.publish_source import PublishNamesError, model_weights
+
+    backend = MegatronBackend()
+    backend.init(parse(["--hf-checkpoint", hf_dir, "--lr", str(LR), *TRAIN_FLAGS, *argv]))
+    layout = backend.data_layout()
+    shards = partition_for_dp(RolloutBatch(samples()), layout.dp_size, keep_groups=True)
+    batch = shards[layout.dp_rank] if layout.consumes_data else None
+    result: dict[str, Any] = {"dp_size": layout.dp_size}
+    result["metrics"] = [backend.train(r, batch) for r in range(rollouts)]
+    result["to_first"] = _numpy(backend.publish_weights())
+    result["to_all"] = _numpy(backend.publish_weights(to_all=True))
+    try:
+        expected = backend._checkpoint_names[1:]
+        for _ in model_weights(backend.hf_weights, backend.device, True, expected):
+            pass
+    except PublishNamesError as error:
+        result["names_error"] = str(error)
+    backend.close()
+    return result
+
+
+def two_rank_cases(hf_dirs: dict[str, str]) -> list:
+    """The default suite's 2-rank layouts (test_layouts.py checks them)."""
+    moe, llama = hf_dirs["qwen3_moe"], hf_dirs["llama"]
+    return [
+        ("moe ep2 allgather", moe, argv_of(ep=2)),
+        ("moe ep2 alltoall", moe, argv_of(ep=2, a2a=True)),
+        ("moe pp2", moe, argv_of(pp=2, a2a=True)),  # PP > 1 needs the all-to-all
+        ("llama dp2", llama, argv_of()),
+        ("llama pp2", llama, argv_of(pp=2)),
+        ("llama tp2 lora", llama, [*argv_of(tp=2), *LORA_FLAGS]),
+    ]
+
+
+def layouts_then_pipeline(
+    rank: int, world: int, cases: list, rollouts: int, pipeline_hf: str, save: str
+) -> dict:
+    """:func:`train_and_publish`, then megatron_ranks.pipeline_run, in the same ranks: one
+    spawn for test_layouts.py and test_pipeline.py (megatron's import dominates a spawn)."""
+    from megatron_ranks import pipeline_run
+
+    return {
+        "layouts": train_and_publish(rank, world, cases, rollouts),
+        "pipeline": pipeline_run(rank, world, pipeline_hf, save),
+    }

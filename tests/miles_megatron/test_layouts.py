@@ -1,0 +1,88 @@
+"""Every parallel layout the megatron backend accepts trains like HF + AdamW and publishes the
+whole model under the HF checkpoint's names.
+
+Per case (one backend after another in one spawn): 3 rollouts of GRPO on the DP shards of
+backend_reference's samples; each rollout's grad norm equals the HF + AdamW reference's (fp32,
+written in backend_reference.reference) and the published weights after training equal the
+reference's. ``publish_weights()`` (the rank-0 transports: broadcast, disk-delta) holds every
+pipeline stage's tensors on rank 0, ``publish_weights(to_all=True)`` (ipc, p2p) on every rank,
+bit for bit the same; a publish whose names are not the checkpoint's raises.
+
+qwen3_moe trains with the all-gather and the all-to-all token dispatchers (the all-to-all on
+gloo through the CPU shim's split-size adapter, megatron_shim.py); llama is the dense control.
+The default suite runs the 2-rank layouts (EP=2, PP=2, TP=2 with LoRA merged; in the spawn
+test_pipeline.py shares, conftest.py); the 4-rank ones (EP=2 x TP=2 at ETP=1 and ETP=TP,
+PP=2 x TP=2, PP=2 x EP=2) are ``extended``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from backend_reference import reference
+from dist_ranks import spawn_ranks
+from layout_ranks import LAYOUT_ROLLOUTS, argv_of, train_and_publish, two_rank_cases
+from safetensors.torch import load_file
+
+
+def check(results: list[dict], cases: list, hf_dirs: dict) -> None:
+    families = {hf_dir: f for f, hf_dir in hf_dirs.items()}
+    used = {families[hf_dir] for _, hf_dir, _ in cases}
+    references = {f: reference(hf_dirs[f], rollouts=LAYOUT_ROLLOUTS) for f in used}
+    for label, hf_dir, argv in cases:
+        family = families[hf_dir]
+        steps, ref_weights = references[family]
+        first = results[0][label]["to_first"]
+        names = sorted(load_file(f"{hf_dir}/model.safetensors"))
+        assert sorted(first) == names, (label, sorted(set(names) ^ set(first)))
+        for rank, r in enumerate(results):
+            result = r[label]
+            assert sorted(result["to_all"]) == names, (label, rank)
+            assert all(np.array_equal(result["to_all"][k], first[k]) for k in names), (label, rank)
+            assert f"not in it ['{names[0]}']" in result["names_error"], (label, rank)
+        if "--use-lora" in argv:  # adapters trained, merged into the published base
+            base = load_file(f"{hf_dir}/model.safetensors")
+            moved = [k for k in names if not torch.equal(torch.from_numpy(first[k]), base[k])]
+            assert "model.layers.0.self_attn.q_proj.weight" in moved, (label, moved)
+            continue
+        for m, (_, norm) in zip(results[0][label]["metrics"], steps, strict=True):
+            assert abs(m["grad_norm"] - norm) < 1e-5 * norm, (label, m["grad_norm"], norm)
+        worst = max((torch.from_numpy(first[k]) - ref_weights[k]).abs().max().item() for k in names)
+        assert worst < 1e-4, (label, worst)  # Adam moves each weight ~lr = 1e-3 per step
+
+
+@pytest.mark.slow
+def test_two_rank_layouts_train_like_hf_and_publish_every_stage(two_rank_run, layout_hf_dirs):
+    layouts = [r["layouts"] for r in two_rank_run]
+    check(layouts, two_rank_cases(layout_hf_dirs), layout_hf_dirs)
+
+
+@pytest.mark.extended
+def test_four_rank_layouts_train_like_hf_and_publish_every_stage(layout_hf_dirs):
+    moe, llama = layout_hf_dirs["qwen3_moe"], layout_hf_dirs["llama"]
+    cases = [
+        ("moe tp2 ep2 etp1 allgather", moe, argv_of(tp=2, ep=2, etp=1)),
+        ("moe tp2 ep2 etp1 alltoall", moe, argv_of(tp=2, ep=2, etp=1, a2a=True)),
+        ("moe tp2 ep2 etp2 allgather", moe, argv_of(tp=2, ep=2, etp=2)),
+        ("moe tp2 ep2 etp2 alltoall", moe, argv_of(tp=2, ep=2, etp=2, a2a=True)),
+        ("moe pp2 ep2", moe, argv_of(pp=2, ep=2, a2a=True)),
+        ("llama tp2 dp2", llama, argv_of(tp=2)),
+        ("llama pp2 tp2", llama, argv_of(pp=2, tp=2)),
+    ]
+    results = spawn_ranks(train_and_publish, 4, cases, LAYOUT_ROLLOUTS, timeout=900)
+    check(results, cases, layout_hf_dirs)
+
+
+def test_publish_name_check_names_missing_extra_and_repeated():
+    from miles_megatron.publish_source import PublishNamesError, check_names
+
+    check_names(["b", "a"], ["a", "b"], "ckpt")  # order is free
+    for sent, part in (
+        (["a"], "missing ['b']"),
+        (["a", "b", "c"], "not in it ['c']"),
+        (["a", "b", "a"], "repeated ['a']"),
+    ):
+        with pytest.raises(PublishNamesError, match=part.replace("[", r"\[")) as error:
+            check_names(sent, ["a", "b"], "ckpt")
+        assert "ckpt's names" in str(error.value)

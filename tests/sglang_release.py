@@ -98,6 +98,15 @@ def fetch(name: str = "sglang", version: str = SGLANG_VERSION, timeout: float = 
     return unpacked
 
 
+def wheel(name: str = "sglang", version: str = SGLANG_VERSION) -> Path:
+    """The cached wheel file (after :func:`fetch`)."""
+    stem = name.replace("-", "_")
+    wheels = sorted(cache_dir(name, version).glob(f"{stem}-{version}-*.whl"))
+    if not wheels:
+        raise Unavailable(f"no {name}-{version} wheel in {cache_dir(name, version)}")
+    return wheels[-1]
+
+
 def missing_modules() -> list[str]:
     return [name for name in NEEDED_MODULES if importlib.util.find_spec(name) is None]
 

@@ -8,7 +8,8 @@ receives are run through the released package's code (imported from the unpacked
 import on a CPU):
 
 * ``/init_weights_update_group``: ``init_custom_process_group(backend, init_method=tcp://..,
-  world_size, rank=rank_offset + tp_rank, group_name)`` (tp_rank 0: one TP worker);
+  world_size, rank=rank_offset + tp_rank, group_name)`` (tp_rank 0: one TP worker; with a
+  120 s timeout, where SGLang passes none, so that a broken test fails instead of hanging);
 * ``/update_weights_from_distributed``: ``flattened_bucket``: ``FlattenedTensorBucket.empty(
   names, dtypes, shapes, device)``, ``torch.distributed.broadcast`` of its flattened tensor from
   rank 0, ``reconstruct_tensors()``; else one ``torch.empty`` + broadcast per name;

@@ -78,6 +78,7 @@ def fetch(name: str = "sglang", version: str = SGLANG_VERSION, timeout: float = 
         cmd = [*pip_command(), "download", "--no-deps", "--only-binary", ":all:"]
         cmd += ["--quiet", "--disable-pip-version-check", f"{name}=={version}", "-d", str(root)]
         cmd += ["--python-version", "3.11"]  # sglang's wheels are per CPython minor
+        cmd += ["--retries", "1", "--timeout", "10"]  # without an index: skip in seconds
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as error:

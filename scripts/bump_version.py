@@ -15,6 +15,9 @@
    range that still admitted the old release would let a user install a combination nobody
    tested. A patch bump leaves the ranges alone (a patch stays inside them).
 
+``scripts/bump_version.py --align`` moves every sibling range to its sibling's current release
+without bumping anything (after merging branches that bumped different packages).
+
 The pyproject files are edited in place as text (comments and layout kept). Run ``uv lock``
 afterwards. Errors (unknown package, malformed version) print one line and exit with status 2.
 """
@@ -168,14 +171,39 @@ def bump(root: Path, package: str, part: str) -> list[str]:
     return changes
 
 
+def align(root: Path) -> list[str]:
+    """Move every requirement on a sibling to ``>=its MAJOR.MINOR,<next incompatible``."""
+    packages = workspace_packages(root)
+    changes = []
+    for other in packages.values():
+        text = other.pyproject.read_text()
+        edited = text
+        for requirement in dependent_requirements(other.pyproject):
+            name = canonicalize_name(Requirement(requirement).name)
+            if name not in packages:
+                continue
+            new = retargeted(requirement, packages[name].version)
+            if new is not None:
+                edited = edited.replace(f'"{requirement}"', f'"{new}"')
+                changes.append(f"{other.pyproject}: {requirement} -> {new}")
+        if edited != text:
+            other.pyproject.write_text(edited)
+    return changes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("package", help="distribution name, e.g. miles-core")
-    parser.add_argument("part", choices=PARTS)
+    parser.add_argument("package", nargs="?", help="distribution name, e.g. miles-core")
+    parser.add_argument("part", nargs="?", choices=PARTS)
+    parser.add_argument(
+        "--align", action="store_true", help="only move sibling ranges to the current releases"
+    )
     parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parent.parent)
     args = parser.parse_args(argv)
+    if not args.align and (args.package is None or args.part is None):
+        parser.error("PACKAGE and PART are required (or --align)")
     try:
-        changes = bump(args.root, args.package, args.part)
+        changes = align(args.root) if args.align else bump(args.root, args.package, args.part)
     except BumpError as exc:
         print(f"bump_version: error: {exc}", file=sys.stderr)
         return 2

@@ -2,7 +2,8 @@
 
 Downloads the package with ``pip download --no-deps`` (or reads a wheel/sdist given with
 ``--package``), parses its source with :mod:`ast` — nothing is imported or copied — and
-writes ``tests/data/sglang_schema.json``:
+writes ``tests/data/sglang_schema.json`` (the test suite derives the same schema from the wheel
+it caches, see ``tests/sglang_release.py``; the JSON is its offline fallback):
 
 - ``version``: the sglang release the schema was read from.
 - ``endpoints``: every native route of ``sglang/srt/entrypoints/http_server.py`` (paths
@@ -307,6 +308,12 @@ def extract(sources: dict[str, str], version: str) -> dict:
     return schema
 
 
+def schema_of(package: Path) -> dict:
+    """The schema of one downloaded sglang wheel/sdist (what ``main`` writes)."""
+    sources = read_sources(package, [IO_STRUCT, SAMPLING_PARAMS, HTTP_SERVER, API_TYPES])
+    return extract(sources, package_version(package))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", default=None, help="sglang release (default: newest)")
@@ -316,12 +323,12 @@ def main(argv: list[str] | None = None) -> None:
 
     with tempfile.TemporaryDirectory(prefix="sglang-schema-") as tmp:
         package = args.package or download(args.version, Path(tmp))
-        version = package_version(package)
-        sources = read_sources(package, [IO_STRUCT, SAMPLING_PARAMS, HTTP_SERVER, API_TYPES])
-        schema = extract(sources, version)
+        schema = schema_of(package)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(schema, indent=1) + "\n")
-    print(f"sglang {version}: {len(schema['endpoints'])} endpoints -> {args.output}")
+    print(
+        f"sglang {schema['sglang_version']}: {len(schema['endpoints'])} endpoints -> {args.output}"
+    )
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ GROUPS = fsdp_math_grpo_groups(
         "--rollout-num-gpus", "8", "--rollout-num-gpus-per-engine", "8",
     ],
     sglang=[
-        "--sglang-mem-fraction-static", "0.7", "--sglang-enable-ep-moe",
-        "--sglang-cuda-graph-bs", "1", "2", "4", "8", "16", "32", "64",
+        "--sglang-mem-fraction-static", "0.7", "--sglang-ep-size", "8",
+        "--sglang-cuda-graph-bs-decode", "1", "2", "4", "8", "16", "32", "64",
     ],
 )  # fmt: skip
 

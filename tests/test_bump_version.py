@@ -177,3 +177,15 @@ def test_the_workspace_ranges_start_at_each_siblings_current_release():
                         f"{package.name}: {requirement} ({name} is {packages[name].version})"
                     )
     assert stale == []
+
+
+def test_align_moves_ranges_to_the_current_releases_without_bumping(workspace):
+    core = workspace / "packages/miles-core/pyproject.toml"
+    core.write_text(core.read_text().replace('version = "0.1.0"', 'version = "0.2.0"'))
+    out = _bump(workspace, "--align")
+    assert out.returncode == 0, out.stderr
+    assert _project(workspace, "packages/miles-core")["version"] == "0.2.0"
+    for member, reqs in _deps_on(workspace, "miles-core").items():
+        assert reqs == ["miles-core>=0.2,<0.3"], member
+    assert _deps_on(workspace, "miles-sync")["packages/miles-fsdp"] == ["miles-sync>=0.1,<0.2"]
+    assert _bump(workspace).returncode == 2  # neither a package nor --align

@@ -15,7 +15,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "miles_launch"))
 from engine_testing import EngineProcess, free_port, save_tokenizer, tiny_qwen3  # noqa: E402
-from miles_sync.buckets import dumps_sglang_wire, pack_bucket, to_sglang_metadata  # noqa: E402
+from miles_sync.buckets import (  # noqa: E402
+    aligned_order,
+    dumps_sglang_wire,
+    pack_bucket,
+    to_sglang_metadata,
+)
 
 pytestmark = pytest.mark.gpu
 PROMPTS = ["hello world", "ab", "the quick brown fox jumps"]
@@ -108,6 +113,8 @@ def test_nccl_broadcast_update(setup):
         assert joined.result(timeout=120).status_code == 200
         for which, fmt in (("new", None), ("old", "flattened_bucket")):
             named = [(n, t.detach().contiguous()) for n, t in models[which].state_dict().items()]
+            if fmt == "flattened_bucket":  # names in the bucket's order (aligned_order)
+                named = aligned_order(named)
             req = {
                 "names": [n for n, _ in named],
                 "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],

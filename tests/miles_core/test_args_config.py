@@ -125,7 +125,7 @@ def test_passthrough_forms():
             "--sglang-log-level=INFO",
             "--router-balance-abs-threshold",
             "4",
-            "--sglang-cuda-graph-bs",
+            "--sglang-cuda-graph-bs-decode",
             "1",
             "2",
             "4",
@@ -139,7 +139,7 @@ def test_passthrough_forms():
         "mem-fraction-static": "0.7",
         "enable-dp-attention": True,
         "log-level": "INFO",
-        "cuda-graph-bs": ["1", "2", "4"],
+        "cuda-graph-bs-decode": ["1", "2", "4"],
         "offset": "-1",
     }
     assert args.router_passthrough == {"balance-abs-threshold": "4"}
@@ -149,7 +149,7 @@ def test_passthrough_forms():
         "--enable-dp-attention",
         "--log-level",
         "INFO",
-        "--cuda-graph-bs",
+        "--cuda-graph-bs-decode",
         "1",
         "2",
         "4",
@@ -176,14 +176,14 @@ def test_bare_prefix_is_not_passthrough():
 def test_passthrough_in_yaml_and_cli_wins(tmp_path):
     cfg = write(
         tmp_path,
-        "sglang-mem-fraction-static: 0.8\nsglang_log_level: DEBUG\nsglang-enable-ep-moe: true\n"
+        "sglang-mem-fraction-static: 0.8\nsglang_log_level: DEBUG\nsglang-enable-memory-saver: true\n"
         "sglang-disable-radix-cache: false\nrouter-policy: cache_aware\n",
     )
     args = parse_args(["--config", cfg, "--sglang-mem-fraction-static", "0.6"], [SmallArgs])
     assert args.sglang_passthrough == {
         "mem-fraction-static": "0.6",
         "log-level": "DEBUG",
-        "enable-ep-moe": True,
+        "enable-memory-saver": True,
     }
     assert args.router_passthrough == {"policy": "cache_aware"}
 

@@ -1,9 +1,10 @@
 """Every request the engine client sends conforms to the released SGLang's request classes.
 
-``tests/data/sglang_schema.json`` is read off the ``sglang`` package source by
-``scripts/extract_sglang_schema.py`` (regenerate it for a new release). Requests are
-captured with ``httpx.MockTransport`` and checked against it: method and path of a real
-route, body keys among the fields of the route's request class, required fields present,
+The schema is read off the source of the ``sglang`` wheel the test suite caches
+(``tests/sglang_release.py``) by ``scripts/extract_sglang_schema.py``; without a package index
+it falls back to ``tests/data/sglang_schema.json`` (the same script's output, committed).
+Requests are captured with ``httpx.MockTransport`` and checked against it: method and path of a
+real route, body keys among the fields of the route's request class, required fields present,
 ``sampling_params`` keys among SGLang's ``SamplingParams`` fields.
 """
 
@@ -12,24 +13,44 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import json
-import os
 import sys
+import warnings
 import zipfile
 from dataclasses import fields
 from pathlib import Path
 
 import httpx
 import pytest
+import sglang_release as release
 import torch
 from miles_core.engine import EngineClient, SamplingParams
 from miles_core.engine.endpoints import EngineEndpoints
 
 ROOT = Path(__file__).resolve().parents[2]
-# Another release's schema can be checked with MILES_SGLANG_SCHEMA=path (see the docs).
-SCHEMA_PATH = Path(
-    os.environ.get("MILES_SGLANG_SCHEMA", ROOT / "tests" / "data" / "sglang_schema.json")
-)
-SCHEMA = json.loads(SCHEMA_PATH.read_text())
+FALLBACK = ROOT / "tests" / "data" / "sglang_schema.json"
+
+
+def load_extractor():
+    spec = importlib.util.spec_from_file_location(
+        "extract_sglang_schema", ROOT / "scripts" / "extract_sglang_schema.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while being built
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def schema(request) -> dict:
+    """Derived from the cached wheel; the committed JSON only when no index is reachable."""
+    try:
+        request.getfixturevalue("sglang_release")
+    except pytest.skip.Exception as why:
+        note = f"SGLang schema from the offline fallback {FALLBACK.name}: {why}"
+        warnings.warn(note, stacklevel=1)
+        return json.loads(FALLBACK.read_text())
+    return load_extractor().schema_of(release.wheel())
+
 
 FULL_SAMPLING = SamplingParams(
     max_new_tokens=16,
@@ -110,7 +131,7 @@ def capture(call) -> list[httpx.Request]:
 
 
 def test_committed_schema_is_the_documented_release():
-    committed = json.loads((ROOT / "tests" / "data" / "sglang_schema.json").read_text())
+    committed = json.loads(FALLBACK.read_text())
     assert committed["sglang_version"] == "0.5.23"
     endpoints = committed["endpoints"]
     assert endpoints["/generate"]["request_class"] == "GenerateReqInput"
@@ -119,6 +140,15 @@ def test_committed_schema_is_the_documented_release():
     assert endpoints["/begin_weight_update"]["fields"][-1] == "selector"
     assert "/model_info" in endpoints and "/get_model_info" in endpoints
     assert "return_routed_experts" in endpoints["/generate"]["fields"]
+
+
+def test_fallback_is_what_the_script_reads_off_the_wheel(sglang_release):
+    """The committed JSON is the script's output for the cached wheel of its release
+    (regenerate it with ``python scripts/extract_sglang_schema.py --version X``)."""
+    committed = json.loads(FALLBACK.read_text())
+    if committed["sglang_version"] != release.SGLANG_VERSION:
+        pytest.skip(f"the harness runs sglang {release.SGLANG_VERSION}, the fallback is older")
+    assert committed == load_extractor().schema_of(release.wheel())
 
 
 def test_every_endpoint_method_is_checked():
@@ -131,13 +161,13 @@ def test_every_endpoint_method_is_checked():
 
 
 @pytest.mark.parametrize("name", sorted(CALLS))
-def test_request_conforms_to_sglang(name):
+def test_request_conforms_to_sglang(name, schema):
     (request,) = capture(CALLS[name])
     path = request.url.path
-    assert path in SCHEMA["endpoints"], (
-        f"{path} is not a route of sglang {SCHEMA['sglang_version']}"
+    assert path in schema["endpoints"], (
+        f"{path} is not a route of sglang {schema['sglang_version']}"
     )
-    endpoint = SCHEMA["endpoints"][path]
+    endpoint = schema["endpoints"][path]
     assert request.method in endpoint["methods"]
     if request.method == "GET":
         assert request.content == b""
@@ -155,44 +185,34 @@ def test_request_conforms_to_sglang(name):
     assert not missing, f"{path}: required {sorted(missing)} not sent"
 
 
-def allowed_sampling_keys() -> set[str]:
-    keys = set(SCHEMA["sampling_params"]["fields"])
-    if "sampling_params_contract" in SCHEMA:  # the JSON gate that answers unknown keys with 400
-        keys &= set(SCHEMA["sampling_params_contract"]["fields"])
+def allowed_sampling_keys(schema) -> set[str]:
+    keys = set(schema["sampling_params"]["fields"])
+    if "sampling_params_contract" in schema:  # the JSON gate that answers unknown keys with 400
+        keys &= set(schema["sampling_params_contract"]["fields"])
     return keys
 
 
-def test_sampling_params_keys_are_sglang_fields():
+def test_sampling_params_keys_are_sglang_fields(schema):
     (request,) = capture(CALLS["generate"])
     sent = json.loads(request.content)["sampling_params"]
     assert set(sent) == {f.name for f in fields(SamplingParams)}  # every field was set
-    assert set(sent) <= allowed_sampling_keys()
+    assert set(sent) <= allowed_sampling_keys(schema)
 
 
-def test_generate_fields_pass_the_contract_gate():
+def test_generate_fields_pass_the_contract_gate(schema):
     """The fields of /generate that SGLang's JSON contract names are accepted by it; the
     others (return_routed_experts) are fields of GenerateReqInput (checked above), which
     the gate lets through because it ignores keys it does not know."""
-    if "generate_contract" not in SCHEMA:
+    if "generate_contract" not in schema:
         pytest.skip("this release has no generated JSON contract")
     (request,) = capture(CALLS["generate"])
     body = json.loads(request.content)
-    contract = set(SCHEMA["generate_contract"]["fields"])
+    contract = set(schema["generate_contract"]["fields"])
     assert {"text", "input_ids", "sampling_params", "return_logprob"} <= contract
-    assert set(body) <= contract | set(SCHEMA["endpoints"]["/generate"]["fields"])
+    assert set(body) <= contract | set(schema["endpoints"]["/generate"]["fields"])
 
 
 # ---------------------------------------------------------------------------- the extractor
-
-
-def load_extractor():
-    spec = importlib.util.spec_from_file_location(
-        "extract_sglang_schema", ROOT / "scripts" / "extract_sglang_schema.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while being built
-    spec.loader.exec_module(module)
-    return module
 
 
 IO_STRUCT_SRC = """

@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 from miles_launch.builtin_engine.safe_unpickle import UnsafePayloadError, decode_serialized
 from miles_launch.builtin_engine.sampling import SamplingParams, SamplingParamsError, choose_token
-from miles_launch.builtin_engine.weights import decode_tensor_payload
+from miles_launch.builtin_engine.weights import decode_tensor_payload, receive_broadcast
 from miles_sync.buckets import dumps_sglang_wire, pack_bucket, to_sglang_metadata
 
 
@@ -43,8 +43,19 @@ def test_forking_pickler_payloads_decode_both_formats():
         (to_sglang_metadata(meta), lambda o: base64.b64encode(dumps_sglang_wire(o)).decode()),
     ):
         payload = dump({"flattened_tensor": flat, "metadata": metadata})
-        out = decode_tensor_payload([payload], "flattened_bucket")
-        assert all(n == w[0] and torch.equal(t, w[1]) for (n, t), w in zip(out, named))
+        out = dict(decode_tensor_payload([payload], "flattened_bucket"))
+        assert sorted(out) == ["a", "b", "c"]
+        assert all(torch.equal(out[n], w) for n, w in named)
+
+
+def test_broadcast_bucket_in_an_unaligned_order_is_refused_before_receiving():
+    """As SGLang's ``FlattenedTensorBucket.empty``: the bucket is laid out densely in the order
+    of ``names``; a bf16 tensor of odd length followed by an fp32 one leaves the fp32 one at an
+    unaligned offset, refused before the broadcast is joined (no group is needed to see it)."""
+    with pytest.raises(ValueError, match="'w'.*not aligned"):
+        receive_broadcast(
+            None, ["b", "w"], ["bfloat16", "float32"], [[3], [2]], "flattened_bucket", "cpu"
+        )
 
 
 class _Call:

@@ -19,7 +19,7 @@ from engine_testing import (
     serialize,
     wait_running,
 )
-from miles_sync.buckets import dumps_sglang_wire, pack_bucket, to_sglang_metadata
+from miles_sync.buckets import aligned_order, dumps_sglang_wire, pack_bucket, to_sglang_metadata
 
 # The modules share one engine subprocess (conftest.py), started by the first of them.
 pytestmark = pytest.mark.slow
@@ -94,6 +94,8 @@ def test_update_from_distributed_gloo(engine, models):
         assert joined.result(timeout=60).status_code == 200
         for which, fmt in (("new", None), ("old", "flattened_bucket")):
             named = list(models[which][1].state_dict().items())
+            if fmt == "flattened_bucket":  # names in the bucket's order
+                named = aligned_order(named)
             body = {
                 "names": [n for n, _ in named],
                 "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],

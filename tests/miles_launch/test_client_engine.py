@@ -22,7 +22,7 @@ import torch.multiprocessing
 from engine_testing import EngineProcess, free_port, greedy_recompute, reference
 from miles_core.engine import AsyncEngineClient, EngineClient, EngineError, SamplingParams
 from miles_launch.builtin_engine.weights import join_weight_update_group
-from miles_sync.buckets import dumps_sglang_wire, pack_bucket, to_sglang_metadata
+from miles_sync.buckets import aligned_order, dumps_sglang_wire, pack_bucket, to_sglang_metadata
 
 # Starts an engine subprocess (torch + transformers import, model load).
 pytestmark = pytest.mark.slow
@@ -351,6 +351,8 @@ def test_update_weights_from_distributed_gloo(client, models):
         try:
             for which, load_format in (("new", "flattened_bucket"), ("old", None)):
                 named = list(models[which][1].state_dict().items())
+                if load_format == "flattened_bucket":  # names in the bucket's order
+                    named = aligned_order(named)
                 with client.weight_update():
                     reply = pool.submit(
                         client.update_weights_from_distributed,

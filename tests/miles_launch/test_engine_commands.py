@@ -24,7 +24,7 @@ def test_sglang_command_line_with_passthrough(tmp_path):
         "--sglang-mem-fraction-static", "0.7",
         "--sglang-enable-dp-attention",
         "--sglang-dp-size", "2",
-        "--sglang-cuda-graph-bs", "1", "2", "4",
+        "--sglang-cuda-graph-bs-decode", "1", "2", "4",
         "--sglang-log-level", "INFO",
     )  # fmt: skip
     cmd = sglang_server_command(args, host="10.0.0.5", port=30001, python="python")
@@ -38,7 +38,7 @@ def test_sglang_command_line_with_passthrough(tmp_path):
         "--context-length", "32768",
         "--enable-dp-attention",
         "--dp-size", "2",
-        "--cuda-graph-bs", "1", "2", "4",
+        "--cuda-graph-bs-decode", "1", "2", "4",
         "--log-level", "INFO",
     ]  # fmt: skip
 

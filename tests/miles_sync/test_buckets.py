@@ -1,5 +1,5 @@
-"""The flattened bucket codec: bit-exact round trips, alignment, the planner's bound, and
-pickling under SGLang's class path."""
+"""The flattened bucket codec: bit-exact round trips, the dense layout SGLang rebuilds, the
+planner's bound, and pickling under SGLang's class path."""
 
 import io
 import pickle
@@ -9,6 +9,7 @@ import pytest
 import torch
 from miles_sync.buckets import (
     FlattenedTensorMetadata,
+    bucket_layout,
     dumps_sglang_wire,
     pack_bucket,
     plan_buckets,
@@ -46,9 +47,10 @@ def test_round_trip_mixed_dtypes_bit_exact():
     named = _mixed()
     flat, meta = pack_bucket(named)
     assert flat.dtype == torch.uint8 and flat.dim() == 1
-    out = unpack_bucket(flat, meta)
-    assert [n for n, _ in out] == [n for n, _ in named]
-    for (_, want), (_, got) in zip(named, out):
+    out = dict(unpack_bucket(flat, meta))
+    assert sorted(out) == sorted(n for n, _ in named)
+    for name, want in named:
+        got = out[name]
         assert got.dtype == want.dtype and got.shape == want.shape
         # bit-exact: compare the raw bytes, not values (NaN-safe, -0.0-safe)
         assert bytes(got.contiguous().view(-1).view(torch.uint8).numpy()) == bytes(
@@ -56,7 +58,7 @@ def test_round_trip_mixed_dtypes_bit_exact():
         )
 
 
-def test_layout_offsets_are_aligned_byte_ranges():
+def test_layout_is_dense_and_aligned_by_ordering():
     named = [
         ("x", torch.ones(3, dtype=torch.int8)),
         ("y", torch.ones(2, dtype=torch.float32)),
@@ -64,17 +66,52 @@ def test_layout_offsets_are_aligned_byte_ranges():
         ("w", torch.ones(1, dtype=torch.int64)),
     ]
     flat, meta = pack_bucket(named)
-    # by hand: int8 [0,3); float32 aligned to 4 -> [4,12); bf16 [12,14); int64 aligned to 8 -> [16,24)
-    assert [(m.start_idx, m.end_idx, m.numel) for m in meta] == [
-        (0, 3, 3),
-        (4, 12, 8),
-        (12, 14, 2),
-        (16, 24, 8),
+    # by hand: largest item size first, no gaps: int64 [0,8); f32 [8,16); bf16 [16,18); int8 [18,21)
+    assert [(m.name, m.start_idx, m.end_idx, m.numel) for m in meta] == [
+        ("w", 0, 8, 8),
+        ("y", 8, 16, 8),
+        ("z", 16, 18, 2),
+        ("x", 18, 21, 3),
     ]
-    assert flat.numel() == 24
-    assert flat[3].item() == 0 and flat[14:16].tolist() == [0, 0]  # padding is zero
-    for m in meta:
-        assert m.start_idx % m.dtype.itemsize == 0
+    assert flat.numel() == 21
+
+
+def _receiver_layout(names, dtypes, shapes):
+    """What a receiver that knows only names, dtypes and shapes computes (SGLang's
+    ``FlattenedTensorBucket.empty``, written out by hand): each tensor where the previous one
+    ended; an offset that is not a multiple of the dtype's item size is refused."""
+    offsets, offset = [], 0
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        assert offset % dtype.itemsize == 0, f"Unaligned received tensor {name}"
+        size = torch.Size(shape).numel() * dtype.itemsize
+        offsets.append((offset, offset + size))
+        offset += size
+    return offsets, offset
+
+
+def test_receiver_rebuilds_the_senders_layout_from_names_dtypes_shapes():
+    """An odd-length bf16 tensor followed by fp32, int64 and fp16 ones (the issue's case): the
+    bucket holds no byte a receiver cannot know about."""
+    g = torch.Generator().manual_seed(3)
+    named = [
+        ("odd.bf16", torch.randn(3, generator=g).to(torch.bfloat16)),
+        ("w.f32", torch.randn(5, generator=g)),
+        ("i.i64", torch.randint(0, 1 << 40, (3,), generator=g)),
+        ("h.f16", torch.randn(7, generator=g).half()),
+    ]
+    flat, meta = pack_bucket(named)
+    offsets, total = _receiver_layout(
+        [m.name for m in meta], [m.dtype for m in meta], [m.shape for m in meta]
+    )
+    assert offsets == [(m.start_idx, m.end_idx) for m in meta] and total == flat.numel()
+    back = dict(unpack_bucket(flat, meta))
+    for name, tensor in named:
+        assert torch.equal(back[name], tensor), name
+
+
+def test_layout_refuses_an_unaligned_order():
+    with pytest.raises(ValueError, match="'b'.*not aligned"):
+        bucket_layout([("a", (3,), torch.bfloat16), ("b", (2,), torch.float32)])
 
 
 def test_unpack_rejects_bad_metadata():
@@ -143,9 +180,11 @@ def test_sglang_class_path_pickles_and_reconstructs():
     assert not any(mod.startswith("miles_sync") for mod, _ in globals_named)
     # what SGLang does on receipt: slice, view as dtype, reshape
     back = _SGLangNamesUnpickler(io.BytesIO(data)).load()
-    for m, want in zip(back["metadata"], [torch.arange(3, dtype=torch.int16), torch.ones(2)]):
+    sent = {"a": torch.arange(3, dtype=torch.int16), "b": torch.ones(2)}
+    assert [m.name for m in back["metadata"]] == ["b", "a"]  # aligned order
+    for m in back["metadata"]:
         got = back["flattened_tensor"][m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape)
-        assert torch.equal(got, want)
+        assert torch.equal(got, sent[m.name])
 
 
 def test_wire_pickling_leaves_no_stand_in_modules():

@@ -129,9 +129,12 @@ class EngineLaunchArgs(ArgGroup):
 
     @classmethod
     def validate(cls, args: Any) -> None:
+        from miles_launch.engine_launch.sglang_flags import check_with_sglang
         from miles_launch.engine_launch.sglang_launcher import check_passthrough
 
         check_passthrough(args.sglang_passthrough)
+        if args.rollout_engine != "builtin":
+            check_with_sglang(args.sglang_passthrough)
         if (args.sglang_router_ip is None) != (args.sglang_router_port is None):
             raise ArgumentError("--sglang-router-ip and --sglang-router-port go together")
         within(args, "sglang_mem_fraction_static", 0.01, 1.0)

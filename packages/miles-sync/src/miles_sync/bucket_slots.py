@@ -4,16 +4,17 @@ While bucket ``i`` is on its way (an HTTP call plus a broadcast, or an IPC load)
 is packed into the other slot; a slot is reused only after its previous bucket was delivered
 (the caller waits for that). Packing does not block the host: the copies are stream-ordered and
 a consumer on another thread calls :meth:`BucketSlots.wait_ready`. The byte layout is the
-codec's (:func:`miles_sync.buckets.bucket_layout`: each tensor at the next multiple of its item
-size, zero padding), so a receiver that rebuilds the layout from names, dtypes and shapes finds
-every tensor where the sender put it.
+codec's: the tensors in :func:`miles_sync.buckets.aligned_order`, laid out densely
+(:func:`miles_sync.buckets.bucket_layout`), so a receiver that rebuilds the layout from names,
+dtypes and shapes, as SGLang's ``FlattenedTensorBucket.empty`` does, finds every tensor where the
+sender put it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from miles_sync.buckets import FlattenedTensorMetadata, bucket_layout
+from miles_sync.buckets import FlattenedTensorMetadata, aligned_order, bucket_layout
 
 
 class BucketSlots:
@@ -44,18 +45,16 @@ class BucketSlots:
     def pack(
         self, index: int, named: list[tuple[str, torch.Tensor]]
     ) -> tuple[torch.Tensor, list[FlattenedTensorMetadata]]:
-        """Copy ``named`` into slot ``index % count``; return the bucket (a view) and metadata."""
+        """Copy ``named`` into slot ``index % count``; return the bucket (a view) and metadata
+        (in :func:`~miles_sync.buckets.aligned_order`, the order the receiver must be told)."""
+        named = aligned_order(named)
         metadata, total = bucket_layout((name, t.shape, t.dtype) for name, t in named)
         flat = self._buffer(index % len(self._slots), total)[:total]
-        end = 0
         for meta, (_, tensor) in zip(metadata, named):
-            if meta.start_idx > end:
-                flat[end : meta.start_idx].zero_()
             if meta.numel:
                 flat[meta.start_idx : meta.end_idx].copy_(
                     tensor.detach().contiguous().view(-1).view(torch.uint8), non_blocking=True
                 )
-            end = meta.end_idx
         if self.device.type == "cuda":  # no host wait: consumers wait for this event
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))

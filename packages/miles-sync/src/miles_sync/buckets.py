@@ -7,9 +7,13 @@ This is SGLang's ``flattened_bucket`` wire format (``/update_weights_from_tensor
 * ``FlattenedTensorMetadata(name, shape, dtype, start_idx, end_idx, numel)`` gives each
   tensor's byte range ``[start_idx, end_idx)`` with ``numel = end_idx - start_idx`` bytes
   (SGLang's ``numel`` counts the uint8 elements of the flattened slice, i.e. bytes);
-* several dtypes may share a bucket; each ``start_idx`` is a multiple of its dtype's item
-  size, so that ``bucket[start:end].view(dtype)`` is legal. Padding bytes between tensors
-  are zero.
+* the layout is dense, exactly what SGLang's receiver rebuilds from names, dtypes and shapes
+  (``FlattenedTensorBucket.empty``): each tensor starts where the previous one ends, and a
+  tensor whose start is not a multiple of its dtype's item size is refused (``view(dtype)``
+  would be illegal there). Several dtypes may share a bucket: the sender orders a bucket's
+  tensors by item size, largest first (:func:`aligned_order`), so that every start is aligned
+  without padding. A bucket's metadata, and so the names of its update call, are in that
+  order.
 
 SGLang unpickles payloads with an allowlist that names the class path
 ``sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata``. A sender talking to real
@@ -54,34 +58,46 @@ def tensor_nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _align(offset: int, alignment: int) -> int:
-    return (offset + alignment - 1) // alignment * alignment
+def aligned_order(named_tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """A bucket's tensors by item size, largest first (stable within an item size).
+
+    Item sizes are powers of two, so every sum of larger item sizes' byte counts is a multiple
+    of a smaller one: laid out densely in this order, every tensor's start is aligned.
+    """
+    return sorted(named_tensors, key=lambda item: -item[1].element_size())
 
 
 def bucket_layout(
     named_specs: Iterable[tuple[str, torch.Size | tuple[int, ...], torch.dtype]],
 ) -> tuple[list[FlattenedTensorMetadata], int]:
-    """Byte layout for ``(name, shape, dtype)`` specs: metadata and the bucket's total size.
-
-    Each tensor starts at the next offset that is a multiple of ``dtype.itemsize``.
-    """
+    """Dense byte layout for ``(name, shape, dtype)`` specs, in their order: metadata and the
+    bucket's total size. What SGLang's ``FlattenedTensorBucket.empty`` computes, with its
+    refusals: a negative dimension, or a start that is not a multiple of the dtype's item size
+    (order the specs with :func:`aligned_order` first)."""
     metadata: list[FlattenedTensorMetadata] = []
     offset = 0
     for name, shape, dtype in named_specs:
         shape = torch.Size(shape)
         if any(dim < 0 for dim in shape):
             raise ValueError(f"tensor {name!r} has a negative dimension: {tuple(shape)}")
-        start = _align(offset, dtype.itemsize)
+        if offset % dtype.itemsize:
+            raise ValueError(
+                f"tensor {name!r}: byte offset {offset} is not aligned to {dtype} in a dense "
+                "bucket (order a bucket's tensors by item size, largest first)"
+            )
         nbytes = shape.numel() * dtype.itemsize
-        metadata.append(FlattenedTensorMetadata(name, shape, dtype, start, start + nbytes, nbytes))
-        offset = start + nbytes
+        metadata.append(
+            FlattenedTensorMetadata(name, shape, dtype, offset, offset + nbytes, nbytes)
+        )
+        offset += nbytes
     return metadata, offset
 
 
 def pack_bucket(
     named_tensors: list[tuple[str, torch.Tensor]],
 ) -> tuple[torch.Tensor, list[FlattenedTensorMetadata]]:
-    """Pack tensors (any dtypes, same device) into one 1-D uint8 tensor and its metadata."""
+    """Pack tensors (any dtypes, same device) into one dense 1-D uint8 tensor and its metadata,
+    in :func:`aligned_order` (the metadata's order, not necessarily ``named_tensors``')."""
     if not named_tensors:
         raise ValueError("cannot pack an empty bucket")
     devices = {tensor.device for _, tensor in named_tensors}
@@ -89,8 +105,9 @@ def pack_bucket(
         raise ValueError(
             f"all tensors of a bucket must share a device, got {sorted(map(str, devices))}"
         )
+    named_tensors = aligned_order(named_tensors)
     metadata, total = bucket_layout((name, t.shape, t.dtype) for name, t in named_tensors)
-    flat = torch.zeros(total, dtype=torch.uint8, device=devices.pop())
+    flat = torch.empty(total, dtype=torch.uint8, device=devices.pop())
     for meta, (_, tensor) in zip(metadata, named_tensors):
         if meta.numel:
             flat[meta.start_idx : meta.end_idx].copy_(
@@ -154,7 +171,7 @@ def plan_buckets_marked(
             yield full, False
             full = None
         nbytes = tensor_nbytes(tensor)
-        end = _align(offset, tensor.element_size()) + nbytes
+        end = offset + nbytes  # dense: a group's packed size is the sum of its tensors' bytes
         if group and end > max_bytes:
             yield group, False
             group, offset = [], 0

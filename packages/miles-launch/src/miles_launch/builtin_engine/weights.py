@@ -186,7 +186,9 @@ def receive_broadcast(
     device: torch.device,
 ) -> list[tuple[str, torch.Tensor]]:
     """Receive tensors broadcast from rank 0: one per name in list order, or (flattened_bucket)
-    one uint8 bucket laid out by :func:`miles_sync.buckets.bucket_layout`."""
+    one uint8 bucket laid out densely in list order by :func:`miles_sync.buckets.bucket_layout`,
+    as SGLang's ``FlattenedTensorBucket.empty`` lays it out (and refused where SGLang refuses
+    it: an unaligned offset), before anything is received."""
     if not (len(names) == len(dtypes) == len(shapes)):
         raise ValueError(
             f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}"

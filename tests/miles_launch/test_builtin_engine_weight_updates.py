@@ -9,6 +9,7 @@ import os
 import time
 
 import pytest
+import torch
 from engine_testing import (
     assert_generates,
     free_port,
@@ -215,3 +216,59 @@ def test_retract_update_continue_switches_weights_mid_request(engine, models):
         engine.post("/update_weights_from_disk", {"model_path": str(models["old"][0])}).status_code
         == 200
     )
+
+
+def test_a_bad_tensor_anywhere_leaves_model_and_version_unchanged(engine, models):
+    """Names, shapes and dtype kinds are checked before any byte is loaded: an update whose
+    last tensor does not fit loads none of the others, and the weight version stays."""
+    version = engine.client.get("/get_model_info").json()["weight_version"]
+    new_state = list(models["new"][1].state_dict().items())
+    name, tensor = new_state[-1]
+    for bad, word in (
+        ((name, tensor.t().contiguous() if tensor.dim() == 2 else tensor[:1]), f"{name}: shape"),
+        ((name, tensor.to(torch.int64)), f"{name}: dtype int64"),
+        (("model.no_such.weight", tensor), "no parameter or buffer named 'model.no_such.weight'"),
+    ):
+        body = {
+            "serialized_named_tensors": [serialize(new_state[:-1] + [bad])],
+            "weight_version": "must-not-appear",
+        }
+        r = engine.post("/update_weights_from_tensor", body)
+        assert r.status_code == 400 and r.json()["success"] is False, r.text
+        assert word in r.json()["message"]
+        assert engine.client.get("/get_model_info").json()["weight_version"] == version
+        assert_generates(engine, models, "old")
+    # fp32 masters into the engine's weights are loaded (a float -> float cast)
+    r = engine.post(
+        "/update_weights_from_tensor",
+        {"serialized_named_tensors": [serialize([(n, t.double()) for n, t in new_state])]},
+    )
+    assert r.status_code == 200, r.text
+    assert_generates(engine, models, "new")
+    state = list(models["old"][1].state_dict().items())
+    assert (
+        engine.post(
+            "/update_weights_from_tensor", {"serialized_named_tensors": [serialize(state)]}
+        ).status_code
+        == 200
+    )
+
+
+def test_fd_passing_payload_is_refused_over_http(engine, models):
+    """torch's file_descriptor strategy passes an fd (DupFd): refused, 400 naming it."""
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing as mp
+
+    mp.set_sharing_strategy("file_descriptor")
+    try:
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump([("model.norm.weight", torch.zeros(32))])
+        payload = base64.b64encode(buf.getvalue()).decode()
+    finally:
+        mp.set_sharing_strategy("file_system")
+    r = engine.post("/update_weights_from_tensor", {"serialized_named_tensors": [payload]})
+    assert r.status_code == 400, r.text
+    assert "rebuild_storage_fd is not on the allowlist" in r.json()["message"]
+    assert_generates(engine, models, "old")

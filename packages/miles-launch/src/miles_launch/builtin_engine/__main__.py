@@ -14,11 +14,11 @@ import threading
 
 from miles_core.args import ArgumentError
 
+from miles_launch.engine_launch.api_key import API_KEY_ENV
+
 # Heavy imports (torch, transformers, fastapi) happen after the argument checks, so a bad
 # flag fails at once.
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
-#: The API key, when not given as --api-key (the launcher passes it this way).
-API_KEY_ENV = "MILES_ENGINE_API_KEY"
 
 
 def parse_args(argv: list[str] | None = None):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import json
 import time
 import uuid
@@ -38,6 +37,7 @@ from miles_launch.builtin_engine.weights import (
     join_weight_update_group,
     receive_broadcast,
 )
+from miles_launch.engine_launch.api_key import is_loopback
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 PUBLIC_PATHS = {"/health", "/health_generate"}
@@ -504,16 +504,6 @@ def build_app(state: EngineState) -> FastAPI:
         return {"success": True, "message": f"resumed {sorted(tags)}"}
 
     return app
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address or ``localhost``) is reachable from this host only."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _group_body_problem(body: dict, name, backend) -> str | None:

@@ -112,7 +112,7 @@ async def _json_body(request: Request) -> dict:
         raise ApiError(f"{request.url.path}: missing request body (send at least {{}})")
     try:
         body = json.loads(raw)
-    except json.JSONDecodeError as exc:
+    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, nested too deep
         raise ApiError(f"{request.url.path}: body is not JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise ApiError(f"{request.url.path}: body must be a JSON object")
@@ -425,7 +425,7 @@ def build_app(state: EngineState) -> FastAPI:
         body = await _json_body(request)
         check_window("update_weights_from_distributed")
         name = body.get("group_name", "weight_update_group")
-        if name not in state.groups:
+        if not isinstance(name, str) or name not in state.groups:
             return _error(
                 f"no weight update group {name!r}; call /init_weights_update_group",
                 success_field=True,

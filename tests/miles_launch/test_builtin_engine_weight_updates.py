@@ -221,6 +221,7 @@ def test_retract_update_continue_switches_weights_mid_request(engine, models):
 def test_a_bad_tensor_anywhere_leaves_model_and_version_unchanged(engine, models):
     """Names, shapes and dtype kinds are checked before any byte is loaded: an update whose
     last tensor does not fit loads none of the others, and the weight version stays."""
+    assert engine.post("/begin_weight_update").status_code == 200  # wrapped, as SGLang wants
     version = engine.client.get("/get_model_info").json()["weight_version"]
     new_state = list(models["new"][1].state_dict().items())
     name, tensor = new_state[-1]
@@ -252,6 +253,7 @@ def test_a_bad_tensor_anywhere_leaves_model_and_version_unchanged(engine, models
         ).status_code
         == 200
     )
+    assert engine.post("/end_weight_update").status_code == 200
 
 
 def test_fd_passing_payload_is_refused_over_http(engine, models):
@@ -268,7 +270,9 @@ def test_fd_passing_payload_is_refused_over_http(engine, models):
         payload = base64.b64encode(buf.getvalue()).decode()
     finally:
         mp.set_sharing_strategy("file_system")
+    assert engine.post("/begin_weight_update").status_code == 200
     r = engine.post("/update_weights_from_tensor", {"serialized_named_tensors": [payload]})
+    assert engine.post("/end_weight_update").status_code == 200
     assert r.status_code == 400, r.text
     assert "rebuild_storage_fd is not on the allowlist" in r.json()["message"]
     assert_generates(engine, models, "old")

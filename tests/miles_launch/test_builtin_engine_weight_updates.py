@@ -112,6 +112,24 @@ def test_update_from_distributed_gloo(engine, models):
                 dist.broadcast(flat, src=0, group=pg)
             assert reply.result(timeout=60).status_code == 200
             assert_generates(engine, models, which)
+        # a bucket whose last tensor the model lacks: the broadcast is still received (the
+        # trainer does not hang), then the call is refused naming it and nothing is loaded
+        named = list(models["new"][1].state_dict().items())
+        named[-1] = ("model.no_such.weight", named[-1][1])
+        body = {
+            "names": [n for n, _ in named],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
+            "shapes": [list(t.shape) for _, t in named],
+            "group_name": "wu",
+            "load_format": "flattened_bucket",
+            "weight_version": "must-not-appear",
+        }
+        reply = pool.submit(engine.post, "/update_weights_from_distributed", body)
+        dist.broadcast(pack_bucket(named)[0], src=0, group=pg)
+        r = reply.result(timeout=60)
+        assert r.status_code == 400 and "model.no_such.weight" in r.json()["message"], r.text
+        assert engine.client.get("/get_model_info").json()["weight_version"] == "dist-old"
+        assert_generates(engine, models, "old")
     assert engine.post("/destroy_weights_update_group", {"group_name": "wu"}).status_code == 200
     dist.destroy_process_group(pg)
 

@@ -14,7 +14,7 @@ from miles_launch.builtin_engine import scheduler as scheduler_module
 from miles_launch.builtin_engine.generate_io import GenerateInputError, check_admission
 from miles_launch.builtin_engine.sampling import SamplingParams, SamplingParamsError
 from miles_launch.builtin_engine.scheduler import Request, Scheduler
-from miles_launch.builtin_engine.weight_checks import WeightUpdateError, check_distributed_spec
+from miles_launch.builtin_engine.weight_checks import WeightUpdateError, parse_distributed_spec
 from miles_launch.builtin_engine.weights import WeightStore
 from safetensors.torch import save_file
 
@@ -80,24 +80,23 @@ def test_disk_update_checks_every_file_before_loading_any(store, tmp_path):
         store.load_from_disk(str(tmp_path / "a.safetensors"))
 
 
-def test_distributed_spec_is_checked_before_anything_is_received(store):
-    names, dtypes, shapes = check_distributed_spec(
-        ["w", "steps"], ["float32", "torch.int32"], [[2, 3], [2]], store.resolve
+def test_distributed_spec_is_checked_for_form_before_anything_is_received():
+    names, dtypes, shapes = parse_distributed_spec(
+        ["w", "steps"], ["float32", "torch.int32"], [[2, 3], [2]]
     )
-    assert dtypes == [torch.float32, torch.int32]
+    assert dtypes == [torch.float32, torch.int32] and shapes == [[2, 3], [2]]
     for spec, word in (
-        ((["w"], ["float32"], [[3, 2]]), r"w: shape \(3, 2\)"),
-        ((["w"], ["int8"], [[2, 3]]), "w: dtype int8"),
         ((["w"], ["complex_thing"], [[2, 3]]), r"dtypes\[0\] \(w\): unknown dtype"),
+        ((["w"], [7], [[2, 3]]), r"dtypes\[0\] \(w\): unknown dtype 7"),
         ((["w"], ["float32"], [["2", 3]]), r"shapes\[0\] \(w\)"),
-        ((["w"], ["float32"], [[2**30, 2**30]]), r"shapes\[0\]"),
+        ((["w"], ["float32"], [[-1]]), r"shapes\[0\] \(w\)"),
+        ((["w"], ["float32"], [[2**30, 2**30]]), r"shapes\[0\] \(w\): shape .* too large"),
         ((["w", "h"], ["float32"], [[2, 3]]), "differ in length"),
         (("w", ["float32"], [[2, 3]]), "names must be a list"),
         (([3], ["float32"], [[2, 3]]), r"names\[0\] must be a string"),
-        ((["zz"], ["float32"], [[1]]), "no parameter or buffer named 'zz'"),
     ):
         with pytest.raises(WeightUpdateError, match=word):
-            check_distributed_spec(*spec, store.resolve)
+            parse_distributed_spec(*spec)
 
 
 # ---- /generate admission -------------------------------------------------------------------

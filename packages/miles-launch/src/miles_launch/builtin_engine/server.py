@@ -29,7 +29,7 @@ from miles_launch.builtin_engine.safe_unpickle import UnsafePayloadError
 from miles_launch.builtin_engine.sampling import SamplingParams, SamplingParamsError
 from miles_launch.builtin_engine.scheduler import Request as GenRequest
 from miles_launch.builtin_engine.scheduler import Scheduler
-from miles_launch.builtin_engine.weight_checks import WeightUpdateError, check_distributed_spec
+from miles_launch.builtin_engine.weight_checks import WeightUpdateError, parse_distributed_spec
 from miles_launch.builtin_engine.weights import (
     WeightStore,
     decode_tensor_payload,
@@ -437,8 +437,8 @@ def build_app(state: EngineState) -> FastAPI:
                 f"load_format must be null or 'flattened_bucket', got {body['load_format']!r}",
                 success_field=True,
             )
-        try:  # before anything is allocated or received
-            check_distributed_spec(names, dtypes, shapes, state.weights.resolve)
+        try:  # before anything is allocated or received; fit is checked before loading
+            parse_distributed_spec(names, dtypes, shapes)
         except WeightUpdateError as exc:
             return _error(f"update_weights_from_distributed: {exc}", success_field=True)
 

@@ -1,6 +1,6 @@
 """Checks of a weight update against the model, run before any byte of it is loaded.
 
-Every update (tensor, bucket, distributed, disk) is planned first: each name must be a
+Every update (tensor, bucket, distributed, disk) is planned before it is loaded: each name must be a
 parameter or buffer of the model (or a per-expert slice of a batched expert parameter), its
 shape must equal the target's, and its dtype may differ only within a kind: float to float
 is cast (SGLang's loaders cast too: fp32 masters published into a bf16 engine are the
@@ -87,11 +87,11 @@ def parse_shape(value, field: str) -> list[int]:
     return list(value)
 
 
-def check_distributed_spec(
-    names, dtypes, shapes, resolve: Callable[[str], torch.Tensor | None]
-) -> tuple[list[str], list[torch.dtype], list[list[int]]]:
-    """The ``names``/``dtypes``/``shapes`` of ``/update_weights_from_distributed``, checked
-    against the model before anything is allocated or received."""
+def parse_distributed_spec(names, dtypes, shapes) -> tuple[list[str], list[torch.dtype], list]:
+    """The ``names``/``dtypes``/``shapes`` of ``/update_weights_from_distributed``, checked for
+    form before anything is allocated or received. Whether they fit the model is checked after
+    the broadcast was received, before any byte is loaded (:func:`plan_load`): the trainer's
+    broadcast must be drained either way, or it would wait for the group's timeout."""
     for field, value in (("names", names), ("dtypes", dtypes), ("shapes", shapes)):
         if not isinstance(value, list):
             raise WeightUpdateError(f"{field} must be a list, got {type(value).__name__}")
@@ -103,14 +103,8 @@ def check_distributed_spec(
     for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes)):
         if not isinstance(name, str):
             raise WeightUpdateError(f"names[{i}] must be a string, got {name!r}")
-        dtype = parse_dtype(dtype, f"dtypes[{i}] ({name})")
-        shape = parse_shape(shape, f"shapes[{i}] ({name})")
-        target = resolve(name)
-        if target is None:
-            raise WeightUpdateError(f"model has no parameter or buffer named {name!r}")
-        check_fits(name, shape, dtype, target)
-        torch_dtypes.append(dtype)
-        checked_shapes.append(shape)
+        torch_dtypes.append(parse_dtype(dtype, f"dtypes[{i}] ({name})"))
+        checked_shapes.append(parse_shape(shape, f"shapes[{i}] ({name})"))
     return names, torch_dtypes, checked_shapes
 
 

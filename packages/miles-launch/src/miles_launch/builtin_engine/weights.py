@@ -3,8 +3,10 @@
 Every update ends in :meth:`WeightStore.load_named`: each ``(name, tensor)`` is copied into
 the parameter (or buffer) of that HF name, cast to the parameter's dtype; a checkpoint's
 per-expert name goes into its slice of transformers' batched expert parameter
-(:mod:`~miles_launch.builtin_engine.expert_names`). A name the model does not have, or a shape that
-differs, fails the whole call with a message naming it.
+(:mod:`~miles_launch.builtin_engine.expert_names`). Every tensor of a call is checked first
+(:mod:`~miles_launch.builtin_engine.weight_checks`: name, shape, dtype kind; a disk update reads
+every file's header before loading any): a mismatch fails the whole call with a message naming
+the tensor, and nothing of it has been loaded.
 """
 
 from __future__ import annotations

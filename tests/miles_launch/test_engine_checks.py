@@ -9,7 +9,6 @@ import threading
 
 import pytest
 import torch
-from engine_testing import save_tokenizer, tiny_qwen3
 from miles_launch.builtin_engine import scheduler as scheduler_module
 from miles_launch.builtin_engine.generate_io import GenerateInputError, check_admission
 from miles_launch.builtin_engine.sampling import SamplingParams, SamplingParamsError
@@ -143,10 +142,9 @@ def test_sampling_params_outside_their_domain_name_the_field(raw, word):
 
 
 # ---- one request's failure ---------------------------------------------------------------
-def test_a_failing_request_ends_alone_and_the_engine_keeps_serving(tmp_path, monkeypatch):
-    model = tiny_qwen3(0)
-    tokenizer = save_tokenizer(tmp_path)
-    sched = Scheduler(model, tokenizer, torch.device("cpu"))
+def test_a_failing_request_ends_alone_and_the_engine_keeps_serving(models, monkeypatch):
+    """The session's tiny model (conftest), run in-process by a scheduler of its own."""
+    sched = Scheduler(models["old"][1], models["tokenizer"], torch.device("cpu"))
     real_choose = scheduler_module.choose_token
 
     def choose(logprobs, params, generator, banned=None):

@@ -183,3 +183,16 @@ def test_a_failing_request_ends_alone_and_the_engine_keeps_serving(models, monke
         assert run([greedy])[0].output_ids == alone  # still serving
     finally:
         sched.shutdown()
+
+
+def test_context_length_and_api_key_flags(monkeypatch):
+    from miles_core.args import ArgumentError
+    from miles_launch.builtin_engine.__main__ import parse_args
+    from miles_launch.engine_launch.api_key import API_KEY_ENV
+
+    with pytest.raises(ArgumentError, match="--context-length must be >= 2, got 1"):
+        parse_args(["--model-path", "m", "--context-length", "1"])
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    config = parse_args(["--model-path", "m", "--context-length", "64"])
+    assert config.context_length == 64 and config.api_key == "from-env"
+    assert parse_args(["--model-path", "m", "--api-key", "flag"]).api_key == "flag"

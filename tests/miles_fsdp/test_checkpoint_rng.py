@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
 import torch
+from miles_core.checkpoint_layout import iteration_dir_name
+from miles_core.safe_load import UnsafeCheckpointFileError
 from miles_fsdp.backend import FSDPBackend
 from role_programs import make_samples, my_shard
 from run_args import make_args
@@ -42,3 +45,18 @@ def test_load_rng_and_no_load_rng(one_rank_group, tmp_path):
     assert started(hf_checkpoint=hf_dir, load=save) == at_save
     assert started(hf_checkpoint=hf_dir, load=save, load_rng=False) == fresh
     assert fresh != at_save
+
+    # rng.pt is read with weights_only=True: a planted file that would run code fails the
+    # load, naming it, and runs nothing.
+    marker = tmp_path / "pwned"
+
+    class Planted:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    rng_file = tmp_path / "ckpt" / iteration_dir_name(1) / "rng.pt"
+    assert rng_file.is_file()
+    torch.save({"world_size": 1, "states": [Planted()]}, rng_file)
+    with pytest.raises(UnsafeCheckpointFileError, match="rng.pt: refused"):
+        started(hf_checkpoint=hf_dir, load=save)
+    assert not marker.exists()

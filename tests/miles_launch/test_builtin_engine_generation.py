@@ -10,6 +10,7 @@ import pytest
 import torch
 from engine_testing import (
     PROMPTS,
+    assert_generates,
     generate,
     hf_greedy,
     reference,
@@ -170,3 +171,31 @@ def test_info_and_health(engine, models):
     assert engine.client.get("/model_info").json()["weight_version"] == "v7"
     assert generate(engine, "a", 2)["meta_info"]["weight_version"] == "v7"
     engine.post("/update_weight_version", {"new_version": "default"})
+
+
+def test_admission_checks_answer_400_and_the_engine_keeps_serving(engine, models):
+    """Out-of-vocabulary ids (a device assert on CUDA), over-long requests and sampling values
+    outside SGLang's domains are refused naming the field; nothing reaches the model."""
+    for body, word in (
+        ({"input_ids": [1, 2, 10**6]}, r"input_ids[2] = 1000000 is outside the vocabulary"),
+        ({"input_ids": [[1], [-3]]}, "input_ids[1][0] = -3"),
+        ({"input_ids": [1] * 600}, "longer than the model's context length (512 tokens)"),
+        (
+            {"text": "ab", "sampling_params": {"max_new_tokens": 10**9}},
+            "max_new_tokens 1000000000",
+        ),
+        ({"text": "ab", "sampling_params": {"temperature": "hot"}}, "temperature must be"),
+        ({"text": "ab", "sampling_params": [{"n": 1}, {"n": 1}]}, "2 entries for 1 prompts"),
+        ({"text": "ab", "rid": {"a": 1}}, "rid must be a string"),
+        ({"text": "ab", "routed_experts_start_len": "x"}, "routed_experts_start_len"),
+    ):
+        r = engine.post("/generate", body, timeout=10)
+        assert r.status_code == 400, (body, r.text)
+        assert word in r.json()["error"]["message"], r.text
+    r = engine.client.post(
+        "/generate",
+        content=b'{"text": "ab", "sampling_params": {"temperature": NaN}}',
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400 and "finite" in r.json()["error"]["message"]
+    assert_generates(engine, models, "old")

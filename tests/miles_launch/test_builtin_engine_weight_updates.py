@@ -9,6 +9,7 @@ import os
 import time
 
 import pytest
+import torch
 from engine_testing import (
     assert_generates,
     free_port,
@@ -113,6 +114,24 @@ def test_update_from_distributed_gloo(engine, models):
                 dist.broadcast(flat, src=0, group=pg)
             assert reply.result(timeout=60).status_code == 200
             assert_generates(engine, models, which)
+        # a bucket whose last tensor the model lacks: the broadcast is still received (the
+        # trainer does not hang), then the call is refused naming it and nothing is loaded
+        named = list(models["new"][1].state_dict().items())
+        named[-1] = ("model.no_such.weight", named[-1][1])
+        body = {
+            "names": [n for n, _ in named],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
+            "shapes": [list(t.shape) for _, t in named],
+            "group_name": "wu",
+            "load_format": "flattened_bucket",
+            "weight_version": "must-not-appear",
+        }
+        reply = pool.submit(engine.post, "/update_weights_from_distributed", body)
+        dist.broadcast(pack_bucket(named)[0], src=0, group=pg)
+        r = reply.result(timeout=60)
+        assert r.status_code == 400 and "model.no_such.weight" in r.json()["message"], r.text
+        assert engine.client.get("/get_model_info").json()["weight_version"] == "dist-old"
+        assert_generates(engine, models, "old")
     assert engine.post("/destroy_weights_update_group", {"group_name": "wu"}).status_code == 200
     dist.destroy_process_group(pg)
 
@@ -217,3 +236,63 @@ def test_retract_update_continue_switches_weights_mid_request(engine, models):
         engine.post("/update_weights_from_disk", {"model_path": str(models["old"][0])}).status_code
         == 200
     )
+
+
+def test_a_bad_tensor_anywhere_leaves_model_and_version_unchanged(engine, models):
+    """Names, shapes and dtype kinds are checked before any byte is loaded: an update whose
+    last tensor does not fit loads none of the others, and the weight version stays."""
+    assert engine.post("/begin_weight_update").status_code == 200  # wrapped, as SGLang wants
+    version = engine.client.get("/get_model_info").json()["weight_version"]
+    new_state = list(models["new"][1].state_dict().items())
+    name, tensor = new_state[-1]
+    for bad, word in (
+        ((name, tensor.t().contiguous() if tensor.dim() == 2 else tensor[:1]), f"{name}: shape"),
+        ((name, tensor.to(torch.int64)), f"{name}: dtype int64"),
+        (("model.no_such.weight", tensor), "no parameter or buffer named 'model.no_such.weight'"),
+    ):
+        body = {
+            "serialized_named_tensors": [serialize(new_state[:-1] + [bad])],
+            "weight_version": "must-not-appear",
+        }
+        r = engine.post("/update_weights_from_tensor", body)
+        assert r.status_code == 400 and r.json()["success"] is False, r.text
+        assert word in r.json()["message"]
+        assert engine.client.get("/get_model_info").json()["weight_version"] == version
+        assert_generates(engine, models, "old")
+    # fp32 masters into the engine's weights are loaded (a float -> float cast)
+    r = engine.post(
+        "/update_weights_from_tensor",
+        {"serialized_named_tensors": [serialize([(n, t.double()) for n, t in new_state])]},
+    )
+    assert r.status_code == 200, r.text
+    assert_generates(engine, models, "new")
+    state = list(models["old"][1].state_dict().items())
+    assert (
+        engine.post(
+            "/update_weights_from_tensor", {"serialized_named_tensors": [serialize(state)]}
+        ).status_code
+        == 200
+    )
+    assert engine.post("/end_weight_update").status_code == 200
+
+
+def test_fd_passing_payload_is_refused_over_http(engine, models):
+    """torch's file_descriptor strategy passes an fd (DupFd): refused, 400 naming it."""
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing as mp
+
+    mp.set_sharing_strategy("file_descriptor")
+    try:
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump([("model.norm.weight", torch.zeros(32))])
+        payload = base64.b64encode(buf.getvalue()).decode()
+    finally:
+        mp.set_sharing_strategy("file_system")
+    assert engine.post("/begin_weight_update").status_code == 200
+    r = engine.post("/update_weights_from_tensor", {"serialized_named_tensors": [payload]})
+    assert engine.post("/end_weight_update").status_code == 200
+    assert r.status_code == 400, r.text
+    assert "rebuild_storage_fd is not on the allowlist" in r.json()["message"]
+    assert_generates(engine, models, "old")

@@ -117,6 +117,9 @@ class Engine:
     def start(self, timeout: float = 120.0) -> None:
         cmd = [sys.executable, str(HERE / "digest_engine.py"), "--model-path", str(self.model_path)]
         cmd += ["--port", str(self.port), "--device", self.device]
+        # the long requests of the publish tests (400 tokens) run past config.json's 256
+        # positions; the engine admits them only within --context-length (as SGLang does)
+        cmd += ["--context-length", "1024"]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

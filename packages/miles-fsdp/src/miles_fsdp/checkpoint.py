@@ -46,6 +46,7 @@ from miles_core.checkpoint_layout import (
     prepare_iteration_dir,
     resolve_load,
 )
+from miles_core.safe_load import load_state_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -269,7 +270,7 @@ class Checkpointer:
             )
         scheduler_file = iter_dir / "lr_scheduler" / "state.pt"
         if scheduler_file.exists():
-            self.scheduler.load_state_dict(torch.load(scheduler_file, weights_only=False))
+            self.scheduler.load_state_dict(load_state_file(scheduler_file))
             # A fresh optimizer (--no-load-optim) still carries the initial LR: apply the
             # restored schedule's current value so the LR continues where it stopped.
             for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
@@ -277,7 +278,7 @@ class Checkpointer:
         if self.loss_scaler is not None:
             self.loss_scaler.load(iter_dir)
         if load_rng:
-            rng = torch.load(iter_dir / "rng.pt", weights_only=False)
+            rng = load_state_file(iter_dir / "rng.pt")
             if rng["world_size"] == (dist.get_world_size() if dist.is_initialized() else 1):
                 _set_rng_state(rng["states"][_rank()])
         return TrainState(

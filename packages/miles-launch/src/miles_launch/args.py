@@ -123,6 +123,13 @@ class EngineLaunchArgs(ArgGroup):
     sglang_context_length: int | None = flag(
         None, metavar="N", help="SGLang --context-length: serve beyond config.json's max context."
     )
+    sglang_api_key: str | None = flag(
+        None,
+        metavar="KEY",
+        help="The one API key of the engines' control plane: passed to every engine and router "
+        "miles starts and sent by every client (Authorization: Bearer). Unset while engines "
+        "bind a non-loopback address: a key is generated for the job.",
+    )
     engine_startup_timeout: float = flag(
         600.0, metavar="S", help="Seconds an engine (or the router) may take to become healthy."
     )

@@ -87,6 +87,7 @@ class Producer:
             self.job.reward,
             self._explain_failure,
             routed_experts=routed_experts_layout(args),
+            api_key=self.job.engines.api_key,
         )
         counter = 0
 

@@ -23,8 +23,16 @@ from typing import Any
 
 from miles_core.checkpoint_layout import atomic_write_text, iteration_dir_name, resolve_load
 
+from miles_launch.engine_launch.api_key import ensure_api_key
 from miles_launch.engine_launch.engine_set import EngineSet
-from miles_launch.placement import Layout, Placement, init_ray, plan_layout, prepare_ray_env
+from miles_launch.placement import (
+    Layout,
+    Placement,
+    init_ray,
+    node_ip,
+    plan_layout,
+    prepare_ray_env,
+)
 from miles_launch.reporting import Reporter
 from miles_launch.rollout.prompts import Prompt, PromptOrder, load_prompts
 from miles_launch.rollout.rewards import RewardModel
@@ -155,6 +163,8 @@ class Job:
             "GPU" if self.layout.use_gpu else "CPU slot",
             "colocated" if self.layout.colocate else "disaggregated",
         )
+        # Before anything receives args: engines, router, trainer (its weight publisher).
+        ensure_api_key(args, node_ip())
         self.placement = Placement(self.layout)
         self.trainer = TrainerGroup(self.placement, args.train_backend)
         self.engines = EngineSet(args, self.placement)

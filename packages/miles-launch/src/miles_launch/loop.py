@@ -60,6 +60,7 @@ def generate_groups(
             job.reward,
             job.engines.acheck_alive,
             routed_experts=routed_experts_layout(job.args),
+            api_key=job.engines.api_key,
         )
         try:
             with job.reporter.progress(desc, len(items) * n) as bar:

@@ -45,7 +45,7 @@ class Reporter:
                 logger.warning("--use-wandb: wandb is not installed; logging to W&B is off")
             else:
                 self.wandb = wandb.init(
-                    project=args.wandb_project, name=args.wandb_run_name, config=vars(args)
+                    project=args.wandb_project, name=args.wandb_run_name, config=public_config(args)
                 )
 
     # ------------------------------------------------------------------ progress
@@ -174,3 +174,13 @@ def write_reward_plot(rewards: list[float], path: str | Path, title: str = "rewa
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def public_config(args: Any) -> dict[str, Any]:
+    """The flags as reported to W&B: every value but secrets (the engine API key, masked)."""
+    from miles_launch.engine_launch.api_key import redact
+
+    config = dict(vars(args))
+    if config.get("sglang_api_key"):
+        config["sglang_api_key"] = redact(config["sglang_api_key"])
+    return config

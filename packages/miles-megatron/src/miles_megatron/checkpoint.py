@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from miles_core.safe_load import load_state_file
 
 from miles_megatron.optimizer import distributed_optimizers
 from miles_megatron.torch_dist import save_strategy
@@ -97,7 +98,7 @@ def load_rng(path: Path) -> bool:
     file = path / RNG_FILENAME
     if not file.is_file():
         return False
-    saved = torch.load(file, weights_only=False)
+    saved = load_state_file(file)
     if saved["world_size"] != dist.get_world_size():
         return False
     set_rng_state(saved["states"][dist.get_rank()])

@@ -80,7 +80,8 @@ class SyncConfig:
     @classmethod
     def from_args(cls, args: Any, **overrides: Any) -> SyncConfig:
         """From parsed flags (``update_weight_*``, ``pause_generation_mode``, ``colocate``,
-        ``hf_checkpoint``; ``rollout_num_gpus_per_engine`` when the launcher declares it)."""
+        ``hf_checkpoint``; ``rollout_num_gpus_per_engine`` and ``sglang_api_key`` when the
+        launcher declares them)."""
         mode = args.update_weight_transfer_mode or ("ipc" if args.colocate else "broadcast")
         values = dict(
             mode=mode,
@@ -92,6 +93,7 @@ class SyncConfig:
             hf_checkpoint=getattr(args, "hf_checkpoint", None),
             delta_encoding=args.update_weight_delta_encoding,
             delta_checksum=args.update_weight_delta_checksum,
+            engine_api_key=getattr(args, "sglang_api_key", None),
         )
         values.update(overrides)
         return cls(**values)

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import threading
 
 from miles_core.args import ArgumentError
+
+from miles_launch.engine_launch.api_key import API_KEY_ENV
 
 # Heavy imports (torch, transformers, fastapi) happen after the argument checks, so a bad
 # flag fails at once.
@@ -26,7 +29,19 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--tokenizer-path", default=None, help="defaults to --model-path")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--api-key", default=None, help="require Authorization: Bearer <key>")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require Authorization: Bearer <key> (default: ${API_KEY_ENV}, so that the key "
+        "need not appear in the process list)",
+    )
+    p.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        help="longest prompt + max_new_tokens served (default: config.json's "
+        "max_position_embeddings)",
+    )
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (one device per engine)")
     p.add_argument("--dtype", default="auto", choices=_DTYPES)
     p.add_argument("--weight-version", default="default")
@@ -53,7 +68,10 @@ def parse_args(argv: list[str] | None = None):
         _fail(f"--max-running-requests must be >= 1, got {ns.max_running_requests}")
     if not (ns.device == "cpu" or ns.device == "cuda" or ns.device.startswith("cuda:")):
         _fail(f"--device {ns.device!r}: use cpu, cuda or cuda:N")
+    if ns.context_length is not None and ns.context_length < 2:
+        _fail(f"--context-length must be >= 2, got {ns.context_length}")
     ns.tokenizer_path = ns.tokenizer_path or ns.model_path
+    ns.api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
     log_level = ns.log_level
     del ns.log_level
     import torch
@@ -119,6 +137,8 @@ def build_state(config):
         scheduler=scheduler,
         weights=weights,
         weight_version=config.weight_version,
+        vocab_size=model.get_input_embeddings().num_embeddings,
+        context_length=config.context_length or model.config.max_position_embeddings,
     )
     health_check(scheduler, tokenizer)
     state.healthy = True

@@ -23,13 +23,58 @@ def parse_prompts(body: dict, tokenizer) -> tuple[list[list[int]], bool]:
         if not all(isinstance(t, str) for t in texts):
             raise GenerateInputError("generate: text must be a string or a list of strings")
         return [tokenizer.encode(t) for t in texts], not isinstance(text, list)
+    if not isinstance(input_ids, list):
+        raise GenerateInputError("generate: input_ids must be a list of ints or of lists of ints")
     single = not (input_ids and isinstance(input_ids[0], list))
     batch = [input_ids] if single else input_ids
-    if not all(isinstance(ids, list) and all(isinstance(t, int) for t in ids) for ids in batch):
+    if not all(isinstance(ids, list) and all(type(t) is int for t in ids) for ids in batch):
         raise GenerateInputError(
             "generate: input_ids must be a list of ints or a list of lists of ints"
         )
     return batch, single
+
+
+#: Most sequences (prompts x n) one /generate call may ask for.
+MAX_SEQUENCES_PER_REQUEST = 4096
+
+
+def check_admission(
+    prompts: list[list[int]], params: list, vocab_size: int, context_length: int
+) -> None:
+    """Refuse (400, naming the field) what would fail inside the model: a token id outside
+    ``[0, vocab_size)`` (on CUDA an out-of-range embedding index is a device assert that
+    kills the process), a prompt, or prompt plus ``max_new_tokens``, that does not fit the
+    context (SGLang's rule: both must stay below ``context_length``), or more sequences than
+    :data:`MAX_SEQUENCES_PER_REQUEST`."""
+    total = sum(p.n for p in params)
+    if total > MAX_SEQUENCES_PER_REQUEST:
+        raise GenerateInputError(
+            f"generate: {total} sequences (prompts x sampling_params.n) exceed the built-in "
+            f"engine's {MAX_SEQUENCES_PER_REQUEST} per request"
+        )
+    for i, (ids, p) in enumerate(zip(prompts, params)):
+        where = "input_ids" if len(prompts) == 1 else f"input_ids[{i}]"
+        for j, token in enumerate(ids):
+            if not 0 <= token < vocab_size:
+                raise GenerateInputError(
+                    f"generate: {where}[{j}] = {token} is outside the vocabulary [0, {vocab_size})"
+                )
+        if len(ids) >= context_length:
+            raise GenerateInputError(
+                f"generate: {where}: the input ({len(ids)} tokens) is longer than the model's "
+                f"context length ({context_length} tokens)"
+            )
+        if len(ids) + p.max_new_tokens >= context_length:
+            raise GenerateInputError(
+                f"generate: sampling_params.max_new_tokens {p.max_new_tokens} with a {len(ids)}-"
+                f"token input exceeds the model's context length ({context_length} tokens)"
+            )
+        for token in p.stop_token_ids:
+            if not 0 <= token < vocab_size:
+                raise GenerateInputError(
+                    f"generate: sampling_params.stop_token_ids: {token} is outside the "
+                    f"vocabulary [0, {vocab_size})"
+                )
 
 
 def format_reply(req: Request, weight_version: str, latency: float, routed_start: int) -> dict:

@@ -17,6 +17,7 @@ stop string>}``, ``{"type": "length", "length": max_new_tokens}``, ``{"type": "a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -67,8 +68,14 @@ class SamplingParams:
 
     @classmethod
     def from_request(cls, raw: dict | None) -> SamplingParams:
-        """Parse ``sampling_params`` of a /generate body; unknown keys raise (SGLang: 400)."""
-        raw = dict(raw or {})
+        """Parse ``sampling_params`` of a /generate body; an unknown key, a wrong type or a
+        value outside SGLang's domain raises :class:`SamplingParamsError` naming it (400)."""
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise SamplingParamsError(
+                f"sampling_params must be an object, got {type(raw).__name__}"
+            )
         known = {f.name for f in fields(cls)}
         kwargs = {}
         for key, value in raw.items():
@@ -76,35 +83,95 @@ class SamplingParams:
                 if value is not None:
                     kwargs[key] = value
             elif key in _UNSUPPORTED_AT_DEFAULT:
-                if value not in (_UNSUPPORTED_AT_DEFAULT[key], None):
+                if value is not None and not _equal_default(value, _UNSUPPORTED_AT_DEFAULT[key]):
                     raise SamplingParamsError(
                         f"sampling_params.{key}={value!r} is not supported by the built-in engine"
                     )
             elif key not in _IGNORED:
                 raise SamplingParamsError(f"unknown sampling_params key: {key!r}")
+        _check_types(kwargs)
         params = cls(**kwargs)
         if isinstance(params.stop, str):
             params.stop = [params.stop]
         params.stop = [s for s in params.stop if s]
-        params.stop_token_ids = [int(t) for t in params.stop_token_ids]
+        params.stop_token_ids = list(params.stop_token_ids)
         params.validate()
         return params
 
     def validate(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+        """SGLang's domains (``SamplingParams.verify``)."""
+        if self.max_new_tokens < 0:
+            raise SamplingParamsError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise SamplingParamsError(
-                f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}"
+                f"min_new_tokens must be in [0, max_new_tokens ({self.max_new_tokens})], "
+                f"got {self.min_new_tokens}"
             )
-        if self.temperature < 0:
-            raise SamplingParamsError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise SamplingParamsError(
+                f"temperature must be a non-negative finite number, got {self.temperature}"
+            )
         if not 0 < self.top_p <= 1:
             raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise SamplingParamsError(f"top_k must be -1 (all) or >= 1, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise SamplingParamsError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not isinstance(self.n, int) or self.n < 1:
-            raise SamplingParamsError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.n < 1:
+            raise SamplingParamsError(f"n must be >= 1, got {self.n}")
+
+
+#: The JSON type each field takes (``bool`` is not an int here, an int is a float).
+_FIELD_TYPES = {
+    "max_new_tokens": int,
+    "min_new_tokens": int,
+    "top_k": int,
+    "n": int,
+    "sampling_seed": int,
+    "temperature": float,
+    "top_p": float,
+    "min_p": float,
+    "ignore_eos": bool,
+    "skip_special_tokens": bool,
+    "no_stop_trim": bool,
+}
+
+
+def _is(value, kind) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_types(kwargs: dict) -> None:
+    names = {int: "an int", float: "a number", bool: "a bool"}
+    for key, kind in _FIELD_TYPES.items():
+        if key in kwargs and not _is(kwargs[key], kind):
+            raise SamplingParamsError(
+                f"sampling_params.{key} must be {names[kind]}, got {kwargs[key]!r}"
+            )
+    stop = kwargs.get("stop")
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
+        raise SamplingParamsError("sampling_params.stop must be a string or a list of strings")
+    ids = kwargs.get("stop_token_ids")
+    if ids is not None and not (isinstance(ids, list) and all(_is(t, int) for t in ids)):
+        raise SamplingParamsError("sampling_params.stop_token_ids must be a list of ints")
+    seed = kwargs.get("sampling_seed")
+    if seed is not None and not 0 <= seed < 2**63:
+        raise SamplingParamsError(
+            f"sampling_params.sampling_seed must be in [0, 2**63), got {seed}"
+        )
+
+
+def _equal_default(value, default) -> bool:
+    try:
+        return bool(value == default)
+    except Exception:
+        return False
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

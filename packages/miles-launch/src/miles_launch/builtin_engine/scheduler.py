@@ -11,6 +11,11 @@ A decode step feeds each row's last token at its own position ``pos[b]`` (the nu
 real tokens of the row) with the attention mask ``[mask, 1]``; padded slots get zero
 attention weight, so each row computes exactly what it would compute alone. Rows leave
 the batch between steps (finished or aborted) by indexing the cache's batch dimension.
+
+Failures stay with their request: a prefill that fails is retried request by request and
+ends only the request that fails; an error while choosing or appending one request's token
+ends that request (``finish_reason`` abort, ``engine error: ...``) and the others go on. Only
+a failed batched decode forward aborts the running batch. The engine keeps serving either way.
 """
 
 from __future__ import annotations
@@ -226,7 +231,7 @@ class Scheduler:
             try:
                 with torch.no_grad():
                     self._step()
-            except Exception as exc:  # a failed step aborts what it was running
+            except Exception as exc:  # a failed batched decode aborts what it was running
                 logger.exception("engine step failed")
                 self.abort(abort_all=True, message=f"engine error: {exc}")
 
@@ -271,13 +276,22 @@ class Scheduler:
         mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], device=self.device)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         cache = DynamicCache()
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            **{self._cache_kw: cache},
-        )
+        try:
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                **{self._cache_kw: cache},
+            )
+        except Exception as exc:  # one request's failure ends only that request
+            if len(todo) == 1:
+                logger.exception("prefill of request %s failed", todo[0].rid)
+                self._fail(todo[0], exc)
+                return
+            for req in todo:  # prefill each alone to find the one that fails
+                self._prefill([req])
+            return
         if self.recorder is not None:
             routed = self.recorder.take(len(todo) * width).view(
                 len(todo), width, *self.recorder.shape
@@ -376,7 +390,12 @@ class Scheduler:
         )
         logprobs = torch.log_softmax(logits.float() / temps[:, None], dim=-1)
         for req, row in zip(reqs, logprobs):
-            self._append_token(req, row)
+            try:
+                self._append_token(req, row)
+            except Exception as exc:  # this request ends with an error; the others go on
+                logger.exception("request %s failed", req.rid)
+                if not req.finished:
+                    self._fail(req, exc)
 
     def _append_token(self, req: Request, logprobs: torch.Tensor) -> None:
         params = req.params
@@ -404,6 +423,10 @@ class Scheduler:
 
     def _decode_text(self, ids: list[int], params: SamplingParams) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+
+    def _fail(self, req: Request, exc: BaseException) -> None:
+        """End ``req`` with an abort naming the error (its text is not decoded again)."""
+        self._finish(req, abort_reason(f"engine error: {exc}"), "")
 
     def _finish(self, req: Request, reason: dict, text: str | None = None) -> None:
         req.finish_reason = reason

@@ -9,6 +9,7 @@ carry SGLang's ``{"success": false, "message": ...}``).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -18,11 +19,17 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from miles_launch.builtin_engine.generate_io import GenerateInputError, format_reply, parse_prompts
+from miles_launch.builtin_engine.generate_io import (
+    GenerateInputError,
+    check_admission,
+    format_reply,
+    parse_prompts,
+)
 from miles_launch.builtin_engine.safe_unpickle import UnsafePayloadError
 from miles_launch.builtin_engine.sampling import SamplingParams, SamplingParamsError
 from miles_launch.builtin_engine.scheduler import Request as GenRequest
 from miles_launch.builtin_engine.scheduler import Scheduler
+from miles_launch.builtin_engine.weight_checks import WeightUpdateError, parse_distributed_spec
 from miles_launch.builtin_engine.weights import (
     WeightStore,
     decode_tensor_payload,
@@ -30,9 +37,24 @@ from miles_launch.builtin_engine.weights import (
     join_weight_update_group,
     receive_broadcast,
 )
+from miles_launch.engine_launch.api_key import is_loopback
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 PUBLIC_PATHS = {"/health", "/health_generate"}
+#: Endpoints that change the model or its memory. An engine bound to a non-loopback address
+#: without an API key refuses them (403): anyone who can reach it could rewrite its weights.
+MODEL_CHANGING_PATHS = {
+    "/update_weights_from_tensor",
+    "/update_weights_from_disk",
+    "/update_weights_from_distributed",
+    "/init_weights_update_group",
+    "/destroy_weights_update_group",
+    "/begin_weight_update",
+    "/end_weight_update",
+    "/update_weight_version",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+}
 
 
 @dataclass
@@ -45,6 +67,7 @@ class EngineConfig:
     port: int = 30000
     api_key: str | None = None
     device: str = "cpu"
+    context_length: int | None = None
     dtype: str = "auto"
     weight_version: str = "default"
     tp_size: int = 1
@@ -67,6 +90,8 @@ class EngineState:
     scheduler: Scheduler
     weights: WeightStore
     weight_version: str
+    vocab_size: int
+    context_length: int
     healthy: bool = False
     groups: dict = field(default_factory=dict)
     update_window_used: bool = False
@@ -87,7 +112,7 @@ async def _json_body(request: Request) -> dict:
         raise ApiError(f"{request.url.path}: missing request body (send at least {{}})")
     try:
         body = json.loads(raw)
-    except json.JSONDecodeError as exc:
+    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, nested too deep
         raise ApiError(f"{request.url.path}: body is not JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise ApiError(f"{request.url.path}: body must be a JSON object")
@@ -101,12 +126,23 @@ def build_app(state: EngineState) -> FastAPI:
     state.gate = asyncio.Event()
     state.gate.set()
 
+    key = state.config.api_key
+    open_to_network = not key and not is_loopback(state.config.host)
+
     @app.middleware("http")
     async def _api_key(request: Request, call_next):
-        key = state.config.api_key
-        if key and request.url.path not in PUBLIC_PATHS:
-            if request.headers.get("authorization") != f"Bearer {key}":
+        path = request.url.path
+        if key and path not in PUBLIC_PATHS:
+            sent = request.headers.get("authorization", "")
+            if not hmac.compare_digest(sent.encode(), f"Bearer {key}".encode()):
                 return _error("unauthorized: send Authorization: Bearer <api key>", 401)
+        if open_to_network and path in MODEL_CHANGING_PATHS:
+            return _error(
+                f"{path} refused: this engine listens on {state.config.host} without --api-key; "
+                "start it with --api-key to change its weights",
+                403,
+                success_field=True,
+            )
         return await call_next(request)
 
     @app.exception_handler(GenerateInputError)
@@ -140,12 +176,25 @@ def build_app(state: EngineState) -> FastAPI:
             params = [SamplingParams.from_request(p) for p in raw_list]
         except SamplingParamsError as exc:
             return _error(str(exc))
+        check_admission(prompts, params, state.vocab_size, state.context_length)
+        for name in ("return_logprob", "return_routed_experts"):
+            if not isinstance(body.get(name, False), bool):
+                return _error(f"generate: {name} must be a bool, got {body[name]!r}")
+        start_len = body.get("routed_experts_start_len") or 0
+        if type(start_len) is not int or start_len < 0:
+            return _error(
+                f"generate: routed_experts_start_len must be an int >= 0, got {start_len!r}"
+            )
         want_routed = bool(body.get("return_routed_experts", False))
         if want_routed and not state.config.enable_return_routed_experts:
             return _error(
                 "return_routed_experts needs the server flag --enable-return-routed-experts"
             )
         rid = body.get("rid") or uuid.uuid4().hex
+        if not (
+            isinstance(rid, str) or (isinstance(rid, list) and all(isinstance(r, str) for r in rid))
+        ):
+            return _error(f"generate: rid must be a string or a list of strings, got {rid!r}")
         rids = (
             rid
             if isinstance(rid, list)
@@ -173,7 +222,6 @@ def build_app(state: EngineState) -> FastAPI:
         start = time.monotonic()
         sched.submit([req for group in groups for req, _ in group])
         await asyncio.gather(*(fut for group in groups for _, fut in group))
-        start_len = int(body.get("routed_experts_start_len") or 0)
         replies = [
             format_reply(req, state.weight_version, time.monotonic() - start, start_len)
             for group in groups
@@ -218,8 +266,10 @@ def build_app(state: EngineState) -> FastAPI:
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request):
         body = await _json_body(request)
-        if "new_version" not in body:
-            return _error("update_weight_version: field new_version is required")
+        if not isinstance(body.get("new_version"), (str, int)) or isinstance(
+            body.get("new_version"), bool
+        ):
+            return _error("update_weight_version: field new_version (a string) is required")
         if body.get("abort_all_requests", True):
             await control(
                 lambda: sched.abort(abort_all=True, message="aborted by update_weight_version")
@@ -305,7 +355,7 @@ def build_app(state: EngineState) -> FastAPI:
 
         try:
             count = await control(run, wait_idle=not abort_all)
-        except (KeyError, ValueError, RuntimeError, FileNotFoundError) as exc:
+        except Exception as exc:  # checks run before any byte is loaded: the model is unchanged
             return _error(f"weight update failed: {exc}", success_field=True)
         return {"success": True, "message": f"updated {count} tensors", "num_paused_requests": 0}
 
@@ -313,20 +363,25 @@ def build_app(state: EngineState) -> FastAPI:
     async def update_weights_from_tensor(request: Request):
         body = await _json_body(request)
         check_window("update_weights_from_tensor")
+        device_type = torch.device(state.config.device).type
         try:
             named = await asyncio.to_thread(
-                decode_tensor_payload, body.get("serialized_named_tensors"), body.get("load_format")
+                decode_tensor_payload,
+                body.get("serialized_named_tensors"),
+                body.get("load_format"),
+                device_type,
             )
-        except (UnsafePayloadError, ValueError, RuntimeError, OSError) as exc:
+        except (UnsafePayloadError, WeightUpdateError, ValueError, RuntimeError, OSError) as exc:
             return _error(f"update_weights_from_tensor: {exc}", success_field=True)
         return await apply_update(body, lambda: state.weights.load_named(named))
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
         body = await _json_body(request)
-        if not body.get("model_path"):
+        if not body.get("model_path") or not isinstance(body["model_path"], str):
             return _error(
-                "update_weights_from_disk: field model_path is required", success_field=True
+                "update_weights_from_disk: field model_path (a directory) is required",
+                success_field=True,
             )
         return await apply_update(body, lambda: state.weights.load_from_disk(body["model_path"]))
 
@@ -344,6 +399,9 @@ def build_app(state: EngineState) -> FastAPI:
             )
         name = body.get("group_name", "weight_update_group")
         backend = body.get("backend", "nccl")
+        problem = _group_body_problem(body, name, backend)
+        if problem:
+            return _error(f"init_weights_update_group: {problem}", success_field=True)
         if state.config.device == "cpu" and backend == "nccl":
             backend = "gloo"
         if name in state.groups:
@@ -367,22 +425,25 @@ def build_app(state: EngineState) -> FastAPI:
         body = await _json_body(request)
         check_window("update_weights_from_distributed")
         name = body.get("group_name", "weight_update_group")
-        if name not in state.groups:
+        if not isinstance(name, str) or name not in state.groups:
             return _error(
                 f"no weight update group {name!r}; call /init_weights_update_group",
                 success_field=True,
             )
         pg, device = state.groups[name], torch.device(state.config.device)
+        names, dtypes, shapes = (body.get(k, []) for k in ("names", "dtypes", "shapes"))
+        if body.get("load_format") not in (None, "direct", "flattened_bucket"):
+            return _error(
+                f"load_format must be null or 'flattened_bucket', got {body['load_format']!r}",
+                success_field=True,
+            )
+        try:  # before anything is allocated or received; fit is checked before loading
+            parse_distributed_spec(names, dtypes, shapes)
+        except WeightUpdateError as exc:
+            return _error(f"update_weights_from_distributed: {exc}", success_field=True)
 
         def load():
-            named = receive_broadcast(
-                pg,
-                body.get("names", []),
-                body.get("dtypes", []),
-                body.get("shapes", []),
-                body.get("load_format"),
-                device,
-            )
+            named = receive_broadcast(pg, names, dtypes, shapes, body.get("load_format"), device)
             return state.weights.load_named(named)
 
         return await apply_update(body, load)
@@ -391,6 +452,10 @@ def build_app(state: EngineState) -> FastAPI:
     async def destroy_weights_update_group(request: Request):
         body = await _json_body(request)
         name = body.get("group_name", "weight_update_group")
+        if not isinstance(name, str):
+            return _error(
+                "destroy_weights_update_group: group_name must be a string", success_field=True
+            )
         pg = state.groups.pop(name, None)
         if pg is None:
             return _error(f"no weight update group {name!r}", success_field=True)
@@ -399,7 +464,10 @@ def build_app(state: EngineState) -> FastAPI:
 
     # ---- memory ---------------------------------------------------------------------------
     def parse_tags(body: dict) -> set[str]:
-        tags = set(body.get("tags") or MEMORY_TAGS)
+        tags = body.get("tags") or MEMORY_TAGS
+        if not isinstance(tags, (list, tuple)) or not all(isinstance(t, str) for t in tags):
+            raise ApiError(f"tags must be a list of strings, got {tags!r}")
+        tags = set(tags)
         unknown = tags - set(MEMORY_TAGS)
         if unknown:
             raise ApiError(f"tags: unknown {sorted(unknown)}; known {list(MEMORY_TAGS)}")
@@ -436,6 +504,27 @@ def build_app(state: EngineState) -> FastAPI:
         return {"success": True, "message": f"resumed {sorted(tags)}"}
 
     return app
+
+
+def _group_body_problem(body: dict, name, backend) -> str | None:
+    """What is wrong with an /init_weights_update_group body (None when it is well-formed)."""
+    if not isinstance(body["master_address"], str) or not body["master_address"]:
+        return "master_address must be a host name or address"
+    for key in ("master_port", "rank_offset", "world_size"):
+        if type(body[key]) is not int:
+            return f"{key} must be an int, got {body[key]!r}"
+    if not 0 < body["master_port"] < 65536:
+        return f"master_port must be in [1, 65535], got {body['master_port']}"
+    if not 0 < body["rank_offset"] < body["world_size"]:
+        return (
+            f"rank_offset must be in [1, world_size), got {body['rank_offset']} with world_size "
+            f"{body['world_size']} (rank 0 is the trainer)"
+        )
+    if not isinstance(name, str) or not name:
+        return "group_name must be a non-empty string"
+    if backend not in ("nccl", "gloo"):
+        return f"backend must be nccl or gloo, got {backend!r}"
+    return None
 
 
 def _memory(state: EngineState) -> dict:

@@ -3,8 +3,10 @@
 Every update ends in :meth:`WeightStore.load_named`: each ``(name, tensor)`` is copied into
 the parameter (or buffer) of that HF name, cast to the parameter's dtype; a checkpoint's
 per-expert name goes into its slice of transformers' batched expert parameter
-(:mod:`~miles_launch.builtin_engine.expert_names`). A name the model does not have, or a shape that
-differs, fails the whole call with a message naming it.
+(:mod:`~miles_launch.builtin_engine.expert_names`). Every tensor of a call is checked first
+(:mod:`~miles_launch.builtin_engine.weight_checks`: name, shape, dtype kind; a disk update reads
+every file's header before loading any): a mismatch fails the whole call with a message naming
+the tensor, and nothing of it has been loaded.
 """
 
 from __future__ import annotations
@@ -17,10 +19,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from miles_sync.buckets import bucket_layout, unpack_bucket
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from miles_launch.builtin_engine.expert_names import batched_expert_slice
 from miles_launch.builtin_engine.safe_unpickle import UnsafePayloadError, decode_serialized
+from miles_launch.builtin_engine.weight_checks import (
+    WeightUpdateError,
+    check_bucket_payload,
+    check_fits,
+    plan_load,
+)
 
 WEIGHT_UPDATE_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -40,28 +49,28 @@ class WeightStore:
         self._backup: dict[str, torch.Tensor] | None = None
         self.released = False
 
+    def resolve(self, name: str) -> torch.Tensor | None:
+        """The parameter/buffer of HF name ``name`` (or its slice of a batched expert tensor)."""
+        target = self.tensors.get(name)
+        return target if target is not None else batched_expert_slice(name, self.tensors)
+
     @torch.no_grad()
     def load_named(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Check every tensor (:func:`~miles_launch.builtin_engine.weight_checks.plan_load`),
+        then copy them all: a mismatch anywhere loads nothing."""
         if self.released:
             raise RuntimeError("weights are released; call /resume_memory_occupation first")
-        count = 0
-        for name, tensor in named_tensors:
-            target = self.tensors.get(name)
-            if target is None:
-                target = batched_expert_slice(name, self.tensors)
-            if target is None:
-                raise KeyError(f"model has no parameter or buffer named {name!r}")
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ValueError(
-                    f"{name}: shape {tuple(tensor.shape)} != model's {tuple(target.shape)}"
-                )
+        plan = plan_load(named_tensors, self.resolve)
+        for target, tensor in plan:
             target.copy_(tensor.to(device=target.device, dtype=target.dtype))
-            count += 1
-        return count
+        return len(plan)
 
     def load_from_disk(self, model_path: str) -> int:
-        """Load every ``*.safetensors`` file of a HF checkpoint directory."""
+        """Load every ``*.safetensors`` file of a HF checkpoint directory; every file's
+        names, shapes and dtypes are checked (from their headers) before any is loaded."""
         path = Path(model_path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"model_path {model_path!r} is not a directory")
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"model_path {model_path!r} holds no *.safetensors file")
@@ -69,6 +78,10 @@ class WeightStore:
         if index.exists():
             names = set(json.loads(index.read_text())["weight_map"].values())
             files = [path / n for n in sorted(names)]
+        if self.released:
+            raise RuntimeError("weights are released; call /resume_memory_occupation first")
+        for file in files:
+            check_safetensors_header(file, self.resolve)
         count = 0
         for file in files:
             count += self.load_named(load_file(str(file), device="cpu").items())
@@ -110,33 +123,73 @@ class WeightStore:
         self.released = False
 
 
+def check_safetensors_header(file: Path, resolve) -> None:
+    """Every tensor of a safetensors file fits the model (read from its header only)."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                sliced = f.get_slice(name)
+                dtype = _SAFETENSORS_DTYPES.get(sliced.get_dtype())
+                if dtype is None:
+                    raise WeightUpdateError(f"{name}: unsupported dtype {sliced.get_dtype()}")
+                target = resolve(name)
+                if target is None:
+                    raise WeightUpdateError(f"model has no parameter or buffer named {name!r}")
+                check_fits(name, sliced.get_shape(), dtype, target)
+    except WeightUpdateError as exc:
+        raise WeightUpdateError(f"{file.name}: {exc}") from None
+
+
+_SAFETENSORS_DTYPES = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
 # ---- /update_weights_from_tensor ------------------------------------------------------------
 def decode_tensor_payload(
-    serialized: list, load_format: str | None
+    serialized: list, load_format: str | None, device_type: str = "cpu"
 ) -> list[tuple[str, torch.Tensor]]:
     """``serialized_named_tensors`` (one entry per TP rank; this engine has one) -> named tensors.
 
     ``load_format`` ``None``/``"direct"``: the entry is a list of ``(name, tensor)``;
     ``"flattened_bucket"``: a dict ``{"flattened_tensor": uint8 1-D, "metadata": [...]}``.
+    The entry is unpickled under the payload allowlist of an engine of ``device_type``
+    (:mod:`~miles_launch.builtin_engine.safe_unpickle`); a bucket's metadata is checked
+    (:func:`~miles_launch.builtin_engine.weight_checks.check_bucket_payload`) before it is unpacked.
     """
+    if load_format not in (None, "direct", "flattened_bucket"):
+        raise WeightUpdateError(
+            f"load_format must be null, 'direct' or 'flattened_bucket', got {load_format!r}"
+        )
     if not isinstance(serialized, list) or len(serialized) != 1:
         n = len(serialized) if isinstance(serialized, list) else type(serialized).__name__
         raise ValueError(
             f"serialized_named_tensors must hold one entry (this engine has tp size 1), got {n}"
         )
-    payload = decode_serialized(serialized[0])
+    payload = decode_serialized(serialized[0], device_type)
     if load_format in (None, "direct"):
         if not isinstance(payload, (list, tuple)) or not all(
             isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[1], torch.Tensor)
             for item in payload
         ):
             raise UnsafePayloadError("direct payload must be a list of (name, tensor) pairs")
-        return [(str(name), tensor) for name, tensor in payload]
+        return [(name, tensor) for name, tensor in payload]
     if load_format == "flattened_bucket":
-        if not isinstance(payload, dict) or {"flattened_tensor", "metadata"} - payload.keys():
-            raise UnsafePayloadError(
-                "flattened_bucket payload must be a dict with flattened_tensor and metadata"
-            )
+        check_bucket_payload(payload)
         return unpack_bucket(payload["flattened_tensor"], payload["metadata"])
     raise ValueError(
         f"load_format must be null, 'direct' or 'flattened_bucket', got {load_format!r}"

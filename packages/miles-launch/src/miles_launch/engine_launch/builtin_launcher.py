@@ -2,7 +2,8 @@
 
 The built-in engine serves the HF model with transformers on one device; ``--sglang-*``
 passthrough flags do not apply to it (they are logged and ignored). Under
-``--use-rollout-routing-replay`` it runs with ``--enable-return-routed-experts``.
+``--use-rollout-routing-replay`` it runs with ``--enable-return-routed-experts``. The API key travels in the environment
+(:func:`builtin_engine_env`), not on the command line.
 """
 
 from __future__ import annotations
@@ -11,9 +12,16 @@ import logging
 import sys
 from typing import Any
 
+from miles_launch.engine_launch.api_key import API_KEY_ENV
 from miles_launch.rollout.routed_experts import routing_replay_on
 
 logger = logging.getLogger(__name__)
+
+
+def builtin_engine_env(args: Any) -> dict[str, str]:
+    """Environment of one built-in engine: the job's API key, when there is one."""
+    key = getattr(args, "sglang_api_key", None)
+    return {API_KEY_ENV: key} if key else {}
 
 
 def builtin_engine_command(
@@ -38,6 +46,8 @@ def builtin_engine_command(
         "--device",
         device,
     ]
+    if getattr(args, "sglang_context_length", None) is not None:
+        cmd += ["--context-length", str(args.sglang_context_length)]
     if args.offload_rollout:
         cmd.append("--enable-memory-saver")
     if routing_replay_on(args):

@@ -19,7 +19,7 @@ from typing import Any
 
 from miles_core.engine import EngineClient, EngineError
 
-from miles_launch.engine_launch.builtin_launcher import builtin_engine_command
+from miles_launch.engine_launch.builtin_launcher import builtin_engine_command, builtin_engine_env
 from miles_launch.engine_launch.process import EngineDied, ProcessHost, exit_description
 from miles_launch.engine_launch.router import external_router_url, register_worker, router_command
 from miles_launch.engine_launch.sglang_launcher import sglang_server_command
@@ -70,6 +70,8 @@ class EngineSet:
             if layout.use_gpu:
                 gpus = [g for b in bundles for g in self.placement.info(b).gpu_ids]
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+            if self.args.rollout_engine != "sglang":
+                env.update(builtin_engine_env(self.args))
             cmd = self.engine_command(ip, port)
             pid, log_path = ray.get(host.start.remote(cmd, env))
             url = f"http://{ip}:{port}"
@@ -105,7 +107,7 @@ class EngineSet:
                     external,
                 )
             for engine in self.engines:
-                register_worker(external, engine.url)
+                register_worker(external, engine.url, api_key=self.api_key)
             self.router_url = external
             return
         host = ray.remote(ProcessHost).options(num_cpus=0).remote("router")
@@ -123,7 +125,10 @@ class EngineSet:
         ``--engine-startup-timeout``, raises naming it (with its log tail)."""
         deadline = time.monotonic() + self.args.engine_startup_timeout
         waiting = list(processes)
-        clients = {p.url: EngineClient(p.url, timeout=5.0, retries=0) for p in waiting}
+        clients = {
+            p.url: EngineClient(p.url, api_key=self.api_key, timeout=5.0, retries=0)
+            for p in waiting
+        }
         try:
             while waiting:
                 for proc in list(waiting):
@@ -192,21 +197,30 @@ class EngineSet:
         """Where generation requests go: the router, or each engine in turn."""
         return [self.router_url] if self.router_url else self.urls
 
+    @property
+    def api_key(self) -> str | None:
+        """The job's engine API key (``--sglang-api-key``, or the one generated for it)."""
+        return getattr(self.args, "sglang_api_key", None)
+
+    def client(self, url: str) -> EngineClient:
+        """A client of one of the job's engines, carrying the job's API key."""
+        return EngineClient(url, api_key=self.api_key)
+
     def release_memory(self) -> None:
         for url in self.urls:
-            with EngineClient(url) as client:
+            with self.client(url) as client:
                 client.release_memory_occupation()
 
     def resume_memory(self) -> None:
         for url in self.urls:
-            with EngineClient(url) as client:
+            with self.client(url) as client:
                 client.resume_memory_occupation()
 
     def weight_versions(self) -> list[str]:
         """``weight_version`` of every engine (``/get_model_info``)."""
         versions = []
         for url in self.urls:
-            with EngineClient(url) as client:
+            with self.client(url) as client:
                 versions.append(str(client.get_model_info()["weight_version"]))
         return versions
 

@@ -15,6 +15,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from miles_launch.engine_launch.api_key import redact_argv
 from miles_launch.placement import node_ip
 
 #: Lines of the log quoted when a process dies.
@@ -69,7 +70,7 @@ class ProcessHost:
     def start(self, cmd: list[str], env: dict[str, str]) -> tuple[int, str]:
         """Start ``cmd`` with ``env`` added; returns (pid, log path)."""
         log = open(self.log_path, "ab")  # noqa: SIM115 (the child keeps it)
-        log.write(f"$ {' '.join(cmd)}\n".encode())
+        log.write(f"$ {' '.join(redact_argv(cmd))}\n".encode())
         log.flush()
         self.process = subprocess.Popen(
             cmd,

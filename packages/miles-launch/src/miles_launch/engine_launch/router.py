@@ -4,7 +4,8 @@ Own router: ``python -m sglang_router.launch_router --host H --port P --worker-u
 followed by every ``--router-<x>`` as ``--<x>``. External router (``--sglang-router-ip`` and
 ``--sglang-router-port``): no router is started; each engine is registered once healthy, with
 ``POST /workers {"url": ...}`` (sglang-router >= 0.3) or, when that route is missing,
-``POST /add_worker?url=...`` (older routers).
+``POST /add_worker?url=...`` (older routers). With the job's API key, the router gets
+``--api-key`` and every registration carries it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def router_command(
         "--worker-urls",
         *worker_urls,
     ]
+    key = getattr(args, "sglang_api_key", None)
+    if key and "api-key" not in args.router_passthrough:
+        cmd += ["--api-key", key]  # what the router sends its workers
     return cmd + passthrough_to_argv(args.router_passthrough)
 
 
@@ -46,10 +50,16 @@ def external_router_url(args: Any) -> str | None:
     return f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
 
 
-def register_worker(router_url: str, worker_url: str, timeout: float = 30.0) -> None:
-    """Add ``worker_url`` to the router at ``router_url`` (new API first, then the old one)."""
-    with httpx.Client(base_url=router_url, timeout=timeout) as http:
-        response = http.post("/workers", json={"url": worker_url})
+def register_worker(
+    router_url: str, worker_url: str, api_key: str | None = None, timeout: float = 30.0
+) -> None:
+    """Add ``worker_url`` to the router at ``router_url`` (new API first, then the old one).
+    With ``api_key``, the call carries ``Authorization: Bearer`` and the new API's body the
+    worker's key (what the router sends that worker)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    body = {"url": worker_url, **({"api_key": api_key} if api_key else {})}
+    with httpx.Client(base_url=router_url, timeout=timeout, headers=headers) as http:
+        response = http.post("/workers", json=body)
         if response.status_code in (404, 405):
             response = http.post("/add_worker", params={"url": worker_url})
         if response.status_code >= 400:

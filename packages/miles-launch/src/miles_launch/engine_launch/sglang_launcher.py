@@ -3,7 +3,7 @@
 Miles sets ``--model-path`` (from ``--hf-checkpoint``), ``--tp-size`` (from
 ``--rollout-num-gpus-per-engine``), ``--host`` and ``--port``; ``--sglang-mem-fraction-static``
 and ``--sglang-context-length`` are declared flags turned into ``--mem-fraction-static`` and
-``--context-length``; every undeclared ``--sglang-<x>`` is passed through as ``--<x>``.
+``--context-length``, ``--sglang-api-key`` is SGLang's ``--api-key``; every undeclared ``--sglang-<x>`` is passed through as ``--<x>``.
 ``--enable-memory-saver`` is added under ``--offload-rollout`` and
 ``--enable-return-routed-experts`` under ``--use-rollout-routing-replay``.
 """
@@ -61,6 +61,8 @@ def sglang_server_command(
         cmd += ["--mem-fraction-static", str(args.sglang_mem_fraction_static)]
     if args.sglang_context_length is not None:
         cmd += ["--context-length", str(args.sglang_context_length)]
+    if getattr(args, "sglang_api_key", None):
+        cmd += ["--api-key", args.sglang_api_key]
     if args.offload_rollout and "enable-memory-saver" not in args.sglang_passthrough:
         cmd.append("--enable-memory-saver")
     if routing_replay_on(args) and "enable-return-routed-experts" not in args.sglang_passthrough:

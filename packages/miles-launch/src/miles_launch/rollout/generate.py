@@ -81,8 +81,11 @@ class Generator:
         check_alive: Callable[[str], Any],
         timeout_s: float = 3600.0,
         routed_experts: RoutedExpertsLayout | None = None,
+        api_key: str | None = None,
     ):
-        self.clients = [AsyncEngineClient(url, timeout=timeout_s, retries=0) for url in urls]
+        self.clients = [
+            AsyncEngineClient(url, api_key=api_key, timeout=timeout_s, retries=0) for url in urls
+        ]
         self.reward = reward
         self.check_alive = check_alive  # async: raises EngineDied
         self.routed_experts = routed_experts  # None: routing replay off

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from miles_core.args import ArgumentError
-from miles_fsdp.roles import ActorBuild, FrozenSource, build_frozen_model, component_names
+from miles_fsdp.roles import FrozenSource, component_names, frozen_role
 from role_programs import roles_program, sleep_cycles_program
 from run_args import make_args
 from spawn import run_ranks
@@ -101,11 +101,10 @@ def test_causal_lm_has_one_component():
 
 def test_frozen_role_of_another_family_rejected(tmp_path):
     other = save_tiny_model(tmp_path / "moe", config=arch_config("qwen3_moe"))
-    build = ActorBuild(qwen3_config(), None, None, "sdpa", None, torch.device("cpu"))
     with pytest.raises(
         ArgumentError, match="the reference is a 'qwen3_moe' model, the actor a 'qwen3' one"
     ):
-        build_frozen_model(FrozenSource("reference", other), build)
+        frozen_role(FrozenSource("reference", other), qwen3_config())
 
 
 def test_hooks_load_by_module_and_name():

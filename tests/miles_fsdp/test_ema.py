@@ -110,7 +110,7 @@ def test_backend_ema_two_ranks(tmp_path):
         torch.testing.assert_close(res["after_exception"][n], final_params[n], atol=0, rtol=0)
     # DCP round trip of EMA although optimizer state was neither saved nor loaded
     it = tmp_path / "ckpt" / "iter_0000004"
-    assert not (it / "optimizer").exists()
+    assert not (it / "optimizer").exists() and not (it / "lr_scheduler").exists()
     for n, v in final_ema.items():
         torch.testing.assert_close(res["loaded_ema"][n], v, atol=0, rtol=0)
     assert res["loaded_updates"] == 4

@@ -145,3 +145,45 @@ def test_memory_snapshot_written_at_window_end(tmp_path):
     profiler.after_step(0)
     profiler.close()
     assert (tmp_path / "snap.rank0.pickle").stat().st_size > 0
+
+
+class StepRecorder:
+    """A TrainProfiler stand-in recording the calls the training loop makes."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, int]] = []
+
+    def before_step(self, step):
+        self.calls.append(("before", step))
+
+    def after_step(self, step):
+        self.calls.append(("after", step))
+
+    def log(self, step, metrics):
+        self.calls.append(("log", step))
+
+    def stop(self):
+        self.calls.append(("stop", -1))
+
+    def close(self):
+        pass
+
+
+@pytest.mark.slow
+def test_training_loop_brackets_every_optimizer_step(one_rank_group, tmp_path):
+    """Two rollouts of --num-steps-per-rollout 2: the profiler sees global steps 0..3."""
+    from miles_core.batch import RolloutBatch
+    from miles_fsdp.backend import FSDPBackend
+    from samples import make_samples
+    from tiny_models import save_tiny_model
+
+    hf_dir = save_tiny_model(tmp_path / "m")
+    backend = FSDPBackend()
+    backend.init(make_args(hf_checkpoint=str(hf_dir), num_steps_per_rollout=2))
+    backend.profiler = recorder = StepRecorder()
+    for rollout_id in range(2):
+        backend.train(rollout_id, RolloutBatch(make_samples(seed=rollout_id)))
+    backend.close()
+    steps = [("before", 0), ("after", 0), ("before", 1), ("after", 1), ("log", 2)]
+    steps += [("before", 2), ("after", 2), ("before", 3), ("after", 3), ("log", 4)]
+    assert recorder.calls == steps

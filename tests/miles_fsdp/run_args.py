@@ -33,7 +33,12 @@ def command_line(**flags) -> list[str]:
     return argv
 
 
+def parse(*argv: str) -> Namespace:
+    """``parse_args(argv)`` over the core and FSDP groups (argument-error tests)."""
+    return parse_args(list(argv), [*core_groups(), *fsdp_groups()])
+
+
 def make_args(**overrides) -> Namespace:
     """``parse_args`` of :func:`command_line` (``TEST_DEFAULTS`` updated by ``overrides``) over
     the core and FSDP groups."""
-    return parse_args(command_line(**(TEST_DEFAULTS | overrides)), [*core_groups(), *fsdp_groups()])
+    return parse(*command_line(**(TEST_DEFAULTS | overrides)))

@@ -17,6 +17,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from dense_reference import dense_logits
 from miles_fsdp.backend import FSDPBackend
 from run_args import make_args
 from tiny_models import arch_config, qwen3_config, save_tiny_model
@@ -32,18 +33,6 @@ def registry(monkeypatch):
 
     monkeypatch.setattr(registry, "_REGISTRY", {})
     return registry
-
-
-def float64_logits(model_or_dir, data):
-    from transformers import AutoModelForCausalLM
-
-    model = model_or_dir
-    if not isinstance(model, nn.Module):
-        model = AutoModelForCausalLM.from_pretrained(
-            str(model_or_dir), dtype=torch.float64, attn_implementation="eager"
-        )
-    with torch.no_grad():
-        return model.double()(input_ids=data, use_cache=False).logits
 
 
 def backend_logits(hf_dir, data, **flags):
@@ -62,7 +51,7 @@ FP32_ATOL = 2e-5
 
 def test_post_load_fixup_repairs_a_clobbered_tied_head(one_rank_group, tmp_path, registry):
     hf_dir = save_tiny_model(tmp_path / "tied", qwen3_config(tie_word_embeddings=True))
-    want = float64_logits(hf_dir, DATA)
+    want = dense_logits(hf_dir, DATA)
     config_file = hf_dir / "config.json"
     config_file.write_text(
         json.dumps(json.loads(config_file.read_text()) | {"tie_word_embeddings": False})
@@ -108,7 +97,7 @@ def test_model_patch_replaces_a_class_before_construction(
                 layer.mlp.down_proj.bias.normal_(0.0, 1.0)
         hf_dir = save_tiny_model(tmp_path / "biased", model.config)
         model.save_pretrained(str(hf_dir))
-        want = float64_logits(model, DATA)
+        want = dense_logits(model, DATA)
 
     dropped = backend_logits(hf_dir, DATA)  # stock Qwen3MLP: the biases are not loaded
     assert (dropped - want).abs().max() > 1e-2

@@ -62,7 +62,7 @@ QWEN3_5 = {
 @pytest.mark.parametrize("model_type", sorted(QWEN3_5))
 def test_qwen3_5_loads_trains_and_publishes_checkpoint_names(one_rank_group, tmp_path, model_type):
     from miles_core.batch import RolloutBatch
-    from role_programs import make_samples
+    from samples import make_samples
 
     hf_dir = QWEN3_5[model_type](tmp_path / model_type)
     on_disk = checkpoint_tensors(hf_dir)

@@ -102,8 +102,8 @@ def test_fp16_overflowing_step_is_skipped_and_the_scale_halved(one_rank_group, t
     from miles_core.batch import RolloutBatch
     from miles_fsdp.backend import FSDPBackend
     from rank_programs import full_params
-    from role_programs import make_samples
     from run_args import make_args
+    from samples import make_samples
     from tiny_models import save_tiny_model
 
     hf_dir = save_tiny_model(tmp_path / "m")

@@ -104,3 +104,4 @@ def test_offloaded_build_materialises_where_placement_says(one_rank_group, tmp_p
     buffers = dict(backend.model.named_buffers())
     assert buffers and all(b.device.type == "meta" for b in buffers.values())
     assert all(p.device.type == "cpu" for p in backend.model.parameters())
+    backend.close()

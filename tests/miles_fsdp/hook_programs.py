@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 from rank_programs import full_grads, full_params
-from role_programs import make_samples, my_shard
+from role_programs import my_shard
 from run_args import make_args
+from samples import make_samples
 
 #: What the loss hook saw in this process (read back by the program).
 SEEN: dict = {"denominators": [], "teacher_requires_grad": [], "temperatures": []}

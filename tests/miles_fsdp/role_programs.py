@@ -10,25 +10,8 @@ import torch.distributed as dist
 from miles_fsdp.backend import FSDPBackend
 from rank_programs import full_params, my_rows, nll_contribution
 from run_args import make_args
+from samples import make_samples
 from torch.distributed.tensor import DTensor
-
-
-def make_samples(n: int = 4, seed: int = 11):
-    from miles_core.batch import Sample
-
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        prompt, response = 3 + i % 3, 4 + (i * 5) % 7
-        out.append(
-            Sample(
-                tokens=torch.randint(0, 64, (prompt + response,), generator=g),
-                response_length=response,
-                reward=float(torch.rand((), generator=g)),
-                group_index=i // 2,
-            )
-        )
-    return out
 
 
 def my_shard(samples, rank, world):

@@ -1,7 +1,9 @@
 """Architecture specs: each test fails when its spec is removed.
 
-MoE specs: weights published after loading carry the per-expert (and ``backbone.``) names of the
-released checkpoint with its exact values. Stateful specs: packed logits equal per-sample logits
+MoE specs: weights published after loading carry the per-expert (and ``backbone.``,
+``model.language_model.``) names of the released checkpoint with its exact values; Qwen3.5
+(dense, MoE; text-only and multimodal checkpoints) also trains a rollout and publishes under
+the checkpoint's names after it. Stateful specs: packed logits equal per-sample logits
 for hybrid recurrent models, which they do not without the document reset.
 """
 
@@ -9,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from miles_fsdp.adaptations import adaptation_for, registered_model_types
+from miles_fsdp.adaptations import adaptation_for
 from miles_fsdp.backend import FSDPBackend
 from run_args import make_args
 from safetensors import safe_open
-from tiny_models import arch_config, save_tiny_model
+from tiny_models import arch_config, save_multimodal_qwen3_5, save_tiny_model
 
 pytestmark = [pytest.mark.numeric, pytest.mark.slow]
 
@@ -25,23 +27,59 @@ def backend_for(tmp_path, model_type):
     return backend, hf_dir
 
 
-def test_specs_registered():
-    assert {"qwen3_moe", "glm4_moe_lite", "qwen3_5_text", "nemotron_h"} <= set(
-        registered_model_types()
-    )
-
-
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "glm4_moe_lite", "nemotron_h"])
-def test_published_weights_use_checkpoint_names(one_rank_group, tmp_path, model_type):
-    backend, hf_dir = backend_for(tmp_path, model_type)
+def checkpoint_tensors(hf_dir) -> dict[str, torch.Tensor]:
+    """The language model's tensors on disk (a multimodal checkpoint's vision tower is not
+    loaded by the causal LM, so never published)."""
     with safe_open(str(hf_dir / "model.safetensors"), "pt") as f:
-        on_disk = {name: f.get_tensor(name) for name in f.keys()}
-    assert any(".experts.0." in name for name in on_disk)  # released, per-expert layout
+        return {name: f.get_tensor(name) for name in f.keys() if ".visual." not in name}
+
+
+def assert_published_as_on_disk(backend, on_disk):
     published = dict(backend.weight_source(gather_bytes=1 << 10))
     assert published.keys() == on_disk.keys()
     for name, tensor in on_disk.items():
         assert published[name].dtype == tensor.dtype
         assert torch.equal(published[name], tensor), name
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "glm4_moe_lite", "nemotron_h"])
+def test_published_weights_use_checkpoint_names(one_rank_group, tmp_path, model_type):
+    backend, hf_dir = backend_for(tmp_path, model_type)
+    on_disk = checkpoint_tensors(hf_dir)
+    assert any(".experts.0." in name for name in on_disk)  # released, per-expert layout
+    assert_published_as_on_disk(backend, on_disk)
+    backend.close()
+
+
+QWEN3_5 = {
+    "qwen3_5_text": lambda path: save_tiny_model(path, arch_config("qwen3_5_text")),
+    "qwen3_5_moe_text": lambda path: save_tiny_model(path, arch_config("qwen3_5_moe_text")),
+    "qwen3_5": lambda path: save_multimodal_qwen3_5(path, moe=False),
+    "qwen3_5_moe": lambda path: save_multimodal_qwen3_5(path, moe=True),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(QWEN3_5))
+def test_qwen3_5_loads_trains_and_publishes_checkpoint_names(one_rank_group, tmp_path, model_type):
+    from miles_core.batch import RolloutBatch
+    from samples import make_samples
+
+    hf_dir = QWEN3_5[model_type](tmp_path / model_type)
+    on_disk = checkpoint_tensors(hf_dir)
+    prefix = "model.language_model." if "_text" not in model_type else "model.layers."
+    assert any(name.startswith(prefix) for name in on_disk)
+    assert any(".experts.0." in name for name in on_disk) == ("moe" in model_type)
+    backend = FSDPBackend()
+    backend.init(make_args(hf_checkpoint=str(hf_dir), attn_implementation="eager"))
+    assert backend.config.model_type == model_type
+    assert_published_as_on_disk(backend, on_disk)  # loaded: the checkpoint's names and values
+
+    metrics = backend.train(0, RolloutBatch(make_samples(seed=1)))
+    assert torch.isfinite(torch.tensor(metrics["pg_loss"])) and metrics["grad_norm"] > 0
+    published = dict(backend.weight_source(gather_bytes=1 << 10))
+    assert published.keys() == on_disk.keys()
+    moved = [n for n, t in on_disk.items() if not torch.equal(published[n], t)]
+    assert any(".mlp." in n for n in moved) and any("linear_attn" in n for n in moved)
     backend.close()
 
 

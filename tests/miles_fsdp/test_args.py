@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from miles_core.args import ArgumentError, core_groups, parse_args
-from miles_fsdp.args import fsdp_groups
+from miles_core.args import ArgumentError
 from miles_fsdp.mesh import mesh_shape
-
-
-def parse(*argv):
-    return parse_args(list(argv), [*core_groups(), *fsdp_groups()])
+from run_args import parse
 
 
 @pytest.mark.parametrize(

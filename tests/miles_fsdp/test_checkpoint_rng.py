@@ -11,8 +11,9 @@ import torch
 from miles_core.checkpoint_layout import iteration_dir_name
 from miles_core.safe_load import UnsafeCheckpointFileError
 from miles_fsdp.backend import FSDPBackend
-from role_programs import make_samples, my_shard
+from role_programs import my_shard
 from run_args import make_args
+from samples import make_samples
 from tiny_models import save_tiny_model
 
 pytestmark = pytest.mark.slow

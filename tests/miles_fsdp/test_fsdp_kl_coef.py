@@ -7,30 +7,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dense_reference import dense_model, response_log_probs
 from miles_fsdp.backend import FSDPBackend
-from role_programs import make_samples
 from run_args import make_args
+from samples import make_samples
 from tiny_models import save_tiny_model
 
 pytestmark = pytest.mark.slow
 KL_COEF = 0.5
 
 
-def response_log_probs(model, sample) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(input_ids=sample.tokens[None]).logits[0]
-    lp = torch.log_softmax(logits[:-1], -1).gather(-1, sample.tokens[1:, None])[:, 0]
-    return lp[-sample.response_length :]
-
-
 def expected_loss(actor_dir, ref_dir, samples) -> float:
-    from transformers import AutoModelForCausalLM
-
-    actor = AutoModelForCausalLM.from_pretrained(actor_dir, dtype=torch.float64)
-    ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float64)
+    actor, ref = dense_model(actor_dir), dense_model(ref_dir)
     total = 0.0
     for s in samples:
-        rewards = -KL_COEF * (response_log_probs(actor, s) - response_log_probs(ref, s))
+        with torch.no_grad():
+            rewards = -KL_COEF * (response_log_probs(actor, s) - response_log_probs(ref, s))
         rewards[-1] += s.reward
         returns = rewards.flip(0).cumsum(0).flip(0)
         total += float(-returns.sum() / s.response_length)

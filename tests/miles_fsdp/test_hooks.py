@@ -6,45 +6,30 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dense_reference import dense_model, response_log_probs
 from hook_programs import HOOK_FLAGS, loss_hook_program
-from role_programs import make_samples
+from samples import make_samples
 from spawn import run_ranks
 from tiny_models import save_tiny_model
 
 
-def dense_response_log_probs(model, sample, temperature):
-    """Float64 log-probs of ``sample``'s response tokens under ``model`` (one sequence)."""
-    tokens = sample.tokens[None]
-    logits = model(input_ids=tokens, use_cache=False).logits[0, :-1]
-    lp = torch.log_softmax(logits / temperature, dim=-1)
-    lp = lp.gather(-1, tokens[0, 1:, None]).squeeze(-1)
-    return lp[-sample.response_length :]
-
-
 @pytest.mark.slow
 def test_custom_loss_hook_through_train_matches_float64(tmp_path):
-    from transformers import AutoModelForCausalLM
-
     hf_dir = save_tiny_model(tmp_path / "actor", seed=0)
     teacher_dir = save_tiny_model(tmp_path / "teacher", seed=2)
     out = tmp_path / "out.pt"
     run_ranks(2, loss_hook_program, str(hf_dir), str(teacher_dir), str(out), timeout=300)
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
 
-    def dense(path):
-        return AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=torch.float64, attn_implementation="eager"
-        )
-
-    actor, teacher = dense(hf_dir), dense(teacher_dir)
+    actor, teacher = dense_model(hf_dir), dense_model(teacher_dir)
     temperature = HOOK_FLAGS["rollout_temperature"]
     samples = make_samples()
     denominator = sum(s.response_length for s in samples)
     loss = 0.0
     for s in samples:
         with torch.no_grad():
-            t_lp = dense_response_log_probs(teacher, s, temperature)
-        loss = loss + ((dense_response_log_probs(actor, s, temperature) - t_lp) ** 2).sum()
+            t_lp = response_log_probs(teacher, s, temperature)
+        loss = loss + ((response_log_probs(actor, s, temperature) - t_lp) ** 2).sum()
     loss = loss / denominator
     loss.backward()
 

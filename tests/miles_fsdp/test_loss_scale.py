@@ -7,17 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from miles_core.args import ArgumentError, core_groups, parse_args
-from miles_fsdp.args import fsdp_groups
+from miles_core.args import ArgumentError
 from miles_fsdp.loss_scale import LossScaler
 from miles_fsdp.train_step import optimizer_step
+from run_args import parse
 from torch import nn
 
 pytestmark = pytest.mark.numeric
-
-
-def parse(*argv):
-    return parse_args(list(argv), [*core_groups(), *fsdp_groups()])
 
 
 def test_dynamic_schedule_by_hand():

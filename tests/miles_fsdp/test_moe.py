@@ -12,6 +12,7 @@ from miles_core.args import ArgumentError
 from miles_fsdp.adaptations.moe import resolve_moe_kernel
 from moe_programs import moe_kernel_program
 from safetensors import safe_open
+from samples import make_samples
 from spawn import run_ranks
 from tiny_models import arch_config, save_tiny_model
 
@@ -46,21 +47,8 @@ def test_fused_on_cpu_without_interpreter_is_refused():
 
 
 def moe_samples(n: int, seed: int = 11):
-    from miles_core.batch import Sample
-
-    g = torch.Generator().manual_seed(seed)
-    samples = []
-    for i in range(n):
-        prompt, response = 3 + i % 2, 3 + i % 3
-        samples.append(
-            Sample(
-                tokens=torch.randint(0, 64, (prompt + response,), generator=g),
-                response_length=response,
-                reward=float(torch.rand((), generator=g)),
-                group_index=i // 2,
-            )
-        )
-    return samples
+    """Short samples: the fused kernels run under Triton's interpreter (tests/gpu uses it too)."""
+    return make_samples(n, seed, short=True)
 
 
 @pytest.mark.slow

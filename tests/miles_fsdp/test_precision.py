@@ -1,41 +1,131 @@
-"""Precision and attention flags of the FSDP backend: --fp16 / --fsdp-compute-dtype /
---no-keep-fp32-master give the documented dtypes and FSDP2 policy (gradients always reduce in
-fp32); --attn-implementation passes explicit values through and falls back to sdpa with one
+"""Precision and attention flags of the FSDP backend: under bf16 / --fp16 /
+--no-keep-fp32-master the sharded modules forward in the compute dtype, hold parameters and
+AdamW state in the master dtype and reduce-scatter gradients in fp32 (observed on the modules
+and the collectives); --fp16's loss scaling skips an overflowing step and halves the scale; --attn-implementation passes explicit values through and falls back to sdpa with one
 notice line where flash_attn is unavailable."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-from miles_core.args import core_groups, parse_args
-from miles_fsdp.args import fsdp_groups
 from miles_fsdp.loading import ATTN_IMPLEMENTATIONS, resolve_attn_implementation
 from miles_fsdp.precision import resolve_precision
+from miles_fsdp.train_step import optimizer_step
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 
-def flags(*argv):
-    args = parse_args(list(argv), [*core_groups(), *fsdp_groups()])
-    return resolve_precision(args.fp16, args.fsdp_compute_dtype, args.keep_fp32_master)
+class ReduceDtypes:
+    """(gradient dtype, reduce dtype) of FSDP's gradient reductions: the unsharded gradients
+    as they are copied into the reduce-scatter buffer (with one rank the buffer is the
+    result; with more it is what the collective reduces)."""
+
+    def __init__(self, monkeypatch):
+        from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+        self.seen: set[tuple[torch.dtype, torch.dtype]] = set()
+        original = _fsdp_collectives.foreach_reduce_scatter_copy_in
+
+        def spy(grads, reduce_input, *args, **kwargs):
+            self.seen |= {(g.dtype, reduce_input.dtype) for g in grads}
+            return original(grads, reduce_input, *args, **kwargs)
+
+        monkeypatch.setattr(_fsdp_collectives, "foreach_reduce_scatter_copy_in", spy)
 
 
+def linear_dtypes(model) -> set[tuple[torch.dtype, torch.dtype]]:
+    """(input, weight) dtypes of every ``nn.Linear`` call in the next forwards."""
+    seen = set()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(
+                lambda m, args, seen=seen: seen.add((args[0].dtype, m.weight.dtype))
+            )
+    return seen
+
+
+@pytest.mark.slow  # a backend per case
 @pytest.mark.parametrize(
-    "argv, compute, master",
+    "flags, compute, master",
     [
-        ([], torch.bfloat16, torch.float32),
-        (["--fp16"], torch.float16, torch.float32),
-        (["--no-keep-fp32-master"], torch.bfloat16, torch.bfloat16),
-        (["--fp16", "--no-keep-fp32-master"], torch.float16, torch.float16),
-        (["--fsdp-compute-dtype", "fp32"], torch.float32, torch.float32),
-        (["--fp16", "--fsdp-compute-dtype", "bf16"], torch.bfloat16, torch.float32),
+        ({}, torch.bfloat16, torch.float32),
+        ({"fp16": True, "loss_scale": 1.0}, torch.float16, torch.float32),
+        ({"keep_fp32_master": False}, torch.bfloat16, torch.bfloat16),
     ],
 )
-def test_precision_from_flags(argv, compute, master):
-    precision = flags(*argv)
-    assert (precision.compute_dtype, precision.master_dtype) == (compute, master)
-    policy = precision.mixed_precision_policy()
-    assert policy.reduce_dtype == torch.float32  # gradient reduction always in fp32
-    # FSDP casts the unsharded parameters only when the dtypes differ
-    assert policy.param_dtype == (None if compute == master else compute)
+def test_dtypes_on_the_sharded_modules(
+    one_rank_group, tmp_path, monkeypatch, flags, compute, master
+):
+    """Forward in the compute dtype, parameters (shards) and AdamW state in the master dtype,
+    gradients reduce-scattered in fp32 on the way to master-dtype gradient shards."""
+    from miles_fsdp.backend import FSDPBackend
+    from rank_programs import nll_contribution
+    from run_args import make_args
+    from tiny_models import save_tiny_model
+
+    hf_dir = save_tiny_model(tmp_path / "m")
+    backend = FSDPBackend()
+    backend.init(make_args(hf_checkpoint=str(hf_dir), fsdp_compute_dtype=None, **flags))
+    model = backend.model
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    assert len(units) == model.config.num_hidden_layers + 3  # layers, embedding, head, root
+    seen = linear_dtypes(model)
+    reduced = ReduceDtypes(monkeypatch)
+    data = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    optimizer_step(
+        model,
+        backend.optimizer,
+        backend.scheduler,
+        [data],
+        nll_contribution(14),
+        1,
+        0.0,
+        loss_scaler=backend.loss_scaler,
+    )
+    assert seen == {(compute, compute)}
+    assert reduced.seen == {(compute, torch.float32)}
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor) and param.dtype == master, name
+        assert param.grad.dtype == master, name
+        state = backend.optimizer.state[param]
+        assert state["exp_avg"].dtype == master and state["exp_avg_sq"].dtype == master, name
+    backend.close()
+
+
+@pytest.mark.slow
+def test_fp16_overflowing_step_is_skipped_and_the_scale_halved(one_rank_group, tmp_path):
+    """--fp16 through the backend: at loss scale 2^40 the fp16 backward overflows; the step is
+    skipped (no parameter moves) and the scale halves (hysteresis 1). At scale 1 the same
+    rollout steps."""
+    from miles_core.batch import RolloutBatch
+    from miles_fsdp.backend import FSDPBackend
+    from rank_programs import full_params
+    from run_args import make_args
+    from samples import make_samples
+    from tiny_models import save_tiny_model
+
+    hf_dir = save_tiny_model(tmp_path / "m")
+    fp16 = dict(hf_checkpoint=str(hf_dir), fsdp_compute_dtype=None, fp16=True)
+    batch = RolloutBatch(make_samples(seed=1))
+    backend = FSDPBackend()
+    backend.init(make_args(initial_loss_scale=2.0**40, hysteresis=1, **fp16))
+    before = full_params(backend.model)
+    metrics = backend.train(0, batch)
+    assert metrics["loss_scale"] == 2.0**39 and backend.loss_scaler.scale == 2.0**39
+    assert not math.isfinite(metrics["grad_norm"])
+    after = full_params(backend.model)
+    assert all(torch.equal(after[n], v) for n, v in before.items())
+    backend.close()
+
+    backend = FSDPBackend()
+    backend.init(make_args(loss_scale=1.0, **fp16))
+    metrics = backend.train(0, batch)
+    assert math.isfinite(metrics["grad_norm"]) and metrics["loss_scale"] == 1.0
+    after = full_params(backend.model)
+    assert any(not torch.equal(after[n], v) for n, v in before.items())
+    backend.close()
 
 
 def test_unknown_compute_dtype_names_the_flag():

@@ -6,28 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dense_reference import dense_logits
 from miles_core.args import ArgumentError
-from miles_fsdp.roles import ActorBuild, FrozenSource, build_frozen_model, component_names
+from miles_fsdp.roles import FrozenSource, component_names, frozen_role
 from role_programs import roles_program, sleep_cycles_program
 from run_args import make_args
 from spawn import run_ranks
 from test_lora import save_adapter
 from tiny_models import arch_config, qwen3_config, save_tiny_model
-
-
-def dense_logits(hf_dir, data, adapter_dir=None):
-    """The HF model (PEFT merge_and_unload for an adapter) on the CPU in float64."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        str(hf_dir), dtype=torch.float64, attn_implementation="eager"
-    )
-    if adapter_dir is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
-    with torch.no_grad():
-        return model(input_ids=data, use_cache=False).logits
 
 
 @pytest.mark.slow
@@ -101,11 +87,10 @@ def test_causal_lm_has_one_component():
 
 def test_frozen_role_of_another_family_rejected(tmp_path):
     other = save_tiny_model(tmp_path / "moe", config=arch_config("qwen3_moe"))
-    build = ActorBuild(qwen3_config(), None, None, "sdpa", None, torch.device("cpu"))
     with pytest.raises(
         ArgumentError, match="the reference is a 'qwen3_moe' model, the actor a 'qwen3' one"
     ):
-        build_frozen_model(FrozenSource("reference", other), build)
+        frozen_role(FrozenSource("reference", other), qwen3_config())
 
 
 def test_hooks_load_by_module_and_name():

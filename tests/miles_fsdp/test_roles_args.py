@@ -6,8 +6,9 @@ component count) are tested next to their code in test_lora.py and test_roles.py
 from __future__ import annotations
 
 import pytest
-from miles_core.args import ArgumentError, core_groups, parse_args, parse_args_or_exit
+from miles_core.args import ArgumentError, core_groups, parse_args_or_exit
 from miles_fsdp.args import fsdp_groups
+from run_args import parse
 
 HOOK = ["--custom-prepare-path", "role_programs:record_prepare"]
 
@@ -96,15 +97,11 @@ ERRORS = {
 }
 
 
-def parse(argv):
-    return parse_args(list(argv), [*core_groups(), *fsdp_groups()])
-
-
 @pytest.mark.parametrize("case", sorted(ERRORS))
 def test_role_argument_error(case):
     argv, message = ERRORS[case]
     with pytest.raises(ArgumentError) as err:
-        parse(argv)
+        parse(*argv)
     assert str(err.value) == message
 
 
@@ -130,5 +127,5 @@ def test_cli_prints_one_line_and_exits_2(capsys):
 )
 def test_valid_neighbours_parse(tmp_path, argv):
     """Each error's valid neighbour: one EMA consumer is enough, a teacher with either hook."""
-    args = parse([a.format(t=tmp_path) for a in argv])
+    args = parse(*[a.format(t=tmp_path) for a in argv])
     assert args.ref_mode in ("none", "lora_base")

@@ -8,6 +8,7 @@ PPO ratio is 1 and the loss is ``L = (1/S) sum_i (1/n_i) sum_t m_it * (-A_i * lo
 from __future__ import annotations
 
 import pytest
+import samples
 import torch
 from rank_programs import rollout_program
 from spawn import run_ranks
@@ -21,21 +22,8 @@ ADAM = dict(betas=(0.9, 0.98), eps=1e-8, weight_decay=0.01)
 
 
 def make_samples():
-    from miles_core.batch import Sample
-
-    g = torch.Generator().manual_seed(11)
-    samples = []
-    for i in range(8):
-        prompt, response = 3 + i % 3, 4 + (i * 5) % 7
-        samples.append(
-            Sample(
-                tokens=torch.randint(0, 64, (prompt + response,), generator=g),
-                response_length=response,
-                reward=float(torch.rand((), generator=g)),
-                group_index=i // 4,
-            )
-        )
-    return samples
+    """The training tests' batch: 8 samples in groups of 4 (tests/gpu uses it too)."""
+    return samples.make_samples(8, group_size=4)
 
 
 def reference_params(hf_dir, samples):

@@ -93,6 +93,22 @@ def arch_config(model_type: str):
             linear_value_head_dim=8,
             linear_conv_kernel_dim=4,
         ),
+        "qwen3_5_moe_text": dict(
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            layer_types=["linear_attention", "full_attention"],
+            linear_num_value_heads=2,
+            linear_num_key_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+            moe_intermediate_size=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            shared_expert_intermediate_size=16,
+        ),
         "nemotron_h": dict(
             num_hidden_layers=4,
             hybrid_override_pattern="M*-E",
@@ -114,3 +130,34 @@ def arch_config(model_type: str):
         ),
     }[model_type]
     return AutoConfig.for_model(model_type, **(common | kwargs))
+
+
+#: A vision tower small enough to save in milliseconds (the causal LM does not load it).
+TINY_VISION = dict(
+    depth=1,
+    hidden_size=16,
+    intermediate_size=32,
+    num_heads=2,
+    out_hidden_size=32,
+    patch_size=2,
+    temporal_patch_size=1,
+    spatial_merge_size=1,
+)
+
+
+def save_multimodal_qwen3_5(path: Path, moe: bool, seed: int = 0) -> Path:
+    """A Qwen3.5 checkpoint as released: the image-text model (``model.language_model.*``,
+    ``model.visual.*``, ``lm_head``) with a tiny text config, ``save_pretrained`` into ``path``."""
+    import transformers
+    from transformers import AutoConfig
+
+    text = arch_config("qwen3_5_moe_text" if moe else "qwen3_5_text").to_dict()
+    model_type = "qwen3_5_moe" if moe else "qwen3_5"
+    config = AutoConfig.for_model(
+        model_type, text_config=text, vision_config=TINY_VISION, tie_word_embeddings=False
+    )
+    cls = "Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"
+    torch.manual_seed(seed)
+    getattr(transformers, cls)(config).save_pretrained(str(path))
+    save_tokenizer(path, text["vocab_size"])
+    return path

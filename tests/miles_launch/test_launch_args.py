@@ -22,7 +22,7 @@ def test_disaggregated_defaults(tmp_path):
     assert args.rollout_num_gpus == 1  # one engine of --rollout-num-gpus-per-engine
     assert args.offload_train is False and args.offload_rollout is False
     assert args.sglang_mem_fraction_static is None
-    assert args.update_weight_transfer_mode in (None, "broadcast")
+    assert args.update_weight_transfer_mode == "broadcast"  # resolved at parse time
 
 
 def test_colocate_reconciles_rollout_gpus_and_turns_offload_on(tmp_path, caplog):

@@ -16,21 +16,18 @@ from miles_core.contract import DataLayout, TrainBackend
 from torch import nn
 
 from miles_fsdp.adaptations import Adaptation, adaptation_for
-from miles_fsdp.adaptations.moe import apply_moe_kernel, install_routing_replay, resolve_moe_kernel
+from miles_fsdp.adaptations.moe import RoutingReplay, resolve_moe_kernel
+from miles_fsdp.build import BuildPlan, RoleSpec, build_model
 from miles_fsdp.checkpoint import Checkpointer, TrainState, export_hf
 from miles_fsdp.ema import build_ema
 from miles_fsdp.hooks import HookContext, Hooks
 from miles_fsdp.loading import (
     HFCheckpointInfo,
-    build_meta_model,
-    fill_sharded_model,
-    finish_lazy_init,
     load_config,
-    read_full_state,
     resolve_attn_implementation,
     validate_on_rank0,
 )
-from miles_fsdp.lora import actor_lora, actor_lora_fixup, inject_lora
+from miles_fsdp.lora import actor_lora, actor_lora_fixup
 from miles_fsdp.loss_scale import LossScaler
 from miles_fsdp.mesh import MeshShape, build_mesh, mesh_shape
 from miles_fsdp.optimizer import (
@@ -41,9 +38,8 @@ from miles_fsdp.optimizer import (
 )
 from miles_fsdp.precision import PrecisionConfig, resolve_precision
 from miles_fsdp.profiling import TrainProfiler
-from miles_fsdp.roles import ActorBuild, build_frozen_model, component_names, frozen_sources
+from miles_fsdp.roles import component_names, frozen_role, frozen_sources
 from miles_fsdp.weight_source import WeightSource
-from miles_fsdp.wrapping import apply_fsdp
 
 
 def _device() -> torch.device:
@@ -137,21 +133,35 @@ class FSDPBackend(TrainBackend):
         self.moe_kernel = resolve_moe_kernel(
             getattr(args, "moe_kernel", None), self.config.model_type, self.device.type
         )
-        self.routing_replay = None
+        # R3: one replay read by the routers of every role (built by the same path)
+        self.routing_replay = RoutingReplay() if args.use_rollout_routing_replay else None
 
         # roles (docs/miles-fsdp.md "Roles, LoRA and EMA"): adapters before any checkpoint
         self.component = component_names(args)[0]
         self.lora, self.adapter = actor_lora(args)
-        self.model = self._build_model()
-        build = ActorBuild(
-            self.config,
-            self.adaptation,
-            precision,
-            self.attn_implementation,
-            self.mesh,
-            self.device,
+        plan = BuildPlan(
+            adaptation=self.adaptation,
+            precision=precision,
+            attn_implementation=self.attn_implementation,
+            mesh=self.mesh,
+            device=self.device,
+            moe_kernel=self.moe_kernel,
+            routing_replay=self.routing_replay,
         )
-        self.frozen = {s.role: build_frozen_model(s, build) for s in frozen_sources(args)}
+        actor = RoleSpec(
+            role="actor",
+            path=self.hf_dir,
+            config=self.config,
+            trainable=True,
+            cpu_offload=args.fsdp_cpu_offload,
+            lora=self.lora,
+            fixups=(actor_lora_fixup(self.lora, self.adapter),) if self.lora is not None else (),
+            gradient_checkpointing=args.gradient_checkpointing,
+        )
+        self.model = build_model(plan, actor)
+        self.frozen = {
+            s.role: build_model(plan, frozen_role(s, self.config)) for s in frozen_sources(args)
+        }
         if getattr(args, "stream_optimizer_state_to_disk", False):
             self.optimizer, self.scheduler = build_streamed_optimizer(
                 self.model, optimizer_config(args), args
@@ -176,47 +186,6 @@ class FSDPBackend(TrainBackend):
             )
             self.state = loaded if loaded is not None else TrainState()
         return self.state.next_rollout_id
-
-    def _build_model(self) -> nn.Module:
-        config, adaptation, precision = self.config, self.adaptation, self.precision
-        for patch in adaptation.model_patches:
-            patch(config)
-        model = build_meta_model(config, precision.master_dtype, self.attn_implementation)
-        for patch in adaptation.model_instance_patches + adaptation.packing_patches:
-            patch(model, config)
-        apply_moe_kernel(model, self.moe_kernel, self.device.type)
-        if getattr(self.args, "use_rollout_routing_replay", False):
-            self.routing_replay = install_routing_replay(model, config)
-        fixups = list(adaptation.post_load_fixups)
-        if self.lora is not None:
-            inject_lora(model, self.lora, on_meta=True)
-            fixups.append(actor_lora_fixup(self.lora, self.adapter))
-        if self.args.gradient_checkpointing:
-            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24
-                model.activation_checkpointing_enable({"use_reentrant": False})
-            else:
-                model.gradient_checkpointing_enable({"use_reentrant": False})
-        apply_fsdp(
-            model,
-            self.mesh,
-            precision.mixed_precision_policy(),
-            cpu_offload=self.args.fsdp_cpu_offload,
-        )
-        state = buffers = None
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            state, buffers = read_full_state(
-                self.hf_dir,
-                config,
-                precision.master_dtype,
-                self.attn_implementation,
-                fixups,
-            )
-        target = torch.device("cpu") if self.args.fsdp_cpu_offload else self.device
-        fill_sharded_model(model, target, state, buffers)
-        del state, buffers
-        finish_lazy_init(model)
-        model.train()
-        return model
 
     def _hook_context(self) -> HookContext:
         """Every role's components by name, for custom prepare/loss hooks."""
@@ -266,6 +235,8 @@ class FSDPBackend(TrainBackend):
             ema=self.ema,
             hooks=self.hooks,
             loss_scaler=self.loss_scaler,
+            profiler=self.profiler,
+            global_step=self.state.global_step,
         )
 
     def train(self, rollout_id: int, batch: Any) -> dict[str, float]:
@@ -274,14 +245,17 @@ class FSDPBackend(TrainBackend):
 
         self.wake_up()
         ctx = self._rollout_context()
-        self.profiler.before(self.state.global_step)
-        metrics, steps, micro = train_rollout(ctx, batch)
+        try:
+            metrics, steps, micro = train_rollout(ctx, batch)
+        except BaseException:
+            self.profiler.stop()  # a trace or memory history open in the window is kept
+            raise
         self.state.global_step += steps
         self.state.micro_step += micro
         if self.ema is not None:  # once per rollout, after its optimizer steps
             metrics["ema_decay"] = self.ema.update(self.state.global_step)
         self.state.next_rollout_id = rollout_id + 1
-        self.profiler.after(self.state.global_step, metrics)
+        self.profiler.log(self.state.global_step, metrics)
         return metrics
 
     # ------------------------------------------------------------------ evaluation

@@ -222,12 +222,19 @@ def fill_sharded_model(
     device: torch.device,
     full_state: dict[str, torch.Tensor] | None,
     full_buffers: dict[str, torch.Tensor] | None,
+    buffer_device: torch.device | None = None,
 ) -> None:
-    """Materialise a sharded meta model on ``device`` and fill it from rank 0's full state.
+    """Materialise a sharded meta model, parameters on ``device`` and buffers on
+    ``buffer_device`` (default: ``device``), and fill it from rank 0's full state.
 
     ``full_state``/``full_buffers`` are given on rank 0 and ``None`` elsewhere.
     """
     model.to_empty(device=device)
+    buffer_device = device if buffer_device is None else buffer_device
+    for module in model.modules():
+        for key, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != buffer_device:
+                module._buffers[key] = torch.empty_like(buffer, device=buffer_device)
     is_src = not dist.is_initialized() or dist.get_rank() == 0
     set_model_state_dict(
         model,

@@ -4,14 +4,19 @@
   ``--fp16``, fp32 with ``--fsdp-compute-dtype fp32`` (used by CPU tests and numerics checks);
 * master: the dtype the sharded parameters and AdamW state live in; fp32 by default,
   the compute dtype with ``--no-keep-fp32-master``;
-* gradient reduction (reduce-scatter / all-reduce): always fp32.
+* gradient reduction (reduce-scatter / all-reduce): always fp32;
+* per module (``module_compute_dtypes``): modules of the named classes compute in their own
+  dtype, e.g. an MoE router kept in fp32 under a bf16 run. Each such module becomes its own
+  FSDP unit (:func:`miles_fsdp.wrapping.apply_fsdp`) whose parameters are all-gathered in that
+  dtype and whose inputs are cast to it.
 
-An architecture may replace the policy through ``register_precision_policy`` (adaptations).
+An architecture may replace the policy through ``register_precision_policy`` (adaptations),
+e.g. ``dataclasses.replace(precision, module_compute_dtypes={"MyRouter": torch.float32})``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -25,18 +30,28 @@ DTYPES: dict[str, torch.dtype] = {
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    """The three dtypes of a run."""
+    """The three dtypes of a run, and the modules that compute in a dtype of their own."""
 
     compute_dtype: torch.dtype
     master_dtype: torch.dtype
     reduce_dtype: torch.dtype = torch.float32
+    #: class name -> compute dtype of the modules of that class (their own FSDP units)
+    module_compute_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
 
-    def mixed_precision_policy(self) -> MixedPrecisionPolicy:
+    def mixed_precision_policy(
+        self, compute_dtype: torch.dtype | None = None
+    ) -> MixedPrecisionPolicy:
         """FSDP2 policy: unshard to ``compute_dtype``, reduce gradients in ``reduce_dtype``.
 
-        When master and compute dtypes agree no cast is needed and ``param_dtype`` is left unset.
+        The run's policy (``compute_dtype`` not given) leaves ``param_dtype`` unset when master
+        and compute dtypes agree (no cast needed). A module's own dtype is always set, so that
+        its inputs are cast to it (FSDP casts forward inputs only under a ``param_dtype``).
         """
-        param_dtype = None if self.compute_dtype == self.master_dtype else self.compute_dtype
+        if compute_dtype is None:
+            compute = self.compute_dtype
+            param_dtype = None if compute == self.master_dtype else compute
+        else:
+            param_dtype = compute_dtype
         return MixedPrecisionPolicy(
             param_dtype=param_dtype,
             reduce_dtype=self.reduce_dtype,

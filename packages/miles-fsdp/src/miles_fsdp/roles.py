@@ -3,9 +3,9 @@
 A model is a dict of named components (``--update-weight-target-module``); a causal LM has one,
 ``"model"`` unless that flag names it. The actor, the reference and the teacher each hold the
 same components. ``--ref-mode ref`` and ``--teacher-load`` build an *independent* frozen model
-of the actor's family from their own HF directory, on the actor's mesh, with its input
-preparation (adaptation patches, attention implementation and precision): eval mode, no
-gradients, optionally with a PEFT adapter merged in (one directory per component) and with
+of the actor's family from their own HF directory through the actor's build path
+(:func:`miles_fsdp.build.build_model`: adaptation patches, expert kernel, routing replay,
+attention implementation and precision): eval mode, no gradients, optionally with a PEFT adapter merged in (one directory per component) and with
 FSDP CPU offload (``--ref-cpu-offload`` / ``--teacher-cpu-offload``). They are never
 checkpointed: a resumed run rebuilds them from their sources.
 
@@ -25,22 +25,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from miles_core.args import ArgumentError
 from miles_core.peft_adapter import read_peft_adapter
 from torch import nn
 
+from miles_fsdp.build import RoleSpec
 from miles_fsdp.ema import drop_gathered_copies
-from miles_fsdp.loading import (
-    build_meta_model,
-    fill_sharded_model,
-    finish_lazy_init,
-    load_config,
-    read_full_state,
-    validate_on_rank0,
-)
+from miles_fsdp.loading import load_config, validate_on_rank0
 from miles_fsdp.lora import lora_layers, merge_fixup
-from miles_fsdp.wrapping import apply_fsdp
 
 DEFAULT_COMPONENT = "model"
 
@@ -100,50 +92,24 @@ def frozen_sources(args: Any) -> list[FrozenSource]:
     return out
 
 
-@dataclass(frozen=True)
-class ActorBuild:
-    """What a frozen role shares with the actor (see the module docstring)."""
-
-    config: Any
-    adaptation: Any
-    precision: Any
-    attn_implementation: str
-    mesh: Any
-    device: torch.device
-
-
-def build_frozen_model(source: FrozenSource, actor: ActorBuild) -> nn.Module:
-    """Load ``source`` as a sharded, frozen, eval-mode model (collective)."""
+def frozen_role(source: FrozenSource, actor_config: Any) -> RoleSpec:
+    """The :class:`RoleSpec` of a frozen role: its directory checked (every rank raises the same
+    error), its config of the actor's family, its adapters merged after load."""
     validate_on_rank0(source.path)
     config = load_config(source.path)
-    if config.model_type != actor.config.model_type:
+    if config.model_type != actor_config.model_type:
         raise ArgumentError(
             f"{source.path}: the {source.role} is a {config.model_type!r} model, the actor a "
-            f"{actor.config.model_type!r} one (a frozen role shares the actor's family)"
+            f"{actor_config.model_type!r} one (a frozen role shares the actor's family)"
         )
-    adaptation, precision = actor.adaptation, actor.precision
-    for patch in adaptation.model_patches:
-        patch(config)
-    model = build_meta_model(config, precision.master_dtype, actor.attn_implementation)
-    for patch in adaptation.model_instance_patches + adaptation.packing_patches:
-        patch(model, config)
-    model.requires_grad_(False)
-    apply_fsdp(
-        model, actor.mesh, precision.mixed_precision_policy(), cpu_offload=source.cpu_offload
+    return RoleSpec(
+        role=source.role,
+        path=source.path,
+        config=config,
+        trainable=False,
+        cpu_offload=source.cpu_offload,
+        fixups=tuple(merge_fixup(read_peft_adapter(p)) for p in source.adapter_paths),
     )
-    state = buffers = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        fixups = list(adaptation.post_load_fixups)
-        fixups += [merge_fixup(read_peft_adapter(p)) for p in source.adapter_paths]
-        state, buffers = read_full_state(
-            source.path, config, precision.master_dtype, actor.attn_implementation, fixups
-        )
-    target = torch.device("cpu") if source.cpu_offload else actor.device
-    fill_sharded_model(model, target, state, buffers)
-    del state, buffers
-    finish_lazy_init(model)
-    model.eval()
-    return model
 
 
 @contextmanager

@@ -57,6 +57,8 @@ class RolloutContext:
     ema: Any = None  # EMAOptimizer under --use-ema
     hooks: Any = None  # miles_fsdp.hooks.Hooks
     loss_scaler: Any = None  # miles_fsdp.loss_scale.LossScaler under --fp16
+    profiler: Any = None  # miles_fsdp.profiling.TrainProfiler, around each optimizer step
+    global_step: int = 0  # optimizer steps taken before this rollout
 
 
 def micro_batches(ctx: RolloutContext, batch: RolloutBatch) -> list[RolloutBatch]:
@@ -160,7 +162,9 @@ def train_rollout(ctx: RolloutContext, batch: RolloutBatch) -> tuple[dict[str, f
 
     results: list[StepResult] = []
     num_micro = 0
-    for step_batch in split_steps(batch, num_steps):
+    for index, step_batch in enumerate(split_steps(batch, num_steps)):
+        if ctx.profiler is not None:
+            ctx.profiler.before_step(ctx.global_step + index)
         denominator = loss_denominator(
             step_batch, config.calculate_per_token_loss, group=ctx.cpu_group
         )
@@ -178,6 +182,8 @@ def train_rollout(ctx: RolloutContext, batch: RolloutBatch) -> tuple[dict[str, f
                 loss_scaler=ctx.loss_scaler,
             )
         )
+        if ctx.profiler is not None:
+            ctx.profiler.after_step(ctx.global_step + index)
     elapsed = time.perf_counter() - start
     metrics: dict[str, float] = {}
     for key in results[0].parts:

@@ -1,7 +1,8 @@
 """Apply FSDP2 (``fully_shard``) to a HF causal LM.
 
-Units, innermost first: every module whose class is named in ``model._no_split_modules`` (the
-decoder layers), the input embedding and the output head when they are untied, then the root
+Units, innermost first: the modules a per-module precision policy names
+(``PrecisionConfig.module_compute_dtypes``, each in its own dtype), every module whose class is
+named in ``model._no_split_modules`` (the decoder layers), the input embedding and the output head when they are untied, then the root
 (which collects everything left: final norm, tied head, rotary buffers). Each unit all-gathers
 its parameters in ``compute_dtype`` before use and reduce-scatters gradients in fp32.
 """
@@ -11,7 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+from miles_fsdp.precision import PrecisionConfig
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -39,7 +42,7 @@ def embeddings_tied(model: nn.Module) -> bool:
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
-    mp_policy: MixedPrecisionPolicy,
+    precision: PrecisionConfig,
     cpu_offload: bool = False,
     reshard_after_forward: bool = True,
 ) -> nn.Module:
@@ -48,9 +51,21 @@ def apply_fsdp(
     ``cpu_offload`` keeps sharded parameters, gradients and optimizer state in host memory
     (FSDP2 ``CPUOffloadPolicy``); the optimizer step then runs on the CPU.
     """
-    kwargs = {"mesh": mesh, "mp_policy": mp_policy, "reshard_after_forward": reshard_after_forward}
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    own = precision.module_compute_dtypes
+    if own:
+        modules = [m for m in model.modules() if type(m).__name__ in own]
+        if not modules:
+            raise ValueError(
+                f"precision policy names {sorted(own)}, but {type(model).__name__} has no "
+                "module of those classes"
+            )
+        for module in modules:
+            policy = precision.mixed_precision_policy(own[type(module).__name__])
+            fully_shard(module, mp_policy=policy, **kwargs)
+    kwargs["mp_policy"] = precision.mixed_precision_policy()
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     if not embeddings_tied(model):

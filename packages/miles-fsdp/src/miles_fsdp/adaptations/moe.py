@@ -182,8 +182,11 @@ def patch_routers(
     return patched
 
 
-def install_routing_replay(model: nn.Module, config: Any) -> RoutingReplay:
-    """Patch ``model``'s routers through its architecture's adapter; return the shared replay."""
+def install_routing_replay(
+    model: nn.Module, config: Any, replay: RoutingReplay | None = None
+) -> RoutingReplay:
+    """Patch ``model``'s routers through its architecture's adapter to read ``replay`` (a new
+    one unless given: every role of a run shares the actor's) and return it."""
     from miles_fsdp.adaptations import specs  # noqa: F401
 
     adapter = _ROUTING_ADAPTERS.get(config.model_type)
@@ -192,7 +195,7 @@ def install_routing_replay(model: nn.Module, config: Any) -> RoutingReplay:
             f"--use-rollout-routing-replay: no routing adapter for model_type "
             f"{config.model_type!r} (supported: {sorted(_ROUTING_ADAPTERS)})"
         )
-    replay = RoutingReplay()
+    replay = RoutingReplay() if replay is None else replay
     if adapter(model, config, replay) == 0:
         raise ValueError(f"routing adapter of {config.model_type!r} found no router to patch")
     return replay

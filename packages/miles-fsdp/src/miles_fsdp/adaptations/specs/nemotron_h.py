@@ -8,9 +8,7 @@
 from miles_fsdp.adaptations.document_reset import install_document_reset
 from miles_fsdp.adaptations.fused_experts import unfuse_experts
 from miles_fsdp.adaptations.registry import register_packing_patch, register_param_transform
-
-MODEL_PREFIX = "model."
-CHECKPOINT_PREFIX = "backbone."
+from miles_fsdp.adaptations.renames import prefix_rename
 
 
 @register_packing_patch("nemotron_h")
@@ -18,11 +16,5 @@ def reset_mamba_per_document(model, config) -> None:
     install_document_reset(model, {"NemotronHMamba2Mixer"})
 
 
-@register_param_transform("nemotron_h")
-def backbone_names(name, tensor, config):
-    if name.startswith(MODEL_PREFIX):
-        return [(CHECKPOINT_PREFIX + name[len(MODEL_PREFIX) :], tensor)]
-    return None
-
-
+register_param_transform("nemotron_h")(prefix_rename("model.", "backbone."))
 register_param_transform("nemotron_h")(unfuse_experts)

@@ -134,7 +134,9 @@ def test_non_string_entry_is_refused():
 
 
 def _bucket_entry(**change) -> str:
-    flat, meta = pack_bucket([("a", torch.randn(3, 2)), ("b", torch.arange(4))])
+    # int64 before float32: a bucket is laid out by item size, largest first (SGLang's order)
+    flat, meta = pack_bucket([("a", torch.arange(4)), ("b", torch.randn(3, 2))])
+    assert [m.name for m in meta] == ["a", "b"]
     for key, value in change.items():
         setattr(meta[1], key, value)
     return base64.b64encode(_dump({"flattened_tensor": flat, "metadata": meta})).decode()

@@ -243,3 +243,96 @@ def test_dynamic_filter_with_nothing_kept_uses_the_last_draw():
     flat = [Prompt(2 * i, "p", None, (1,)) for i in range(5)]  # even indices: flat rewards
     ids, info, position, calls = _draw(0, want=2, max_draws=2, dynamic_filter=True, prompts=flat)
     assert calls == [[0, 1], [2, 3]] and ids == [4, 6] and info["groups_dropped"] == 4
+
+
+# ---------------------------------------------------------------------- Parquet, metadata
+
+
+def test_parquet_prompts_equal_their_jsonl(tmp_path, tokenizer):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [
+        {"q": "ab c", "a": "3", "meta": {"source": "x", "level": 1}},
+        {"q": "z", "a": "4", "meta": {"source": "y", "level": 2}},
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "p.parquet")
+    _write(tmp_path / "p.jsonl", [json.dumps(r) for r in rows])
+    from_parquet = load_prompts(tmp_path / "p.parquet", tokenizer, "q", "a", False, "meta")
+    from_jsonl = load_prompts(tmp_path / "p.jsonl", tokenizer, "q", "a", False, "meta")
+    assert from_parquet == from_jsonl
+    assert [p.metadata for p in from_parquet] == [r["meta"] for r in rows]
+    assert from_parquet[0].token_ids == (1, 2, 37, 3)
+
+
+def test_parquet_errors_name_file_and_row(tmp_path, tokenizer):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"q": "a"}, {"q": ""}]), tmp_path / "p.parquet")
+    with pytest.raises(PromptDataError, match=r"p.parquet:row 2: prompt 'q' has no tokens"):
+        load_prompts(tmp_path / "p.parquet", tokenizer, "q", None, False)
+    (tmp_path / "bad.parquet").write_text('{"q": "a"}\n')
+    with pytest.raises(PromptDataError, match=r"bad.parquet: not a readable Parquet file"):
+        load_prompts(tmp_path / "bad.parquet", tokenizer, "q", None, False)
+
+
+def test_metadata_key_must_hold_an_object(tmp_path, tokenizer):
+    path = _write(tmp_path / "p.jsonl", [json.dumps({"q": "a"}), json.dumps({"q": "b", "m": 3})])
+    with pytest.raises(PromptDataError, match=r"p.jsonl:2: 'm' \(--metadata-key\) must be an obj"):
+        load_prompts(path, tokenizer, "q", None, False, "m")
+    (first,) = load_prompts(
+        _write(path, [json.dumps({"q": "a"})]), tokenizer, "q", None, False, "m"
+    )
+    assert first.metadata == {}
+
+
+class StubEngine:
+    """Answers ``generate`` like an engine: the response is the prompt's ids reversed."""
+
+    base_url = "stub://engine"
+
+    async def generate(self, input_ids, sampling_params, return_logprob, return_routed_experts):
+        ids = list(reversed(input_ids))
+        return {
+            "text": "".join(chr(ord("a") + (i - 1) % 26) for i in ids),
+            "meta_info": {
+                "output_token_logprobs": [[-0.5, i] for i in ids],
+                "finish_reason": {"type": "length"},
+                "weight_version": "1",
+            },
+        }
+
+    async def aclose(self):
+        pass
+
+
+def stub_generator(reward):
+    from miles_launch.rollout.generate import Generator
+
+    async def alive(when):
+        pass
+
+    gen = Generator(["http://127.0.0.1:1"], reward, alive)
+    gen.clients = [StubEngine()]
+    return gen
+
+
+def run_groups(reward, prompts, n):
+    from miles_launch.rollout.generate import SamplingConfig
+
+    cfg = SamplingConfig(max_new_tokens=4, temperature=1.0, top_p=1.0, top_k=-1, seed=0)
+    gen = stub_generator(reward)
+    return asyncio.run(gen.groups([(p, p.index) for p in prompts], n, cfg))
+
+
+def test_the_reward_function_sees_the_prompts_metadata():
+    seen = []
+
+    async def reward(inp):
+        seen.append(inp.metadata)
+        return 0.0
+
+    prompts = [Prompt(0, "ab", None, (1, 2), {"id": "first"}), Prompt(1, "c", None, (3,))]
+    run_groups(reward, prompts, 2)
+    assert sorted(map(str, seen)) == sorted(map(str, [{"id": "first"}] * 2 + [{}] * 2))

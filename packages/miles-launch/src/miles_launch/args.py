@@ -174,10 +174,16 @@ class RolloutArgs(ArgGroup):
     title: ClassVar[str] = "rollout"
 
     prompt_data: str | None = flag(
-        None, metavar="JSONL", help="Prompt set: one JSON object per line."
+        None,
+        metavar="FILE",
+        help="Prompt set: JSONL (one JSON object per line) or .parquet (one record per row).",
     )
-    input_key: str = flag("prompt", help="Key of the prompt in each --prompt-data line.")
+    input_key: str = flag("prompt", help="Key of the prompt in each --prompt-data record.")
     label_key: str | None = flag("label", help="Key of the label (reward reference), if any.")
+    metadata_key: str | None = flag(
+        "metadata",
+        help="Key of an optional object passed to the reward function as RewardInput.metadata.",
+    )
     apply_chat_template: bool = flag(
         False, help="Wrap each prompt as a user message with the tokenizer's chat template."
     )
@@ -265,7 +271,7 @@ class RolloutArgs(ArgGroup):
         from miles_launch.rollout.routed_experts import read_layout, routing_replay_on
 
         if args.prompt_data is None:
-            raise ArgumentError("--prompt-data is required (a JSONL file of prompts)")
+            raise ArgumentError("--prompt-data is required (a JSONL or Parquet file of prompts)")
         for dest in ("prompt_data", "eval_prompt_data"):
             value = getattr(args, dest)
             if value is not None and not Path(value).is_file():

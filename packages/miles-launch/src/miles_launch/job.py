@@ -116,7 +116,12 @@ class Job:
 
         tokenizer = load_tokenizer(args.hf_checkpoint)
         prompts = load_prompts(
-            args.prompt_data, tokenizer, args.input_key, args.label_key, args.apply_chat_template
+            args.prompt_data,
+            tokenizer,
+            args.input_key,
+            args.label_key,
+            args.apply_chat_template,
+            args.metadata_key,
         )
         eval_prompts = None
         if args.eval_prompt_data:
@@ -126,6 +131,7 @@ class Job:
                 args.input_key,
                 args.label_key,
                 args.apply_chat_template,
+                args.metadata_key,
             )
         reward = RewardModel(args.rm_type, args.custom_rm_path)
         use_gpu = torch.cuda.is_available()

@@ -145,6 +145,7 @@ class Generator:
                 response_ids=tuple(ids),
                 finish_reason=out.finish_reason,
                 max_response_len=cfg.max_new_tokens,
+                metadata=prompt.metadata,
             )
         )
         out.finished_at = time.monotonic()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from miles_core.args import ArgGroup, ArgumentError, flag
-from miles_core.args.checks import at_least, requires, within
+from miles_core.args.checks import at_least, greater_than, requires, within
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +205,30 @@ class RolloutArgs(ArgGroup):
     custom_rm_path: str | None = flag(
         None,
         metavar="MODULE:FUNC",
-        help="Reward function f(RewardInput) -> float (sync or async); replaces --rm-type.",
+        help="Reward function f(RewardInput) -> float or dict (sync or async); replaces --rm-type.",
+    )
+    custom_rm_batch: Literal["sample", "group", "rollout"] = flag(
+        "sample",
+        help="How --custom-rm-path is called: per sample, or with the list of a prompt group's "
+        "(group) or a generation batch's (rollout) inputs, returning one value per input.",
+    )
+    rm_url: str | None = flag(
+        None,
+        metavar="URL",
+        help="Remote reward server: one JSON POST per sample, the reply a number or an object "
+        "(see --reward-key); replaces --rm-type.",
+    )
+    rm_timeout: float = flag(
+        60.0, metavar="SECONDS", help="Timeout of one --rm-url request (then it is retried)."
+    )
+    rm_max_retries: int = flag(
+        3,
+        metavar="N",
+        help="Retries of a --rm-url request that timed out, could not connect or got 429/5xx "
+        "(backoff 0.5 s, doubling).",
+    )
+    reward_key: str | None = flag(
+        None, metavar="KEY", help="Field of a dict reward (custom function or --rm-url reply)."
     )
     dynamic_filter: bool = flag(
         False,
@@ -249,8 +272,23 @@ class RolloutArgs(ArgGroup):
                 "--fully-async cannot be used with --colocate: generation and training "
                 "must run on separate GPUs"
             )
-        if args.rm_type and args.custom_rm_path:
-            raise ArgumentError("--rm-type and --custom-rm-path are mutually exclusive")
+        given = [f for f in ("rm_type", "custom_rm_path", "rm_url") if getattr(args, f)]
+        if len(given) > 1:
+            names = " and ".join("--" + f.replace("_", "-") for f in given)
+            raise ArgumentError(f"{names} are mutually exclusive")
+        if args.rm_url and not args.rm_url.startswith(("http://", "https://")):
+            raise ArgumentError(f"--rm-url {args.rm_url!r}: expected an http:// or https:// URL")
+        greater_than(args, "rm_timeout", 0)
+        at_least(args, "rm_max_retries", 0)
+        if args.custom_rm_batch != "sample" and not args.custom_rm_path:
+            raise ArgumentError(
+                f"--custom-rm-batch {args.custom_rm_batch} requires --custom-rm-path"
+            )
+        if args.custom_rm_batch == "rollout" and args.fully_async:
+            raise ArgumentError(
+                "--custom-rm-batch rollout cannot be used with --fully-async: groups are "
+                "trained as they finish; use --custom-rm-batch group"
+            )
         if args.custom_rm_path and ":" not in args.custom_rm_path:
             raise ArgumentError(
                 f"--custom-rm-path {args.custom_rm_path!r}: expected MODULE:FUNCTION"

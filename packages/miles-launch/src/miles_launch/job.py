@@ -133,7 +133,7 @@ class Job:
                 args.apply_chat_template,
                 args.metadata_key,
             )
-        reward = RewardModel(args.rm_type, args.custom_rm_path)
+        reward = RewardModel.from_args(args)
         use_gpu = torch.cuda.is_available()
         started = not ray.is_initialized() and not args.ray_address
         layout = plan_layout(args, use_gpu)

@@ -33,3 +33,8 @@ async def async_batch_length(inputs) -> list[float]:
 
 def one_value(inputs) -> list[float]:
     return [0.0]
+
+
+def even_samples_pass(inp) -> float:
+    """1.0 for samples 0, 2, 4, ... of each prompt: ``c = ceil(n / 2)`` of ``n`` pass."""
+    return 1.0 if inp.sample_index % 2 == 0 else 0.0

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from launch_testing import parse
+from launch_testing import StubEngine, parse
 from miles_launch.async_loop import union_overlap
 from miles_launch.demo import CHARS, VOCAB_SIZE
 from miles_launch.rollout.filtering import has_signal
@@ -337,26 +337,6 @@ def test_metadata_key_must_hold_an_object(tmp_path, tokenizer):
         _write(path, [json.dumps({"q": "a"})]), tokenizer, "q", None, False, "m"
     )
     assert first.metadata == {}
-
-
-class StubEngine:
-    """Answers ``generate`` like an engine: the response is the prompt's ids reversed."""
-
-    base_url = "stub://engine"
-
-    async def generate(self, input_ids, sampling_params, return_logprob, return_routed_experts):
-        ids = list(reversed(input_ids))
-        return {
-            "text": "".join(chr(ord("a") + (i - 1) % 26) for i in ids),
-            "meta_info": {
-                "output_token_logprobs": [[-0.5, i] for i in ids],
-                "finish_reason": {"type": "length"},
-                "weight_version": "1",
-            },
-        }
-
-    async def aclose(self):
-        pass
 
 
 def stub_generator(reward):

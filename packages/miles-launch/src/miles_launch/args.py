@@ -239,10 +239,23 @@ class RolloutArgs(ArgGroup):
         4, metavar="N", help="Most prompt batches drawn per rollout under --dynamic-filter."
     )
     eval_interval: int | None = flag(None, metavar="N", help="Evaluate every N rollouts.")
-    eval_prompt_data: str | None = flag(
-        None, metavar="JSONL", help="Evaluation prompts (same keys as --prompt-data)."
+    eval_prompt_data: list[str] | None = flag(
+        None,
+        metavar="NAME PATH",
+        help="Named evaluation sets, NAME PATH [NAME PATH ...] (files as --prompt-data).",
     )
-    n_samples_per_eval_prompt: int = flag(1, metavar="N", help="Responses per eval prompt.")
+    n_samples_per_eval_prompt: int = flag(
+        1, metavar="N", help="Responses per eval prompt (pass@k for k up to N)."
+    )
+    eval_temperature: float | None = flag(
+        None, help="Sampling temperature of evaluation (0: greedy; unset: --rollout-temperature)."
+    )
+    eval_top_p: float | None = flag(None, help="Top-p of evaluation (unset: --rollout-top-p).")
+    eval_max_response_len: int | None = flag(
+        None,
+        metavar="N",
+        help="Most tokens per evaluation response (unset: --rollout-max-response-len).",
+    )
     fully_async: bool = flag(
         False,
         help="Keep generating while the trainer steps (disaggregated only); weights are "
@@ -262,8 +275,13 @@ class RolloutArgs(ArgGroup):
             "dynamic_filter_max_draws",
             "n_samples_per_eval_prompt",
             "update_weights_interval",
+            "eval_max_response_len",
         ):
             at_least(args, dest, 1)
+        at_least(args, "eval_temperature", 0.0)
+        if args.eval_top_p is not None and not 0.0 < args.eval_top_p <= 1.0:
+            raise ArgumentError(f"--eval-top-p must be in (0, 1], got {args.eval_top_p}")
+        eval_sets(args)  # NAME PATH pairs, names unique
         at_least(args, "eval_interval", 1)
         if not 0.0 < args.rollout_top_p <= 1.0:
             raise ArgumentError(f"--rollout-top-p must be in (0, 1], got {args.rollout_top_p}")
@@ -310,12 +328,29 @@ class RolloutArgs(ArgGroup):
 
         if args.prompt_data is None:
             raise ArgumentError("--prompt-data is required (a JSONL or Parquet file of prompts)")
-        for dest in ("prompt_data", "eval_prompt_data"):
-            value = getattr(args, dest)
-            if value is not None and not Path(value).is_file():
-                raise ArgumentError(f"--{dest.replace('_', '-')} {value}: no such file")
+        if not Path(args.prompt_data).is_file():
+            raise ArgumentError(f"--prompt-data {args.prompt_data}: no such file")
+        for name, path in eval_sets(args).items():
+            if not Path(path).is_file():
+                raise ArgumentError(f"--eval-prompt-data {name} {path}: no such file")
         if routing_replay_on(args) and args.hf_checkpoint is not None:  # a MoE config
             read_layout(str(args.hf_checkpoint))
+
+
+def eval_sets(args: Any) -> dict[str, str]:
+    """``--eval-prompt-data NAME PATH ...`` as ``{name: path}`` (in the order given)."""
+    values = args.eval_prompt_data or []
+    if len(values) % 2:
+        raise ArgumentError(
+            f"--eval-prompt-data expects NAME PATH pairs, got {len(values)} values: "
+            + " ".join(values)
+        )
+    sets: dict[str, str] = {}
+    for name, path in zip(values[::2], values[1::2], strict=True):
+        if name in sets:
+            raise ArgumentError(f"--eval-prompt-data: the set name {name!r} is given twice")
+        sets[name] = path
+    return sets
 
 
 @dataclass

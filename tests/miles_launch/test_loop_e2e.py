@@ -96,7 +96,8 @@ def _rollout_lines(stdout: str) -> list[str]:
 
 def test_demo_smoke_two_rollouts(smoke):
     out_dir, first, last, out = smoke
-    assert (out_dir / "reward.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out_dir / "run.png").read_bytes()[:4] == b"\x89PNG"
+    assert f"demo: picture at {out_dir / 'run.png'}" in out
     # the script checked that the engine's weight version rose by one per rollout
     lines = _rollout_lines(out)
     assert [line.split(" (")[1] for line in lines] == [

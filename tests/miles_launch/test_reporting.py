@@ -1,4 +1,4 @@
-"""Per-rollout summary line, TensorBoard scalars read back, JSONL records, reward.png."""
+"""Per-rollout summary line, TensorBoard scalars read back, JSONL records."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from miles_launch.reporting import Reporter, flatten_scalars, summary_line, write_reward_plot
+from miles_launch.reporting import Reporter, flatten_scalars, summary_line
 
 RECORD = {
     "rollout_id": 2,
@@ -63,8 +63,3 @@ def test_scalars_reach_tensorboard_and_jsonl(tmp_path, capsys):
     assert lines[0]["rollout"]["reward_mean"] == 0.4123
     assert len(lines) == 2  # one record per rollout, the eval inside it
     assert lines[1]["eval"] == evaluated["eval"] and lines[1]["time"]["eval"] == 2.5
-
-
-def test_reward_plot_is_a_png(tmp_path):
-    write_reward_plot([0.1, 0.3, 0.7], tmp_path / "reward.png")
-    assert (tmp_path / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

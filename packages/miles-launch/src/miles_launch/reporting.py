@@ -21,7 +21,6 @@ import json
 import logging
 import sys
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -167,25 +166,6 @@ def flatten_scalars(record: dict[str, Any]) -> dict[str, float]:
 def rank0_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """Rank 0's metrics (the backends reduce over DP ranks already) as plain floats."""
     return {k: float(v) for k, v in per_rank[0].items()} if per_rank else {}
-
-
-def write_reward_plot(rewards: list[float], path: str | Path, title: str = "reward") -> None:
-    """``reward.png``: the mean reward of each rollout."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(1, len(rewards) + 1), rewards, marker="o")
-    ax.set_xlabel("rollout")
-    ax.set_ylabel("mean reward")
-    ax.set_title(title)
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def public_config(args: Any) -> dict[str, Any]:

@@ -90,6 +90,7 @@ def run_figure(records: list[dict[str, Any]], title: str) -> Any:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(5, 1, figsize=(8, 13), sharex=True)
     reward, kl, entropy, length, times = axes
@@ -119,6 +120,7 @@ def run_figure(records: list[dict[str, Any]], title: str) -> Any:
     _plot_lines(times, records, [("time", phase, phase) for phase in phases])
     times.set_ylabel("phase time (s)")
     times.set_xlabel("rollout")
+    times.xaxis.set_major_locator(MaxNLocator(integer=True))  # rollout ids, not 0.5 steps
 
     for ax in axes:
         ax.grid(alpha=0.3)

@@ -7,7 +7,9 @@
 Makes (never downloads) a tiny Qwen3 checkpoint and a prompt set whose reward a random model
 scores about 0.1 (see ``miles_launch.demo``), runs ``miles train --train-backend fsdp`` with
 2 trainer ranks and 1 built-in engine (disaggregated), checks that the engine's weight
-version rose by one per rollout, prints the reward per rollout, writes ``reward.png`` and ends
+version rose by one per rollout, prints the reward per rollout, writes ``run.png`` (the
+``miles plot`` picture: reward, KL, entropy, response length and phase times), prints where
+it is, and ends
 with ``demo: reward first-3 mean X -> last-3 mean Y (Z s)``. Any other flag is passed on to
 ``miles train`` (later flags win).
 """
@@ -23,12 +25,12 @@ import time
 from pathlib import Path
 
 from miles_launch.demo import build_tiny_qwen3, demo_flags, write_demo_prompts
-from miles_launch.reporting import write_reward_plot
+from miles_launch.plot import write_run_plot
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--output-dir", default="demo_output", help="reward.png, metrics, logs")
+    parser.add_argument("--output-dir", default="demo_output", help="run.png, metrics, logs")
     parser.add_argument("--num-rollout", type=int, default=12)
     parser.add_argument("--lr", default=None, help="override the demo's learning rate")
     ours, extra = parser.parse_known_args()
@@ -68,7 +70,8 @@ def main() -> None:
             file=sys.stderr,
         )
         sys.exit(1)
-    write_reward_plot(rewards, out / "reward.png", title="demo: mean reward per rollout")
+    write_run_plot(records, out / "run.png", title=f"demo: {len(records)} rollouts")
+    print(f"demo: picture at {out / 'run.png'} (miles plot {out} draws it again)")
     first = sum(rewards[:3]) / len(rewards[:3])
     last = sum(rewards[-3:]) / len(rewards[-3:])
     elapsed = time.monotonic() - start

@@ -15,3 +15,27 @@ def parse(tmp_path: Path, *flags: str):
     hf.mkdir(exist_ok=True)
     argv = ["--hf-checkpoint", str(hf), "--prompt-data", str(prompts), *flags]
     return parse_args(argv, entry_point_groups("core", "launch"))
+
+
+class StubEngine:
+    """Answers ``generate`` like an engine: the response is the prompt's ids reversed."""
+
+    base_url = "stub://engine"
+
+    def __init__(self):
+        self.sampling_params: list[dict] = []  # of every request
+
+    async def generate(self, input_ids, sampling_params, return_logprob, return_routed_experts):
+        self.sampling_params.append(dict(sampling_params))
+        ids = list(reversed(input_ids))
+        return {
+            "text": "".join(chr(ord("a") + (i - 1) % 26) for i in ids),
+            "meta_info": {
+                "output_token_logprobs": [[-0.5, i] for i in ids],
+                "finish_reason": {"type": "length"},
+                "weight_version": "1",
+            },
+        }
+
+    async def aclose(self):
+        pass

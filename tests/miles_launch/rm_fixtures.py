@@ -16,3 +16,25 @@ async def async_label_match(inp) -> float:
 
 def not_a_number(inp):
     return "high"
+
+
+def dict_reward(inp) -> dict:
+    return {"accuracy": float(len(inp.response)), "format": 1.0}
+
+
+BATCH_CALLS: list[list[int]] = []  # the prompt indices of each batched call
+
+
+async def async_batch_length(inputs) -> list[float]:
+    await asyncio.sleep(0)
+    BATCH_CALLS.append([inp.prompt_index for inp in inputs])
+    return [float(len(inp.response)) for inp in inputs]
+
+
+def one_value(inputs) -> list[float]:
+    return [0.0]
+
+
+def even_samples_pass(inp) -> float:
+    """1.0 for samples 0, 2, 4, ... of each prompt: ``c = ceil(n / 2)`` of ``n`` pass."""
+    return 1.0 if inp.sample_index % 2 == 0 else 0.0

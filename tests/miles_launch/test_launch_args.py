@@ -73,6 +73,18 @@ def test_colocate_keeps_explicit_values_and_warns_on_no_offload(tmp_path, caplog
         (["--sglang-router-ip", "10.0.0.1"], "--sglang-router-ip and --sglang-router-port"),
         (["--rm-type", "math", "--custom-rm-path", "m:f"], "mutually exclusive"),
         (["--custom-rm-path", "nofunction"], "expected MODULE:FUNCTION"),
+        (
+            ["--rm-type", "math", "--rm-url", "http://h:1"],
+            "--rm-type and --rm-url are mutually exclusive",
+        ),
+        (["--rm-url", "h:1/score"], "--rm-url 'h:1/score': expected an http:// or https:// URL"),
+        (["--rm-url", "http://h:1", "--rm-timeout", "0"], "--rm-timeout must be > 0"),
+        (["--rm-url", "http://h:1", "--rm-max-retries", "-1"], "--rm-max-retries must be >= 0"),
+        (["--custom-rm-batch", "group"], "--custom-rm-batch group requires --custom-rm-path"),
+        (
+            ["--custom-rm-path", "m:f", "--custom-rm-batch", "rollout", "--fully-async"],
+            "--custom-rm-batch rollout cannot be used with --fully-async",
+        ),
         (["--eval-interval", "2"], "--eval-interval requires --eval-prompt-data"),
         (["--rollout-top-p", "0"], "--rollout-top-p must be in (0, 1]"),
         (["--sglang-tp-size", "2"], "--sglang-tp-size is set by miles"),

@@ -96,7 +96,8 @@ def _rollout_lines(stdout: str) -> list[str]:
 
 def test_demo_smoke_two_rollouts(smoke):
     out_dir, _, _, out = smoke
-    assert (out_dir / "reward.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out_dir / "run.png").read_bytes()[:4] == b"\x89PNG"
+    assert f"demo: picture at {out_dir / 'run.png'}" in out
     # the script checked that the engine's weight version rose by one per rollout
     lines = _rollout_lines(out)
     assert [line.split(" (")[1] for line in lines] == [
@@ -120,11 +121,12 @@ def test_lr_zero_gives_no_rise(tmp_path):
     evals = write_demo_prompts(tmp_path / "eval.jsonl", num_prompts=4, seed=7)
     first, last, out = demo(
         tmp_path, "--num-rollout", "6", "--lr", "0",
-        "--eval-interval", "3", "--eval-prompt-data", str(evals),
+        "--eval-interval", "3", "--eval-prompt-data", "held-out", str(evals),
         "--use-ema", "--eval-weights", "ema",
     )  # fmt: skip
-    assert re.search(r"^eval after rollout 2 \| reward_mean \d\.\d{4}$", out, re.M), out
-    assert re.search(r"^eval after rollout 5 \| reward_mean", out, re.M)
+    eval_line = r"\| held-out \| reward_mean \d\.\d{4} \| response_len_mean \d+\.\d{4} \| pass@1 "
+    assert re.search(r"^eval after rollout 2 " + eval_line, out, re.M), out
+    assert re.search(r"^eval after rollout 5 " + eval_line, out, re.M)
     versions = [int(line.split("[")[1].rstrip("])")) for line in _rollout_lines(out)]
     # one publish per rollout, plus two around the eval after rollout 2 (EMA, then the actor)
     assert versions == [1, 2, 3, 6, 7, 8], out

@@ -1,4 +1,4 @@
-"""Per-rollout summary line, TensorBoard scalars read back, JSONL records, reward.png."""
+"""Per-rollout summary line, TensorBoard scalars read back, JSONL records."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from miles_launch.reporting import Reporter, flatten_scalars, summary_line, write_reward_plot
+from miles_launch.reporting import Reporter, flatten_scalars, summary_line
 
 RECORD = {
     "rollout_id": 2,
@@ -35,26 +35,31 @@ def test_scalars_reach_tensorboard_and_jsonl(tmp_path, capsys):
     )
     reporter = Reporter(args, num_rollout=12)
     reporter.rollout(RECORD)
-    reporter.rollout(
-        {**RECORD, "rollout_id": 3, "rollout": {**RECORD["rollout"], "reward_mean": 0.5}}
-    )
-    reporter.eval(3, {"reward_mean": 0.25})
+    evaluated = {
+        **RECORD,
+        "rollout_id": 3,
+        "rollout": {**RECORD["rollout"], "reward_mean": 0.5},
+        "time": {**RECORD["time"], "eval": 2.5},
+        "eval": {"gsm8k": {"reward_mean": 0.25, "pass@1": 0.25, "pass@2": 0.5}, "aime": {}},
+    }
+    reporter.rollout(evaluated)
     reporter.close()
-    assert "rollout 4/12 | reward 0.500" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "rollout 4/12 | reward 0.500" in out
+    assert (
+        "eval after rollout 3 | gsm8k | reward_mean 0.2500 | pass@1 0.2500 | pass@2 0.5000\n" in out
+    )
 
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     rewards = [(e.step, e.value) for e in events.Scalars("rollout/reward_mean")]
     assert [step for step, _ in rewards] == [2, 3]
     assert [value for _, value in rewards] == pytest.approx([0.4123, 0.5], rel=1e-6)
-    assert [e.value for e in events.Scalars("eval/reward_mean")] == [0.25]
+    assert [(e.step, e.value) for e in events.Scalars("eval/gsm8k/pass@2")] == [(3, 0.5)]
+    assert [(e.step, e.value) for e in events.Scalars("time/eval")] == [(3, 2.5)]
     assert set(flatten_scalars(RECORD)) <= set(events.Tags()["scalars"])
 
     lines = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert lines[0]["rollout"]["reward_mean"] == 0.4123
-    assert lines[2] == {"eval_after": 3, "reward_mean": 0.25}
-
-
-def test_reward_plot_is_a_png(tmp_path):
-    write_reward_plot([0.1, 0.3, 0.7], tmp_path / "reward.png")
-    assert (tmp_path / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(lines) == 2  # one record per rollout, the eval inside it
+    assert lines[1]["eval"] == evaluated["eval"] and lines[1]["time"]["eval"] == 2.5

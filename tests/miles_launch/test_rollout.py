@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from launch_testing import StubEngine, parse
 from miles_launch.async_loop import union_overlap
 from miles_launch.demo import CHARS, VOCAB_SIZE
 from miles_launch.rollout.filtering import has_signal
@@ -124,17 +125,68 @@ def test_label_char_fraction_against_a_count():
         label_char_fraction(_inp("0", None))
 
 
-def test_custom_reward_sync_async_and_bad_values():
-    assert asyncio.run(RewardModel(None, "rm_fixtures:response_length")(_inp("abc", None))) == 3
-    match = RewardModel(None, "rm_fixtures:async_label_match")
+def reward_model(tmp_path, *flags):
+    """The reward a run with ``flags`` builds (parsed and validated as ``miles train``)."""
+    return RewardModel.from_args(parse(tmp_path, *flags))
+
+
+def test_custom_reward_sync_async_and_bad_values(tmp_path):
+    length = reward_model(tmp_path, "--custom-rm-path", "rm_fixtures:response_length")
+    assert asyncio.run(length(_inp("abc", None))) == 3
+    match = reward_model(tmp_path, "--custom-rm-path", "rm_fixtures:async_label_match")
     assert asyncio.run(match(_inp("x", "x"))) == 1.0
     assert asyncio.run(match(_inp("x", "y"))) == 0.0
+    bad = reward_model(tmp_path, "--custom-rm-path", "rm_fixtures:not_a_number")
     with pytest.raises(ValueError, match="returned 'high', not a number"):
-        asyncio.run(RewardModel(None, "rm_fixtures:not_a_number")(_inp("x", None)))
+        asyncio.run(bad(_inp("x", None)))
     with pytest.raises(ValueError, match="--custom-rm-path rm_fixtures:missing: rm_fixtures has"):
-        RewardModel(None, "rm_fixtures:missing")
+        reward_model(tmp_path, "--custom-rm-path", "rm_fixtures:missing")
     with pytest.raises(ValueError, match="cannot import no_such_module"):
-        RewardModel(None, "no_such_module:f")
+        reward_model(tmp_path, "--custom-rm-path", "no_such_module:f")
+    with pytest.raises(ValueError, match="no reward: set --rm-type, --custom-rm-path or --rm-url"):
+        reward_model(tmp_path)
+    assert reward_model(tmp_path, "--rm-type", "math").func is math_reward
+
+
+def test_reward_key_picks_a_field_of_a_dict_reward(tmp_path):
+    flags = ("--custom-rm-path", "rm_fixtures:dict_reward")
+    picked = reward_model(tmp_path, *flags, "--reward-key", "accuracy")
+    assert asyncio.run(picked(_inp("abcd", None))) == 4.0
+    with pytest.raises(
+        ValueError, match=r"returned a dict \['accuracy', 'format'\]; set --reward-k"
+    ):
+        asyncio.run(reward_model(tmp_path, *flags)(_inp("abcd", None)))
+    missing = reward_model(tmp_path, *flags, "--reward-key", "score")
+    with pytest.raises(
+        ValueError, match=r"sample 0 of prompt -1\) returned a dict without 'score'"
+    ):
+        asyncio.run(missing(_inp("abcd", None)))
+
+
+@pytest.mark.parametrize("batch", ["group", "rollout"])
+def test_batched_custom_reward_is_called_per_group_or_per_rollout(tmp_path, batch):
+    import rm_fixtures
+
+    rm_fixtures.BATCH_CALLS.clear()
+    reward = reward_model(
+        tmp_path, "--custom-rm-path", "rm_fixtures:async_batch_length", "--custom-rm-batch", batch
+    )
+    prompts = [Prompt(0, "ab", None, (1, 2)), Prompt(1, "cde", None, (3, 4, 5))]
+    groups = run_groups(reward, prompts, 3)
+    # the stub engine answers a prompt's ids reversed: the rewards are the prompt lengths
+    assert [[s.reward for s in g] for g in groups] == [[2.0] * 3, [3.0] * 3]
+    if batch == "group":
+        assert sorted(rm_fixtures.BATCH_CALLS) == [[0, 0, 0], [1, 1, 1]]
+    else:
+        assert rm_fixtures.BATCH_CALLS == [[0, 0, 0, 1, 1, 1]]
+
+
+def test_batched_reward_must_return_one_value_per_input(tmp_path):
+    reward = reward_model(
+        tmp_path, "--custom-rm-path", "rm_fixtures:one_value", "--custom-rm-batch", "group"
+    )
+    with pytest.raises(ValueError, match="got 2 inputs and returned 1; expected a list of 2"):
+        run_groups(reward, [Prompt(0, "ab", None, (1, 2))], 2)
 
 
 def test_dynamic_filter_signal():
@@ -243,3 +295,76 @@ def test_dynamic_filter_with_nothing_kept_uses_the_last_draw():
     flat = [Prompt(2 * i, "p", None, (1,)) for i in range(5)]  # even indices: flat rewards
     ids, info, position, calls = _draw(0, want=2, max_draws=2, dynamic_filter=True, prompts=flat)
     assert calls == [[0, 1], [2, 3]] and ids == [4, 6] and info["groups_dropped"] == 4
+
+
+# ---------------------------------------------------------------------- Parquet, metadata
+
+
+def test_parquet_prompts_equal_their_jsonl(tmp_path, tokenizer):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [
+        {"q": "ab c", "a": "3", "meta": {"source": "x", "level": 1}},
+        {"q": "z", "a": "4", "meta": {"source": "y", "level": 2}},
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "p.parquet")
+    _write(tmp_path / "p.jsonl", [json.dumps(r) for r in rows])
+    from_parquet = load_prompts(tmp_path / "p.parquet", tokenizer, "q", "a", False, "meta")
+    from_jsonl = load_prompts(tmp_path / "p.jsonl", tokenizer, "q", "a", False, "meta")
+    assert from_parquet == from_jsonl
+    assert [p.metadata for p in from_parquet] == [r["meta"] for r in rows]
+    assert from_parquet[0].token_ids == (1, 2, 37, 3)
+
+
+def test_parquet_errors_name_file_and_row(tmp_path, tokenizer):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"q": "a"}, {"q": ""}]), tmp_path / "p.parquet")
+    with pytest.raises(PromptDataError, match=r"p.parquet:row 2: prompt 'q' has no tokens"):
+        load_prompts(tmp_path / "p.parquet", tokenizer, "q", None, False)
+    (tmp_path / "bad.parquet").write_text('{"q": "a"}\n')
+    with pytest.raises(PromptDataError, match=r"bad.parquet: not a readable Parquet file"):
+        load_prompts(tmp_path / "bad.parquet", tokenizer, "q", None, False)
+
+
+def test_metadata_key_must_hold_an_object(tmp_path, tokenizer):
+    path = _write(tmp_path / "p.jsonl", [json.dumps({"q": "a"}), json.dumps({"q": "b", "m": 3})])
+    with pytest.raises(PromptDataError, match=r"p.jsonl:2: 'm' \(--metadata-key\) must be an obj"):
+        load_prompts(path, tokenizer, "q", None, False, "m")
+    (first,) = load_prompts(
+        _write(path, [json.dumps({"q": "a"})]), tokenizer, "q", None, False, "m"
+    )
+    assert first.metadata == {}
+
+
+def stub_generator(reward):
+    from miles_launch.rollout.generate import Generator
+
+    async def alive(when):
+        pass
+
+    gen = Generator(["http://127.0.0.1:1"], reward, alive)
+    gen.clients = [StubEngine()]
+    return gen
+
+
+def run_groups(reward, prompts, n):
+    from miles_launch.rollout.generate import SamplingConfig
+
+    cfg = SamplingConfig(max_new_tokens=4, temperature=1.0, top_p=1.0, top_k=-1, seed=0)
+    gen = stub_generator(reward)
+    return asyncio.run(gen.groups([(p, p.index) for p in prompts], n, cfg))
+
+
+def test_the_reward_function_sees_the_prompts_metadata():
+    seen = []
+
+    async def reward(inp):
+        seen.append(inp.metadata)
+        return 0.0
+
+    prompts = [Prompt(0, "ab", None, (1, 2), {"id": "first"}), Prompt(1, "c", None, (3,))]
+    run_groups(RewardModel(reward, "records metadata"), prompts, 2)
+    assert sorted(map(str, seen)) == sorted(map(str, [{"id": "first"}] * 2 + [{}] * 2))

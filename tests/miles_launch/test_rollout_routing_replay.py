@@ -35,6 +35,7 @@ from miles_launch.engine_launch.builtin_launcher import builtin_engine_command
 from miles_launch.engine_launch.sglang_launcher import sglang_server_command
 from miles_launch.rollout.generate import Generator, SamplingConfig, to_rollout_batch
 from miles_launch.rollout.prompts import Prompt
+from miles_launch.rollout.rewards import RewardModel
 from miles_launch.rollout.routed_experts import (
     RoutedExpertsError,
     RoutedExpertsLayout,
@@ -169,7 +170,12 @@ def launcher_groups(moe_engine):
         assert engine.proc.poll() is None, engine.read_log()
 
     async def run():
-        gen = Generator([engine.url], reward, alive, routed_experts=read_layout(str(hf_dir)))
+        gen = Generator(
+            [engine.url],
+            RewardModel(reward, "ids mod 5"),
+            alive,
+            routed_experts=read_layout(str(hf_dir)),
+        )
         try:
             return await gen.groups(
                 [(p, p.index) for p in PROMPTS], SAMPLES_PER_PROMPT, CFG, on_sample=None

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from miles_core.args import ArgGroup, ArgumentError, flag
-from miles_core.args.checks import at_least, requires, within
+from miles_core.args.checks import at_least, greater_than, requires, within
 
 logger = logging.getLogger(__name__)
 
@@ -174,10 +174,16 @@ class RolloutArgs(ArgGroup):
     title: ClassVar[str] = "rollout"
 
     prompt_data: str | None = flag(
-        None, metavar="JSONL", help="Prompt set: one JSON object per line."
+        None,
+        metavar="FILE",
+        help="Prompt set: JSONL (one JSON object per line) or .parquet (one record per row).",
     )
-    input_key: str = flag("prompt", help="Key of the prompt in each --prompt-data line.")
+    input_key: str = flag("prompt", help="Key of the prompt in each --prompt-data record.")
     label_key: str | None = flag("label", help="Key of the label (reward reference), if any.")
+    metadata_key: str | None = flag(
+        "metadata",
+        help="Key of an optional object passed to the reward function as RewardInput.metadata.",
+    )
     apply_chat_template: bool = flag(
         False, help="Wrap each prompt as a user message with the tokenizer's chat template."
     )
@@ -199,7 +205,30 @@ class RolloutArgs(ArgGroup):
     custom_rm_path: str | None = flag(
         None,
         metavar="MODULE:FUNC",
-        help="Reward function f(RewardInput) -> float (sync or async); replaces --rm-type.",
+        help="Reward function f(RewardInput) -> float or dict (sync or async); replaces --rm-type.",
+    )
+    custom_rm_batch: Literal["sample", "group", "rollout"] = flag(
+        "sample",
+        help="How --custom-rm-path is called: per sample, or with the list of a prompt group's "
+        "(group) or a generation batch's (rollout) inputs, returning one value per input.",
+    )
+    rm_url: str | None = flag(
+        None,
+        metavar="URL",
+        help="Remote reward server: one JSON POST per sample, the reply a number or an object "
+        "(see --reward-key); replaces --rm-type.",
+    )
+    rm_timeout: float = flag(
+        60.0, metavar="SECONDS", help="Timeout of one --rm-url request (then it is retried)."
+    )
+    rm_max_retries: int = flag(
+        3,
+        metavar="N",
+        help="Retries of a --rm-url request that timed out, could not connect or got 429/5xx "
+        "(backoff 0.5 s, doubling).",
+    )
+    reward_key: str | None = flag(
+        None, metavar="KEY", help="Field of a dict reward (custom function or --rm-url reply)."
     )
     dynamic_filter: bool = flag(
         False,
@@ -210,10 +239,23 @@ class RolloutArgs(ArgGroup):
         4, metavar="N", help="Most prompt batches drawn per rollout under --dynamic-filter."
     )
     eval_interval: int | None = flag(None, metavar="N", help="Evaluate every N rollouts.")
-    eval_prompt_data: str | None = flag(
-        None, metavar="JSONL", help="Evaluation prompts (same keys as --prompt-data)."
+    eval_prompt_data: list[str] | None = flag(
+        None,
+        metavar="NAME PATH",
+        help="Named evaluation sets, NAME PATH [NAME PATH ...] (files as --prompt-data).",
     )
-    n_samples_per_eval_prompt: int = flag(1, metavar="N", help="Responses per eval prompt.")
+    n_samples_per_eval_prompt: int = flag(
+        1, metavar="N", help="Responses per eval prompt (pass@k for k up to N)."
+    )
+    eval_temperature: float | None = flag(
+        None, help="Sampling temperature of evaluation (0: greedy; unset: --rollout-temperature)."
+    )
+    eval_top_p: float | None = flag(None, help="Top-p of evaluation (unset: --rollout-top-p).")
+    eval_max_response_len: int | None = flag(
+        None,
+        metavar="N",
+        help="Most tokens per evaluation response (unset: --rollout-max-response-len).",
+    )
     fully_async: bool = flag(
         False,
         help="Keep generating while the trainer steps (disaggregated only); weights are "
@@ -233,8 +275,13 @@ class RolloutArgs(ArgGroup):
             "dynamic_filter_max_draws",
             "n_samples_per_eval_prompt",
             "update_weights_interval",
+            "eval_max_response_len",
         ):
             at_least(args, dest, 1)
+        at_least(args, "eval_temperature", 0.0)
+        if args.eval_top_p is not None and not 0.0 < args.eval_top_p <= 1.0:
+            raise ArgumentError(f"--eval-top-p must be in (0, 1], got {args.eval_top_p}")
+        eval_sets(args)  # NAME PATH pairs, names unique
         at_least(args, "eval_interval", 1)
         if not 0.0 < args.rollout_top_p <= 1.0:
             raise ArgumentError(f"--rollout-top-p must be in (0, 1], got {args.rollout_top_p}")
@@ -243,8 +290,23 @@ class RolloutArgs(ArgGroup):
                 "--fully-async cannot be used with --colocate: generation and training "
                 "must run on separate GPUs"
             )
-        if args.rm_type and args.custom_rm_path:
-            raise ArgumentError("--rm-type and --custom-rm-path are mutually exclusive")
+        given = [f for f in ("rm_type", "custom_rm_path", "rm_url") if getattr(args, f)]
+        if len(given) > 1:
+            names = " and ".join("--" + f.replace("_", "-") for f in given)
+            raise ArgumentError(f"{names} are mutually exclusive")
+        if args.rm_url and not args.rm_url.startswith(("http://", "https://")):
+            raise ArgumentError(f"--rm-url {args.rm_url!r}: expected an http:// or https:// URL")
+        greater_than(args, "rm_timeout", 0)
+        at_least(args, "rm_max_retries", 0)
+        if args.custom_rm_batch != "sample" and not args.custom_rm_path:
+            raise ArgumentError(
+                f"--custom-rm-batch {args.custom_rm_batch} requires --custom-rm-path"
+            )
+        if args.custom_rm_batch == "rollout" and args.fully_async:
+            raise ArgumentError(
+                "--custom-rm-batch rollout cannot be used with --fully-async: groups are "
+                "trained as they finish; use --custom-rm-batch group"
+            )
         if args.custom_rm_path and ":" not in args.custom_rm_path:
             raise ArgumentError(
                 f"--custom-rm-path {args.custom_rm_path!r}: expected MODULE:FUNCTION"
@@ -265,13 +327,30 @@ class RolloutArgs(ArgGroup):
         from miles_launch.rollout.routed_experts import read_layout, routing_replay_on
 
         if args.prompt_data is None:
-            raise ArgumentError("--prompt-data is required (a JSONL file of prompts)")
-        for dest in ("prompt_data", "eval_prompt_data"):
-            value = getattr(args, dest)
-            if value is not None and not Path(value).is_file():
-                raise ArgumentError(f"--{dest.replace('_', '-')} {value}: no such file")
+            raise ArgumentError("--prompt-data is required (a JSONL or Parquet file of prompts)")
+        if not Path(args.prompt_data).is_file():
+            raise ArgumentError(f"--prompt-data {args.prompt_data}: no such file")
+        for name, path in eval_sets(args).items():
+            if not Path(path).is_file():
+                raise ArgumentError(f"--eval-prompt-data {name} {path}: no such file")
         if routing_replay_on(args) and args.hf_checkpoint is not None:  # a MoE config
             read_layout(str(args.hf_checkpoint))
+
+
+def eval_sets(args: Any) -> dict[str, str]:
+    """``--eval-prompt-data NAME PATH ...`` as ``{name: path}`` (in the order given)."""
+    values = args.eval_prompt_data or []
+    if len(values) % 2:
+        raise ArgumentError(
+            f"--eval-prompt-data expects NAME PATH pairs, got {len(values)} values: "
+            + " ".join(values)
+        )
+    sets: dict[str, str] = {}
+    for name, path in zip(values[::2], values[1::2], strict=True):
+        if name in sets:
+            raise ArgumentError(f"--eval-prompt-data: the set name {name!r} is given twice")
+        sets[name] = path
+    return sets
 
 
 @dataclass

@@ -29,7 +29,7 @@ from typing import Any
 from miles_core.save_trigger import SaveTrigger
 
 from miles_launch.job import Job
-from miles_launch.loop import publish, rollout_stats, run_eval, sampling_config, save_point
+from miles_launch.loop import add_eval, publish, rollout_stats, sampling_config, save_point
 from miles_launch.reporting import rank0_metrics
 from miles_launch.rollout.filtering import has_signal
 from miles_launch.rollout.generate import GeneratedSample, Generator, to_rollout_batch
@@ -216,6 +216,7 @@ def run_async(job: Job) -> list[dict[str, Any]]:
                 "weight_version": version,
                 "saved": saved,
             }
+            add_eval(job, record)
             job.reporter.rollout(record)
             logger.info(
                 "rollout %d: generation overlapped %.2fs of %.2fs training",
@@ -224,8 +225,6 @@ def run_async(job: Job) -> list[dict[str, Any]]:
                 times["train"],
             )
             records.append(record)
-            if args.eval_interval and (rollout_id + 1) % args.eval_interval == 0:
-                job.reporter.eval(rollout_id, run_eval(job, rollout_id))
     finally:
         producer.close()
     return records

@@ -1,4 +1,5 @@
-"""The ``miles`` console script: ``miles train [flags]`` (see ``miles train --help``)."""
+"""The ``miles`` console script: ``miles train [flags]`` (see ``miles train --help``) and
+``miles plot RUN_DIR`` (see :mod:`miles_launch.plot`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ USAGE = """usage: miles <command> [flags]
 
 commands:
   train    run an RL job (miles train --help lists every flag)
+  plot     draw a run's metrics JSONL as a PNG (miles plot RUN_DIR)
 """
 
 
@@ -22,8 +24,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"miles-launch {__version__}")
         return
     command, rest = argv[0], argv[1:]
+    if command == "plot":
+        from miles_launch.plot import main as plot_main
+
+        plot_main(rest)
+        return
     if command != "train":
-        print(f"error: unknown command {command!r} (commands: train)", file=sys.stderr)
+        print(f"error: unknown command {command!r} (commands: train, plot)", file=sys.stderr)
         sys.exit(2)
     from miles_launch.train import main as train_main
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from miles_core.checkpoint_layout import atomic_write_text, iteration_dir_name, resolve_load
 
+from miles_launch.args import eval_sets
 from miles_launch.engine_launch.api_key import ensure_api_key
 from miles_launch.engine_launch.engine_set import EngineSet
 from miles_launch.placement import (
@@ -99,7 +100,7 @@ class Job:
     tokenizer: Any
     prompts: list[Prompt]
     order: PromptOrder
-    eval_prompts: list[Prompt] | None
+    eval_prompts: dict[str, list[Prompt]]  # --eval-prompt-data: name -> prompts
     reward: RewardModel
     reporter: Reporter
     placement: Placement | None = None
@@ -116,18 +117,25 @@ class Job:
 
         tokenizer = load_tokenizer(args.hf_checkpoint)
         prompts = load_prompts(
-            args.prompt_data, tokenizer, args.input_key, args.label_key, args.apply_chat_template
+            args.prompt_data,
+            tokenizer,
+            args.input_key,
+            args.label_key,
+            args.apply_chat_template,
+            args.metadata_key,
         )
-        eval_prompts = None
-        if args.eval_prompt_data:
-            eval_prompts = load_prompts(
-                args.eval_prompt_data,
+        eval_prompts = {
+            name: load_prompts(
+                path,
                 tokenizer,
                 args.input_key,
                 args.label_key,
                 args.apply_chat_template,
+                args.metadata_key,
             )
-        reward = RewardModel(args.rm_type, args.custom_rm_path)
+            for name, path in eval_sets(args).items()
+        }
+        reward = RewardModel.from_args(args)
         use_gpu = torch.cuda.is_available()
         started = not ray.is_initialized() and not args.ray_address
         layout = plan_layout(args, use_gpu)

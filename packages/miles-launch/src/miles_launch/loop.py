@@ -25,6 +25,7 @@ from miles_core.save_trigger import SaveTrigger, should_save
 
 from miles_launch.job import Job, LauncherState, write_launcher_state
 from miles_launch.reporting import rank0_metrics
+from miles_launch.rollout.evaluation import eval_metrics
 from miles_launch.rollout.filtering import has_signal
 from miles_launch.rollout.generate import (
     GeneratedSample,
@@ -38,9 +39,10 @@ from miles_launch.trainer_group import TrainerFailure
 logger = logging.getLogger(__name__)
 
 
-def sampling_config(args: Any, max_new_tokens: int | None = None) -> SamplingConfig:
+def sampling_config(args: Any) -> SamplingConfig:
+    """Sampling of training rollouts."""
     return SamplingConfig(
-        max_new_tokens=max_new_tokens or args.rollout_max_response_len,
+        max_new_tokens=args.rollout_max_response_len,
         temperature=args.rollout_temperature,
         top_p=args.rollout_top_p,
         top_k=args.rollout_top_k,
@@ -48,11 +50,31 @@ def sampling_config(args: Any, max_new_tokens: int | None = None) -> SamplingCon
     )
 
 
+def eval_sampling_config(args: Any) -> SamplingConfig:
+    """Sampling of evaluation: each ``--eval-*`` value given, else the rollout's."""
+
+    def pick(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
+    return SamplingConfig(
+        max_new_tokens=pick(args.eval_max_response_len, args.rollout_max_response_len),
+        temperature=pick(args.eval_temperature, args.rollout_temperature),
+        top_p=pick(args.eval_top_p, args.rollout_top_p),
+        top_k=args.rollout_top_k,
+        seed=args.seed,
+    )
+
+
 def generate_groups(
-    job: Job, items: list[tuple[Any, int]], n: int, desc: str
+    job: Job,
+    items: list[tuple[Any, int]],
+    n: int,
+    desc: str,
+    cfg: SamplingConfig | None = None,
 ) -> list[list[GeneratedSample]]:
-    """Generate and score ``n`` samples of each (prompt, position), with a progress bar."""
-    cfg = sampling_config(job.args)
+    """Generate and score ``n`` samples of each (prompt, position), with a progress bar
+    (``cfg``: the rollout's sampling unless given)."""
+    cfg = cfg or sampling_config(job.args)
 
     async def run() -> list[list[GeneratedSample]]:
         gen = Generator(
@@ -139,8 +161,9 @@ def rollout_stats(groups: list[list[GeneratedSample]]) -> dict[str, Any]:
     }
 
 
-def run_eval(job: Job, rollout_id: int) -> dict[str, float]:
-    """Generate the eval prompts and score them.
+def run_eval(job: Job, rollout_id: int) -> dict[str, dict[str, float]]:
+    """Generate and score every eval set (:func:`eval_sampling_config`); its metrics
+    (:func:`~miles_launch.rollout.evaluation.eval_metrics`) by set name.
 
     With ``--eval-weights`` other than ``--rollout-weights`` (e.g. ``ema``), those weights are
     published to the engines first and the rollout weights again afterwards (also on errors),
@@ -152,15 +175,33 @@ def run_eval(job: Job, rollout_id: int) -> dict[str, float]:
     if swap:
         logger.info("eval: publishing the %s weights to the engines", eval_weights)
         publish(job, weights=eval_weights)
+    cfg = eval_sampling_config(args)
+    results = {}
     try:
-        items = [(p, -1 - p.index) for p in job.eval_prompts]
-        groups = generate_groups(job, items, args.n_samples_per_eval_prompt, "eval")
+        for name, prompts in job.eval_prompts.items():
+            items = [(p, -1 - p.index) for p in prompts]
+            n = args.n_samples_per_eval_prompt
+            results[name] = eval_metrics(generate_groups(job, items, n, f"eval {name}", cfg))
     finally:
         if swap:
             logger.info("eval: publishing the rollout weights back")
             publish(job)
-    rewards = [s.reward for g in groups for s in g]
-    return {"reward_mean": sum(rewards) / len(rewards)}
+    return results
+
+
+def eval_due(args: Any, rollout_id: int) -> bool:
+    return bool(args.eval_interval) and (rollout_id + 1) % args.eval_interval == 0
+
+
+def add_eval(job: Job, record: dict[str, Any]) -> None:
+    """Evaluate when due; the metrics go into ``record["eval"]``, the time into
+    ``record["time"]["eval"]`` (before the record is reported)."""
+    rollout_id = record["rollout_id"]
+    if not eval_due(job.args, rollout_id):
+        return
+    t = time.monotonic()
+    record["eval"] = run_eval(job, rollout_id)
+    record["time"]["eval"] = time.monotonic() - t
 
 
 def save_point(job: Job, rollout_id: int, trigger: SaveTrigger | None) -> bool:
@@ -244,10 +285,7 @@ def run_sync(job: Job) -> list[dict[str, Any]]:
             "weight_version": version,
             "saved": saved,
         }
+        add_eval(job, record)
         job.reporter.rollout(record)
         records.append(record)
-        if args.eval_interval and (rollout_id + 1) % args.eval_interval == 0:
-            t = time.monotonic()
-            job.reporter.eval(rollout_id, run_eval(job, rollout_id))
-            times["eval"] = time.monotonic() - t
     return records

@@ -5,10 +5,14 @@ The per-rollout line (stdout)::
     rollout 3/12 | reward 0.412 | resp_len 7.9 | loss -0.0123 | kl 0.0001 | version 4 |
     gen 1.20s train 0.80s save 0.00s update 0.10s
 
+After a rollout that evaluated, one line per eval set::
+
+    eval after rollout 3 | gsm8k | reward_mean 0.4000 | response_len_mean 7.5000 | pass@1 ...
+
 Scalars go to TensorBoard under ``--tensorboard-dir`` (miles-core's reporting group) as
-``rollout/<name>``, ``train/<name>``, ``time/<phase>``, ``eval/<name>``; to W&B with
-``--use-wandb`` when ``wandb`` is installed; and as one JSON object per rollout to
-``--metrics-jsonl``.
+``rollout/<name>``, ``train/<name>``, ``time/<phase>`` (``time/eval`` included) and
+``eval/<set>/<name>``; to W&B with ``--use-wandb`` when ``wandb`` is installed; and as one
+JSON object per rollout to ``--metrics-jsonl`` (its ``eval`` object holds the metrics by set).
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ import json
 import logging
 import sys
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -74,6 +77,8 @@ class Reporter:
     def rollout(self, record: dict[str, Any]) -> None:
         """One rollout's record: the summary line, scalars and the JSONL line."""
         self.print(summary_line(record, self.num_rollout))
+        for line in eval_lines(record):
+            self.print(line)
         step = int(record["rollout_id"])
         if self.train_bar is None:
             self.train_bar = tqdm(
@@ -95,20 +100,6 @@ class Reporter:
         if self.jsonl_path:
             with open(self.jsonl_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record, sort_keys=True) + "\n")
-
-    def eval(self, rollout_id: int, metrics: dict[str, float]) -> None:
-        parts = " | ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-        self.print(f"eval after rollout {rollout_id} | {parts}")
-        scalars = {f"eval/{k}": float(v) for k, v in metrics.items()}
-        if self.tb is not None:
-            for name, value in scalars.items():
-                self.tb.add_scalar(name, value, rollout_id)
-            self.tb.flush()
-        if self.wandb is not None:
-            self.wandb.log(scalars, step=rollout_id)
-        if self.jsonl_path:
-            with open(self.jsonl_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"eval_after": rollout_id, **metrics}) + "\n")
 
     def close(self) -> None:
         if self.train_bar is not None:
@@ -142,38 +133,39 @@ def summary_line(record: dict[str, Any], num_rollout: int) -> str:
     return " | ".join(parts)
 
 
+def eval_lines(record: dict[str, Any]) -> list[str]:
+    """One line per eval set of ``record`` (none when it did not evaluate)."""
+    return [
+        " | ".join(
+            [f"eval after rollout {record['rollout_id']}", name]
+            + [f"{k} {v:.4f}" for k, v in metrics.items()]
+        )
+        for name, metrics in record.get("eval", {}).items()
+    ]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def flatten_scalars(record: dict[str, Any]) -> dict[str, float]:
-    """``{"rollout/reward_mean": ..., "train/loss": ..., "time/gen": ...}`` from a record."""
+    """``{"rollout/reward_mean": ..., "train/loss": ..., "time/gen": ...,
+    "eval/<set>/pass@1": ...}`` from a record."""
     out: dict[str, float] = {}
     for section in ("rollout", "train", "time"):
         for key, value in record.get(section, {}).items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if _is_number(value):
                 out[f"{section}/{key}"] = float(value)
+    for name, metrics in record.get("eval", {}).items():
+        for key, value in metrics.items():
+            if _is_number(value):
+                out[f"eval/{name}/{key}"] = float(value)
     return out
 
 
 def rank0_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """Rank 0's metrics (the backends reduce over DP ranks already) as plain floats."""
     return {k: float(v) for k, v in per_rank[0].items()} if per_rank else {}
-
-
-def write_reward_plot(rewards: list[float], path: str | Path, title: str = "reward") -> None:
-    """``reward.png``: the mean reward of each rollout."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(1, len(rewards) + 1), rewards, marker="o")
-    ax.set_xlabel("rollout")
-    ax.set_ylabel("mean reward")
-    ax.set_title(title)
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def public_config(args: Any) -> dict[str, Any]:

@@ -57,6 +57,7 @@ class GeneratedSample:
     finished_at: float = 0.0
     # int32 [prompt + response - 1, num_layers, top_k] under routing replay, else None
     routed_experts: torch.Tensor | None = None
+    reward_input: RewardInput | None = None  # what the reward function was given
 
 
 def sampling_seed(seed: int, position: int, k: int) -> int:
@@ -137,18 +138,27 @@ class Generator:
             out.routed_experts = decode_sample_routed_experts(
                 meta, self.routed_experts, len(prompt.token_ids) + len(ids), client.base_url
             )
-        out.reward = await self.reward(
-            RewardInput(
-                prompt=prompt.text,
-                response=out.response_text,
-                label=prompt.label,
-                response_ids=tuple(ids),
-                finish_reason=out.finish_reason,
-                max_response_len=cfg.max_new_tokens,
-            )
+        out.reward_input = RewardInput(
+            prompt=prompt.text,
+            response=out.response_text,
+            label=prompt.label,
+            response_ids=tuple(ids),
+            finish_reason=out.finish_reason,
+            max_response_len=cfg.max_new_tokens,
+            metadata=prompt.metadata,
+            prompt_index=prompt.index,
+            sample_index=k,
         )
+        if self.reward.batch == "sample":
+            out.reward = await self.reward(out.reward_input)
         out.finished_at = time.monotonic()
         return out
+
+    async def score(self, samples: list[GeneratedSample]) -> None:
+        """Set the rewards of ``samples`` with one call of the batched reward function."""
+        rewards = await self.reward.score([s.reward_input for s in samples])
+        for s, reward in zip(samples, rewards, strict=True):
+            s.reward = reward
 
     async def group(
         self,
@@ -164,7 +174,10 @@ class Generator:
                 on_sample()
             return result
 
-        return list(await asyncio.gather(*(one(k) for k in range(n))))
+        samples = list(await asyncio.gather(*(one(k) for k in range(n))))
+        if self.reward.batch == "group":
+            await self.score(samples)
+        return samples
 
     async def groups(
         self,
@@ -173,9 +186,13 @@ class Generator:
         cfg: SamplingConfig,
         on_sample: Callable[[], None] | None = None,
     ) -> list[list[GeneratedSample]]:
-        """All groups of ``items`` ((prompt, position) pairs) concurrently, watched."""
+        """All groups of ``items`` ((prompt, position) pairs) concurrently, watched; under
+        ``--custom-rm-batch rollout`` scored together at the end."""
         work = asyncio.gather(*(self.group(p, pos, n, cfg, on_sample) for p, pos in items))
-        return await self.watched(work)
+        groups = await self.watched(work)
+        if self.reward.batch == "rollout":
+            await self.score([s for g in groups for s in g])
+        return groups
 
     async def watched(self, work: Any) -> Any:
         """Await ``work`` while polling the engines; an engine death or a failed request

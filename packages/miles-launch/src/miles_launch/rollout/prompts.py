@@ -1,8 +1,10 @@
-"""Prompt sets from JSONL and the deterministic order in which rollouts consume them.
+"""Prompt sets from JSONL or Parquet and the deterministic order in which rollouts consume them.
 
-Each line of ``--prompt-data`` is a JSON object; ``--input-key`` names the prompt (a string, or
-a list of chat messages when ``--apply-chat-template`` is on) and ``--label-key`` the label the
-reward compares against. The run reads the prompts as one endless stream: position ``p`` is
+A prompt file ending in ``.parquet`` is read with pyarrow (one record per row); any other file
+is JSONL (one JSON object per line). In each record ``--input-key`` names the prompt (a string,
+or a list of chat messages when ``--apply-chat-template`` is on), ``--label-key`` the label the
+reward compares against and ``--metadata-key`` an optional object handed to the reward function
+as ``RewardInput.metadata``. The run reads the prompts as one endless stream: position ``p`` is
 prompt ``perm_e[p mod N]`` of epoch ``e = p // N`` (``perm_e`` a permutation seeded by
 ``--seed`` and ``e`` under ``--rollout-shuffle``, the identity otherwise). A rollout takes the
 next positions, so a run resumed at a saved position sees exactly the prompts an
@@ -12,7 +14,8 @@ uninterrupted run would.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,24 +28,30 @@ class PromptDataError(ValueError):
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt: its line ``index`` in the file, text, label and token ids."""
+    """One prompt: its ``index`` among the file's prompts, text, label, token ids and the
+    record's ``--metadata-key`` object (empty when absent)."""
 
     index: int
     text: str
     label: Any
     token_ids: tuple[int, ...]
+    metadata: dict = field(default_factory=dict)
 
 
-def load_prompts(
-    path: str | Path,
-    tokenizer: Any,
-    input_key: str,
-    label_key: str | None,
-    apply_chat_template: bool,
-) -> list[Prompt]:
-    """Read and tokenize every prompt of ``path`` (errors name ``path:line`` and the key)."""
-    path = Path(path)
-    prompts: list[Prompt] = []
+def read_records(path: Path) -> Iterator[tuple[str, Any]]:
+    """``(where, record)`` for each record of ``path``: ``file:line`` of a JSONL file, or
+    ``file:row N`` (from 1) of a ``.parquet`` file."""
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(path)
+        except (pa.ArrowException, OSError) as error:
+            raise PromptDataError(f"{path}: not a readable Parquet file ({error})") from None
+        for row, record in enumerate(table.to_pylist(), start=1):
+            yield f"{path}:row {row}", record
+        return
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
@@ -52,19 +61,42 @@ def load_prompts(
                 record = json.loads(line)
             except json.JSONDecodeError as error:
                 raise PromptDataError(f"{where}: invalid JSON ({error.msg})") from None
-            if not isinstance(record, dict):
-                raise PromptDataError(f"{where}: expected a JSON object")
-            if input_key not in record:
-                raise PromptDataError(
-                    f"{where}: no key '{input_key}' (--input-key); keys: {sorted(record)}"
-                )
-            raw = record[input_key]
-            label = record.get(label_key) if label_key else None
-            text = render_prompt(raw, tokenizer, apply_chat_template, where)
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            if not ids:
-                raise PromptDataError(f"{where}: prompt '{input_key}' has no tokens")
-            prompts.append(Prompt(len(prompts), text, label, tuple(int(i) for i in ids)))
+            yield where, record
+
+
+def load_prompts(
+    path: str | Path,
+    tokenizer: Any,
+    input_key: str,
+    label_key: str | None,
+    apply_chat_template: bool,
+    metadata_key: str | None = None,
+) -> list[Prompt]:
+    """Read and tokenize every prompt of ``path`` (errors name ``path:line`` and the key)."""
+    path = Path(path)
+    prompts: list[Prompt] = []
+    for where, record in read_records(path):
+        if not isinstance(record, dict):
+            raise PromptDataError(f"{where}: expected a JSON object")
+        if input_key not in record:
+            raise PromptDataError(
+                f"{where}: no key '{input_key}' (--input-key); keys: {sorted(record)}"
+            )
+        raw = record[input_key]
+        label = record.get(label_key) if label_key else None
+        metadata = record.get(metadata_key) if metadata_key else None
+        if metadata is None:
+            metadata = {}
+        if not isinstance(metadata, dict):
+            raise PromptDataError(
+                f"{where}: '{metadata_key}' (--metadata-key) must be an object, got "
+                f"{type(metadata).__name__}"
+            )
+        text = render_prompt(raw, tokenizer, apply_chat_template, where)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise PromptDataError(f"{where}: prompt '{input_key}' has no tokens")
+        prompts.append(Prompt(len(prompts), text, label, tuple(int(i) for i in ids), metadata))
     if not prompts:
         raise PromptDataError(f"{path}: no prompts")
     return prompts

@@ -1,6 +1,11 @@
-"""Rewards: the built-ins of ``--rm-type`` and ``--custom-rm-path MODULE:FUNCTION``.
+"""Rewards: the built-ins of ``--rm-type``, ``--custom-rm-path MODULE:FUNCTION`` and a remote
+reward server (``--rm-url``, see :mod:`miles_launch.rollout.remote_reward`).
 
-A reward function takes a :class:`RewardInput` and returns a float; it may be ``async``.
+A reward function takes a :class:`RewardInput` and returns a number, or a dict from which
+``--reward-key`` picks the number; it may be ``async``. With ``--custom-rm-batch group`` it
+takes the list of a prompt group's inputs instead (``rollout``: every input of a generation
+batch, i.e. a rollout's prompts, each draw under ``--dynamic-filter``, or an eval set) and
+returns one value per input, in order.
 
 * ``math``: 1.0 when the response's final answer equals the label, else 0.0. The final answer
   is the content of the last ``\\boxed{...}``, else the last number in the response; both
@@ -13,13 +18,16 @@ A reward function takes a :class:`RewardInput` and returns a float; it may be ``
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+BATCH_MODES = ("sample", "group", "rollout")
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,11 @@ class RewardInput:
     finish_reason: str
     max_response_len: int
     metadata: dict = field(default_factory=dict)
+    prompt_index: int = -1  # the prompt's index in its file (names the sample in errors)
+    sample_index: int = 0  # which of the prompt's samples
+
+    def describe(self) -> str:
+        return f"sample {self.sample_index} of prompt {self.prompt_index}"
 
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
@@ -119,28 +132,83 @@ def load_custom(path: str) -> Callable[[RewardInput], Any]:
 
 
 class RewardModel:
-    """The run's reward function (built-in or custom), awaited uniformly."""
+    """The run's reward function (built-in, custom or remote), awaited uniformly.
 
-    def __init__(self, rm_type: str | None, custom_rm_path: str | None):
-        if custom_rm_path:
-            self.func = load_custom(custom_rm_path)
-            self.name = custom_rm_path
-        elif rm_type:
-            self.func = BUILTIN_REWARDS[rm_type]
-            self.name = rm_type
+    ``batch`` is how the function is called: once per sample (``await model(inp)``), or once
+    per list of inputs (``await model.score(inputs)``, ``group`` and ``rollout``).
+    """
+
+    def __init__(
+        self,
+        func: Callable[[Any], Any],
+        name: str,
+        *,
+        batch: Literal["sample", "group", "rollout"] = "sample",
+        reward_key: str | None = None,
+    ):
+        if batch not in BATCH_MODES:
+            raise ValueError(f"--custom-rm-batch {batch!r}: expected one of {BATCH_MODES}")
+        self.func = func
+        self.name = name
+        self.batch = batch
+        self.reward_key = reward_key
+
+    @classmethod
+    def from_args(cls, args: Any) -> RewardModel:
+        """The reward of ``--rm-url``, ``--custom-rm-path`` or ``--rm-type``."""
+        if args.rm_url:
+            from miles_launch.rollout.remote_reward import RemoteReward
+
+            func: Callable[[Any], Any] = RemoteReward(
+                args.rm_url, timeout_s=args.rm_timeout, max_retries=args.rm_max_retries
+            )
+            name = f"--rm-url {args.rm_url}"
+        elif args.custom_rm_path:
+            func, name = load_custom(args.custom_rm_path), args.custom_rm_path
+        elif args.rm_type:
+            func, name = BUILTIN_REWARDS[args.rm_type], args.rm_type
         else:
-            raise ValueError("no reward: set --rm-type or --custom-rm-path")
+            raise ValueError("no reward: set --rm-type, --custom-rm-path or --rm-url")
+        return cls(func, name, batch=args.custom_rm_batch, reward_key=args.reward_key)
 
     async def __call__(self, inp: RewardInput) -> float:
+        """The reward of one sample (``batch == "sample"``)."""
         value = self.func(inp)
         if inspect.isawaitable(value):
             value = await value
+        return self.to_reward(value, inp)
+
+    async def score(self, inputs: list[RewardInput]) -> list[float]:
+        """The rewards of ``inputs``: one call of a batched function, else one call each."""
+        if self.batch == "sample":
+            return list(await asyncio.gather(*(self(inp) for inp in inputs)))
+        values = self.func(list(inputs))
+        if inspect.isawaitable(values):
+            values = await values
+        if not isinstance(values, (list, tuple)) or len(values) != len(inputs):
+            got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
+            raise ValueError(
+                f"reward function {self.name} (--custom-rm-batch {self.batch}) got "
+                f"{len(inputs)} inputs and returned {got}; expected a list of {len(inputs)}"
+            )
+        return [self.to_reward(v, inp) for v, inp in zip(values, inputs, strict=True)]
+
+    def to_reward(self, value: Any, inp: RewardInput) -> float:
+        """``value`` as a finite float (``--reward-key`` picks it out of a dict)."""
+        where = f"reward function {self.name} ({inp.describe()})"
+        if isinstance(value, dict):
+            if self.reward_key is None:
+                raise ValueError(f"{where} returned a dict {sorted(value)}; set --reward-key")
+            if self.reward_key not in value:
+                raise ValueError(
+                    f"{where} returned a dict without '{self.reward_key}' (--reward-key); "
+                    f"keys: {sorted(value)}"
+                )
+            value = value[self.reward_key]
         try:
             reward = float(value)
         except (TypeError, ValueError):
-            raise ValueError(
-                f"reward function {self.name} returned {value!r}, not a number"
-            ) from None
+            raise ValueError(f"{where} returned {value!r}, not a number") from None
         if not math.isfinite(reward):
-            raise ValueError(f"reward function {self.name} returned {reward}")
+            raise ValueError(f"{where} returned {reward}")
         return reward

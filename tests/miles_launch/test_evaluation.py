@@ -1,0 +1,159 @@
+"""Evaluation: pass@k, named eval sets with their sampling, metrics and time in the record."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from math import comb
+from types import SimpleNamespace
+
+import pytest
+from launch_testing import StubEngine, parse
+from miles_core.args import ArgumentError
+from miles_launch import loop
+from miles_launch.reporting import Reporter
+from miles_launch.rollout.evaluation import pass_at_k, pass_ks
+from miles_launch.rollout.prompts import Prompt
+from miles_launch.rollout.rewards import RewardModel
+
+
+@pytest.mark.parametrize(("n", "c"), [(1, 0), (1, 1), (4, 2), (5, 1), (6, 0), (6, 6), (7, 3)])
+def test_pass_at_k_is_the_share_of_k_subsets_with_a_pass(n, c):
+    passes = [True] * c + [False] * (n - c)
+    for k in range(1, n + 1):
+        subsets = list(itertools.combinations(passes, k))
+        assert pass_at_k(n, c, k) == pytest.approx(sum(map(any, subsets)) / len(subsets))
+        assert pass_at_k(n, c, k) == pytest.approx(1 - comb(n - c, k) / comb(n, k))
+
+
+def test_pass_ks():
+    assert pass_ks(1) == [1]
+    assert pass_ks(4) == [1, 2, 4]
+    assert pass_ks(6) == [1, 2, 4, 6]
+
+
+def _eval_args(tmp_path, *flags):
+    sets = []
+    for name in ("math", "code"):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text('{"prompt": "ab"}\n{"prompt": "cde"}\n')
+        sets += [name, str(path)]
+    return parse(
+        tmp_path,
+        "--custom-rm-path", "rm_fixtures:even_samples_pass",
+        "--eval-interval", "2",
+        "--eval-prompt-data", *sets,
+        "--n-samples-per-eval-prompt", "4",
+        "--rollout-max-response-len", "16",
+        *flags,
+    )  # fmt: skip
+
+
+def _job(args, engine):
+    async def alive(when):
+        pass
+
+    return SimpleNamespace(
+        args=args,
+        engines=SimpleNamespace(
+            generation_urls=["http://127.0.0.1:1"], acheck_alive=alive, api_key=None
+        ),
+        reward=RewardModel.from_args(args),
+        reporter=Reporter(SimpleNamespace(progress=False), 4),
+        eval_prompts={
+            "math": [Prompt(0, "ab", None, (1, 2)), Prompt(1, "cde", None, (3, 4, 5))],
+            "code": [Prompt(0, "z", None, (26,))],
+        },
+    )
+
+
+@pytest.fixture
+def engine(monkeypatch):
+    stub = StubEngine()
+    real = loop.Generator
+
+    def generator(*args, **kwargs):
+        gen = real(*args, **kwargs)
+        gen.clients = [stub]
+        return gen
+
+    monkeypatch.setattr(loop, "Generator", generator)
+    return stub
+
+
+def test_each_eval_set_is_sampled_with_the_eval_params_and_reports_pass_at_k(tmp_path, engine):
+    args = _eval_args(
+        tmp_path, "--eval-temperature", "0", "--eval-top-p", "0.5", "--eval-max-response-len", "3"
+    )
+    results = loop.run_eval(_job(args, engine), rollout_id=1)
+    assert list(results) == ["math", "code"]
+    # samples 0 and 2 of 4 pass: pass@1 = 1/2, pass@2 = 1 - C(2,2)/C(4,2) = 5/6, pass@4 = 1
+    for metrics in results.values():
+        assert metrics["reward_mean"] == 0.5
+        assert metrics["pass@1"] == pytest.approx(0.5)
+        assert metrics["pass@2"] == pytest.approx(5 / 6)
+        assert metrics["pass@4"] == 1.0
+    assert results["math"]["response_len_mean"] == 2.5  # the stub answers the prompt reversed
+    assert len(engine.sampling_params) == (2 + 1) * 4
+    for params in engine.sampling_params:
+        assert (params["temperature"], params["top_p"], params["max_new_tokens"]) == (0, 0.5, 3)
+
+
+def test_eval_sampling_defaults_to_the_rollouts(tmp_path, engine):
+    args = _eval_args(tmp_path, "--rollout-top-p", "0.9", "--rollout-temperature", "0.7")
+    loop.run_eval(_job(args, engine), rollout_id=1)
+    assert {
+        (p["temperature"], p["top_p"], p["max_new_tokens"]) for p in engine.sampling_params
+    } == {(0.7, 0.9, 16)}
+
+
+def test_eval_metrics_and_time_are_in_the_reported_record(tmp_path, engine, monkeypatch):
+    args = _eval_args(tmp_path)
+    args.metrics_jsonl = str(tmp_path / "m.jsonl")
+    job = _job(args, engine)
+    job.reporter = Reporter(args, 4)
+    real = loop.run_eval
+
+    def slow_eval(job, rollout_id):
+        time.sleep(0.05)
+        return real(job, rollout_id)
+
+    monkeypatch.setattr(loop, "run_eval", slow_eval)
+    for rollout_id in (0, 1):
+        record = {"rollout_id": rollout_id, "rollout": {"reward_mean": 0.0, "response_len_mean": 1}}
+        record["time"] = {"gen": 0.1}
+        loop.add_eval(job, record)  # as the loops do, before the record is reported
+        job.reporter.rollout(record)
+    job.reporter.close()
+    first, second = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert "eval" not in first and "eval" not in first["time"]  # --eval-interval 2
+    assert second["time"]["eval"] >= 0.05
+    assert second["eval"]["code"]["pass@2"] == pytest.approx(5 / 6)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--eval-prompt-data", "a"],
+            "--eval-prompt-data expects NAME PATH pairs, got 1 values: a",
+        ),
+        (
+            ["--eval-prompt-data", "a", "x.jsonl", "a", "y.jsonl"],
+            "--eval-prompt-data: the set name 'a' is given twice",
+        ),
+        (
+            ["--eval-interval", "1", "--eval-prompt-data", "a", "nope.jsonl"],
+            "a nope.jsonl: no such",
+        ),
+        (["--eval-top-p", "1.5"], "--eval-top-p must be in (0, 1], got 1.5"),
+        (["--eval-temperature", "-1"], "--eval-temperature must be >= 0.0, got -1.0"),
+        (["--eval-max-response-len", "0"], "--eval-max-response-len must be >= 1, got 0"),
+    ],
+)
+def test_bad_eval_flags_are_one_line_errors(tmp_path, flags, message):
+    with pytest.raises(ArgumentError) as info:
+        parse(tmp_path, *flags)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)

@@ -204,3 +204,19 @@ def test_spec_flag_calls_the_named_function():
         layer_spec({}, None, args)
     with pytest.raises(ArgumentError, match="--spec takes two values"):
         parse(["--spec", "megatron_ranks"])
+
+
+def test_use_distributed_optimizer_is_an_accepted_no_op(hf_dirs, capsys):
+    from megatron_ranks import parse
+    from miles_core.args import core_groups, parse_args_or_exit
+    from miles_megatron.args import megatron_groups
+
+    recipe = ["--hf-checkpoint", hf_dirs["qwen3"], "--bf16", "--use-distributed-optimizer"]
+    args = parse(recipe + ["--lr", "1e-6", "--tensor-model-parallel-size", "1"])
+    assert args.use_distributed_optimizer is True
+    assert parse(["--hf-checkpoint", hf_dirs["qwen3"]]).use_distributed_optimizer is True
+    with pytest.raises(SystemExit) as exit_:
+        parse_args_or_exit(["--no-use-distributed-optimizer"], [*core_groups(), *megatron_groups()])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert "--no-use-distributed-optimizer" in err and "always" in err

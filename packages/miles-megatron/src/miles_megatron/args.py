@@ -48,6 +48,11 @@ class MegatronArgs(ArgGroup):
     ref_update_interval: int | None = flag(
         None, help="Copy the actor into the reference model every N rollouts (unset: never)."
     )
+    use_distributed_optimizer: bool = flag(
+        True,
+        help="Accepted for Megatron-LM recipes: the distributed optimizer is always on "
+        "(a no-op; --no-use-distributed-optimizer is refused).",
+    )
     publish_lora_adapter: bool = flag(
         False,
         help="With --use-lora, publish the adapter's PEFT-named factors (engines that load "
@@ -56,6 +61,11 @@ class MegatronArgs(ArgGroup):
 
     @classmethod
     def validate(cls, args: Any) -> None:
+        if not args.use_distributed_optimizer:
+            raise ArgumentError(
+                "--no-use-distributed-optimizer: the Megatron backend always uses the "
+                "distributed optimizer"
+            )
         if args.spec is not None and len(args.spec) != 2:
             raise ArgumentError("--spec takes two values: MODULE FUNCTION")
         for dest in (

@@ -173,6 +173,7 @@ def test_generated_flags_reach_transformer_config(hf_dirs):
         ]
     )
     config = transformer_config(resolve_model_args(args), args)
+    assert config.transformer_impl == "local"  # what layer_spec builds (megatron's default: TE)
     assert config.recompute_granularity == "full" and config.recompute_num_layers == 1
     assert config.moe_router_dtype == "fp32"
     # declared elsewhere, never generated twice: --lr is miles-core's
@@ -220,3 +221,13 @@ def test_use_distributed_optimizer_is_an_accepted_no_op(hf_dirs, capsys):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1
     assert "--no-use-distributed-optimizer" in err and "always" in err
+
+
+def test_transformer_impl_other_than_local_is_refused_in_one_line(hf_dirs):
+    from megatron_ranks import parse
+
+    assert parse(["--transformer-impl", "local"]).transformer_impl == "local"
+    for impl in ("transformer_engine", "inference_optimized"):
+        with pytest.raises(ArgumentError, match=f"--transformer-impl {impl}: only 'local'") as e:
+            parse(["--hf-checkpoint", hf_dirs["qwen3"], "--transformer-impl", impl])
+        assert "\n" not in str(e.value)

@@ -53,6 +53,11 @@ class MegatronArgs(ArgGroup):
         help="Accepted for Megatron-LM recipes: the distributed optimizer is always on "
         "(a no-op; --no-use-distributed-optimizer is refused).",
     )
+    transformer_impl: str | None = flag(
+        None,
+        help="Layer implementation: only 'local' (megatron-core's local spec, the one the "
+        "bridge maps; also the default). transformer_engine is refused.",
+    )
     publish_lora_adapter: bool = flag(
         False,
         help="With --use-lora, publish the adapter's PEFT-named factors (engines that load "
@@ -65,6 +70,11 @@ class MegatronArgs(ArgGroup):
             raise ArgumentError(
                 "--no-use-distributed-optimizer: the Megatron backend always uses the "
                 "distributed optimizer"
+            )
+        if args.transformer_impl not in (None, "local"):
+            raise ArgumentError(
+                f"--transformer-impl {args.transformer_impl}: only 'local' is supported (the "
+                "backend builds megatron-core's local spec, whose parameter names the bridge maps)"
             )
         if args.spec is not None and len(args.spec) != 2:
             raise ArgumentError("--spec takes two values: MODULE FUNCTION")

@@ -65,6 +65,7 @@ def transformer_config(margs: Mapping[str, Any], args: Any):
         # weight only inside its init functions.
         use_cpu_initialization=not torch.cuda.is_available(),
         variable_seq_lengths=args.pipeline_model_parallel_size > 1,
+        transformer_impl="local",  # layer_spec builds the local spec (--transformer-impl)
     )
     if margs.get("init_method_std") is not None:
         kwargs["init_method_std"] = margs["init_method_std"]

@@ -231,3 +231,13 @@ def test_transformer_impl_other_than_local_is_refused_in_one_line(hf_dirs):
         with pytest.raises(ArgumentError, match=f"--transformer-impl {impl}: only 'local'") as e:
             parse(["--hf-checkpoint", hf_dirs["qwen3"], "--transformer-impl", impl])
         assert "\n" not in str(e.value)
+
+
+def test_moe_grouped_gemm_is_refused_naming_what_is_missing(hf_dirs):
+    from megatron_ranks import parse
+
+    argv = ["--hf-checkpoint", hf_dirs["qwen3_moe"], "--moe-grouped-gemm"]
+    with pytest.raises(ArgumentError, match="--moe-grouped-gemm is not supported") as error:
+        parse(argv)
+    assert "bridge mapping" in str(error.value) and "\n" not in str(error.value)
+    assert parse(argv[:2] + ["--no-moe-grouped-gemm"]).moe_grouped_gemm is False

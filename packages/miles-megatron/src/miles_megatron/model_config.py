@@ -79,7 +79,6 @@ def transformer_config(margs: Mapping[str, Any], args: Any):
             "moe_router_load_balancing_type",
             "moe_aux_loss_coeff",
             "moe_token_dispatcher_type",
-            "moe_grouped_gemm",
         ):
             if margs.get(key) is not None:
                 kwargs[key] = margs[key]

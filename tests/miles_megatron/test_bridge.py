@@ -241,3 +241,19 @@ def test_moe_grouped_gemm_is_refused_naming_what_is_missing(hf_dirs):
         parse(argv)
     assert "bridge mapping" in str(error.value) and "\n" not in str(error.value)
     assert parse(argv[:2] + ["--no-moe-grouped-gemm"]).moe_grouped_gemm is False
+
+
+def test_recompute_rules_are_argument_errors():
+    from megatron_ranks import RECOMPUTE_CASES, parse
+
+    for argv in RECOMPUTE_CASES.values():  # what test_recompute.py trains
+        parse(argv)
+    full = ["--recompute-granularity", "full"]
+    for argv, message in (
+        (full, "full needs --recompute-method and --recompute-num-layers"),
+        (full + ["--recompute-method", "block"], "full needs"),
+        (full + ["--recompute-num-layers", "1"], "full needs"),
+        (["--recompute-granularity", "selective", "--recompute-num-layers", "1"], "selective"),
+    ):
+        with pytest.raises(ArgumentError, match=message):
+            parse(argv)

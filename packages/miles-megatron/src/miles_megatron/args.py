@@ -76,6 +76,7 @@ class MegatronArgs(ArgGroup):
                 f"--transformer-impl {args.transformer_impl}: only 'local' is supported (the "
                 "backend builds megatron-core's local spec, whose parameter names the bridge maps)"
             )
+        check_recompute_flags(args)
         if args.spec is not None and len(args.spec) != 2:
             raise ArgumentError("--spec takes two values: MODULE FUNCTION")
         for dest in (
@@ -157,6 +158,19 @@ def check_memory_flags(args: Any) -> None:
     fraction = getattr(args, "optimizer_offload_fraction", None)
     if fraction is not None and not 0.0 <= fraction <= 1.0:
         raise ArgumentError(f"--optimizer-offload-fraction must be in [0, 1], got {fraction}")
+
+
+def check_recompute_flags(args: Any) -> None:
+    """megatron-core's recompute rules, at argument time (TransformerConfig asserts them at init)."""
+    granularity = getattr(args, "recompute_granularity", None)
+    method = getattr(args, "recompute_method", None)
+    num_layers = getattr(args, "recompute_num_layers", None)
+    if granularity == "full" and (method is None or num_layers is None):
+        raise ArgumentError(
+            "--recompute-granularity full needs --recompute-method and --recompute-num-layers"
+        )
+    if granularity == "selective" and num_layers is not None:
+        raise ArgumentError("--recompute-granularity selective takes no --recompute-num-layers")
 
 
 def world_size_of(args: Any) -> int | None:

@@ -17,6 +17,10 @@ Each fix is applied by :func:`apply` (idempotent), only where the installed rele
   masters of the 16-bit ones, so every per-parameter state read or written through the map
   (the ``fully_reshardable`` checkpoint) gets another parameter's tensors: a size mismatch at
   save, or silently swapped Adam state. The map is rebuilt in the inner optimizer's order.
+* megatron-core 0.19.x: ``dist_checkpointing.save(..., async_sharded_save=True)`` defaults to
+  ``async_strategy="nvrx"``, which needs nvidia-resiliency-ext; :func:`async_save_kwargs`
+  names megatron-core's own async writer (``"mcore"``, the only one 0.16 has) where the
+  argument exists.
 """
 
 from __future__ import annotations
@@ -29,6 +33,17 @@ def apply() -> None:
         moe_utils.te_general_gemm = None
     _fix_step_on_load()
     _fix_group_index_map()
+
+
+def async_save_kwargs() -> dict:
+    """Extra ``dist_checkpointing.save`` arguments of an async save: megatron-core's own writer."""
+    import inspect
+
+    from megatron.core import dist_checkpointing
+
+    if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
+        return {"async_strategy": "mcore"}
+    return {}
 
 
 def _fix_group_index_map() -> None:

@@ -11,7 +11,7 @@ Each fix is applied by :func:`apply` (idempotent), only where the installed rele
   state from the loaded tensors, but torch's state also holds ``step``, which the checkpoint
   keeps in its param groups (restored by ``load_state_dict`` itself) and not per tensor:
   ``KeyError: 'step'``. The wrapper lets such a state keep its already restored ``step``.
-* megatron-core 0.16.x, a model with fp32 parameters under ``--bf16`` (``mark_param_dtype``):
+* megatron-core 0.16.x and 0.19.x, fp32 parameters under ``--bf16`` (``mark_param_dtype``):
   the distributed optimizer's ``model_param_group_index_map`` numbers each group's parameters
   in buffer order, but the inner optimizer's group lists the fp32 shards first and then the
   masters of the 16-bit ones, so every per-parameter state read or written through the map

@@ -1,5 +1,6 @@
 """miles_megatron tests: the test-support modules (shim, spawned ranks, tiny models) import by
-name; the 2-rank spawn test_layouts.py and test_pipeline.py share."""
+name; the 2-rank spawn test_layouts.py, test_pipeline.py, test_recompute.py and
+test_custom_spec.py share."""
 
 import sys
 from pathlib import Path
@@ -20,7 +21,8 @@ def layout_hf_dirs(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def two_rank_run(layout_hf_dirs, tmp_path_factory) -> list[dict]:
     """Every rank's ``layout_ranks.layouts_then_pipeline`` (the default 2-rank layouts, then
-    the PP=2 run of test_pipeline.py on qwen3)."""
+    the PP=2 run of test_pipeline.py, the recompute cases of test_recompute.py and the custom
+    spec of test_custom_spec.py on qwen3)."""
     from dist_ranks import spawn_ranks
     from layout_ranks import LAYOUT_ROLLOUTS, layouts_then_pipeline, two_rank_cases
 

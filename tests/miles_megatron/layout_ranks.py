@@ -87,11 +87,14 @@ def two_rank_cases(hf_dirs: dict[str, str]) -> list:
 def layouts_then_pipeline(
     rank: int, world: int, cases: list, rollouts: int, pipeline_hf: str, save: str
 ) -> dict:
-    """:func:`train_and_publish`, then megatron_ranks.pipeline_run, in the same ranks: one
-    spawn for test_layouts.py and test_pipeline.py (megatron's import dominates a spawn)."""
-    from megatron_ranks import pipeline_run
+    """:func:`train_and_publish`, then megatron_ranks.pipeline_run, recompute_run and
+    custom_spec_run, in the same ranks: one spawn for test_layouts.py, test_pipeline.py,
+    test_recompute.py and test_custom_spec.py (megatron's import dominates a spawn)."""
+    from megatron_ranks import RECOMPUTE_CASES, custom_spec_run, pipeline_run, recompute_run
 
     return {
         "layouts": train_and_publish(rank, world, cases, rollouts),
         "pipeline": pipeline_run(rank, world, pipeline_hf, save),
+        "recompute": recompute_run(rank, world, pipeline_hf, RECOMPUTE_CASES),
+        "custom_spec": custom_spec_run(rank, world, pipeline_hf, save + "_spec"),
     }

@@ -383,3 +383,231 @@ def check_pipeline(r0: dict, r1: dict) -> None:
     resumed = {k: torch.tensor(v) for k, v in r0["pp1_from_pp2_weights"].items()}
     assert sorted(resumed) == sorted(pp2)
     assert all(torch.equal(resumed[k], pp2[k]) for k in pp2)
+
+
+RECOMPUTE_CASES: dict[str, list[str]] = {
+    "none": [],
+    "full_uniform": ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+    + ["--recompute-num-layers", "1"],
+    "full_block": ["--recompute-granularity", "full", "--recompute-method", "block"]
+    + ["--recompute-num-layers", "1"],
+    "selective": ["--recompute-granularity", "selective"],
+}
+
+
+def _counting_hook(calls: dict[str, int], kind: str):
+    def hook(module, inputs) -> None:
+        calls[kind] += 1
+
+    return hook
+
+
+def recompute_run(rank: int, world: int, hf_dir: str, cases: dict[str, list[str]]) -> dict:
+    """Per case: the loss and every parameter's gradient of one forward/backward of the model
+    loaded from ``hf_dir`` (train mode: megatron recomputes only when training), how often the
+    transformer layers and their core attention ran (a recomputed module runs again in the
+    backward), and on a GPU the activation bytes the forward leaves allocated for the backward."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(0)).to(device)
+    s = ids.shape[1]
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), 1)[None, None]
+    positions = torch.arange(s, device=device)[None].expand_as(ids)
+    out: dict[str, dict] = {}
+    for label, argv in cases.items():
+        args, margs, model, _ = build_from_hf(hf_dir, argv)
+        model.train()
+        calls = {"layer": 0, "core_attention": 0}
+        for module in model.modules():
+            if isinstance(module, TransformerLayer):
+                module.register_forward_pre_hook(_counting_hook(calls, "layer"))
+                module.self_attention.core_attention.register_forward_pre_hook(
+                    _counting_hook(calls, "core_attention")
+                )
+        if cuda:
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+        logits = model(ids, positions, attention_mask=mask)[..., : margs["vocab_size"]]
+        activation_bytes = torch.cuda.memory_allocated() - before if cuda else None
+        loss = torch.log_softmax(logits.float(), -1).gather(-1, ids[..., None]).mean()
+        loss.backward()
+        out[label] = {
+            "recompute_granularity": model.config.recompute_granularity,
+            "loss": loss.item(),
+            # numpy copies: no shared-memory handles to the parent
+            "grads": {n: p.grad.detach().cpu().numpy().copy() for n, p in model.named_parameters()},
+            "activation_bytes": activation_bytes,
+            "calls": calls,
+        }
+        del model, logits, loss
+    return out
+
+
+#: Per recompute case, how often the 2 layers and their core attention run in one
+#: forward/backward: a recomputed module runs again in the backward (full: whole layers, the
+#: uniform chunks of 1 layer or the first block of 1; selective: core attention only).
+RECOMPUTE_CALLS = {
+    "none": {"layer": 2, "core_attention": 2},
+    "full_uniform": {"layer": 4, "core_attention": 4},
+    "full_block": {"layer": 3, "core_attention": 3},
+    "selective": {"layer": 2, "core_attention": 4},
+}
+
+
+def check_recompute(result: dict) -> None:
+    """Every recompute case ran what it names and matches no recompute: the same loss (the
+    first forward is the same computation) and gradients within fp32 accumulation rounding."""
+    from tolerances import assert_within, grad_atol
+
+    base = result["none"]
+    for label, case in result.items():
+        assert case["calls"] == RECOMPUTE_CALLS[label], (label, case["calls"])
+        assert case["recompute_granularity"] == (None if label == "none" else label.split("_")[0])
+        assert case["loss"] == base["loss"], label
+        assert case["grads"].keys() == base["grads"].keys()
+        for name, grad in case["grads"].items():
+            want = torch.from_numpy(base["grads"][name])
+            assert_within(torch.from_numpy(grad), want, grad_atol(want), f"{label} {name}")
+
+
+class Fp32RMSNorm(torch.nn.Module):
+    """An RMSNorm whose weight stays fp32 under ``--bf16`` (``mark_param_dtype``), normalising
+    in fp32; same parameter name as torch's (``weight``), so the bridge loads it."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        from miles_megatron.fp32_params import mark_param_dtype
+
+        super().__init__()
+        self.eps = eps
+        self.weight = mark_param_dtype(torch.nn.Parameter(torch.ones(hidden_size)), torch.float32)
+        if config.sequence_parallel:
+            self.weight.sequence_parallel = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = (x.shape[-1],)
+        return torch.nn.functional.rms_norm(x.float(), shape, self.weight, self.eps).to(x.dtype)
+
+
+def fp32_norm_spec(args, config, vp_stage):
+    """A ``--spec`` function: the local block spec with each layer's input norm swapped for
+    :class:`Fp32RMSNorm`."""
+    import dataclasses
+
+    from miles_megatron.arch_args import resolve_model_args
+    from miles_megatron.local_spec import local_block_spec
+
+    block = local_block_spec(resolve_model_args(args), config, vp_stage)
+    layers = [
+        dataclasses.replace(
+            spec, submodules=dataclasses.replace(spec.submodules, input_layernorm=Fp32RMSNorm)
+        )
+        for spec in block.layer_specs
+    ]
+    return dataclasses.replace(block, layer_specs=layers)
+
+
+def _adam_states(backend) -> dict[str, list]:
+    """Per parameter name: this rank's optimizer shard, exp_avg and exp_avg_sq (numpy), read
+    through the distributed optimizer's group lists (model params -> their shards), not its
+    ``model_param_group_index_map``."""
+    from miles_megatron.optimizer import distributed_optimizers
+
+    names = {p: n for n, p in backend.model.named_parameters()}
+    out = {}
+    for opt in distributed_optimizers(backend.optimizer):
+        pairs = [
+            *zip(opt.model_fp32_groups, opt.shard_fp32_groups, strict=True),
+            *zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups, strict=True),
+        ]
+        for params, shards in pairs:
+            for param, shard in zip(params, shards, strict=True):
+                state = opt.optimizer.state[shard]
+                tensors = (shard, state["exp_avg"], state["exp_avg_sq"])
+                out[names[param]] = [t.detach().cpu().numpy().copy() for t in tensors]
+    return out
+
+
+def custom_spec_run(rank: int, world: int, hf_dir: str, save: str) -> dict:
+    """``--spec megatron_ranks fp32_norm_spec`` under ``--bf16``: one rollout (2 optimizer
+    steps) through DDP and the distributed optimizer, a save, and a resume from it. Returns
+    the dtypes of the input norms and the other weights, whether the norms moved and to values
+    bf16 cannot hold, which parameters the distributed optimizer holds as fp32 parameters and
+    which as 16-bit ones with fp32 masters, the dtypes the checkpoint stores, and whether the
+    resumed optimizer state equals the saved one."""
+    from backend_reference import samples
+    from miles_core.batch import RolloutBatch
+    from miles_megatron.backend import MegatronBackend
+    from miles_megatron.optimizer import distributed_optimizers
+    from torch.distributed.checkpoint import FileSystemReader
+
+    argv = ["--hf-checkpoint", hf_dir, *BOTH_BACKENDS_FLAGS, "--bf16"]
+    argv += ["--spec", "megatron_ranks", "fp32_norm_spec"]
+    backend = MegatronBackend()
+    backend.init(parse(argv + ["--save", save]))
+    named = list(backend.model.named_parameters())
+    norms = {n: p for n, p in named if "input_layernorm" in n}
+    before = {n: p.detach().clone() for n, p in norms.items()}
+    backend.train(0, RolloutBatch(samples()))
+    names = {p: n for n, p in named}
+    groups: dict[str, list[str]] = {"fp32": [], "float16": []}
+    for opt in distributed_optimizers(backend.optimizer):
+        for kind, per_group in (
+            ("fp32", opt.model_fp32_groups),
+            ("float16", opt.model_float16_groups),
+        ):
+            groups[kind] += [names[p] for group in per_group for p in group]
+    out = {
+        "norm_dtypes": sorted({str(p.dtype) for p in norms.values()}),
+        "norm_count": len(norms),
+        "other_dtypes": sorted({str(p.dtype) for n, p in named if n not in norms}),
+        "norms_moved": all(not torch.equal(p, before[n]) for n, p in norms.items()),
+        "norms_beyond_bf16": all(
+            not torch.equal(p.detach(), p.detach().bfloat16().float()) for p in norms.values()
+        ),
+        "norm_names": sorted(norms),
+        "optimizer_fp32_params": groups["fp32"],  # this rank's DP share
+        "optimizer_float16_params": groups["float16"],
+    }
+    saved_states = _adam_states(backend)
+    backend.save_model(0, force_sync=True)
+    metadata = FileSystemReader(f"{save}/iter_0000001").read_metadata().state_dict_metadata
+    out["saved_dtypes"] = {
+        key: str(meta.properties.dtype)
+        for key, meta in metadata.items()
+        if hasattr(meta, "properties") and "layers" in key and key.endswith("weight")
+    }
+    backend.close()
+    resumed = MegatronBackend()
+    resumed.init(parse(argv + ["--load", save]))
+    loaded_states = _adam_states(resumed)
+    resumed.close()
+    out["resumed_state_names"] = sorted(loaded_states) == sorted(saved_states)
+    out["resumed_state_equal"] = {
+        name: all((a == b).all() for a, b in zip(saved_states[name], loaded, strict=True))
+        for name, loaded in loaded_states.items()
+    }
+    return out
+
+
+def check_custom_spec(ranks: list[dict]) -> None:
+    """:func:`custom_spec_run`'s results: the marked norms are fp32 everywhere (model, the
+    distributed optimizer's fp32 groups, checkpoint), the rest bf16 with fp32 masters, and the
+    optimizer state resumes bit for bit."""
+    norms = set(ranks[0]["norm_names"])
+    assert len(norms) == 2  # one input norm per layer: the spec's swapped module
+    fp32 = {n for r in ranks for n in r["optimizer_fp32_params"]}
+    float16 = {n for r in ranks for n in r["optimizer_float16_params"]}
+    assert fp32 == norms and not norms & float16 and float16
+    for r in ranks:
+        assert r["norm_dtypes"] == ["torch.float32"] and r["other_dtypes"] == ["torch.bfloat16"]
+        assert r["norms_moved"] and r["norms_beyond_bf16"]  # fp32 updates, not bf16-rounded
+        saved = r["saved_dtypes"]
+        norm_key = "decoder.layers.self_attention.linear_qkv.layer_norm_weight"  # input norm
+        assert saved[norm_key] == "torch.float32", saved
+        model_keys = [k for k in saved if not k.startswith("optimizer.") and k != norm_key]
+        assert model_keys and all(saved[k] == "torch.bfloat16" for k in model_keys), saved
+        optimizer_keys = [k for k in saved if k.startswith("optimizer.state.")]
+        assert optimizer_keys and all(saved[k] == "torch.float32" for k in optimizer_keys)
+        assert r["resumed_state_names"] and all(r["resumed_state_equal"].values())

@@ -8,7 +8,8 @@ dist-checkpointing (sync and async):
 1. ``torch.cuda.current_device()`` answers ``cpu``: megatron allocates scratch tensors (SP
    all-gather buffers, rotary ``inv_freq``, P2P receive buffers, DDP buckets) there.
 2. The CUDA RNG tracker is megatron's inference tracker (``fork()`` is a no-op context); tests
-   run without dropout, so no random stream is lost.
+   run without dropout, so no random stream is lost. The "CUDA" RNG state that activation
+   recomputation (``tensor_parallel.checkpoint``) saves and restores is the CPU generator's.
 3. ``torch.cuda.synchronize`` and streams are no-ops.
 4. Modules that write ``device="cuda"`` literally see a ``torch`` whose tensor factories map it
    to the CPU; ``Tensor.cuda()`` returns the tensor, ``Tensor.pin_memory()`` a copy.
@@ -158,6 +159,10 @@ def install() -> None:
         mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
     mrandom.model_parallel_cuda_manual_seed = manual_seed
+    for name in ("_get_cuda_rng_state", "_set_cuda_rng_state"):
+        _SAVED["random." + name] = getattr(mrandom, name)
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
     mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
     import importlib
@@ -187,6 +192,8 @@ def uninstall() -> None:
     for name in _CUDA_NAMES:
         setattr(torch.cuda, name, _SAVED[name])
     mrandom.model_parallel_cuda_manual_seed = _SAVED["model_parallel_cuda_manual_seed"]
+    for name in ("_get_cuda_rng_state", "_set_cuda_rng_state"):
+        setattr(mrandom, name, _SAVED["random." + name])
     import importlib
 
     for name in _CUDA_LITERAL_MODULES:

@@ -173,6 +173,7 @@ def test_generated_flags_reach_transformer_config(hf_dirs):
         ]
     )
     config = transformer_config(resolve_model_args(args), args)
+    assert config.transformer_impl == "local"  # what layer_spec builds (megatron's default: TE)
     assert config.recompute_granularity == "full" and config.recompute_num_layers == 1
     assert config.moe_router_dtype == "fp32"
     # declared elsewhere, never generated twice: --lr is miles-core's
@@ -204,3 +205,55 @@ def test_spec_flag_calls_the_named_function():
         layer_spec({}, None, args)
     with pytest.raises(ArgumentError, match="--spec takes two values"):
         parse(["--spec", "megatron_ranks"])
+
+
+def test_use_distributed_optimizer_is_an_accepted_no_op(hf_dirs, capsys):
+    from megatron_ranks import parse
+    from miles_core.args import core_groups, parse_args_or_exit
+    from miles_megatron.args import megatron_groups
+
+    recipe = ["--hf-checkpoint", hf_dirs["qwen3"], "--bf16", "--use-distributed-optimizer"]
+    args = parse(recipe + ["--lr", "1e-6", "--tensor-model-parallel-size", "1"])
+    assert args.use_distributed_optimizer is True
+    assert parse(["--hf-checkpoint", hf_dirs["qwen3"]]).use_distributed_optimizer is True
+    with pytest.raises(SystemExit) as exit_:
+        parse_args_or_exit(["--no-use-distributed-optimizer"], [*core_groups(), *megatron_groups()])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert "--no-use-distributed-optimizer" in err and "always" in err
+
+
+def test_transformer_impl_other_than_local_is_refused_in_one_line(hf_dirs):
+    from megatron_ranks import parse
+
+    assert parse(["--transformer-impl", "local"]).transformer_impl == "local"
+    for impl in ("transformer_engine", "inference_optimized"):
+        with pytest.raises(ArgumentError, match=f"--transformer-impl {impl}: only 'local'") as e:
+            parse(["--hf-checkpoint", hf_dirs["qwen3"], "--transformer-impl", impl])
+        assert "\n" not in str(e.value)
+
+
+def test_moe_grouped_gemm_is_refused_naming_what_is_missing(hf_dirs):
+    from megatron_ranks import parse
+
+    argv = ["--hf-checkpoint", hf_dirs["qwen3_moe"], "--moe-grouped-gemm"]
+    with pytest.raises(ArgumentError, match="--moe-grouped-gemm is not supported") as error:
+        parse(argv)
+    assert "bridge mapping" in str(error.value) and "\n" not in str(error.value)
+    assert parse(argv[:2] + ["--no-moe-grouped-gemm"]).moe_grouped_gemm is False
+
+
+def test_recompute_rules_are_argument_errors():
+    from megatron_ranks import RECOMPUTE_CASES, parse
+
+    for argv in RECOMPUTE_CASES.values():  # what test_recompute.py trains
+        parse(argv)
+    full = ["--recompute-granularity", "full"]
+    for argv, message in (
+        (full, "full needs --recompute-method and --recompute-num-layers"),
+        (full + ["--recompute-method", "block"], "full needs"),
+        (full + ["--recompute-num-layers", "1"], "full needs"),
+        (["--recompute-granularity", "selective", "--recompute-num-layers", "1"], "selective"),
+    ):
+        with pytest.raises(ArgumentError, match=message):
+            parse(argv)

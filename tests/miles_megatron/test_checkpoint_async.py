@@ -34,3 +34,28 @@ def test_async_save_equals_sync_save_and_resume_is_bitwise(tmp_path):
     for mode in ("async", "sync"):
         draws = [r[mode + "_draws"] for r in results]
         assert all(a != b for a, b in zip(*draws, strict=True)), draws
+
+
+def test_async_save_names_megatron_cores_own_writer(monkeypatch):
+    """megatron-core 0.19's ``save`` defaults to the nvidia-resiliency-ext writer ("nvrx"); an
+    async save names its own ("mcore") wherever the argument exists (0.16 has neither)."""
+    import inspect
+
+    from megatron.core import dist_checkpointing
+    from miles_megatron.mcore_compat import async_save_kwargs
+
+    installed = "async_strategy" in inspect.signature(dist_checkpointing.save).parameters
+    assert async_save_kwargs() == ({"async_strategy": "mcore"} if installed else {})
+
+    def save_019(
+        sharded_state_dict, checkpoint_dir, async_sharded_save=False, async_strategy="nvrx"
+    ):
+        raise AssertionError("not called")
+
+    def save_016(sharded_state_dict, checkpoint_dir, async_sharded_save=False):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(dist_checkpointing, "save", save_019)
+    assert async_save_kwargs() == {"async_strategy": "mcore"}
+    monkeypatch.setattr(dist_checkpointing, "save", save_016)
+    assert async_save_kwargs() == {}

@@ -48,7 +48,7 @@ ARCH_FLAG_TARGETS: dict[str, str] = {
     "moe_router_load_balancing_type": "TransformerConfig.moe_router_load_balancing_type",
     "moe_aux_loss_coeff": "TransformerConfig.moe_aux_loss_coeff",
     "moe_token_dispatcher_type": "TransformerConfig.moe_token_dispatcher_type",
-    "moe_grouped_gemm": "TransformerConfig.moe_grouped_gemm and the grouped-expert spec (TE)",
+    "moe_grouped_gemm": "refused (grouped-GEMM experts have no bridge mapping)",
 }
 
 #: Args a model cannot be built without.
@@ -106,16 +106,18 @@ class ArchitectureArgs(ArgGroup):
         None, help="How tokens reach their experts."
     )
     moe_grouped_gemm: bool | None = flag(
-        None, help="Grouped GEMM experts (needs TransformerEngine)."
+        None, help="Grouped GEMM experts: refused (the experts are per-expert local MLPs)."
     )
 
     @classmethod
     def validate(cls, args: Any) -> None:
         if args.num_query_groups is not None and args.group_query_attention is False:
             raise ArgumentError("--num-query-groups needs --group-query-attention")
-        if args.moe_grouped_gemm and not transformer_engine_available():
+        if args.moe_grouped_gemm:
             raise ArgumentError(
-                "--moe-grouped-gemm needs TransformerEngine, which is not installed"
+                "--moe-grouped-gemm is not supported: megatron-core's grouped-GEMM experts "
+                "(TEGroupedMLP, or GroupedMLP's weight1/weight2) have no bridge mapping and "
+                "no grouped path without TransformerEngine; drop the flag (per-expert MLPs)"
             )
 
 

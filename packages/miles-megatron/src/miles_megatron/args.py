@@ -48,6 +48,16 @@ class MegatronArgs(ArgGroup):
     ref_update_interval: int | None = flag(
         None, help="Copy the actor into the reference model every N rollouts (unset: never)."
     )
+    use_distributed_optimizer: bool = flag(
+        True,
+        help="Accepted for Megatron-LM recipes: the distributed optimizer is always on "
+        "(a no-op; --no-use-distributed-optimizer is refused).",
+    )
+    transformer_impl: str | None = flag(
+        None,
+        help="Layer implementation: only 'local' (megatron-core's local spec, the one the "
+        "bridge maps; also the default). transformer_engine is refused.",
+    )
     publish_lora_adapter: bool = flag(
         False,
         help="With --use-lora, publish the adapter's PEFT-named factors (engines that load "
@@ -56,6 +66,17 @@ class MegatronArgs(ArgGroup):
 
     @classmethod
     def validate(cls, args: Any) -> None:
+        if not args.use_distributed_optimizer:
+            raise ArgumentError(
+                "--no-use-distributed-optimizer: the Megatron backend always uses the "
+                "distributed optimizer"
+            )
+        if args.transformer_impl not in (None, "local"):
+            raise ArgumentError(
+                f"--transformer-impl {args.transformer_impl}: only 'local' is supported (the "
+                "backend builds megatron-core's local spec, whose parameter names the bridge maps)"
+            )
+        check_recompute_flags(args)
         if args.spec is not None and len(args.spec) != 2:
             raise ArgumentError("--spec takes two values: MODULE FUNCTION")
         for dest in (
@@ -137,6 +158,19 @@ def check_memory_flags(args: Any) -> None:
     fraction = getattr(args, "optimizer_offload_fraction", None)
     if fraction is not None and not 0.0 <= fraction <= 1.0:
         raise ArgumentError(f"--optimizer-offload-fraction must be in [0, 1], got {fraction}")
+
+
+def check_recompute_flags(args: Any) -> None:
+    """megatron-core's recompute rules, at argument time (TransformerConfig asserts them at init)."""
+    granularity = getattr(args, "recompute_granularity", None)
+    method = getattr(args, "recompute_method", None)
+    num_layers = getattr(args, "recompute_num_layers", None)
+    if granularity == "full" and (method is None or num_layers is None):
+        raise ArgumentError(
+            "--recompute-granularity full needs --recompute-method and --recompute-num-layers"
+        )
+    if granularity == "selective" and num_layers is not None:
+        raise ArgumentError("--recompute-granularity selective takes no --recompute-num-layers")
 
 
 def world_size_of(args: Any) -> int | None:

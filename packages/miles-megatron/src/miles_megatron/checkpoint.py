@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from miles_core.safe_load import load_state_file
 
+from miles_megatron import mcore_compat
 from miles_megatron.optimizer import distributed_optimizers
 from miles_megatron.torch_dist import save_strategy
 
@@ -163,7 +164,11 @@ def save_checkpoint(
         _commit(save_dir, meta)
         return target
     request = dist_checkpointing.save(
-        state, str(target), sharded_strategy=save_strategy(False), async_sharded_save=True
+        state,
+        str(target),
+        sharded_strategy=save_strategy(False),
+        async_sharded_save=True,
+        **mcore_compat.async_save_kwargs(),
     )
     request.add_finalize_fn(partial(_commit, save_dir, meta))
     async_queue.schedule_async_request(request)

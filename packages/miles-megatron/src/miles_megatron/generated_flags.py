@@ -23,7 +23,6 @@ from miles_core.args import ArgGroup, collect_flags, core_groups, flag, make_gro
 #: Fields the backend derives from other flags; never flags of their own.
 BACKEND_OWNED_FIELDS = frozenset(
     {
-        "use_distributed_optimizer",  # always on
         "params_dtype",
         "pipeline_dtype",
         "autocast_dtype",

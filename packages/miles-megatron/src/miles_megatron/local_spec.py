@@ -65,7 +65,7 @@ def local_block_spec(margs: dict, config: Any, vp_stage: int | None = None) -> A
 
     layer = get_gpt_layer_local_spec(
         num_experts=margs.get("num_experts"),
-        moe_grouped_gemm=bool(margs.get("moe_grouped_gemm")),
+        moe_grouped_gemm=False,  # local_experts.<e>: the bridge's names (--moe-grouped-gemm refused)
         qk_layernorm=bool(margs.get("qk_layernorm")),
         normalization=margs.get("normalization"),
     )

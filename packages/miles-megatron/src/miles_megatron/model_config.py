@@ -65,6 +65,7 @@ def transformer_config(margs: Mapping[str, Any], args: Any):
         # weight only inside its init functions.
         use_cpu_initialization=not torch.cuda.is_available(),
         variable_seq_lengths=args.pipeline_model_parallel_size > 1,
+        transformer_impl="local",  # layer_spec builds the local spec (--transformer-impl)
     )
     if margs.get("init_method_std") is not None:
         kwargs["init_method_std"] = margs["init_method_std"]
@@ -78,7 +79,6 @@ def transformer_config(margs: Mapping[str, Any], args: Any):
             "moe_router_load_balancing_type",
             "moe_aux_loss_coeff",
             "moe_token_dispatcher_type",
-            "moe_grouped_gemm",
         ):
             if margs.get(key) is not None:
                 kwargs[key] = margs[key]

@@ -418,6 +418,7 @@ def recompute_run(rank: int, world: int, hf_dir: str, cases: dict[str, list[str]
     out: dict[str, dict] = {}
     for label, argv in cases.items():
         args, margs, model, _ = build_from_hf(hf_dir, argv)
+        model.to(device)  # the local spec's norms are built on the host, as the backend's are
         model.train()
         calls = {"layer": 0, "core_attention": 0}
         for module in model.modules():

@@ -1,8 +1,10 @@
 """The loop end to end: ``miles train --train-backend fsdp`` on Ray with 2 gloo trainer ranks
 and 1 built-in CPU engine (disaggregated), as subprocesses of the real CLI.
 
-Slow (each job starts Ray, two trainer actors and an engine): the demo smoke, the ``--lr 0``
-control, resume equivalence, ``--fully-async`` overlap, and an engine killed mid-generation.
+Slow (each job starts Ray, two trainer actors and an engine). The default suite keeps one
+representative run, the demo smoke; the rest (colocated equals disaggregated, the ``--lr 0``
+control, resume equivalence, ``--fully-async`` overlap, an engine killed mid-generation, a
+trainer rank failing in init) are ``extended``, which CI runs too.
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ def test_demo_smoke_two_rollouts(smoke):
     ]
 
 
+@pytest.mark.extended
 def test_colocated_run_matches_the_disaggregated_one(smoke, tmp_path):
     """--colocate: 2 engines on the trainer's 2 slots, trainer asleep during generation,
     engine memory released during training, weights over IPC (shared memory on CPU). Same
@@ -116,6 +119,7 @@ def test_colocated_run_matches_the_disaggregated_one(smoke, tmp_path):
     assert _rollout_lines(colocated) == _rollout_lines(out)
 
 
+@pytest.mark.extended
 def test_lr_zero_gives_no_rise(tmp_path):
     """Also evaluates with the EMA weights: each eval publishes EMA, then the actor again."""
     evals = write_demo_prompts(tmp_path / "eval.jsonl", num_prompts=4, seed=7)
@@ -153,6 +157,7 @@ def _flatten(state, prefix=""):
     return out
 
 
+@pytest.mark.extended
 def test_resume_matches_an_uninterrupted_run(material, tmp_path):
     """3 rollouts straight (saving at 2 and 3) vs a restart from that run's checkpoint at 2
     (``--ckpt-step 2``, while its tracker says 3) that trains the third rollout again."""
@@ -186,6 +191,7 @@ def test_resume_matches_an_uninterrupted_run(material, tmp_path):
     assert any(not torch.equal(w0[n], wa[n]) for n in wa)
 
 
+@pytest.mark.extended
 def test_fully_async_overlaps_generation_and_training(material, tmp_path):
     result = train(material, tmp_path / "m.jsonl", *SMALL, "--num-rollout", "3", "--fully-async")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -216,6 +222,7 @@ def _engine_pids(marker: str) -> list[int]:
     return pids
 
 
+@pytest.mark.extended
 def test_engine_killed_mid_generation_is_a_clear_error(material, tmp_path):
     hf, prompts = material
     cmd = [
@@ -256,6 +263,7 @@ def test_engine_killed_mid_generation_is_a_clear_error(material, tmp_path):
     assert "Traceback" not in err.split("error: engine 0")[1]
 
 
+@pytest.mark.extended
 def test_trainer_rank_failure_tears_down_with_one_error(material, tmp_path):
     """A corrupt weights file fails backend.init on a rank: every rank is killed, the run
     exits 1 with one error naming the rank and the method, and no engine is left behind."""

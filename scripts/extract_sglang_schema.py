@@ -61,7 +61,12 @@ class Field:
 def download(version: str | None, dest: Path) -> Path:
     """``pip download --no-deps sglang[==version]`` into ``dest``; returns the file."""
     spec = "sglang" if version is None else f"sglang=={version}"
-    cmd = [*pip_command(), "download", "--no-deps", "--quiet", spec, "-d", str(dest)]
+    pip = pip_command()
+    if pip is None:
+        raise SystemExit(
+            "no pip found: install pip, or download sglang yourself and pass --package"
+        )
+    cmd = [*pip, "download", "--no-deps", "--quiet", spec, "-d", str(dest)]
     subprocess.run(cmd, check=True)
     files = sorted(p for p in dest.iterdir() if p.name.startswith("sglang-"))
     if len(files) != 1:
@@ -69,15 +74,19 @@ def download(version: str | None, dest: Path) -> Path:
     return files[0]
 
 
-def pip_command() -> list[str]:
-    """This interpreter's pip, else the ``pip`` on PATH (uv environments have no pip)."""
+def pip_command() -> list[str] | None:
+    """This interpreter's pip, else a pip on PATH, else uv's (uv environments have no pip);
+    None when there is none. tests/sglang_release.py fetches the wheel with the same."""
     if importlib.util.find_spec("pip") is not None:
         return [sys.executable, "-m", "pip"]
     for name in ("pip", "pip3"):
         path = shutil.which(name)
         if path is not None:
             return [path]
-    raise SystemExit("no pip found: install pip, or download sglang yourself and pass --package")
+    uvx = shutil.which("uvx")
+    if uvx is not None:
+        return [uvx, "pip"]
+    return None
 
 
 def package_version(package: Path) -> str:

@@ -52,17 +52,18 @@ def cache_dir(name: str, version: str) -> Path:
 
 
 def pip_command() -> list[str]:
-    """This interpreter's pip, else a pip on PATH, else uv's (uv environments have no pip)."""
-    if importlib.util.find_spec("pip") is not None:
-        return [sys.executable, "-m", "pip"]
-    for name in ("pip", "pip3"):
-        path = shutil.which(name)
-        if path is not None:
-            return [path]
-    uvx = shutil.which("uvx")
-    if uvx is not None:
-        return [uvx, "pip"]
-    raise Unavailable("no pip to fetch it with (install pip or uv)")
+    """The pip that ``scripts/extract_sglang_schema.py`` fetches with (one definition)."""
+    module = sys.modules.get("extract_sglang_schema")
+    if module is None:
+        script = Path(__file__).resolve().parents[1] / "scripts" / "extract_sglang_schema.py"
+        spec = importlib.util.spec_from_file_location("extract_sglang_schema", script)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    pip = module.pip_command()
+    if pip is None:
+        raise Unavailable("no pip to fetch it with (install pip or uv)")
+    return pip
 
 
 def fetch(name: str = "sglang", version: str = SGLANG_VERSION, timeout: float = 300.0) -> Path:

@@ -79,7 +79,7 @@ _METADATA_CLASSES = {
 }
 
 # torch names its segments "/torch_<pid>_<random>_<counter>" (libshm's NewProcessWideShmHandle)
-# and its manager socket "<tmp>/torch-shm-dir-XXXXXX/manager.sock".
+# and its manager socket "manager.sock" inside a "torch-shm-dir-" temporary directory (mkdtemp).
 _SHM_NAME = re.compile(rb"/torch_\d+_\d+_\d+")
 _MANAGER_SOCKET = re.compile(rb"(/[A-Za-z0-9_.-]+)*/torch-shm-dir-[A-Za-z0-9]+/manager\.sock")
 

@@ -45,7 +45,7 @@ def two_ranks(hf_dir, data, tmp_path_factory):
 
 @pytest.mark.slow
 def test_resume_is_bitwise_and_no_load_optim_keeps_scheduler(two_ranks):
-    got = torch.load(two_ranks / "results.pt", weights_only=False)
+    got = torch.load(two_ranks / "results.pt", weights_only=True)
     straight, first, resumed, no_optim = (got[m] for m in MODES)
 
     saved = two_ranks / "first"

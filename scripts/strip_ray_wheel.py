@@ -81,7 +81,8 @@ import os, sys, ray
 root = sys.argv[1]
 assert ray.__file__.startswith(root), f"imported {ray.__file__}, not the stripped copy under {root}"
 assert not os.path.exists(os.path.join(os.path.dirname(ray.__file__), "jars")), "jars present"
-ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
+         object_store_memory=100 * 2**20)
 @ray.remote
 def square(x):
     return x * x
@@ -109,7 +110,12 @@ def check_wheel(stripped: Path) -> None:
             check=True,
         )  # fmt: skip
         # The stripped copy first on the path; its dependencies come from this interpreter.
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+        # (and no per-worker environment built by Ray under `uv run`)
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+            RAY_ENABLE_UV_RUN_RUNTIME_ENV="0",
+        )
         subprocess.run([sys.executable, "-c", CHECK_PROGRAM, root], check=True, env=env)
 
 

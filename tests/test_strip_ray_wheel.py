@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import csv
 import io
+import platform
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -17,12 +19,34 @@ REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 
+def _has_pip(python: str) -> bool:
+    return subprocess.run([python, "-m", "pip", "--version"], capture_output=True).returncode == 0
+
+
 def test_stripped_ray_wheel_installs_and_runs(tmp_path):
     import ray
 
+    # uv-made environments have no pip: any pip downloads, for this interpreter's tags
+    pip = next(
+        (
+            p
+            for p in (
+                sys.executable,
+                getattr(sys, "_base_executable", None),
+                shutil.which("python3"),
+            )
+            if p and _has_pip(p)
+        ),
+        None,
+    )
+    if pip is None:
+        pytest.skip("no pip to download Ray's wheel with")
+    tag = f"{sys.version_info.major}{sys.version_info.minor}"
     dl = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-         "-d", str(tmp_path / "orig"), f"ray=={ray.__version__}"],
+        [pip, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+         "--python-version", tag, "--implementation", "cp", "--abi", f"cp{tag}",
+         "--platform", f"manylinux2014_{platform.machine()}", "-d", str(tmp_path / "orig"),
+         f"ray=={ray.__version__}"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     if dl.returncode != 0:

@@ -106,6 +106,8 @@ class _FusedLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_lp, grad_ent):
         hidden, weight, targets, row_max, log_s, mean_z = ctx.saved_tensors
+        if grad_ent is not None and not bool(grad_ent.any()):
+            grad_ent = None  # a metric-only entropy (its slot of a stacked output): no work
         if grad_lp is None and grad_ent is None:
             return None, None, None, None, None, None, None
         temperature, group, chunk = ctx.temperature, ctx.group, ctx.chunk

@@ -157,24 +157,30 @@ def _tp_worker(rank, world, port, out):
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        hidden, weight, targets = _inputs(v=64)  # padded: 64 rows, 50 real
-        targets = targets % 50
-        shard = weight.chunk(world)[rank]
-        g = torch.Generator().manual_seed(5)
-        g_lp = torch.randn(hidden.shape[0], generator=g, dtype=torch.float64)
-        g_ent = torch.randn(hidden.shape[0], generator=g, dtype=torch.float64)
-        got = _grads(
-            lambda h, w: fused_log_probs(
-                h, w, targets, 0.8, vocab_size=50, group=dist.group.WORLD, chunk_tokens=6
-            ),
-            hidden,
-            shard,
-            g_lp,
-            g_ent,
-        )
-        torch.save(got, os.path.join(out, f"rank{rank}.pt"))
+        results = {}
+        for vocab_size in TP_VOCAB_SIZES:
+            hidden, weight, targets = _inputs(v=64)  # padded: 64 rows, vocab_size real
+            targets = targets % vocab_size
+            shard = weight.chunk(world)[rank]
+            g = torch.Generator().manual_seed(5)
+            g_lp = torch.randn(hidden.shape[0], generator=g, dtype=torch.float64)
+            g_ent = torch.randn(hidden.shape[0], generator=g, dtype=torch.float64)
+            results[vocab_size] = _grads(
+                lambda h, w, v=vocab_size, t=targets: fused_log_probs(
+                    h, w, t, 0.8, vocab_size=v, group=dist.group.WORLD, chunk_tokens=6
+                ),
+                hidden,
+                shard,
+                g_lp,
+                g_ent,
+            )
+        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+#: 50 of 64 rows real (rank 1's shard part padding); 30 (rank 1's shard all padding)
+TP_VOCAB_SIZES = (50, 30)
 
 
 def test_tensor_parallel_vocab_shards_equal_dense(tmp_path):
@@ -192,15 +198,27 @@ def test_tensor_parallel_vocab_shards_equal_dense(tmp_path):
     for p in procs:
         p.join(120)
         assert p.exitcode == 0
-    hidden, weight, targets = _inputs(v=64)
-    targets = targets % 50
-    g = torch.Generator().manual_seed(5)
-    g_lp = torch.randn(hidden.shape[0], generator=g, dtype=torch.float64)
-    g_ent = torch.randn(hidden.shape[0], generator=g, dtype=torch.float64)
-    ref = _grads(lambda h, w: _dense(h, w, targets, 0.8, 50), hidden, weight, g_lp, g_ent)
-    for rank in range(world):
-        lp, ent, gh, gw = torch.load(tmp_path / f"rank{rank}.pt")
-        for name, a, b in (("log_prob", lp, ref[0]), ("entropy", ent, ref[1]), ("gh", gh, ref[2])):
-            _close(a, b, F64_BOUND * max(1.0, b.abs().max().item()), f"rank{rank} {name}")
-        rows = ref[3].chunk(world)[rank]
-        _close(gw, rows, F64_BOUND * max(1.0, ref[3].abs().max().item()), f"rank{rank} gw")
+    for vocab_size in TP_VOCAB_SIZES:
+        hidden, weight, targets = _inputs(v=64)
+        targets = targets % vocab_size
+        g = torch.Generator().manual_seed(5)
+        g_lp = torch.randn(hidden.shape[0], generator=g, dtype=torch.float64)
+        g_ent = torch.randn(hidden.shape[0], generator=g, dtype=torch.float64)
+        ref = _grads(
+            lambda h, w, v=vocab_size, t=targets: _dense(h, w, t, 0.8, v),
+            hidden,
+            weight,
+            g_lp,
+            g_ent,
+        )
+        for rank in range(world):
+            lp, ent, gh, gw = torch.load(tmp_path / f"rank{rank}.pt")[vocab_size]
+            label = f"V={vocab_size} rank{rank}"
+            for name, a, b in (
+                ("log_prob", lp, ref[0]),
+                ("entropy", ent, ref[1]),
+                ("gh", gh, ref[2]),
+            ):
+                _close(a, b, F64_BOUND * max(1.0, b.abs().max().item()), f"{label} {name}")
+            rows = ref[3].chunk(world)[rank]
+            _close(gw, rows, F64_BOUND * max(1.0, ref[3].abs().max().item()), f"{label} gw")

@@ -48,6 +48,9 @@ def chunk_size(vocab_local: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
     return max(1, chunk_bytes // (4 * max(vocab_local, 1)))
 
 
+MAX = dist.ReduceOp.MAX
+
+
 def _all_reduce(t: torch.Tensor, group: Any, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(t, op=op, group=group)
@@ -78,8 +81,22 @@ class _FusedLogProbs(torch.autograd.Function):
         row_max = hidden.new_empty(n, dtype=dtype)
         for a in range(0, n, chunk):
             b = min(a + chunk, n)
+            if vocab_local == 0:  # a TP rank whose shard is all padding: joins the reductions
+                m = _all_reduce(hidden.new_full((b - a,), -torch.inf, dtype=dtype), group, MAX)
+                zt = _all_reduce(hidden.new_zeros(b - a, dtype=dtype), group)
+                sums = _all_reduce(hidden.new_zeros(2, b - a, dtype=dtype), group)
+                log_s = sums[0].log()
+                ez = sums[1] / sums[0]
+                lp[a:b], ent[a:b], row_max[a:b], shift[a:b], mean_z[a:b] = (
+                    zt - log_s,
+                    log_s - ez,
+                    m,
+                    log_s,
+                    ez,
+                )
+                continue
             z = _chunk_logits(hidden[a:b], weight, temperature)
-            m = _all_reduce(z.max(dim=-1).values, group, dist.ReduceOp.MAX)
+            m = _all_reduce(z.max(dim=-1).values, group, MAX)
             z.sub_(m.unsqueeze(-1))  # z - m, in place
             local_t = targets[a:b] - vocab_start
             held = (local_t >= 0) & (local_t < vocab_local)
@@ -121,6 +138,10 @@ class _FusedLogProbs(torch.autograd.Function):
             grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
         for a in range(0, n, chunk):
             b = min(a + chunk, n)
+            if vocab_local == 0:  # an all-padding shard contributes nothing to dh
+                if need_h:
+                    grad_h[a:b] = 0
+                continue
             z = _chunk_logits(hidden[a:b], weight, temperature)
             z.sub_(row_max[a:b].unsqueeze(-1))  # z - m
             p = (z - log_s[a:b].unsqueeze(-1)).exp_()  # softmax
@@ -175,13 +196,7 @@ def fused_log_probs(
     rank = dist.get_rank(group) if group is not None and dist.get_world_size(group) > 1 else 0
     vocab_start = rank * weight.shape[0]
     if vocab_size is not None:
-        valid = max(0, min(weight.shape[0], vocab_size - vocab_start))
-        if valid == 0:
-            raise ValueError(
-                f"vocabulary shard [{vocab_start}, {vocab_start + weight.shape[0]}) holds only "
-                f"padding past vocab_size {vocab_size}"
-            )
-        weight = weight[:valid]
+        weight = weight[: max(0, min(weight.shape[0], vocab_size - vocab_start))]
     shape = hidden.shape[:-1]
     chunk = chunk_tokens or chunk_size(weight.shape[0], chunk_bytes)
     lp, ent = _FusedLogProbs.apply(

@@ -6,10 +6,11 @@
 forwards, one-forward-one-backward, cool-down backwards), with hidden states sent between stages
 by megatron's P2P communicator (``variable_seq_lengths``: every micro-batch's padded length is
 exchanged first). Every stage runs the model on the same packed micro-batch (the first stage
-embeds ``input_ids``; all stages need the block-causal mask); only the last stage has logits and
-calls ``on_logits``.
+embeds ``input_ids``; all stages need the block-causal mask); only the last stage scores the
+tokens (:class:`~miles_megatron.output_head.ScoreHead`: the fused head, or the logits on the
+dense path) and calls ``on_scores``.
 
-Loss scaling: ``on_logits`` returns the micro-batch's share of the step loss as miles-core
+Loss scaling: ``on_scores`` returns the micro-batch's share of the step loss as miles-core
 defines it (already divided by the step's global denominator, see
 :mod:`miles_megatron.train_step`). megatron's schedule multiplies a returned loss by the CP size
 and divides it by the number of micro-batches before back-propagating; :func:`run_schedule`
@@ -29,13 +30,16 @@ import torch
 import torch.distributed as dist
 from miles_core.packing import PackedBatch, block_causal_mask
 
-#: ``on_logits(index, packed, logits)`` -> the micro-batch's loss (training) or None.
-LogitsCallback = Callable[[int, PackedBatch, torch.Tensor], torch.Tensor | None]
+from miles_megatron.output_head import ScoreHead
+
+#: ``on_scores(index, packed, log_probs, entropy)`` -> the micro-batch's loss (training) or None.
+ScoresCallback = Callable[[int, PackedBatch, torch.Tensor, torch.Tensor], torch.Tensor | None]
 
 
 def stage_forward(model: torch.nn.Module, packed: PackedBatch) -> torch.Tensor:
-    """This stage's output on a packed row: hidden states, or ``[1, T, V_padded]`` logits on the
-    last stage (the vocabulary gathered over TP)."""
+    """This stage's output on a packed row: hidden states, or on the last stage ``[1, T, 2]``
+    scores inside :func:`~miles_megatron.output_head.scoring`, else ``[1, T, V_padded]`` logits
+    (the vocabulary gathered over TP)."""
     mask = ~block_causal_mask(packed)  # megatron masks where True
     return model(packed.input_ids, packed.position_ids, attention_mask=mask)
 
@@ -43,29 +47,31 @@ def stage_forward(model: torch.nn.Module, packed: PackedBatch) -> torch.Tensor:
 def run_schedule(
     model: torch.nn.Module,
     micro_batches: Sequence[PackedBatch],
-    vocab_size: int,
-    on_logits: LogitsCallback,
+    head: ScoreHead,
+    on_scores: ScoresCallback,
     forward_only: bool,
 ) -> None:
     """Forward (and, unless ``forward_only``, backward) every micro-batch through the schedule.
 
-    ``on_logits`` sees float32 logits ``[1, T, vocab_size]`` (padded vocabulary entries dropped)
-    on the last pipeline stage only. Gradients accumulate in the DDP buffers; the caller
-    finalises them (``finalize_model_grads``) and steps the optimizer.
+    ``on_scores`` sees float32 log-probs and entropies ``[1, T]`` at ``head.temperature`` on the
+    last pipeline stage only. Gradients accumulate in the DDP buffers; the caller finalises them
+    (``finalize_model_grads``) and steps the optimizer.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     count = len(micro_batches)
     cp_size = ps.get_context_parallel_world_size()
+    last_stage = ps.is_pipeline_last_stage()
     items = iter(enumerate(micro_batches))
 
     def forward_step(data_iterator, module):
         index, packed = next(data_iterator)
-        output = stage_forward(module, packed)
+        with head.context(module, packed, last_stage):
+            output = stage_forward(module, packed)
 
         def loss_func(output_tensor: torch.Tensor):
-            loss = on_logits(index, packed, output_tensor[..., :vocab_size].float())
+            loss = on_scores(index, packed, *head.scores(output_tensor, packed))
             if loss is None:
                 loss = output_tensor.new_zeros((), dtype=torch.float32)
             return loss * count / cp_size, {}

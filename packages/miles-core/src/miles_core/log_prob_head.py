@@ -41,6 +41,10 @@ from miles_core.log_probs import entropy_from_logits, token_log_probs
 
 #: Float32 logits of one chunk: 128 MiB, i.e. ~220 tokens at a 151,936-token vocabulary.
 DEFAULT_CHUNK_BYTES = 128 * 2**20
+#: On a GPU: 512 MiB (~880 tokens at 151,936), so each chunk's matmuls are large enough for the
+#: tensor cores and the per-chunk launches stay few; the chunk's float32 temporaries (about four
+#: times this) stay well under the dense path's ``[T, V]`` tensors at the token counts that matter.
+CUDA_CHUNK_BYTES = 512 * 2**20
 
 
 def chunk_size(vocab_local: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
@@ -136,6 +140,9 @@ class _FusedLogProbs(torch.autograd.Function):
         if need_w:
             acc = _compute_dtype(weight)
             grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+            # 16-bit weights: each chunk's dW product runs on 16-bit operands (the tensor cores,
+            # as the dense path's autograd does) and is summed over chunks in float32
+            low = weight.dtype in (torch.bfloat16, torch.float16)
         for a in range(0, n, chunk):
             b = min(a + chunk, n)
             if vocab_local == 0:  # an all-padding shard contributes nothing to dh
@@ -163,7 +170,9 @@ class _FusedLogProbs(torch.autograd.Function):
                 dz.div_(temperature)
             if need_h:
                 grad_h[a:b] = (dz.to(weight.dtype) @ weight).to(hidden.dtype)
-            if need_w:
+            if need_w and low:
+                grad_w.add_(dz.t().to(weight.dtype) @ hidden[a:b].to(weight.dtype))
+            elif need_w:
                 grad_w.add_(dz.t().to(acc) @ hidden[a:b].to(acc))
             del dz
         if need_h:
@@ -182,7 +191,7 @@ def fused_log_probs(
     vocab_size: int | None = None,
     group: Any = None,
     chunk_tokens: int | None = None,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log_probs, entropy)``, float32 (float64 for float64 inputs) ``hidden.shape[:-1]``, of ``softmax(hidden @ weight.T /
     temperature)`` at ``targets``, chunk by chunk over tokens (module docstring).
@@ -198,6 +207,8 @@ def fused_log_probs(
     if vocab_size is not None:
         weight = weight[: max(0, min(weight.shape[0], vocab_size - vocab_start))]
     shape = hidden.shape[:-1]
+    if chunk_bytes is None:
+        chunk_bytes = CUDA_CHUNK_BYTES if hidden.is_cuda else DEFAULT_CHUNK_BYTES
     chunk = chunk_tokens or chunk_size(weight.shape[0], chunk_bytes)
     lp, ent = _FusedLogProbs.apply(
         hidden.reshape(-1, hidden.shape[-1]),

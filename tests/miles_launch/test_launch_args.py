@@ -185,6 +185,14 @@ def test_rollout_control_errors_are_one_line(tmp_path, flags, message):
     assert "\n" not in str(info.value)
 
 
+def test_stop_token_ids_outside_the_vocabulary_are_refused(tmp_path):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text('{"vocab_size": 40}')
+    assert parse(tmp_path, "--rollout-stop-token-ids", "39").rollout_stop_token_ids == [39]
+    with pytest.raises(ArgumentError, match=r"--rollout-stop-token-ids: 40 is outside the voc"):
+        parse(tmp_path, "--rollout-stop-token-ids", "3,40")
+
+
 def test_rollout_control_values_and_defaults(tmp_path):
     from miles_launch.loop import eval_sampling_config, sampling_config
 

@@ -261,7 +261,7 @@ class RolloutArgs(ArgGroup):
         None,
         metavar="N",
         help="Drop training prompts longer than N tokens when loading (counted in the log and "
-        "the first metrics record).",
+        "in every metrics record as prompts_too_long).",
     )
     rollout_seed: int | None = flag(
         None,
@@ -368,6 +368,7 @@ class RolloutArgs(ArgGroup):
                 raise ArgumentError(f"--eval-prompt-data {name} {path}: no such file")
         if routing_replay_on(args) and args.hf_checkpoint is not None:  # a MoE config
             read_layout(str(args.hf_checkpoint))
+        check_stop_token_ids(args)
         if args.custom_generate_function_path:
             from miles_launch.rollout.custom_generate import load_generate_function
 
@@ -413,6 +414,28 @@ def rollout_control(args: Any) -> None:
                 "--custom-generate-function-path cannot be used with "
                 "--use-rollout-routing-replay: a custom function's multi-turn samples carry "
                 "no routed experts"
+            )
+
+
+def check_stop_token_ids(args: Any) -> None:
+    """``--rollout-stop-token-ids`` within the vocabulary of ``--hf-checkpoint``'s config.json
+    (when it has one)."""
+    import json
+    from pathlib import Path
+
+    if not args.rollout_stop_token_ids or args.hf_checkpoint is None:
+        return
+    config = Path(args.hf_checkpoint) / "config.json"
+    if not config.is_file():
+        return
+    vocab = json.loads(config.read_text()).get("vocab_size")
+    if not isinstance(vocab, int):
+        return
+    for token in args.rollout_stop_token_ids:
+        if token >= vocab:
+            raise ArgumentError(
+                f"--rollout-stop-token-ids: {token} is outside the vocabulary of "
+                f"--hf-checkpoint ({vocab} tokens)"
             )
 
 

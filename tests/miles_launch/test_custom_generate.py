@@ -176,3 +176,38 @@ def test_long_prompts_are_dropped_and_counted():
     assert drop_long_prompts(prompts, None, "p.jsonl") == (prompts, 0)
     with pytest.raises(ValueError, match=r"p.jsonl: every prompt is longer than --rollout-max"):
         drop_long_prompts(prompts, 2, "p.jsonl")
+
+
+def test_given_rewards_are_kept_and_the_rest_scored_in_one_batched_call():
+    """A custom function returning two samples per call, one with its reward: both join the
+    group; the batched reward function sees only the other (StubEngine answers generate)."""
+    from launch_testing import StubEngine
+    from miles_launch.rollout.custom_generate import engine_turn
+    from miles_launch.rollout.generate import SamplingConfig
+
+    async def two(ctx, prompt, params):
+        turn = await engine_turn(ctx, list(prompt.token_ids), params)
+        return [
+            CustomSample(turn.ids, turn.log_probs, reward=0.25),
+            CustomSample(turn.ids, turn.log_probs, [0] + [1] * (len(turn.ids) - 1)),
+        ]
+
+    seen = []
+
+    def batched(inputs):
+        seen.append(len(inputs))
+        return [7.0] * len(inputs)
+
+    async def alive(when):
+        pass
+
+    gen = Generator(["http://127.0.0.1:1"], RewardModel(batched, "b", batch="group"), alive)
+    gen.custom_generate = two
+    gen.clients = [StubEngine()]
+    cfg = SamplingConfig(max_new_tokens=4, temperature=1.0, top_p=1.0, top_k=-1, seed=0)
+    (group,) = asyncio.run(gen.groups([(Prompt(0, "ab", None, (1, 2)), 0)], 3, cfg))
+    assert seen == [3] and len(group) == 6
+    assert sorted(s.reward for s in group) == [0.25] * 3 + [7.0] * 3
+    batch = to_rollout_batch([group])
+    # the sample without a mask gets all ones (a batch has the field on all samples or none)
+    assert [s.loss_mask.tolist() for s in batch][:2] == [[1.0, 1.0], [0.0, 1.0]]

@@ -284,8 +284,16 @@ class Generator:
             await client.aclose()
 
 
+def _loss_mask(s: GeneratedSample) -> torch.Tensor:
+    if s.loss_mask is None:
+        return torch.ones(len(s.response_ids), dtype=torch.float32)
+    return torch.tensor(s.loss_mask, dtype=torch.float32)
+
+
 def to_rollout_batch(groups: list[list[GeneratedSample]]) -> RolloutBatch:
-    """The trainer's batch: group ``g``'s samples get ``group_index = g``."""
+    """The trainer's batch: group ``g``'s samples get ``group_index = g``. When some sample has
+    a ``loss_mask`` every sample gets one (all ones where none was given)."""
+    masked = any(s.loss_mask is not None for group in groups for s in group)
     samples = []
     for g, group in enumerate(groups):
         for s in group:
@@ -301,9 +309,7 @@ def to_rollout_batch(groups: list[list[GeneratedSample]]) -> RolloutBatch:
                     group_index=g,
                     weight_version=s.weight_version,
                     routed_experts=s.routed_experts,
-                    loss_mask=None
-                    if s.loss_mask is None
-                    else torch.tensor(s.loss_mask, dtype=torch.float32),
+                    loss_mask=_loss_mask(s) if masked else None,
                 )
             )
     return RolloutBatch(samples)

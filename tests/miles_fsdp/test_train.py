@@ -2,7 +2,9 @@
 
 Reference (GRPO, one optimizer step, sequence-mean aggregation): with ``old = sg[log pi]`` the
 PPO ratio is 1 and the loss is ``L = (1/S) sum_i (1/n_i) sum_t m_it * (-A_i * log pi_it)`` with
-``A_i = (R_i - mean_g R) / (std_g R + 1e-6)``; one AdamW step on the HF model in float64.
+``A_i = (R_i - mean_g R) / (std_g R + 1e-6)``, ``m_it`` the sample's ``loss_mask`` (a masked
+tool span in every response) and ``n_i = sum_t m_it``; one AdamW step on the HF model in
+float64.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ ADAM = dict(betas=(0.9, 0.98), eps=1e-8, weight_decay=0.01)
 
 
 def make_samples():
-    """The training tests' batch: 8 samples in groups of 4 (tests/gpu uses it too)."""
-    return samples.make_samples(8, group_size=4)
+    """The training tests' batch: 8 samples in groups of 4, each with a masked tool span in
+    its response (tests/gpu uses it too)."""
+    return samples.make_samples(8, group_size=4, masked=True)
 
 
 def reference_params(hf_dir, samples):
@@ -45,7 +48,8 @@ def reference_params(hf_dir, samples):
         n = s.response_length
         targets = s.tokens[-n:]
         token_logp = logp[-n - 1 : -1].gather(-1, targets[:, None]).squeeze(-1)
-        loss = loss + (-a * token_logp).sum() / n
+        m = s.loss_mask.double()
+        loss = loss + (-a * token_logp * m).sum() / m.sum()
     (loss / len(samples)).backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, **ADAM)

@@ -56,6 +56,7 @@ def _job(args, engine):
 
     return SimpleNamespace(
         args=args,
+        tokenizer=None,
         engines=SimpleNamespace(
             generation_urls=["http://127.0.0.1:1"], acheck_alive=alive, api_key=None
         ),

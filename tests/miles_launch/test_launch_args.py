@@ -143,3 +143,83 @@ def test_cli_help_lists_every_flag():
     ]  # fmt: skip
     for name in names:
         assert name in shown.stdout
+
+
+# ------------------------------------------------------------------ rollout control (#30)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--over-sampling-batch-size", "16"],
+            "--over-sampling-batch-size requires --dynamic-filter",
+        ),
+        (
+            ["--dynamic-filter", "--rollout-batch-size", "8", "--over-sampling-batch-size", "4"],
+            "--over-sampling-batch-size 4 is smaller than --rollout-batch-size 8",
+        ),
+        (["--rollout-stop-token-ids", "3", "-1"], "--rollout-stop-token-ids: -1 is not a token id"),
+        (["--rollout-stop", ""], "--rollout-stop: empty list item"),
+        (["--rollout-max-prompt-len", "0"], "--rollout-max-prompt-len must be >= 1"),
+        (["--rollout-seed", "-3"], "--rollout-seed must be >= 0"),
+        (["--custom-generate-function-path", "nodots"], "expected MODULE:FUNCTION or MODULE.FUNC"),
+        (
+            ["--custom-generate-function-path", "no_such_module_30:gen"],
+            "--custom-generate-function-path no_such_module_30:gen: cannot import no_such_module_30",
+        ),
+        (
+            ["--custom-generate-function-path", "json:nothing_here"],
+            "--custom-generate-function-path json:nothing_here: json has no function nothing_here",
+        ),
+        (
+            ["--custom-generate-function-path", "json.dumps"],
+            "--custom-generate-function-path json.dumps: dumps must be an async function",
+        ),
+    ],
+)
+def test_rollout_control_errors_are_one_line(tmp_path, flags, message):
+    with pytest.raises(ArgumentError) as info:
+        parse(tmp_path, *flags)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused(tmp_path):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text('{"vocab_size": 40}')
+    assert parse(tmp_path, "--rollout-stop-token-ids", "39").rollout_stop_token_ids == [39]
+    with pytest.raises(ArgumentError, match=r"--rollout-stop-token-ids: 40 is outside the voc"):
+        parse(tmp_path, "--rollout-stop-token-ids", "3,40")
+
+
+def test_rollout_control_values_and_defaults(tmp_path):
+    from miles_launch.loop import eval_sampling_config, sampling_config
+
+    args = parse(tmp_path, "--seed", "7")
+    assert args.rollout_seed == 7  # unset: --seed
+    assert sampling_config(args).stop == () and sampling_config(args).stop_token_ids == ()
+    args = parse(
+        tmp_path,
+        "--seed", "7",
+        "--rollout-seed", "11",
+        "--rollout-stop", "ab", "c",
+        "--rollout-stop-token-ids", "3,4",
+        "--dynamic-filter",
+        "--rollout-batch-size", "4",
+        "--over-sampling-batch-size", "6",
+        "--custom-generate-function-path", "asyncio.sleep",
+    )  # fmt: skip
+    cfg = sampling_config(args)
+    assert (cfg.seed, cfg.stop, cfg.stop_token_ids) == (11, ("ab", "c"), (3, 4))
+    assert eval_sampling_config(args).seed == 11
+    assert args.over_sampling_batch_size == 6
+
+
+def test_cli_rollout_control_error_is_one_line_exit_2():
+    if "fsdp" not in backends.available():
+        pytest.skip("the FSDP backend is not installed")
+    line = _one_error_line(
+        _cli("train", "--train-backend", "fsdp", "--over-sampling-batch-size", "16")
+    )
+    assert "--over-sampling-batch-size requires --dynamic-filter" in line

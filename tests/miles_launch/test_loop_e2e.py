@@ -279,3 +279,54 @@ def test_trainer_rank_failure_tears_down_with_one_error(material, tmp_path):
     assert re.search(r"^error: trainer rank \d failed in init\(\): ", result.stderr, re.M)
     assert "model.safetensors" in result.stderr.split("error: trainer rank")[1]
     assert _engine_pids(str(broken)) == []
+
+
+@pytest.mark.extended
+def test_calculator_example_with_rollout_control(material, tmp_path):
+    """examples/calculator_tool through ``miles train`` with over-sampling under the dynamic
+    filter and the prompt-length limit: tool tokens are masked out of the loss, long prompts
+    never drawn, each rollout full."""
+    hf, _ = material
+    example = ROOT / "examples" / "calculator_tool"
+    sys.path.insert(0, str(example))
+    try:
+        import calculator
+    finally:
+        sys.path.remove(str(example))
+    prompts = calculator.write_prompts(tmp_path / "prompts.jsonl", num_prompts=24)
+    with open(prompts, "a", encoding="utf-8") as f:  # prompts 24..27: 28 tokens each
+        for _ in range(4):
+            f.write(json.dumps({"prompt": "add 1 2 " + "x" * 20, "label": "3"}) + "\n")
+    metrics = tmp_path / "metrics.jsonl"
+    flags = demo_flags(hf, prompts, metrics)
+    for flag, value in (("--num-rollout", "2"), ("--rollout-max-response-len", "12")):
+        flags[flags.index(flag) + 1] = value
+    flags += [
+        "--custom-generate-function-path", "calculator:generate",
+        "--rollout-batch-size", "2",
+        "--n-samples-per-prompt", "4",
+        "--dynamic-filter",
+        "--over-sampling-batch-size", "4",
+        "--rollout-max-prompt-len", "10",
+    ]  # fmt: skip
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(example), os.environ.get("PYTHONPATH", "")])
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "miles_launch.train", *flags, "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = records(metrics)
+    assert [r["rollout_id"] for r in runs] == [0, 1]
+    for r in runs:
+        stats = r["rollout"]
+        assert stats["prompts_too_long"] == 4 and len(r["prompt_ids"]) == 2
+        assert not set(r["prompt_ids"]) & {24, 25, 26, 27}
+        assert "groups_surplus" in stats and stats["draws"] >= 1
+        assert stats["num_samples"] == 8
+    assert min(r["rollout"]["loss_token_fraction"] for r in runs) < 1.0  # a tool was called

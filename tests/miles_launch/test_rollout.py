@@ -252,9 +252,9 @@ def _groups_for(items, n=3):
     return out
 
 
-def _draw(position, want, max_draws, dynamic_filter, prompts=None):
+def _draw(position, want, max_draws, dynamic_filter, prompts=None, over_sampling=None):
     from miles_launch.job import LauncherState
-    from miles_launch.loop import draw_groups
+    from miles_launch.rollout.draw import draw_groups
 
     prompts = prompts or [Prompt(i, str(i), None, (1,)) for i in range(10)]
     order = PromptOrder(len(prompts), shuffle=False, seed=0)
@@ -269,7 +269,13 @@ def _draw(position, want, max_draws, dynamic_filter, prompts=None):
         return _groups_for(items)
 
     groups, info = draw_groups(
-        state, items_at, generate, want=want, max_draws=max_draws, dynamic_filter=dynamic_filter
+        state,
+        items_at,
+        generate,
+        want=want,
+        max_draws=max_draws,
+        dynamic_filter=dynamic_filter,
+        over_sampling=over_sampling,
     )
     return [g[0].prompt.index for g in groups], info, state.data_position, calls
 
@@ -295,6 +301,29 @@ def test_dynamic_filter_with_nothing_kept_uses_the_last_draw():
     flat = [Prompt(2 * i, "p", None, (1,)) for i in range(5)]  # even indices: flat rewards
     ids, info, position, calls = _draw(0, want=2, max_draws=2, dynamic_filter=True, prompts=flat)
     assert calls == [[0, 1], [2, 3]] and ids == [4, 6] and info["groups_dropped"] == 4
+
+
+def test_over_sampling_draws_n_groups_and_keeps_the_first_that_pass():
+    ids, info, position, calls = _draw(0, want=3, max_draws=4, dynamic_filter=True, over_sampling=5)
+    # draw 0..4 keeps 1,3; draw 5..9 keeps 5 (full) and counts 7, 9 as surplus
+    assert calls == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]] and ids == [1, 3, 5]
+    assert info == {"groups_dropped": 5, "draws": 2, "groups_surplus": 2} and position == 10
+    # one draw of 6 fills a rollout of 2 with 1 passing group to spare
+    ids, info, _, calls = _draw(0, want=2, max_draws=4, dynamic_filter=True, over_sampling=6)
+    assert calls == [[0, 1, 2, 3, 4, 5]] and ids == [1, 3] and info["groups_surplus"] == 1
+    # nothing passes: the last draw, cut to the rollout's size
+    flat = [Prompt(2 * i, "p", None, (1,)) for i in range(8)]
+    ids, info, _, _ = _draw(0, 2, 2, True, prompts=flat, over_sampling=3)
+    assert ids == [6, 8] and info["groups_dropped"] == 6
+
+
+def test_group_filter_counts_drops_only_when_enabled():
+    from miles_launch.rollout.filtering import GroupFilter
+
+    flat = [GeneratedSample(Prompt(0, "", None, (1,)), 0, [1], [0.0], "", "", 1, 0.5)] * 2
+    on, off = GroupFilter(True), GroupFilter(False)
+    assert not on.keep(flat) and on.dropped == 1
+    assert off.keep(flat) and off.dropped == 0
 
 
 # ---------------------------------------------------------------------- Parquet, metadata

@@ -2,8 +2,9 @@
 
 The reference writes the loss from the formulas: GRPO advantages ``(R - mean_g) / (std_g +
 1e-6)``, the PPO term at ratio 1 (one update per rollout) and the sequence mean
-``(1/S) sum_i (1/n_i) sum_t -A_i r_it``; then ``clip_grad_norm_(1.0)`` and ``AdamW`` (weight
-decay 0). Used by tests/miles_megatron/test_backend.py (gloo) and tests/gpu (NCCL).
+``(1/S) sum_i (1/n_i) sum_t -m_it A_i r_it`` (``m_it`` each sample's ``loss_mask``: all 1, or
+with ``masked`` a masked tool span; ``n_i = sum_t m_it``); then ``clip_grad_norm_(1.0)`` and
+``AdamW`` (weight decay 0). :func:`run_backend` and :func:`check` use the masked samples. Used by tests/miles_megatron/test_backend.py (gloo) and tests/gpu (NCCL).
 """
 
 from __future__ import annotations
@@ -19,16 +20,25 @@ GROUPS = (0, 0, 1, 1)
 ROLLOUTS = 2
 
 
-def samples():
+def samples(masked: bool = False):
+    """The four samples; ``masked``: each with a ``loss_mask`` that is 0 on a tool-output span
+    after the first response token (``response // 3`` tokens)."""
     from miles_core.batch import Sample
 
     gen = torch.Generator().manual_seed(7)
     out = []
     for i, (length, response) in enumerate(((12, 5), (9, 3), (15, 7), (7, 4))):
         tokens = torch.randint(0, 96, (length,), generator=gen)
+        mask = torch.ones(response)
+        if masked:
+            mask[1 : 1 + response // 3] = 0
         out.append(
             Sample(
-                tokens=tokens, response_length=response, reward=REWARDS[i], group_index=GROUPS[i]
+                tokens=tokens,
+                response_length=response,
+                reward=REWARDS[i],
+                group_index=GROUPS[i],
+                loss_mask=mask if masked else None,
             )
         )
     return out
@@ -50,7 +60,7 @@ def run_backend(hf_dir: str, save: str, tp: int) -> dict:
     backend = MegatronBackend()
     first_id = backend.init(parse(backend_argv(hf_dir, save, tp=tp)))
     layout = backend.data_layout()
-    batch = RolloutBatch(samples()) if layout.consumes_data else None
+    batch = RolloutBatch(samples(masked=True)) if layout.consumes_data else None
     metrics = [backend.train(r, batch) for r in range(ROLLOUTS)]
     weights = {k: v.detach().cpu().clone() for k, v in backend.hf_weights()}
     backend.save_model(ROLLOUTS - 1)
@@ -70,7 +80,7 @@ def run_backend(hf_dir: str, save: str, tp: int) -> dict:
     }
 
 
-def reference(hf_dir: str, device: str = "cpu", rollouts: int = ROLLOUTS):
+def reference(hf_dir: str, device: str = "cpu", rollouts: int = ROLLOUTS, masked: bool = False):
     """``([(loss, grad_norm)] per rollout, final weights)`` of the HF + AdamW run; the weights
     under the names of the HF checkpoint it saves (transformers fuses experts in memory)."""
     from transformers import AutoModelForCausalLM
@@ -79,7 +89,7 @@ def reference(hf_dir: str, device: str = "cpu", rollouts: int = ROLLOUTS):
     opt = torch.optim.AdamW(
         model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
     )
-    data = samples()
+    data = samples(masked)
     rewards = torch.tensor(REWARDS, dtype=torch.float64)
     adv = []
     for i, g in enumerate(GROUPS):
@@ -95,7 +105,8 @@ def reference(hf_dir: str, device: str = "cpu", rollouts: int = ROLLOUTS):
             lp = torch.log_softmax(logits[:-1], -1).gather(-1, tokens[1:, None])[:, 0]
             lp = lp[-s.response_length :]
             ratio = torch.exp(lp - lp.detach())
-            loss = loss + (-a * ratio).sum() / s.response_length / len(data)
+            m = s.mask.to(device)
+            loss = loss + (-a * ratio * m).sum() / m.sum() / len(data)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -106,7 +117,7 @@ def reference(hf_dir: str, device: str = "cpu", rollouts: int = ROLLOUTS):
 
 
 def check(results: list[dict], hf_dir: str, device: str = "cpu") -> None:
-    ref_steps, ref_weights = reference(hf_dir, device)
+    ref_steps, ref_weights = reference(hf_dir, device, masked=True)
     for rank, r in enumerate(results):
         assert r["first_id"] == 0 and r["next_id"] == ROLLOUTS and r["reload_exact"], rank
         for m, (loss, norm) in zip(r["metrics"], ref_steps, strict=True):

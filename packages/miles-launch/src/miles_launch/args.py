@@ -238,6 +238,37 @@ class RolloutArgs(ArgGroup):
     dynamic_filter_max_draws: int = flag(
         4, metavar="N", help="Most prompt batches drawn per rollout under --dynamic-filter."
     )
+    over_sampling_batch_size: int | None = flag(
+        None,
+        metavar="N",
+        help="Under --dynamic-filter: generate N prompt groups per draw (N >= "
+        "--rollout-batch-size) and keep the first that pass; --fully-async keeps N in flight.",
+    )
+    custom_generate_function_path: str | None = flag(
+        None,
+        metavar="MODULE:FUNC",
+        help="Async generate function f(ctx, prompt, sampling_params) -> CustomSample or a list "
+        "(multi-turn, tools): it drives the engine itself and returns tokens, log-probs, "
+        "loss_mask and optionally the reward (MODULE.FUNC also accepted).",
+    )
+    rollout_stop: list[str] | None = flag(
+        None, metavar="STR", help="Stop strings of rollout sampling (SGLang sampling_params.stop)."
+    )
+    rollout_stop_token_ids: list[int] | None = flag(
+        None, metavar="ID", help="Token ids that end a rollout response (besides EOS)."
+    )
+    rollout_max_prompt_len: int | None = flag(
+        None,
+        metavar="N",
+        help="Drop training prompts longer than N tokens when loading (counted in the log and "
+        "in every metrics record as prompts_too_long).",
+    )
+    rollout_seed: int | None = flag(
+        None,
+        metavar="N",
+        help="Seed of rollout sampling (per-sample sampling_seed) and of the prompt shuffle "
+        "(unset: --seed).",
+    )
     eval_interval: int | None = flag(None, metavar="N", help="Evaluate every N rollouts.")
     eval_prompt_data: list[str] | None = flag(
         None,
@@ -276,8 +307,10 @@ class RolloutArgs(ArgGroup):
             "n_samples_per_eval_prompt",
             "update_weights_interval",
             "eval_max_response_len",
+            "rollout_max_prompt_len",
         ):
             at_least(args, dest, 1)
+        rollout_control(args)
         at_least(args, "eval_temperature", 0.0)
         if args.eval_top_p is not None and not 0.0 < args.eval_top_p <= 1.0:
             raise ArgumentError(f"--eval-top-p must be in (0, 1], got {args.eval_top_p}")
@@ -335,6 +368,75 @@ class RolloutArgs(ArgGroup):
                 raise ArgumentError(f"--eval-prompt-data {name} {path}: no such file")
         if routing_replay_on(args) and args.hf_checkpoint is not None:  # a MoE config
             read_layout(str(args.hf_checkpoint))
+        check_stop_token_ids(args)
+        if args.custom_generate_function_path:
+            from miles_launch.rollout.custom_generate import load_generate_function
+
+            load_generate_function(args.custom_generate_function_path)
+
+    @classmethod
+    def resolve_defaults(cls, args: Any) -> None:
+        if args.rollout_seed is None:
+            args.rollout_seed = args.seed
+
+
+def rollout_control(args: Any) -> None:
+    """The rollout-control flags, each against the others (custom generation, over-sampling,
+    stops, prompt length, seed)."""
+    from miles_launch.rollout.routed_experts import routing_replay_on
+
+    n = args.over_sampling_batch_size
+    if n is not None:
+        if not args.dynamic_filter:
+            raise ArgumentError(
+                "--over-sampling-batch-size requires --dynamic-filter (without a filter every "
+                "group is kept: nothing to over-sample for)"
+            )
+        if n < args.rollout_batch_size:
+            raise ArgumentError(
+                f"--over-sampling-batch-size {n} is smaller than --rollout-batch-size "
+                f"{args.rollout_batch_size}"
+            )
+    for token in args.rollout_stop_token_ids or []:
+        if token < 0:
+            raise ArgumentError(f"--rollout-stop-token-ids: {token} is not a token id")
+    at_least(args, "rollout_seed", 0)
+    path = args.custom_generate_function_path
+    if path is not None:
+        module, sep, func = path.partition(":") if ":" in path else path.rpartition(".")
+        if not (module and sep and func):
+            raise ArgumentError(
+                f"--custom-generate-function-path {path!r}: expected MODULE:FUNCTION or "
+                "MODULE.FUNCTION"
+            )
+        if routing_replay_on(args):
+            raise ArgumentError(
+                "--custom-generate-function-path cannot be used with "
+                "--use-rollout-routing-replay: a custom function's multi-turn samples carry "
+                "no routed experts"
+            )
+
+
+def check_stop_token_ids(args: Any) -> None:
+    """``--rollout-stop-token-ids`` within the vocabulary of ``--hf-checkpoint``'s config.json
+    (when it has one)."""
+    import json
+    from pathlib import Path
+
+    if not args.rollout_stop_token_ids or args.hf_checkpoint is None:
+        return
+    config = Path(args.hf_checkpoint) / "config.json"
+    if not config.is_file():
+        return
+    vocab = json.loads(config.read_text()).get("vocab_size")
+    if not isinstance(vocab, int):
+        return
+    for token in args.rollout_stop_token_ids:
+        if token >= vocab:
+            raise ArgumentError(
+                f"--rollout-stop-token-ids: {token} is outside the vocabulary of "
+                f"--hf-checkpoint ({vocab} tokens)"
+            )
 
 
 def eval_sets(args: Any) -> dict[str, str]:

@@ -1,12 +1,13 @@
 """The fully asynchronous loop (``--fully-async``, ``train_async`` in the seeds).
 
 Generation never waits for a training step: a producer thread keeps ``--rollout-batch-size``
-prompt groups in flight on the engines and queues each group as it completes (it holds back
-while a whole rollout of completed groups is already queued, so samples are at most about one
-publication stale). The driver
-takes the next ``--rollout-batch-size`` completed groups, trains on them while the producer
-keeps generating, and publishes weights every ``--update-weights-interval`` rollouts (the
-publisher pauses the engines around the swap; requests in flight resume on the new weights).
+(``--over-sampling-batch-size`` when set) prompt groups in flight on the engines and queues
+each group as it completes, unless ``--dynamic-filter`` drops it (it holds back while a
+whole rollout of completed groups is already queued, so samples are at most about one
+publication stale). The driver takes the next ``--rollout-batch-size`` completed groups,
+trains on them while the producer keeps generating, and publishes weights every
+``--update-weights-interval`` rollouts (the publisher pauses the engines around the swap;
+requests in flight resume on the new weights).
 
 Each sample records the weight version it was generated with; its *staleness* is the
 engines' version at training time minus that version (0 = on-policy). Each rollout logs the
@@ -29,11 +30,17 @@ from typing import Any
 from miles_core.save_trigger import SaveTrigger
 
 from miles_launch.job import Job
-from miles_launch.loop import add_eval, publish, rollout_stats, sampling_config, save_point
+from miles_launch.loop import (
+    add_eval,
+    make_generator,
+    publish,
+    rollout_stats,
+    sampling_config,
+    save_point,
+)
 from miles_launch.reporting import rank0_metrics
-from miles_launch.rollout.filtering import has_signal
-from miles_launch.rollout.generate import GeneratedSample, Generator, to_rollout_batch
-from miles_launch.rollout.routed_experts import routed_experts_layout
+from miles_launch.rollout.filtering import GroupFilter, groups_in_flight
+from miles_launch.rollout.generate import GeneratedSample, to_rollout_batch
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +68,7 @@ class Producer:
         self.lock = threading.Lock()
         self.request_intervals: list[tuple[float, float]] = []
         self.in_flight_since: dict[int, float] = {}
-        self.dropped = 0
+        self.group_filter = GroupFilter(job.args.dynamic_filter)
         self.thread = threading.Thread(target=self._run, name="miles-producer", daemon=True)
 
     def start(self) -> None:
@@ -82,13 +89,7 @@ class Producer:
     async def _main(self) -> None:
         args = self.job.args
         cfg = sampling_config(args)
-        gen = Generator(
-            self.job.engines.generation_urls,
-            self.job.reward,
-            self._explain_failure,
-            routed_experts=routed_experts_layout(args),
-            api_key=self.job.engines.api_key,
-        )
+        gen = make_generator(self.job, self._explain_failure)
         counter = 0
 
         async def one_group() -> None:
@@ -111,13 +112,11 @@ class Producer:
                     with self.lock:
                         del self.in_flight_since[key]
                         self.request_intervals.append((start, time.monotonic()))
-                if args.dynamic_filter and not has_signal([s.reward for s in group]):
-                    self.dropped += 1
-                    continue
-                self.out.put(group)
+                if self.group_filter.keep(group):
+                    self.out.put(group)
 
         try:
-            work = asyncio.gather(*(one_group() for _ in range(args.rollout_batch_size)))
+            work = asyncio.gather(*(one_group() for _ in range(groups_in_flight(args))))
             watcher = asyncio.ensure_future(self._watch())
             done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
             for task in (work, watcher):
@@ -205,8 +204,10 @@ def run_async(job: Job) -> list[dict[str, Any]]:
                 staleness_mean=sum(staleness) / max(len(staleness), 1),
                 staleness_max=max(staleness, default=0),
                 overlap_s=overlap,
-                groups_dropped=producer.dropped,
+                groups_dropped=producer.group_filter.dropped,
             )
+            if args.rollout_max_prompt_len is not None:
+                stats["prompts_too_long"] = job.prompts_too_long
             record = {
                 "rollout_id": rollout_id,
                 "prompt_ids": [g[0].prompt.index for g in groups],

@@ -35,7 +35,7 @@ from miles_launch.placement import (
     prepare_ray_env,
 )
 from miles_launch.reporting import Reporter
-from miles_launch.rollout.prompts import Prompt, PromptOrder, load_prompts
+from miles_launch.rollout.prompts import Prompt, PromptOrder, drop_long_prompts, load_prompts
 from miles_launch.rollout.rewards import RewardModel
 from miles_launch.trainer_group import TrainerGroup
 
@@ -108,6 +108,7 @@ class Job:
     engines: EngineSet | None = None
     state: LauncherState = field(default_factory=lambda: LauncherState(0, 0))
     started_ray: bool = False
+    prompts_too_long: int = 0  # dropped by --rollout-max-prompt-len
 
     @classmethod
     def setup(cls, args: Any) -> Job:
@@ -124,6 +125,16 @@ class Job:
             args.apply_chat_template,
             args.metadata_key,
         )
+        prompts, too_long = drop_long_prompts(
+            prompts, args.rollout_max_prompt_len, args.prompt_data
+        )
+        if too_long:
+            logger.warning(
+                "--rollout-max-prompt-len %d: dropped %d of %d prompts",
+                args.rollout_max_prompt_len,
+                too_long,
+                too_long + len(prompts),
+            )
         eval_prompts = {
             name: load_prompts(
                 path,
@@ -148,11 +159,12 @@ class Job:
             layout=layout,
             tokenizer=tokenizer,
             prompts=prompts,
-            order=PromptOrder(len(prompts), args.rollout_shuffle, args.seed),
+            order=PromptOrder(len(prompts), args.rollout_shuffle, args.rollout_seed),
             eval_prompts=eval_prompts,
             reward=reward,
             reporter=Reporter(args, args.num_rollout),
             started_ray=started,
+            prompts_too_long=too_long,
         )
         try:
             job._start()

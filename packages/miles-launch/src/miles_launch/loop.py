@@ -25,8 +25,9 @@ from miles_core.save_trigger import SaveTrigger, should_save
 
 from miles_launch.job import Job, LauncherState, write_launcher_state
 from miles_launch.reporting import rank0_metrics
+from miles_launch.rollout.custom_generate import load_generate_function
+from miles_launch.rollout.draw import draw_groups
 from miles_launch.rollout.evaluation import eval_metrics
-from miles_launch.rollout.filtering import has_signal
 from miles_launch.rollout.generate import (
     GeneratedSample,
     Generator,
@@ -46,7 +47,9 @@ def sampling_config(args: Any) -> SamplingConfig:
         temperature=args.rollout_temperature,
         top_p=args.rollout_top_p,
         top_k=args.rollout_top_k,
-        seed=args.seed,
+        seed=args.rollout_seed,
+        stop=tuple(args.rollout_stop or ()),
+        stop_token_ids=tuple(args.rollout_stop_token_ids or ()),
     )
 
 
@@ -61,7 +64,23 @@ def eval_sampling_config(args: Any) -> SamplingConfig:
         temperature=pick(args.eval_temperature, args.rollout_temperature),
         top_p=pick(args.eval_top_p, args.rollout_top_p),
         top_k=args.rollout_top_k,
-        seed=args.seed,
+        seed=args.rollout_seed,
+        stop=tuple(args.rollout_stop or ()),
+        stop_token_ids=tuple(args.rollout_stop_token_ids or ()),
+    )
+
+
+def make_generator(job: Job, check_alive: Callable[[str], Any]) -> Generator:
+    """The job's generator (engines, reward, routing replay, custom generate function)."""
+    path = job.args.custom_generate_function_path
+    return Generator(
+        job.engines.generation_urls,
+        job.reward,
+        check_alive,
+        routed_experts=routed_experts_layout(job.args),
+        api_key=job.engines.api_key,
+        custom_generate=load_generate_function(path) if path else None,
+        tokenizer=job.tokenizer,
     )
 
 
@@ -77,13 +96,7 @@ def generate_groups(
     cfg = cfg or sampling_config(job.args)
 
     async def run() -> list[list[GeneratedSample]]:
-        gen = Generator(
-            job.engines.generation_urls,
-            job.reward,
-            job.engines.acheck_alive,
-            routed_experts=routed_experts_layout(job.args),
-            api_key=job.engines.api_key,
-        )
+        gen = make_generator(job, job.engines.acheck_alive)
         try:
             with job.reporter.progress(desc, len(items) * n) as bar:
                 return await gen.groups(items, n, cfg, on_sample=lambda: bar.update(1))
@@ -96,7 +109,7 @@ def generate_groups(
 def collect_rollout(job: Job, rollout_id: int) -> tuple[list[list[GeneratedSample]], dict]:
     """The groups of one rollout (see :func:`draw_groups`), generated on the engines."""
     args = job.args
-    return draw_groups(
+    groups, info = draw_groups(
         job.state,
         lambda start, count: [
             (job.prompts[i], start + j) for j, i in enumerate(job.order.take(start, count))
@@ -107,44 +120,11 @@ def collect_rollout(job: Job, rollout_id: int) -> tuple[list[list[GeneratedSampl
         want=args.rollout_batch_size,
         max_draws=args.dynamic_filter_max_draws if args.dynamic_filter else 1,
         dynamic_filter=args.dynamic_filter,
+        over_sampling=args.over_sampling_batch_size,
     )
-
-
-def draw_groups(
-    state: LauncherState,
-    items_at: Callable[[int, int], list[tuple[Any, int]]],
-    generate: Callable[[list[tuple[Any, int]]], list[list[GeneratedSample]]],
-    *,
-    want: int,
-    max_draws: int,
-    dynamic_filter: bool,
-) -> tuple[list[list[GeneratedSample]], dict]:
-    """Draw prompt groups from the stream at ``state.data_position`` (advanced by every prompt
-    drawn) until ``want`` are kept.
-
-    Without ``dynamic_filter``: the next ``want`` prompts, once. With it: groups whose rewards
-    are all equal are dropped and the missing number of prompts is drawn again, at most
-    ``max_draws`` times in all; when nothing survived, the last draw is used unfiltered (its
-    advantages are zero, the step is a no-op for the policy loss).
-    """
-    kept: list[list[GeneratedSample]] = []
-    dropped = draws = 0
-    last: list[list[GeneratedSample]] = []
-    while len(kept) < want and draws < max_draws:
-        count = want - len(kept)
-        items = items_at(state.data_position, count)
-        state.data_position += count
-        draws += 1
-        last = generate(items)
-        for group in last:
-            if dynamic_filter and not has_signal([s.reward for s in group]):
-                dropped += 1
-            else:
-                kept.append(group)
-    if not kept:
-        logger.warning("every group was filtered out; training on the last draw")
-        kept = last
-    return kept, {"groups_dropped": dropped, "draws": draws}
+    if args.rollout_max_prompt_len is not None:
+        info["prompts_too_long"] = job.prompts_too_long
+    return groups, info
 
 
 def rollout_stats(groups: list[list[GeneratedSample]]) -> dict[str, Any]:
@@ -156,6 +136,10 @@ def rollout_stats(groups: list[list[GeneratedSample]]) -> dict[str, Any]:
         "reward_max": max(rewards),
         "reward_min": min(rewards),
         "response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
+        "loss_token_fraction": sum(
+            len(s.response_ids) if s.loss_mask is None else sum(s.loss_mask) for s in samples
+        )
+        / sum(len(s.response_ids) for s in samples),
         "num_samples": len(samples),
         "generated_with_versions": versions,
     }

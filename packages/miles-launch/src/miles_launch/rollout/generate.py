@@ -1,8 +1,11 @@
 """Generating prompt groups against the engines, with rewards and a watch on engine health.
 
-Every sample is one ``/generate`` request of the prompt's token ids with
-``return_logprob`` (the rollout log-probs kept for TIS) and a ``sampling_seed`` derived from
-``(--seed, stream position, sample number)``, so a group's sampling is reproducible. Requests
+Every sample is one ``/generate`` request of the prompt's token ids (or whatever the
+``--custom-generate-function-path`` function does for it, see
+:mod:`miles_launch.rollout.custom_generate`) with ``return_logprob`` (the rollout log-probs
+kept for TIS), the ``--rollout-stop`` strings and ``--rollout-stop-token-ids``, and a
+``sampling_seed`` derived from ``(--rollout-seed, stream position, sample number)``, so a
+group's sampling is reproducible. Requests
 go to the router, or round-robin over the engines. With routing replay (a
 :class:`~miles_launch.rollout.routed_experts.RoutedExpertsLayout` given) each request also
 sets ``return_routed_experts`` and the reply's routed experts travel with the sample
@@ -25,6 +28,12 @@ import torch
 from miles_core.batch import RolloutBatch, Sample
 from miles_core.engine import AsyncEngineClient, EngineError
 
+from miles_launch.rollout.custom_generate import (
+    GenerateContext,
+    GenerateFunction,
+    checked_samples,
+    parse_reply,
+)
 from miles_launch.rollout.prompts import Prompt
 from miles_launch.rollout.rewards import RewardInput, RewardModel
 from miles_launch.rollout.routed_experts import RoutedExpertsLayout, decode_sample_routed_experts
@@ -40,6 +49,8 @@ class SamplingConfig:
     top_p: float
     top_k: int
     seed: int
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -58,18 +69,13 @@ class GeneratedSample:
     # int32 [prompt + response - 1, num_layers, top_k] under routing replay, else None
     routed_experts: torch.Tensor | None = None
     reward_input: RewardInput | None = None  # what the reward function was given
+    loss_mask: list[int] | None = None  # per response token (custom generation), None: all 1
+    reward_given: bool = False  # the custom generate function set ``reward``
 
 
 def sampling_seed(seed: int, position: int, k: int) -> int:
     """The ``sampling_seed`` of sample ``k`` of the prompt at stream ``position``."""
     return zlib.crc32(f"{seed}/{position}/{k}".encode()) & 0x7FFFFFFF
-
-
-def _version(meta: dict[str, Any]) -> int | None:
-    try:
-        return int(meta.get("weight_version"))
-    except (TypeError, ValueError):
-        return None
 
 
 class Generator:
@@ -83,6 +89,8 @@ class Generator:
         timeout_s: float = 3600.0,
         routed_experts: RoutedExpertsLayout | None = None,
         api_key: str | None = None,
+        custom_generate: GenerateFunction | None = None,
+        tokenizer: Any = None,
     ):
         self.clients = [
             AsyncEngineClient(url, api_key=api_key, timeout=timeout_s, retries=0) for url in urls
@@ -90,6 +98,8 @@ class Generator:
         self.reward = reward
         self.check_alive = check_alive  # async: raises EngineDied
         self.routed_experts = routed_experts  # None: routing replay off
+        self.custom_generate = custom_generate  # --custom-generate-function-path
+        self.tokenizer = tokenizer  # handed to the custom generate function
         self._next = 0
 
     def _client(self) -> AsyncEngineClient:
@@ -97,37 +107,69 @@ class Generator:
         self._next += 1
         return client
 
-    async def sample(
-        self, prompt: Prompt, position: int, k: int, cfg: SamplingConfig
-    ) -> GeneratedSample:
-        params = {
+    def sampling_params(self, cfg: SamplingConfig, position: int, k: int) -> dict[str, Any]:
+        params: dict[str, Any] = {
             "max_new_tokens": cfg.max_new_tokens,
             "temperature": cfg.temperature,
             "top_p": cfg.top_p,
             "top_k": cfg.top_k,
             "sampling_seed": sampling_seed(cfg.seed, position, k),
         }
+        if cfg.stop:
+            params["stop"] = list(cfg.stop)
+        if cfg.stop_token_ids:
+            params["stop_token_ids"] = list(cfg.stop_token_ids)
+        return params
+
+    async def sample(
+        self, prompt: Prompt, position: int, k: int, cfg: SamplingConfig
+    ) -> list[GeneratedSample]:
+        """Sample ``k`` of the prompt: one ``/generate`` request, or what the custom generate
+        function returns (one or more samples); rewarded when rewards are per sample."""
+        params = self.sampling_params(cfg, position, k)
         client = self._client()
+        if self.custom_generate is not None:
+            outs = await self._custom(client, prompt, position, k, params)
+        else:
+            outs = [await self._one_request(client, prompt, position, params)]
+        for out in outs:
+            out.reward_input = RewardInput(
+                prompt=prompt.text,
+                response=out.response_text,
+                label=prompt.label,
+                response_ids=tuple(out.response_ids),
+                finish_reason=out.finish_reason,
+                max_response_len=cfg.max_new_tokens,
+                metadata=prompt.metadata,
+                prompt_index=prompt.index,
+                sample_index=k,
+            )
+            if self.reward.batch == "sample" and not out.reward_given:
+                out.reward = await self.reward(out.reward_input)
+            out.finished_at = time.monotonic()
+        return outs
+
+    async def _one_request(
+        self, client: AsyncEngineClient, prompt: Prompt, position: int, params: dict[str, Any]
+    ) -> GeneratedSample:
         reply = await client.generate(
             input_ids=list(prompt.token_ids),
             sampling_params=params,
             return_logprob=True,
             return_routed_experts=self.routed_experts is not None,
         )
-        meta = reply["meta_info"]
-        logprobs = [float(entry[0]) for entry in meta["output_token_logprobs"]]
-        ids = [int(entry[1]) for entry in meta["output_token_logprobs"]]
-        finish = meta.get("finish_reason") or {}
+        turn = parse_reply(reply)
         out = GeneratedSample(
             prompt=prompt,
             position=position,
-            response_ids=ids,
-            rollout_log_probs=logprobs,
-            response_text=reply.get("text", ""),
-            finish_reason=str(finish.get("type", "")),
-            weight_version=_version(meta),
+            response_ids=turn.ids,
+            rollout_log_probs=turn.log_probs,
+            response_text=turn.text,
+            finish_reason=turn.finish_reason,
+            weight_version=turn.weight_version,
         )
         if out.finish_reason == "abort":
+            finish = reply["meta_info"].get("finish_reason") or {}
             raise EngineError(
                 f"generation aborted: {finish.get('message', '')}",
                 endpoint="/generate",
@@ -136,26 +178,46 @@ class Generator:
             )
         if self.routed_experts is not None:
             out.routed_experts = decode_sample_routed_experts(
-                meta, self.routed_experts, len(prompt.token_ids) + len(ids), client.base_url
+                reply["meta_info"],
+                self.routed_experts,
+                len(prompt.token_ids) + len(turn.ids),
+                client.base_url,
             )
-        out.reward_input = RewardInput(
-            prompt=prompt.text,
-            response=out.response_text,
-            label=prompt.label,
-            response_ids=tuple(ids),
-            finish_reason=out.finish_reason,
-            max_response_len=cfg.max_new_tokens,
-            metadata=prompt.metadata,
-            prompt_index=prompt.index,
-            sample_index=k,
-        )
-        if self.reward.batch == "sample":
-            out.reward = await self.reward(out.reward_input)
-        out.finished_at = time.monotonic()
         return out
 
+    async def _custom(
+        self,
+        client: AsyncEngineClient,
+        prompt: Prompt,
+        position: int,
+        k: int,
+        params: dict[str, Any],
+    ) -> list[GeneratedSample]:
+        ctx = GenerateContext(client, client.base_url, self.tokenizer, k)
+        where = f"--custom-generate-function-path (sample {k} of prompt {prompt.index})"
+        customs = checked_samples(await self.custom_generate(ctx, prompt, dict(params)), where)
+        return [
+            GeneratedSample(
+                prompt=prompt,
+                position=position,
+                response_ids=[int(t) for t in c.response_ids],
+                rollout_log_probs=[float(x) for x in c.rollout_log_probs],
+                response_text=c.response_text,
+                finish_reason=c.finish_reason,
+                weight_version=c.weight_version,
+                reward=0.0 if c.reward is None else float(c.reward),
+                reward_given=c.reward is not None,
+                loss_mask=None if c.loss_mask is None else [int(m) for m in c.loss_mask],
+            )
+            for c in customs
+        ]
+
     async def score(self, samples: list[GeneratedSample]) -> None:
-        """Set the rewards of ``samples`` with one call of the batched reward function."""
+        """Set the rewards of ``samples`` with one call of the batched reward function (a
+        sample whose custom generate function gave its reward is left as is)."""
+        samples = [s for s in samples if not s.reward_given]
+        if not samples:
+            return
         rewards = await self.reward.score([s.reward_input for s in samples])
         for s, reward in zip(samples, rewards, strict=True):
             s.reward = reward
@@ -168,13 +230,13 @@ class Generator:
         cfg: SamplingConfig,
         on_sample: Callable[[], None] | None = None,
     ) -> list[GeneratedSample]:
-        async def one(k: int) -> GeneratedSample:
+        async def one(k: int) -> list[GeneratedSample]:
             result = await self.sample(prompt, position, k, cfg)
             if on_sample is not None:
                 on_sample()
             return result
 
-        samples = list(await asyncio.gather(*(one(k) for k in range(n))))
+        samples = [s for out in await asyncio.gather(*(one(k) for k in range(n))) for s in out]
         if self.reward.batch == "group":
             await self.score(samples)
         return samples
@@ -222,8 +284,16 @@ class Generator:
             await client.aclose()
 
 
+def _loss_mask(s: GeneratedSample) -> torch.Tensor:
+    if s.loss_mask is None:
+        return torch.ones(len(s.response_ids), dtype=torch.float32)
+    return torch.tensor(s.loss_mask, dtype=torch.float32)
+
+
 def to_rollout_batch(groups: list[list[GeneratedSample]]) -> RolloutBatch:
-    """The trainer's batch: group ``g``'s samples get ``group_index = g``."""
+    """The trainer's batch: group ``g``'s samples get ``group_index = g``. When some sample has
+    a ``loss_mask`` every sample gets one (all ones where none was given)."""
+    masked = any(s.loss_mask is not None for group in groups for s in group)
     samples = []
     for g, group in enumerate(groups):
         for s in group:
@@ -239,6 +309,7 @@ def to_rollout_batch(groups: list[list[GeneratedSample]]) -> RolloutBatch:
                     group_index=g,
                     weight_version=s.weight_version,
                     routed_experts=s.routed_experts,
+                    loss_mask=_loss_mask(s) if masked else None,
                 )
             )
     return RolloutBatch(samples)

@@ -102,6 +102,23 @@ def load_prompts(
     return prompts
 
 
+def drop_long_prompts(
+    prompts: list[Prompt], max_len: int | None, path: str | Path
+) -> tuple[list[Prompt], int]:
+    """``prompts`` without those longer than ``max_len`` tokens (``--rollout-max-prompt-len``),
+    and how many were dropped; every prompt dropped is an error naming the flag."""
+    if max_len is None:
+        return prompts, 0
+    kept = [p for p in prompts if len(p.token_ids) <= max_len]
+    if not kept:
+        longest = min(len(p.token_ids) for p in prompts)
+        raise PromptDataError(
+            f"{path}: every prompt is longer than --rollout-max-prompt-len {max_len} tokens "
+            f"(the shortest has {longest})"
+        )
+    return kept, len(prompts) - len(kept)
+
+
 def render_prompt(raw: Any, tokenizer: Any, apply_chat_template: bool, where: str) -> str:
     """The prompt text: as given, or through the tokenizer's chat template (a string becomes
     one user message; a list is taken as the messages)."""

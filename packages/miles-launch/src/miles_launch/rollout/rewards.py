@@ -131,6 +131,18 @@ def load_custom(path: str) -> Callable[[RewardInput], Any]:
     return func
 
 
+def _reward_from_generate(path: str) -> Callable[[RewardInput], Any]:
+    """The reward of a run whose custom generate function gives every reward: none."""
+
+    def missing(inp: RewardInput) -> float:
+        raise ValueError(
+            f"--custom-generate-function-path {path} returned {inp.describe()} without a "
+            "reward, and no --rm-type, --custom-rm-path or --rm-url is set"
+        )
+
+    return missing
+
+
 class RewardModel:
     """The run's reward function (built-in, custom or remote), awaited uniformly.
 
@@ -167,6 +179,8 @@ class RewardModel:
             func, name = load_custom(args.custom_rm_path), args.custom_rm_path
         elif args.rm_type:
             func, name = BUILTIN_REWARDS[args.rm_type], args.rm_type
+        elif getattr(args, "custom_generate_function_path", None):
+            func, name = _reward_from_generate(args.custom_generate_function_path), "none"
         else:
             raise ValueError("no reward: set --rm-type, --custom-rm-path or --rm-url")
         return cls(func, name, batch=args.custom_rm_batch, reward_key=args.reward_key)

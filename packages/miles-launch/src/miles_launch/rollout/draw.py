@@ -1,0 +1,63 @@
+"""Drawing one rollout's prompt groups from the prompt stream (the synchronous loop).
+
+Every prompt drawn advances ``state.data_position``, kept or not, so a resumed run draws what
+an uninterrupted one would. Which groups are kept is :class:`~miles_launch.rollout.filtering.
+GroupFilter`'s decision (``--dynamic-filter``), shared with the asynchronous producer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from miles_launch.job import LauncherState
+from miles_launch.rollout.filtering import GroupFilter
+from miles_launch.rollout.generate import GeneratedSample
+
+logger = logging.getLogger(__name__)
+
+
+def draw_groups(
+    state: LauncherState,
+    items_at: Callable[[int, int], list[tuple[Any, int]]],
+    generate: Callable[[list[tuple[Any, int]]], list[list[GeneratedSample]]],
+    *,
+    want: int,
+    max_draws: int,
+    dynamic_filter: bool,
+    over_sampling: int | None = None,
+) -> tuple[list[list[GeneratedSample]], dict]:
+    """Draw prompt groups from the stream at ``state.data_position`` until ``want`` are kept.
+
+    Without ``dynamic_filter``: the next ``want`` prompts, once. With it: groups whose rewards
+    are all equal are dropped and prompts are drawn again, at most ``max_draws`` times in all;
+    each draw is the number of groups still missing, or ``over_sampling`` groups
+    (``--over-sampling-batch-size``) of which the first passing ones in stream order are kept
+    (the passing rest is counted in ``groups_surplus``). When nothing survived, the last draw
+    is used unfiltered (its advantages are zero, the step is a no-op for the policy loss).
+    """
+    group_filter = GroupFilter(dynamic_filter)
+    kept: list[list[GeneratedSample]] = []
+    surplus = draws = 0
+    last: list[list[GeneratedSample]] = []
+    while len(kept) < want and draws < max_draws:
+        count = max(want - len(kept), over_sampling or 0)
+        items = items_at(state.data_position, count)
+        state.data_position += count
+        draws += 1
+        last = generate(items)
+        for group in last:
+            if not group_filter.keep(group):
+                continue
+            if len(kept) < want:
+                kept.append(group)
+            else:
+                surplus += 1
+    if not kept:
+        logger.warning("every group was filtered out; training on the last draw")
+        kept = last[:want]
+    info = {"groups_dropped": group_filter.dropped, "draws": draws}
+    if over_sampling:
+        info["groups_surplus"] = surplus
+    return kept, info

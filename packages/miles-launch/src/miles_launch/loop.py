@@ -2,15 +2,25 @@
 
 ::
 
+    [--offload-train: sleep]  [--offload-rollout: engines resume weights]
     update_weights                                   (engines start from the trainer's weights)
+    [--offload-rollout: engines resume KV cache and CUDA graphs]
     for rollout_id in range(next_rollout_id, --num-rollout):
         generate --rollout-batch-size prompts x --n-samples-per-prompt, score, filter
-        [--offload-rollout: release engine memory]   [--offload-train: wake the trainer]
+        [--offload-rollout: engines release weights, KV cache, CUDA graphs]
+        [--offload-train: wake the trainer]
         train
         save_model on --save-interval, the last rollout, or the sentinel
-        [--offload-train: sleep]                     [--offload-rollout: resume engine memory]
+        [--offload-train: sleep (model and optimizer state to the host)]
+        [--offload-rollout: engines resume weights only]
         update_weights                               (engine weight version + 1)
+        [--offload-rollout: engines resume KV cache and CUDA graphs]
         eval every --eval-interval
+
+Under ``--offload-train`` the trainer is woken once and put to sleep once per rollout: it
+publishes asleep, streaming its host copies bucket by bucket (the backends' weight sources), so
+the device never holds the whole trainer and the engines' weights at once. The steps that
+move memory are :class:`ColocatedCycle`'s (one place, for every trainer group of the job).
 """
 
 from __future__ import annotations
@@ -221,6 +231,46 @@ def save_point(job: Job, rollout_id: int, trigger: SaveTrigger | None) -> bool:
     return True
 
 
+#: SGLang memory tags of each colocated step (``/release_memory_occupation``, ``/resume_...``)
+ENGINE_ALL = ("weights", "kv_cache", "cuda_graph")
+ENGINE_WEIGHTS = ("weights",)
+ENGINE_CACHE = ("kv_cache", "cuda_graph")
+
+
+class ColocatedCycle:
+    """Who holds the device when, under ``--offload-train`` / ``--offload-rollout`` (module
+    docstring). ``trainers``: every trainer group that sleeps and wakes with the job (the actor
+    today); each method is one step of the cycle and does nothing when its flag is off."""
+
+    def __init__(self, args: Any, trainers: list[Any], engines: Any) -> None:
+        self.offload_train = bool(args.offload_train)
+        self.offload_rollout = bool(args.offload_rollout)
+        self.trainers = trainers
+        self.engines = engines
+
+    def to_training(self) -> None:
+        """After generation: the engines let go of everything, then the trainers wake."""
+        if self.offload_rollout:
+            self.engines.release_memory(ENGINE_ALL)
+        if self.offload_train:
+            for trainer in self.trainers:
+                trainer.wake_up()
+
+    def to_publish(self) -> None:
+        """After training (and saving): the trainers sleep, the engines take back their
+        weights only (what a publish writes into)."""
+        if self.offload_train:
+            for trainer in self.trainers:
+                trainer.sleep()
+        if self.offload_rollout:
+            self.engines.resume_memory(ENGINE_WEIGHTS)
+
+    def to_generation(self) -> None:
+        """After the publish: the engines take back their KV cache and CUDA graphs."""
+        if self.offload_rollout:
+            self.engines.resume_memory(ENGINE_CACHE)
+
+
 def publish(job: Job, weights: str | None = None) -> None:
     """``update_weights`` on every rank (``weights``: ``actor``/``ema``, default the backend's
     ``--rollout-weights``); when it fails because an engine died, say so."""
@@ -235,10 +285,13 @@ def run_sync(job: Job) -> list[dict[str, Any]]:
     """The synchronous loop (module docstring); returns the per-rollout records."""
     args, trainer, engines = job.args, job.trainer, job.engines
     trigger = SaveTrigger(args.save_trigger_sentinel) if args.save_trigger_sentinel else None
+    cycle = ColocatedCycle(args, [trainer], engines)
     t0 = time.monotonic()
+    if args.offload_rollout:  # the engines start from the trainer's weights: no cache yet
+        engines.release_memory(ENGINE_CACHE)
+    cycle.to_publish()
     publish(job)
-    if args.offload_train:
-        trainer.sleep()
+    cycle.to_generation()
     version = engines.weight_versions()[0]
     job.reporter.print(f"engines ready, weight version {version} ({time.monotonic() - t0:.1f}s)")
     records = []
@@ -252,10 +305,7 @@ def run_sync(job: Job) -> list[dict[str, Any]]:
         batch = to_rollout_batch(groups)
 
         t = time.monotonic()
-        if args.offload_rollout:
-            engines.release_memory()
-        if args.offload_train:
-            trainer.wake_up()
+        cycle.to_training()
         train_metrics = rank0_metrics(trainer.train(rollout_id, batch))
         times["train"] = time.monotonic() - t
 
@@ -265,13 +315,9 @@ def run_sync(job: Job) -> list[dict[str, Any]]:
         job.state.next_rollout_id = rollout_id + 1
 
         t = time.monotonic()
-        if args.offload_train:
-            trainer.sleep()
-        if args.offload_rollout:
-            engines.resume_memory()
+        cycle.to_publish()
         publish(job)
-        if args.offload_train:
-            trainer.sleep()
+        cycle.to_generation()
         times["update"] = time.monotonic() - t
         version = engines.weight_versions()[0]
 

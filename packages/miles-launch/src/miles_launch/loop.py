@@ -26,11 +26,13 @@ move memory are :class:`ColocatedCycle`'s (one place, for every trainer group of
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
+from miles_core.args.groups.offload import offload_rollout_on, offload_train_on
 from miles_core.save_trigger import SaveTrigger, should_save
 
 from miles_launch.job import Job, LauncherState, write_launcher_state
@@ -243,8 +245,8 @@ class ColocatedCycle:
     today); each method is one step of the cycle and does nothing when its flag is off."""
 
     def __init__(self, args: Any, trainers: list[Any], engines: Any) -> None:
-        self.offload_train = bool(args.offload_train)
-        self.offload_rollout = bool(args.offload_rollout)
+        self.offload_train = offload_train_on(args)
+        self.offload_rollout = offload_rollout_on(args)
         self.trainers = trainers
         self.engines = engines
 
@@ -270,6 +272,39 @@ class ColocatedCycle:
         if self.offload_rollout:
             self.engines.resume_memory(ENGINE_CACHE)
 
+    def first_publish(self, publish: Callable[[], None]) -> None:
+        """Before rollout 0: the engines start from the trainer's weights, published as every
+        later publish is (trainer asleep, engines holding their weights only)."""
+        if self.offload_rollout:
+            self.engines.release_memory(ENGINE_CACHE)
+        self.to_publish()
+        publish()
+        self.to_generation()
+
+    def after_generation(
+        self,
+        train: Callable[[], Any],
+        save: Callable[[], bool],
+        publish: Callable[[], None],
+    ) -> tuple[Any, bool, dict[str, float]]:
+        """One rollout from its generated batch on: train, save, publish, with the memory
+        steps between them; returns (``train()``'s result, ``save()``'s, seconds of
+        ``train``/``save``/``update``)."""
+        times: dict[str, float] = {}
+        t = time.monotonic()
+        self.to_training()
+        trained = train()
+        times["train"] = time.monotonic() - t
+        t = time.monotonic()
+        saved = save()
+        times["save"] = time.monotonic() - t
+        t = time.monotonic()
+        self.to_publish()
+        publish()
+        self.to_generation()
+        times["update"] = time.monotonic() - t
+        return trained, saved, times
+
 
 def publish(job: Job, weights: str | None = None) -> None:
     """``update_weights`` on every rank (``weights``: ``actor``/``ema``, default the backend's
@@ -281,17 +316,23 @@ def publish(job: Job, weights: str | None = None) -> None:
         raise
 
 
+def train_rollout(job: Job, rollout_id: int, batch: Any) -> dict[str, float]:
+    return rank0_metrics(job.trainer.train(rollout_id, batch))
+
+
+def save_rollout(job: Job, rollout_id: int, trigger: SaveTrigger | None) -> bool:
+    saved = save_point(job, rollout_id, trigger)
+    job.state.next_rollout_id = rollout_id + 1
+    return saved
+
+
 def run_sync(job: Job) -> list[dict[str, Any]]:
     """The synchronous loop (module docstring); returns the per-rollout records."""
     args, trainer, engines = job.args, job.trainer, job.engines
     trigger = SaveTrigger(args.save_trigger_sentinel) if args.save_trigger_sentinel else None
     cycle = ColocatedCycle(args, [trainer], engines)
     t0 = time.monotonic()
-    if args.offload_rollout:  # the engines start from the trainer's weights: no cache yet
-        engines.release_memory(ENGINE_CACHE)
-    cycle.to_publish()
-    publish(job)
-    cycle.to_generation()
+    cycle.first_publish(lambda: publish(job))
     version = engines.weight_versions()[0]
     job.reporter.print(f"engines ready, weight version {version} ({time.monotonic() - t0:.1f}s)")
     records = []
@@ -303,22 +344,12 @@ def run_sync(job: Job) -> list[dict[str, Any]]:
         groups, filter_info = collect_rollout(job, rollout_id)
         times["gen"] = time.monotonic() - t
         batch = to_rollout_batch(groups)
-
-        t = time.monotonic()
-        cycle.to_training()
-        train_metrics = rank0_metrics(trainer.train(rollout_id, batch))
-        times["train"] = time.monotonic() - t
-
-        t = time.monotonic()
-        saved = save_point(job, rollout_id, trigger)
-        times["save"] = time.monotonic() - t
-        job.state.next_rollout_id = rollout_id + 1
-
-        t = time.monotonic()
-        cycle.to_publish()
-        publish(job)
-        cycle.to_generation()
-        times["update"] = time.monotonic() - t
+        train_metrics, saved, step_times = cycle.after_generation(
+            functools.partial(train_rollout, job, rollout_id, batch),
+            functools.partial(save_rollout, job, rollout_id, trigger),
+            functools.partial(publish, job),
+        )
+        times.update(step_times)
         version = engines.weight_versions()[0]
 
         record = {

@@ -37,7 +37,6 @@ ROLLOUT = [
 FIRST = [
     ("engines.release", ["kv_cache", "cuda_graph"]),
     ("trainer.sleep", None),
-    ("engines.resume", ["weights"]),
     ("publish.start", None),
     ("publish.end", None),
     ("engines.resume", ["kv_cache", "cuda_graph"]),

@@ -2,7 +2,7 @@
 
 ::
 
-    [--offload-train: sleep]  [--offload-rollout: engines resume weights]
+    [--offload-rollout: engines release KV cache and CUDA graphs]  [--offload-train: sleep]
     update_weights                                   (engines start from the trainer's weights)
     [--offload-rollout: engines resume KV cache and CUDA graphs]
     for rollout_id in range(next_rollout_id, --num-rollout):
@@ -275,9 +275,11 @@ class ColocatedCycle:
     def first_publish(self, publish: Callable[[], None]) -> None:
         """Before rollout 0: the engines start from the trainer's weights, published as every
         later publish is (trainer asleep, engines holding their weights only)."""
-        if self.offload_rollout:
+        if self.offload_rollout:  # the weights stay: they are what the publish writes into
             self.engines.release_memory(ENGINE_CACHE)
-        self.to_publish()
+        if self.offload_train:
+            for trainer in self.trainers:
+                trainer.sleep()
         publish()
         self.to_generation()
 

@@ -34,7 +34,7 @@ CASES = {
 
 def run(tmp_path: Path, target: str, case: str) -> list[dict]:
     checkpoint = save_checkpoint(tiny_model(0), tmp_path / "ckpt")
-    engine = Engine(checkpoint)
+    engine = Engine(checkpoint, timeout=300)  # a loaded machine starts it slowly
     flags = {
         "lr": 1e-2,
         "advantage_estimator": "grpo",

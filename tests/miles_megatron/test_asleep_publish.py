@@ -58,7 +58,7 @@ def run(tmp_path: Path, flags: list[str], pp: int = 1) -> list[dict]:
 
     AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).save_pretrained(engine_dir)
     save_tokenizer(engine_dir)
-    engine = Engine(engine_dir)
+    engine = Engine(engine_dir, timeout=300)  # a loaded machine starts it slowly
     try:
         before = engine.digests()
         results = spawn_ranks(

@@ -22,7 +22,12 @@ pytestmark = pytest.mark.slow
 
 CASES = {
     "actor": {},
-    "ema": {"use_ema": True, "ema_decay_init": 0.5, "publish_weights": "ema"},
+    "ema": {
+        "use_ema": True,
+        "eval_weights": "ema",
+        "ema_decay_init": 0.5,
+        "publish_weights": "ema",
+    },
     "lora": {
         "use_lora": True,
         "lora_rank": 4,

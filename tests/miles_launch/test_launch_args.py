@@ -9,7 +9,7 @@ import sys
 import pytest
 from launch_testing import parse
 from miles_core import backends
-from miles_core.args import ArgumentError, installed_groups
+from miles_core.args import ArgumentError, entry_point_groups, installed_groups
 from miles_launch.args import launch_groups
 
 
@@ -223,3 +223,28 @@ def test_cli_rollout_control_error_is_one_line_exit_2():
         _cli("train", "--train-backend", "fsdp", "--over-sampling-batch-size", "16")
     )
     assert "--over-sampling-batch-size requires --dynamic-filter" in line
+
+@pytest.mark.parametrize(
+    "flags, gpu_backend",
+    [
+        ((), "nccl"),
+        (("--fsdp-cpu-offload",), "cpu:gloo,cuda:nccl"),
+        (("--ref-load", "REF", "--ref-cpu-offload"), "cpu:gloo,cuda:nccl"),
+    ],
+)
+def test_cpu_offload_flags_put_a_cpu_backend_beside_nccl(tmp_path, flags, gpu_backend):
+    """`miles train`'s default group: NCCL alone, or with the CPU backend of
+    --fsdp-cpu-backend when a flag keeps shards on the host (gloo without a GPU)."""
+    from miles_core.args import parse_args
+    from miles_fsdp.args import fsdp_groups
+    from miles_launch.trainer_group import process_group_backend
+
+    (tmp_path / "REF").mkdir()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hi", "label": "1"}\n')
+    (tmp_path / "hf").mkdir()
+    flags = tuple(str(tmp_path / "REF") if f == "REF" else f for f in flags)
+    argv = ["--hf-checkpoint", str(tmp_path / "hf"), "--prompt-data", str(prompts), *flags]
+    args = parse_args(argv, [*entry_point_groups("core", "launch"), *fsdp_groups()])
+    assert process_group_backend(args, use_gpu=True) == gpu_backend
+    assert process_group_backend(args, use_gpu=False) == "gloo"

@@ -207,3 +207,34 @@ def test_frozen_names_must_be_models():
     model, _ = _trained()
     with pytest.raises(ValueError, match="frozen"):
         DeviceMover({"actor": model}, frozen={"ref"})
+
+
+@pytest.mark.parametrize("kind", ["cpu", "disk"])
+def test_read_while_asleep_gives_the_values_without_waking(tmp_path, kind):
+    """``read``: every parameter, buffer and optimizer state value (and a strided view of one)
+    comes back bit for bit from the arena or the file; the mover stays asleep and the disk
+    storages stay freed."""
+    model, opt = _trained()
+    before = _values(model, opt)
+    view = model.embed.weight.detach()[1:, ::2]  # a strided view, made while awake
+    view_before = view.clone()
+    target = OffloadTarget(kind=kind, disk_dir=str(tmp_path) if kind == "disk" else None)
+    mover = DeviceMover({"actor": model}, [opt], target)
+    mover.sleep()
+    read = {f"p.{n}": mover.read(p.detach()) for n, p in model.named_parameters()}
+    read.update({f"b.{n}": mover.read(b) for n, b in model.named_buffers()})
+    for i, p in enumerate(opt.param_groups[0]["params"]):
+        read.update({f"s.{i}.{k}": mover.read(v) for k, v in opt.state[p].items()})
+    _assert_equal(before, read)
+    assert torch.equal(mover.read(view), view_before)
+    assert mover.is_asleep
+    if kind == "disk":
+        assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    mover.wake_up()
+    _assert_equal(before, _values(model, opt))
+    mover.sleep()
+    stranger = torch.ones(4)
+    stranger.untyped_storage().resize_(0)
+    with pytest.raises(ValueError, match="not one this mover put to sleep"):
+        mover.read(stranger)
+    mover.close()

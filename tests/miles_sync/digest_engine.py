@@ -3,7 +3,8 @@
 ``python digest_engine.py --model-path DIR --port P`` serves exactly what ``python -m
 miles_launch.builtin_engine`` serves (same argument parser, state and app) and adds a route that returns
 the xxh3-128 of every parameter's raw bytes, read on the scheduler thread, so tests can compare
-the engine's live weights with the trainer's bit for bit.
+the engine's live weights with the trainer's bit for bit; and ``GET /memory_state``, whether
+its weights are released and the bytes of its KV cache (the colocated cycle's residency test).
 """
 
 from __future__ import annotations
@@ -34,6 +35,16 @@ def main() -> None:
     async def weights_digest():
         future = state.scheduler.run_control(lambda: digests(state.weights.tensors))
         return await asyncio.wrap_future(future)
+
+    @app.get("/memory_state")
+    async def memory_state():
+        def read():
+            return {
+                "weights_released": state.weights.released,
+                "kv_cache_bytes": state.scheduler.kv_cache_bytes(),
+            }
+
+        return await asyncio.wrap_future(state.scheduler.run_control(read))
 
     try:
         uvicorn.run(app, host=config.host, port=config.port, log_level="warning")

@@ -302,6 +302,11 @@ class FSDPBackend(TrainBackend):
         ``weights``: ``actor`` or ``ema``; unset: ``--rollout-weights``. An evaluation on the
         engines with ``--eval-weights`` other than ``--rollout-weights`` publishes
         ``weights=args.eval_weights`` before it and the rollout weights again after it.
+
+        A sleeping trainer publishes asleep: the weight source reads each shard from its host
+        copy or disk file (:meth:`~miles_offload.device_mover.DeviceMover.read`), a gather
+        group at a time, and the optimizer state never comes back to the device. The EMA's
+        averages are read in place of the actor's values (nothing is swapped).
         """
         from miles_sync.ranks import RankContext
         from miles_sync.weight_sync import SyncConfig, WeightPublisher
@@ -311,17 +316,25 @@ class FSDPBackend(TrainBackend):
             raise ValueError(f"update_weights: weights must be 'actor' or 'ema', got {which!r}")
         if which == "ema" and self.ema is None:
             raise ValueError("update_weights(weights='ema') needs --use-ema")
-        self.wake_up()
         if self.publisher is None:
             self.publisher = WeightPublisher(
                 SyncConfig.from_args(self.args), RankContext.from_default_group()
             )
-        with self.use_weights(which):  # ema: EMA values in the actor's shards, restored after
-            self.publisher.update_weights(self.weight_source(), list(engines))
+        source = self.weight_source(self.args.update_weight_buffer_size, weights=which)
+        self.publisher.update_weights(source, list(engines))
 
     # ------------------------------------------------------------------ weights
-    def weight_source(self, gather_bytes: int = 256 << 20) -> WeightSource:
-        """The current weights in checkpoint names/dtypes (collective iteration)."""
+    def weight_source(self, gather_bytes: int = 256 << 20, weights: str = "actor") -> WeightSource:
+        """The current weights in checkpoint names/dtypes (collective iteration): the actor's,
+        or with ``weights="ema"`` the EMA's averages in the actor's names. Asleep, the source
+        reads the host copies (see :meth:`update_weights`)."""
+        values = {}
+        if weights == "ema":
+            values = {
+                name: self.ema.state[p]["ema"]
+                for name, p in self.model.named_parameters()
+                if p in self.ema.state
+            }
         return WeightSource(
             model=self.model,
             config=self.config,
@@ -331,6 +344,8 @@ class FSDPBackend(TrainBackend):
             gather_bytes=gather_bytes,
             device=self.device,
             lora_scale=self.lora.scale if self.lora is not None else None,
+            read=self.mover.read if self.asleep else None,
+            values=values,
         )
 
     def _config_dtype(self) -> torch.dtype:

@@ -8,11 +8,17 @@ the checkpoint take ``default_dtype``). The output head is left out when it is t
 embedding, as ``save_pretrained`` does. Collective: every rank iterates in lock step and every
 rank receives the full tensors. With LoRA (``lora_scale`` set) a wrapped linear's base weight and
 factors are gathered together and published merged, in the base checkpoint's names.
+
+``read`` (a sleeping trainer's :meth:`~miles_offload.device_mover.DeviceMover.read`) gives each
+local shard's values on the device from wherever they sleep, so a publish never wakes the
+model: only the tensors of one gather group are on the device at a time. ``values`` replaces
+named parameters by other tensors of the same sharding (the EMA's averages, read in place of
+the actor's values rather than swapped into them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,15 +43,31 @@ class WeightSource:
     gather_bytes: int = 256 << 20
     device: torch.device | None = None
     lora_scale: float | None = None  # alpha / r of the actor's adapter under --use-lora
+    read: Callable[[torch.Tensor], torch.Tensor] | None = None  # a local tensor -> on device
+    values: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> tensor read instead
 
     def _named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         skip: set[str] = set()
         if embeddings_tied(self.model):
             head = self.model.get_output_embeddings()
             skip = {f"{n}.weight" for n, m in self.model.named_modules() if m is head}
-        return [(n, t) for n, t in self.model.state_dict().items() if n not in skip]
+        return [
+            (n, self.values.get(n, t)) for n, t in self.model.state_dict().items() if n not in skip
+        ]
 
     def _full(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.read is not None:
+            if not isinstance(tensor, DTensor):
+                return self.read(tensor)
+            local = self.read(tensor.to_local())
+            tensor = DTensor.from_local(
+                local,
+                tensor.device_mesh,
+                tensor.placements,
+                run_check=False,
+                shape=tensor.shape,
+                stride=tensor.stride(),
+            )
         if isinstance(tensor, DTensor):
             if self.device is not None and tensor.device != self.device:
                 tensor = tensor.to(self.device)

@@ -2,25 +2,37 @@
 
 ::
 
+    [--offload-rollout: engines release KV cache and CUDA graphs]  [--offload-train: sleep]
     update_weights                                   (engines start from the trainer's weights)
+    [--offload-rollout: engines resume KV cache and CUDA graphs]
     for rollout_id in range(next_rollout_id, --num-rollout):
         generate --rollout-batch-size prompts x --n-samples-per-prompt, score, filter
-        [--offload-rollout: release engine memory]   [--offload-train: wake the trainer]
+        [--offload-rollout: engines release weights, KV cache, CUDA graphs]
+        [--offload-train: wake the trainer]
         train
         save_model on --save-interval, the last rollout, or the sentinel
-        [--offload-train: sleep]                     [--offload-rollout: resume engine memory]
+        [--offload-train: sleep (model and optimizer state to the host)]
+        [--offload-rollout: engines resume weights only]
         update_weights                               (engine weight version + 1)
+        [--offload-rollout: engines resume KV cache and CUDA graphs]
         eval every --eval-interval
+
+Under ``--offload-train`` the trainer is woken once and put to sleep once per rollout: it
+publishes asleep, streaming its host copies bucket by bucket (the backends' weight sources), so
+the device never holds the whole trainer and the engines' weights at once. The steps that
+move memory are :class:`ColocatedCycle`'s (one place, for every trainer group of the job).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
+from miles_core.args.groups.offload import offload_rollout_on, offload_train_on
 from miles_core.save_trigger import SaveTrigger, should_save
 
 from miles_launch.job import Job, LauncherState, write_launcher_state
@@ -205,6 +217,81 @@ def save_point(job: Job, rollout_id: int, trigger: SaveTrigger | None) -> bool:
     return True
 
 
+#: SGLang memory tags of each colocated step (``/release_memory_occupation``, ``/resume_...``)
+ENGINE_ALL = ("weights", "kv_cache", "cuda_graph")
+ENGINE_WEIGHTS = ("weights",)
+ENGINE_CACHE = ("kv_cache", "cuda_graph")
+
+
+class ColocatedCycle:
+    """Who holds the device when, under ``--offload-train`` / ``--offload-rollout`` (module
+    docstring). ``trainers``: every trainer group that sleeps and wakes with the job (the actor
+    today); each method is one step of the cycle and does nothing when its flag is off."""
+
+    def __init__(self, args: Any, trainers: list[Any], engines: Any) -> None:
+        self.offload_train = offload_train_on(args)
+        self.offload_rollout = offload_rollout_on(args)
+        self.trainers = trainers
+        self.engines = engines
+
+    def to_training(self) -> None:
+        """After generation: the engines let go of everything, then the trainers wake."""
+        if self.offload_rollout:
+            self.engines.release_memory(ENGINE_ALL)
+        if self.offload_train:
+            for trainer in self.trainers:
+                trainer.wake_up()
+
+    def to_publish(self) -> None:
+        """After training (and saving): the trainers sleep, the engines take back their
+        weights only (what a publish writes into)."""
+        if self.offload_train:
+            for trainer in self.trainers:
+                trainer.sleep()
+        if self.offload_rollout:
+            self.engines.resume_memory(ENGINE_WEIGHTS)
+
+    def to_generation(self) -> None:
+        """After the publish: the engines take back their KV cache and CUDA graphs."""
+        if self.offload_rollout:
+            self.engines.resume_memory(ENGINE_CACHE)
+
+    def first_publish(self, publish: Callable[[], None]) -> None:
+        """Before rollout 0: the engines start from the trainer's weights, published as every
+        later publish is (trainer asleep, engines holding their weights only)."""
+        if self.offload_rollout:  # the weights stay: they are what the publish writes into
+            self.engines.release_memory(ENGINE_CACHE)
+        if self.offload_train:
+            for trainer in self.trainers:
+                trainer.sleep()
+        publish()
+        self.to_generation()
+
+    def after_generation(
+        self,
+        train: Callable[[], Any],
+        save: Callable[[], bool],
+        publish: Callable[[], None],
+    ) -> tuple[Any, bool, dict[str, float]]:
+        """One rollout from its generated batch on: train, save, publish, with the memory
+        steps between them; returns (``train()``'s result, ``save()``'s, seconds of
+        ``train``/``save``/``update``)."""
+        times: dict[str, float] = {}
+        t = time.monotonic()
+        self.to_training()
+        trained = train()
+        times["train"] = time.monotonic() - t
+        t = time.monotonic()
+        saved = save()
+        times["save"] = time.monotonic() - t
+        t = time.monotonic()
+        self.to_publish()
+        publish()
+        self.to_generation()
+        times["update"] = time.monotonic() - t
+        return trained, saved, times
+
+
 def publish(job: Job, weights: str | None = None) -> None:
     """``update_weights`` on every rank (``weights``: ``actor``/``ema``, default the backend's
     ``--rollout-weights``); when it fails because an engine died, say so."""
@@ -215,14 +302,23 @@ def publish(job: Job, weights: str | None = None) -> None:
         raise
 
 
+def train_rollout(job: Job, rollout_id: int, batch: Any) -> dict[str, float]:
+    return rank0_metrics(job.trainer.train(rollout_id, batch))
+
+
+def save_rollout(job: Job, rollout_id: int, trigger: SaveTrigger | None) -> bool:
+    saved = save_point(job, rollout_id, trigger)
+    job.state.next_rollout_id = rollout_id + 1
+    return saved
+
+
 def run_sync(job: Job) -> list[dict[str, Any]]:
     """The synchronous loop (module docstring); returns the per-rollout records."""
     args, trainer, engines = job.args, job.trainer, job.engines
     trigger = SaveTrigger(args.save_trigger_sentinel) if args.save_trigger_sentinel else None
+    cycle = ColocatedCycle(args, [trainer], engines)
     t0 = time.monotonic()
-    publish(job)
-    if args.offload_train:
-        trainer.sleep()
+    cycle.first_publish(lambda: publish(job))
     version = engines.weight_versions()[0]
     job.reporter.print(f"engines ready, weight version {version} ({time.monotonic() - t0:.1f}s)")
     records = []
@@ -234,29 +330,12 @@ def run_sync(job: Job) -> list[dict[str, Any]]:
         groups, filter_info = collect_rollout(job, rollout_id)
         times["gen"] = time.monotonic() - t
         batch = to_rollout_batch(groups)
-
-        t = time.monotonic()
-        if args.offload_rollout:
-            engines.release_memory()
-        if args.offload_train:
-            trainer.wake_up()
-        train_metrics = rank0_metrics(trainer.train(rollout_id, batch))
-        times["train"] = time.monotonic() - t
-
-        t = time.monotonic()
-        saved = save_point(job, rollout_id, trigger)
-        times["save"] = time.monotonic() - t
-        job.state.next_rollout_id = rollout_id + 1
-
-        t = time.monotonic()
-        if args.offload_train:
-            trainer.sleep()
-        if args.offload_rollout:
-            engines.resume_memory()
-        publish(job)
-        if args.offload_train:
-            trainer.sleep()
-        times["update"] = time.monotonic() - t
+        train_metrics, saved, step_times = cycle.after_generation(
+            functools.partial(train_rollout, job, rollout_id, batch),
+            functools.partial(save_rollout, job, rollout_id, trigger),
+            functools.partial(publish, job),
+        )
+        times.update(step_times)
         version = engines.weight_versions()[0]
 
         record = {

@@ -1,7 +1,8 @@
 """The trainer: one Ray actor per rank, each wrapping one backend instance.
 
-Every rank sets up ``torch.distributed`` (nccl with a GPU, gloo without) before the backend's
-``init``; the driver then calls the contract's methods on all ranks in lock step
+Every rank sets up ``torch.distributed`` (:func:`process_group_backend`: nccl with a GPU, plus
+a CPU backend beside it when a flag needs CPU collectives; gloo without a GPU) before the
+backend's ``init``; the driver then calls the contract's methods on all ranks in lock step
 (:meth:`TrainerGroup.call`). When any rank raises, or its process dies, every rank is killed
 and :class:`TrainerFailure` names the rank, the method and the cause: a failure never leaves
 the other ranks hanging in a collective.
@@ -24,6 +25,22 @@ logger = logging.getLogger(__name__)
 
 #: Timeout of the trainer's process-group collectives.
 COLLECTIVE_TIMEOUT_S = 1800
+
+
+#: flags whose models keep shards on the host, so their collectives (FSDP's gradient
+#: reduce-scatter under CPU offload, the frozen roles' loading) run on CPU tensors
+CPU_COLLECTIVE_FLAGS = ("fsdp_cpu_offload", "ref_cpu_offload", "teacher_cpu_offload")
+
+
+def process_group_backend(args: Any, use_gpu: bool) -> str:
+    """The default group's backend: ``gloo`` without a GPU; with one, ``nccl``, or
+    ``cpu:<--fsdp-cpu-backend>,cuda:nccl`` when a flag of :data:`CPU_COLLECTIVE_FLAGS` is
+    set (CPU tensors then reduce over the CPU backend, device tensors over NCCL)."""
+    if not use_gpu:
+        return "gloo"
+    if any(getattr(args, flag, False) for flag in CPU_COLLECTIVE_FLAGS):
+        return f"cpu:{getattr(args, 'fsdp_cpu_backend', 'gloo')},cuda:nccl"
+    return "nccl"
 
 
 class TrainerFailure(RuntimeError):
@@ -64,7 +81,7 @@ class TrainerRank:
         if self.use_gpu:
             torch.cuda.set_device(0)
         dist.init_process_group(
-            backend="nccl" if self.use_gpu else "gloo",
+            backend=process_group_backend(args, self.use_gpu),
             rank=self.rank,
             world_size=self.world_size,
             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
@@ -74,6 +91,12 @@ class TrainerRank:
 
     def data_layout(self):
         return self.backend.data_layout()
+
+    def process_group(self) -> str:
+        """The default group's backend as torch reports it (e.g. ``cpu:gloo,cuda:nccl``)."""
+        import torch.distributed as dist
+
+        return str(dist.get_backend())
 
     def train(self, rollout_id: int, shard: RolloutBatch) -> dict[str, float]:
         return self.backend.train(rollout_id, shard)

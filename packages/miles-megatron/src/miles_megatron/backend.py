@@ -320,7 +320,8 @@ class MegatronBackend(TrainBackend):
 
         Under ``--use-lora``: the base with ``(alpha / r) B A`` merged in, in the base's dtype.
         """
-        base = iter_hf_weights(self.model, self.bridge, self.margs)
+        read = self.sleeper.read if self.sleeper.asleep else None
+        base = iter_hf_weights(self.model, self.bridge, self.margs, read=read)
         return self.lora.merged(base) if self.lora is not None else base
 
     def publish_weights(self, to_all: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -351,11 +352,24 @@ class MegatronBackend(TrainBackend):
         miles-sync's transports read one collective source on every rank; :meth:`publish_weights`
         brings every pipeline stage's tensors to the ranks the mode sends from (rank 0 for
         ``broadcast`` and ``disk-delta``, every rank for ``ipc`` and ``p2p``).
+
+        A sleeping model publishes asleep (:meth:`~miles_megatron.sleep_wake.SleepWake.read`:
+        each parameter from its host copy or file, the optimizer state left there), except
+        under ``--use-lora`` (the factors are read whole) and
+        ``--rematerialize-param-from-master-weight`` (no 16-bit copy exists): those wake for
+        the publish and sleep again afterwards.
         """
         from miles_sync.ranks import RankContext
         from miles_sync.weight_sync import SyncConfig, WeightPublisher
 
-        self.wake_up()
+        asleep = self.sleeper.asleep
+        if asleep and (self.lora is not None or not self.sleeper.can_read):
+            self.wake_up()
+            try:
+                self.update_weights(engines)
+            finally:
+                self.sleep()
+            return
         if self._publisher is None:
             self._publisher = WeightPublisher(
                 SyncConfig.from_args(self.args), RankContext.from_default_group()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -82,15 +82,21 @@ def load_hf_into_model(
 
 
 def iter_hf_weights(
-    model: torch.nn.Module, bridge: Bridge, margs: Mapping[str, Any]
+    model: torch.nn.Module,
+    bridge: Bridge,
+    margs: Mapping[str, Any],
+    read: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """HF ``(name, tensor)`` of this PP stage, TP/EP-gathered (a collective on every rank).
 
     A tied output layer on the last stage is skipped (HF has only ``embed_tokens``).
+    ``read``: each local parameter's values on the device (a sleeping model's
+    :meth:`~miles_megatron.sleep_wake.SleepWake.read`); default the parameter itself.
     """
     tied = not margs.get("untie_embeddings_and_output_weights")
+    tensors = (lambda _name, param: read(param.detach())) if read is not None else None
     for name, tensor in iter_global_tensors(
-        model, margs.get("num_experts"), gated=bool(margs.get("swiglu"))
+        model, margs.get("num_experts"), gated=bool(margs.get("swiglu")), tensors=tensors
     ):
         if tied and name == "output_layer.weight":
             continue

@@ -33,6 +33,13 @@ storage and every wake copies the retained copy back, so after the first cycle o
 the last sleep copied off the device.
 
 Both calls are idempotent.
+
+While asleep, :meth:`SleepWake.read` gives one parameter's values on the device without waking:
+a view of the arena slot (``cpu``) or a read of the file's window (``disk``), copied over. A
+publish from a sleeping trainer gathers its weights this way, tensor by tensor, and the
+optimizer state stays on the target. Under ``--rematerialize-param-from-master-weight`` the
+16-bit values exist nowhere while asleep: :attr:`SleepWake.can_read` is False and a publish
+wakes the model first.
 """
 
 from __future__ import annotations
@@ -252,6 +259,35 @@ class SleepWake:
             self._rebuild_params()
         self._moved, self._freed, self._views = [], [], []
         self.asleep = False
+
+    @property
+    def can_read(self) -> bool:
+        """Whether :meth:`read` can serve the parameters while asleep (not rematerialized)."""
+        return not self.rematerialize
+
+    @torch.no_grad()
+    def read(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (a parameter of the model, or a view of one) with its values on the device:
+        ``t`` itself when awake, else a new tensor from the host copy or the file."""
+        storage = t.untyped_storage()
+        if not self.asleep or t.numel() == 0 or storage.nbytes() > 0:
+            return t
+        key = storage._cdata
+        for param, host, _ in self._frozen or []:
+            if param.untyped_storage()._cdata == key:
+                return host.as_strided(t.shape, t.stride(), t.storage_offset()).to(self.device)
+        if isinstance(self.store, DiskStore):
+            if self.store.holds(t):
+                return self.store.read(t, self.device)
+        else:
+            for (moved, _), view in zip(self._moved, self._views):
+                if moved._cdata == key:
+                    size = t.element_size()
+                    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+                    begin = t.storage_offset() * size
+                    raw = view[begin : begin + extent * size].to(self.device)
+                    return raw.view(t.dtype).as_strided(t.shape, t.stride(), 0)
+        raise ValueError("SleepWake.read: the tensor's bytes are not held while asleep")
 
     def _rebuild_params(self) -> None:
         """16-bit parameter buffers <- cast of the fp32 master shards, all-gathered over DP."""

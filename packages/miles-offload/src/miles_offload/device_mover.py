@@ -14,6 +14,11 @@ parameters including uneven shards (FSDP's padded shard moves as one block, and
 optimizer state values are replaced by new tensors under ``cpu``, and keep their objects
 under ``disk`` (their storage is freed and re-grown).
 
+While asleep, :meth:`DeviceMover.read` gives the values of any tensor the mover holds on the
+device without waking anything: a ``cpu`` target's host copy is copied over, a ``disk``
+target's bytes are read from its file. A publish from a sleeping trainer reads its weights this
+way, one tensor (or one shard) at a time; the optimizer state stays where it is.
+
 Frozen models (reference, teacher) keep their host copy after waking: each later sleep
 points them back at it without copying. A model that FSDP2 keeps on the CPU itself
 (``CPUOffloadPolicy``) never sleeps.
@@ -266,6 +271,22 @@ class DeviceMover:
         stats.seconds = time.perf_counter() - start
         self.last = stats
         return stats
+
+    @torch.no_grad()
+    def read(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (a plain tensor or a DTensor's local tensor held by one of the mover's
+        models or optimizers) with its values on the device, whether asleep or awake.
+
+        Awake, or a tensor that never moved: ``t`` itself (moved to the device if it is
+        elsewhere). Asleep: a new device tensor read from the host copy or the disk file; the
+        mover stays asleep."""
+        self._check_open()
+        if not self.is_asleep or t.numel() == 0 or t.untyped_storage().nbytes() > 0:
+            return t.to(self.device)
+        for group in self._groups:
+            if isinstance(group.store, DiskStore) and group.store.holds(t):
+                return group.store.read(t, self.device)
+        raise ValueError("DeviceMover.read: the tensor is not one this mover put to sleep")
 
     def _host_entries(self, group: _Group) -> list[MovedTensor]:
         """The group's tensors that sit in its arena (tensors that never moved are left out)."""

@@ -6,6 +6,11 @@ the ring) and then frees the device memory by resizing each storage to zero byte
 tensors themselves (Parameters, DTensor shards, optimizer state) are untouched, so every
 object and view survives; wake re-grows each storage and streams its bytes back. The file
 is opened once, overwritten in place at every sleep and removed on close or at exit.
+
+While the group sleeps, :meth:`DiskStore.read` gives one tensor's values without waking it:
+the 4 KiB-aligned window of the file that holds the tensor's bytes is read into a reusable
+page-aligned staging buffer and copied to the device (what a publish from a sleeping trainer
+streams, one tensor at a time).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import os
 import weakref
 
 import torch
-from miles_native import CopyEngine, open_file_streamer
+from miles_native import CopyEngine, PinnedArena, open_file_streamer
 
 from miles_offload.offload_target import OffloadTarget
 from miles_offload.state_tensors import MovedTensor
@@ -23,6 +28,7 @@ from miles_offload.state_tensors import MovedTensor
 logger = logging.getLogger(__name__)
 
 ALIGNMENT = 512
+DIRECT_ALIGNMENT = 4096  # O_DIRECT reads: address, offset and size
 RAM_FILESYSTEMS = {"tmpfs", "ramfs"}
 
 
@@ -77,6 +83,8 @@ class DiskStore:
         self._sizes: list[int] = []
         self._offsets: list[int] = []
         self._layout: tuple = ()
+        self._index: dict[int, int] = {}  # storage identity -> its slot in the file
+        self._staging: PinnedArena | None = None
         self.holds_current = False  # the file holds the group's present values
 
     @property
@@ -100,6 +108,30 @@ class DiskStore:
             offsets.append(end)
             end = (end + n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
         self._storages, self._sizes, self._offsets, self._layout = storages, sizes, offsets, layout
+        self._index = {st._cdata: i for i, st in enumerate(storages)}
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """True when ``t``'s storage is one this store wrote."""
+        return t.untyped_storage()._cdata in self._index
+
+    def read(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``t``'s values (``t`` asleep in this store, see :meth:`holds`) as a new tensor on
+        ``device`` with ``t``'s shape, dtype and strides; the file is read, nothing is woken."""
+        slot = self._index[t.untyped_storage()._cdata]
+        size = t.element_size()
+        extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else 0
+        begin = self._offsets[slot] + t.storage_offset() * size
+        nbytes = extent * size
+        lo = begin // DIRECT_ALIGNMENT * DIRECT_ALIGNMENT
+        hi = (begin + nbytes + DIRECT_ALIGNMENT - 1) // DIRECT_ALIGNMENT * DIRECT_ALIGNMENT
+        if self._staging is None or self._staging.nbytes < hi - lo:
+            self._staging = PinnedArena(hi - lo, pin=True)
+        self.streamer.read(self._staging.ptr, hi - lo, lo)
+        host = torch.frombuffer(self._staging, dtype=torch.uint8)[begin - lo : begin - lo + nbytes]
+        out = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        out.copy_(host)
+        flat = out.view(t.dtype)
+        return flat.as_strided(t.shape, t.stride(), 0)
 
     def sleep(self, entries: list[MovedTensor], engine: CopyEngine, after_stream: int) -> int:
         """Write (unless the file already holds these values) and free; returns bytes written."""
@@ -122,4 +154,5 @@ class DiskStore:
         return sum(self._sizes)
 
     def close(self) -> None:
+        self._staging = None
         self._finalizer()

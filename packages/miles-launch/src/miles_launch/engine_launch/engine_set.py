@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,15 +207,18 @@ class EngineSet:
         """A client of one of the job's engines, carrying the job's API key."""
         return EngineClient(url, api_key=self.api_key)
 
-    def release_memory(self) -> None:
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """``/release_memory_occupation`` on every engine with SGLang's memory ``tags``
+        (``weights``, ``kv_cache``, ``cuda_graph``; None: all of them)."""
         for url in self.urls:
             with self.client(url) as client:
-                client.release_memory_occupation()
+                client.release_memory_occupation(None if tags is None else list(tags))
 
-    def resume_memory(self) -> None:
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """``/resume_memory_occupation`` on every engine with ``tags`` (None: all)."""
         for url in self.urls:
             with self.client(url) as client:
-                client.resume_memory_occupation()
+                client.resume_memory_occupation(None if tags is None else list(tags))
 
     def weight_versions(self) -> list[str]:
         """``weight_version`` of every engine (``/get_model_info``)."""

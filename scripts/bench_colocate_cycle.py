@@ -1,0 +1,231 @@
+"""Benchmark of one colocated rollout cycle's trainer side: sleep, publish asleep, wake.
+
+One FSDP trainer (a Qwen3-shaped model of ``--hidden``/``--layers``, fp32 masters, AdamW state
+after one step) under ``--offload-train-target cpu`` and ``disk``:
+
+- sleep and wake: seconds and bytes (model + optimizer state), against the floor of the same
+  bytes: one contiguous device -> host copy (and back) of a buffer as large, measured in the
+  same run (``disk``: plus the raw write/read of a file that large in ``--disk-dir``);
+- publish asleep: the weight source read from the host copies or file, gathered and packed
+  bucket by bucket into a ``--update-weight-buffer-size`` buffer (what the transport sends),
+  against publishing the same bytes from the awake trainer;
+- the trainer's peak device memory during the asleep publish against the bucket size (CUDA:
+  ``max_memory_allocated`` above what the sleeping trainer holds; CPU: the largest gather group
+  the source held at once). Target on a GPU: <= 3 x the buffer size plus one bucket's gather.
+
+Prints a table and writes JSON (``--json``). GB = 1e9 B.
+
+    python scripts/bench_colocate_cycle.py --hidden 1024 --layers 8 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: torch.device) -> float:
+    _sync(device)
+    t = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t
+
+
+def make_checkpoint(path: str, hidden: int, layers: int, vocab: int) -> None:
+    from miles_launch.tiny_model import save_char_tokenizer, tiny_qwen3
+
+    model = tiny_qwen3(
+        0,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        head_dim=hidden // 4,
+        num_hidden_layers=layers,
+    )
+    model.to(torch.bfloat16).save_pretrained(path)
+    save_char_tokenizer(path, vocab_size=vocab)
+
+
+def build(ckpt: str, target: str, disk_dir: str, buffer: int):
+    from miles_core.args import core_groups, parse_args
+    from miles_core.batch import RolloutBatch, Sample
+    from miles_fsdp.args import fsdp_groups
+    from miles_fsdp.backend import FSDPBackend
+
+    argv = ["--hf-checkpoint", ckpt, "--lr", "1e-4", "--advantage-estimator", "grpo"]
+    argv += ["--offload-train", "--offload-train-target", target]
+    argv += ["--update-weight-buffer-size", str(buffer), "--attn-implementation", "sdpa"]
+    if target == "disk":
+        argv += ["--offload-train-disk-dir", disk_dir]
+    args = parse_args(argv, [*core_groups(), *fsdp_groups()])
+    backend = FSDPBackend()
+    backend.init(args)
+    g = torch.Generator().manual_seed(0)
+    samples = [
+        Sample(
+            tokens=torch.randint(1, 60, (16,), generator=g),
+            response_length=8,
+            reward=float(i % 2),
+            group_index=i // 2,
+        )
+        for i in range(4)
+    ]
+    backend.train(0, RolloutBatch(samples))  # AdamW state exists
+    return backend
+
+
+def publish_pass(backend, buffer: int) -> tuple[float, int, int]:
+    """Iterate the weight source and pack each tensor into a bucket of ``buffer`` bytes (the
+    transport's send buffer); returns (seconds, bytes, largest gather group held)."""
+    device = backend.device
+    bucket = torch.empty(buffer, dtype=torch.uint8, device=device)
+    source = backend.weight_source(buffer)
+    peak_group = 0
+    original = source._emit
+
+    def emit(group):
+        nonlocal peak_group
+        peak_group = max(peak_group, sum(t.numel() * t.element_size() for _, t in group))
+        yield from original(group)
+
+    source._emit = emit
+    total, fill = 0, 0
+
+    def run():
+        nonlocal total, fill
+        for _, tensor in source:
+            raw = tensor.contiguous().view(-1).view(torch.uint8)
+            n = raw.numel()
+            if fill + n > buffer:
+                fill = 0  # the transport sends the bucket and reuses it
+            if n <= buffer:
+                bucket[fill : fill + n].copy_(raw)
+                fill += n
+            total += n
+
+    seconds = _timed(run, device)
+    return seconds, total, peak_group
+
+
+def floor_copy(nbytes: int, device: torch.device, disk_dir: str | None) -> dict[str, float]:
+    """One contiguous copy of ``nbytes`` each way (and the file write/read for disk)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    out = {
+        "to_host_s": _timed(lambda: host.copy_(src, non_blocking=True), device),
+        "to_device_s": _timed(lambda: src.copy_(host, non_blocking=True), device),
+    }
+    if disk_dir is not None:
+        path = os.path.join(disk_dir, "floor.bin")
+        data = host.numpy().tobytes()
+        t = time.perf_counter()
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        out["write_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        with open(path, "rb") as f:
+            f.read()
+        out["read_s"] = time.perf_counter() - t
+        os.remove(path)
+    return out
+
+
+def bench(target: str, ckpt: str, disk_dir: str, buffer: int) -> dict:
+    backend = build(ckpt, target, disk_dir, buffer)
+    device = backend.device
+    try:
+        awake_s, nbytes, _ = publish_pass(backend, buffer)
+        sleep_s = _timed(backend.sleep, device)
+        moved = backend.mover.last.bytes_copied
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        asleep_s, _, peak_group = publish_pass(backend, buffer)
+        peak = (
+            torch.cuda.max_memory_allocated(device) - base
+            if device.type == "cuda"
+            else buffer + peak_group
+        )
+        wake_s = _timed(backend.wake_up, device)
+        floor = floor_copy(moved, device, disk_dir if target == "disk" else None)
+    finally:
+        backend.close()
+    sleep_floor = floor["to_host_s"] + floor.get("write_s", 0.0)
+    wake_floor = floor["to_device_s"] + floor.get("read_s", 0.0)
+    return {
+        "target": target,
+        "device": str(device),
+        "moved_bytes": moved,
+        "published_bytes": nbytes,
+        "buffer_bytes": buffer,
+        "sleep_s": sleep_s,
+        "sleep_floor_s": sleep_floor,
+        "wake_s": wake_s,
+        "wake_floor_s": wake_floor,
+        "publish_awake_s": awake_s,
+        "publish_asleep_s": asleep_s,
+        "peak_publish_bytes": peak,
+        "peak_over_buffer": peak / buffer,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--buffer-mb", type=float, default=4.0)
+    parser.add_argument("--targets", nargs="+", default=["cpu", "disk"])
+    parser.add_argument("--disk-dir", default=None)
+    parser.add_argument("--json", default=None)
+    opts = parser.parse_args()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29561")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, rank=0, world_size=1)
+    buffer = int(opts.buffer_mb * (1 << 20))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = os.path.join(tmp, "ckpt")
+        make_checkpoint(ckpt, opts.hidden, opts.layers, opts.vocab)
+        disk_dir = opts.disk_dir or os.path.join(tmp, "offload")
+        os.makedirs(disk_dir, exist_ok=True)
+        for target in opts.targets:
+            rows.append(bench(target, ckpt, disk_dir, buffer))
+    dist.destroy_process_group()
+    head = (
+        "target  moved GB  sleep s (floor)   wake s (floor)    publish awake s  asleep s  "
+        "peak/buffer"
+    )
+    print(head)
+    for r in rows:
+        print(
+            f"{r['target']:<7} {r['moved_bytes'] / 1e9:8.3f}  "
+            f"{r['sleep_s']:6.3f} ({r['sleep_floor_s']:6.3f})  "
+            f"{r['wake_s']:6.3f} ({r['wake_floor_s']:6.3f})  "
+            f"{r['publish_awake_s']:15.3f}  {r['publish_asleep_s']:8.3f}  "
+            f"{r['peak_over_buffer']:11.2f}"
+        )
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -224,6 +224,7 @@ def test_cli_rollout_control_error_is_one_line_exit_2():
     )
     assert "--over-sampling-batch-size requires --dynamic-filter" in line
 
+
 @pytest.mark.parametrize(
     "flags, gpu_backend",
     [

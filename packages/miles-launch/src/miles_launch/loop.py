@@ -5,8 +5,10 @@
     update_weights                                   (engines start from the trainer's weights)
     for rollout_id in range(next_rollout_id, --num-rollout):
         generate --rollout-batch-size prompts x --n-samples-per-prompt, score, filter
-        [--offload-rollout: release engine memory]   [--offload-train: wake the trainer]
-        train
+        [--offload-rollout: release engine memory]
+        [--use-critic: wake the critic, score (values), train it, sleep it]
+        [--offload-train: wake the trainer]
+        train (not during the first --num-critic-only-steps rollouts)
         save_model on --save-interval, the last rollout, or the sentinel
         [--offload-train: sleep]                     [--offload-rollout: resume engine memory]
         update_weights                               (engine weight version + 1)
@@ -231,6 +233,23 @@ def publish(job: Job, weights: str | None = None) -> None:
         raise
 
 
+def critic_phase(job: Job, rollout_id: int, batch: Any) -> tuple[Any, dict[str, float]]:
+    """``--use-critic``: the critic (awake only for this phase under ``--offload-train``) scores
+    the batch with its pre-update values and trains on it; returns the batch with its
+    ``values`` field, which the actor's GAE reads, and the critic's metrics (``critic/<name>``).
+    Without a critic: the batch unchanged and no metrics."""
+    args, trainer = job.args, job.trainer
+    if not getattr(args, "use_critic", False):
+        return batch, {}
+    if args.offload_train:
+        trainer.wake_up("critic")
+    batch = trainer.critic_values(batch)
+    metrics = rank0_metrics(trainer.train_critic(rollout_id, batch))
+    if args.offload_train:
+        trainer.sleep("critic")
+    return batch, {f"critic/{k}": v for k, v in metrics.items()}
+
+
 def run_sync(job: Job) -> list[dict[str, Any]]:
     """The synchronous loop (module docstring); returns the per-rollout records."""
     args, trainer, engines = job.args, job.trainer, job.engines
@@ -254,9 +273,13 @@ def run_sync(job: Job) -> list[dict[str, Any]]:
         t = time.monotonic()
         if args.offload_rollout:
             engines.release_memory()
+        batch, critic_metrics = critic_phase(job, rollout_id, batch)
         if args.offload_train:
             trainer.wake_up()
-        train_metrics = rank0_metrics(trainer.train(rollout_id, batch))
+        train_metrics = {}
+        if rollout_id >= getattr(args, "num_critic_only_steps", 0):
+            train_metrics = rank0_metrics(trainer.train(rollout_id, batch))
+        train_metrics.update(critic_metrics)
         times["train"] = time.monotonic() - t
 
         t = time.monotonic()

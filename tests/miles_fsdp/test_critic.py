@@ -178,3 +178,45 @@ def test_the_critic_never_publishes(one_rank_group, hf_dir):
     with pytest.raises(ValueError, match="never publishes"):
         backend.update_weights([])
     backend.close()
+
+
+def test_critic_resumes_bitwise(one_rank_group, hf_dir, tmp_path):
+    """Two rollouts straight (saving after the first into <save>/critic) equal a critic resumed
+    from <load>/critic that trains the second: weights and AdamW state, bit for bit."""
+    batches = [RolloutBatch(make_samples(seed=s)) for s in (11, 12)]
+
+    def step(backend, rollout):
+        batch = batches[rollout]
+        backend.train(rollout, batch.with_fields(values=backend.compute_values(batch)))
+
+    save = tmp_path / "run"
+    straight = critic(hf_dir, lr=1e-2, save=str(save))
+    step(straight, 0)
+    straight.save_model(0, force_sync=True)
+    step(straight, 1)
+    want = full_params(straight.model)
+    want_opt = straight.optimizer.state_dict()
+    straight.close()
+    assert (save / "critic" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert not (save / "latest_checkpointed_iteration.txt").exists()  # the actor's is separate
+
+    resumed = FSDPBackend()
+    assert (
+        resumed.init(make_args(hf_checkpoint=hf_dir, lr=1e-2, load=str(save), **PPO), "critic") == 1
+    )
+    step(resumed, 1)
+    got = full_params(resumed.model)
+    got_opt = resumed.optimizer.state_dict()
+    resumed.close()
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    assert want_opt["state"]
+    for key, state in want_opt["state"].items():
+        for field, value in state.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(full(got_opt["state"][key][field]), full(value)), (key, field)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t

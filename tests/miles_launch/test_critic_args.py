@@ -55,12 +55,17 @@ def test_critic_flags_and_checkpoint_directories(tmp_path):
         tmp_path, *PPO, "--lr", "1e-6", "--critic-lr", "1e-5", "--critic-lr-warmup-iters", "3",
         "--save", str(tmp_path / "ck"), "--load", str(tmp_path / "ck"),
         "--critic-num-gpus-per-node", "1", "--value-clip", "0.5",
+        "--tensorboard-dir", str(tmp_path / "tb"),
     )  # fmt: skip
     assert args.critic_save == str(tmp_path / "ck" / "critic")
     assert args.critic_load == str(tmp_path / "ck" / "critic")
     critic = critic_args(args)
     assert (critic.lr, critic.lr_warmup_iters, critic.loss_type) == (1e-5, 3, "value_loss")
     assert (critic.save, critic.load) == (args.critic_save, args.critic_load)
+    assert critic.tensorboard_dir == str(tmp_path / "tb" / "critic")
+    assert (critic.load_rng, critic.use_lora, critic.use_ema, critic.ref_mode) == (
+        False, False, False, "none",
+    )  # fmt: skip
     assert (args.lr, args.lr_warmup_iters, args.loss_type) == (1e-6, 0, "policy_loss")
     explicit = parse(tmp_path, *PPO, "--save", "/a", "--critic-save", "/b")
     assert explicit.critic_save == "/b" and explicit.critic_load is None

@@ -91,8 +91,8 @@ def critic_args(args: Any) -> Any:
     """The namespace the critic's backend is built with: a copy of ``args`` with
     ``--loss-type value_loss``, the ``--critic-*`` values in place of the actor's (learning
     rate, warm-up, save and load directories), no RNG restore (the actor's checkpoint holds the
-    process's RNG state) and none of the actor-only roles (LoRA, EMA, reference, teacher,
-    custom hooks)."""
+    process's RNG state), its scalars in ``<--tensorboard-dir>/critic``, no profiler window (the
+    actor's) and none of the actor-only roles (LoRA, EMA, reference, teacher, custom hooks)."""
     if not args.use_critic:
         raise ArgumentError(f"{option('use_critic')} is off: there is no critic")
     out = copy.copy(args)
@@ -111,4 +111,9 @@ def critic_args(args: Any) -> Any:
     out.ref_mode = "none"
     out.use_kl_loss = False
     out.custom_prepare_path = out.custom_loss_function_path = None
+    if getattr(args, "tensorboard_dir", None):
+        out.tensorboard_dir = os.path.join(args.tensorboard_dir, CRITIC_SUBDIR)
+    for dest in ("use_pytorch_profiler", "record_memory_history"):
+        if hasattr(args, dest):
+            setattr(out, dest, False)
     return out

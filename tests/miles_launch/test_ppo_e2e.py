@@ -10,8 +10,6 @@ gradient) are checked in-process by tests/miles_fsdp/test_critic.py, in the defa
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 from miles_launch.demo import build_tiny_qwen3, write_demo_prompts
@@ -44,6 +42,7 @@ def test_ppo_with_a_critic_raises_the_demo_reward(tmp_path):
         assert {"loss", "critic/value_loss", "critic/value_clipfrac"} <= set(row["train"])
 
 
+@pytest.mark.timeout(1800)  # two jobs
 def test_resume_with_a_critic_matches_the_straight_run(material, tmp_path):
     """3 rollouts straight (saving at 2 and 3) vs a restart at the checkpoint of 2: the actor's
     and the critic's weights and optimizer state at 3 are equal bit for bit."""
@@ -75,16 +74,17 @@ def test_resume_with_a_critic_matches_the_straight_run(material, tmp_path):
     assert heads  # the critic checkpoint holds the value head
 
 
+@pytest.mark.timeout(1800)  # two jobs
 def test_colocated_ppo_matches_the_disaggregated_run(tmp_path):
     """--colocate: the actor and the critic sleep during generation (each wakes for its own
     phase); same seeds, so the same rollouts as disaggregated. With --num-critic-only-steps 1
     the first rollout trains only the critic."""
-    flags = ["--num-rollout", "3", "--num-critic-only-steps", "1", *PPO]
+    flags = ["--num-rollout", "2", "--num-critic-only-steps", "1", *PPO]
     _, _, apart = demo(tmp_path / "apart", *flags)
     _, _, together = demo(tmp_path / "together", "--colocate", *flags)
     assert "colocated" in together
     assert _rollout_lines(together) == _rollout_lines(apart)
-    assert re.search(r"^rollout 3: reward", together, re.M)
+    assert len(_rollout_lines(together)) == 2  # "rollout 0: ...", "rollout 1: ..."
     rows = records(tmp_path / "together" / "metrics.jsonl")
     assert "loss" not in rows[0]["train"] and "critic/value_loss" in rows[0]["train"]
     assert "loss" in rows[1]["train"] and "critic/value_loss" in rows[1]["train"]

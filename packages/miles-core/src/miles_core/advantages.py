@@ -134,7 +134,9 @@ def compute_advantages(
 
     if estimator == "ppo":
         if values is None:
-            raise ValueError("--advantage-estimator ppo needs critic values for every sample")
+            raise ValueError(
+                "--advantage-estimator ppo needs critic values for every sample (--use-critic)"
+            )
         pairs = [
             generalized_advantages(r, v.detach().to(torch.float32), gamma, lambd)
             for r, v in zip(token_rewards, values)
@@ -175,9 +177,15 @@ def with_advantages(batch: RolloutBatch, args, group: dist.ProcessGroup | None) 
     """``batch`` with its ``advantages`` field, as the flags ask: ``--advantage-estimator``
     (``--gamma``, ``--lambd``), ``--kl-coef``'s reward KL (``--kl-loss-type``; needs the batch's
     ``old_log_probs`` and ``ref_log_probs``) and ``--normalize-advantages`` (statistics over
-    the data-parallel ``group``). What every backend does once per rollout."""
+    the data-parallel ``group``). What every backend does once per rollout.
+
+    ``ppo`` reads the critic's values from the batch's ``values`` field (attached by the
+    launcher before the actor and the critic train) and adds a ``returns`` field, the critic's
+    value-loss target, from the advantages before normalization."""
     from miles_core.kl import reward_kl
 
+    ppo = args.advantage_estimator == "ppo"
+    values = batch.response_field("values") if ppo and "values" in batch.field_names else None
     adv = compute_advantages(
         batch,
         args.advantage_estimator,
@@ -185,8 +193,11 @@ def with_advantages(batch: RolloutBatch, args, group: dist.ProcessGroup | None) 
         lambd=args.lambd,
         kl_coef=args.kl_coef,
         kl=reward_kl(batch, args.kl_loss_type) if args.kl_coef != 0.0 else None,
+        values=values,
     )
     advantages = adv.advantages
     if args.normalize_advantages:
         advantages = normalize_advantages(advantages, [s.mask for s in batch], group=group)
+    if ppo:
+        return batch.with_fields(advantages=advantages, returns=adv.returns)
     return batch.with_fields(advantages=advantages)

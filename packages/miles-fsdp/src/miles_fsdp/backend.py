@@ -19,6 +19,7 @@ from miles_fsdp.adaptations import Adaptation, adaptation_for
 from miles_fsdp.adaptations.moe import RoutingReplay, resolve_moe_kernel
 from miles_fsdp.build import BuildPlan, RoleSpec, build_model
 from miles_fsdp.checkpoint import Checkpointer, TrainState, export_hf
+from miles_fsdp.critic import critic_config, install_value_head, value_head_fixup
 from miles_fsdp.ema import build_ema
 from miles_fsdp.hooks import HookContext, Hooks
 from miles_fsdp.loading import (
@@ -91,11 +92,17 @@ class FSDPBackend(TrainBackend):
         self.ema: Any = None  # EMAOptimizer under --use-ema
         self.mover: Any = None
         self.publisher: Any = None
+        self.role = "actor"
 
     # ------------------------------------------------------------------ init
     def init(self, args: Any, role: str = "actor") -> int:
-        if role != "actor":
-            raise ValueError(f"FSDPBackend supports role 'actor', got {role!r}")
+        if role not in ("actor", "critic"):
+            raise ValueError(f"FSDPBackend supports roles 'actor' and 'critic', got {role!r}")
+        if role == "critic":  # its own flags: --critic-lr, --critic-save, ..., value_loss
+            from miles_core.args.groups.critic import critic_args
+
+            args = critic_args(args)
+        self.role = role
         if not args.hf_checkpoint:
             raise ArgumentError("--train-backend fsdp needs --hf-checkpoint (the model directory)")
         self.args = args
@@ -151,17 +158,31 @@ class FSDPBackend(TrainBackend):
             moe_kernel=self.moe_kernel,
             routing_replay=self.routing_replay,
         )
-        actor = RoleSpec(
-            role="actor",
-            path=self.hf_dir,
-            config=self.config,
-            trainable=True,
-            cpu_offload=args.fsdp_cpu_offload,
-            lora=self.lora,
-            fixups=(actor_lora_fixup(self.lora, self.adapter),) if self.lora is not None else (),
-            gradient_checkpointing=args.gradient_checkpointing,
-        )
-        self.model = build_model(plan, actor)
+        if role == "critic":  # the actor's architecture with a value head (miles_fsdp.critic)
+            trained = RoleSpec(
+                role="critic",
+                path=self.hf_dir,
+                config=critic_config(self.config),
+                trainable=True,
+                cpu_offload=args.fsdp_cpu_offload,
+                fixups=(value_head_fixup(args.seed),),
+                gradient_checkpointing=args.gradient_checkpointing,
+                instance_patches=(install_value_head,),
+            )
+        else:
+            trained = RoleSpec(
+                role="actor",
+                path=self.hf_dir,
+                config=self.config,
+                trainable=True,
+                cpu_offload=args.fsdp_cpu_offload,
+                lora=self.lora,
+                fixups=(actor_lora_fixup(self.lora, self.adapter),)
+                if self.lora is not None
+                else (),
+                gradient_checkpointing=args.gradient_checkpointing,
+            )
+        self.model = build_model(plan, trained)
         self.frozen = {
             s.role: build_model(plan, frozen_role(s, self.config)) for s in frozen_sources(args)
         }
@@ -261,6 +282,17 @@ class FSDPBackend(TrainBackend):
         self.profiler.log(self.state.global_step, metrics)
         return metrics
 
+    def compute_values(self, batch: Any) -> list[torch.Tensor]:
+        """The critic's per-sample values ``V_t`` of this rank's shard (float32, CPU,
+        response-aligned), before this rollout's update. Critic role only; collective over DP
+        ranks."""
+        from miles_fsdp.rollout_train import critic_values
+
+        if self.role != "critic":
+            raise ValueError(f"compute_values: the {self.role} has no value head")
+        self.wake_up()
+        return critic_values(self._rollout_context(), batch)
+
     # ------------------------------------------------------------------ evaluation
     def eval_log_probs(self, batch: Any) -> list[torch.Tensor]:
         """Per-sample response log-probs (float32, CPU) of this rank's shard ``batch`` at
@@ -311,6 +343,8 @@ class FSDPBackend(TrainBackend):
         from miles_sync.ranks import RankContext
         from miles_sync.weight_sync import SyncConfig, WeightPublisher
 
+        if self.role == "critic":
+            raise ValueError("update_weights: the critic never publishes to the engines")
         which = weights or self.args.rollout_weights
         if which not in ("actor", "ema"):
             raise ValueError(f"update_weights: weights must be 'actor' or 'ema', got {which!r}")
@@ -361,8 +395,12 @@ class FSDPBackend(TrainBackend):
 
     # ------------------------------------------------------------------ checkpoints
     def save_model(self, rollout_id: int, force_sync: bool = False) -> None:
+        """Checkpoint iteration ``rollout_id + 1`` into ``--save`` (the critic: ``--critic-save``).
+        A sleeping backend wakes for the save and sleeps again after it."""
         if not self.args.save:
             raise ValueError("save_model needs --save")
+        asleep = self.asleep
+        self.wake_up()
         self.state.next_rollout_id = max(self.state.next_rollout_id, rollout_id + 1)
         self.checkpointer.save(
             self.args.save,
@@ -373,6 +411,8 @@ class FSDPBackend(TrainBackend):
         )
         if force_sync:
             self.checkpointer.finalize()
+        if asleep:
+            self.sleep()
 
     # ------------------------------------------------------------------ memory
     def sleep(self) -> None:
@@ -388,7 +428,7 @@ class FSDPBackend(TrainBackend):
 
             optimizers = [self.optimizer] + ([self.ema] if self.ema is not None else [])
             self.mover = DeviceMover(
-                {"actor": self.model, **self.frozen},
+                {self.role: self.model, **self.frozen},
                 optimizers,
                 frozen=list(self.frozen),
                 target=OffloadTarget.from_args(self.args),

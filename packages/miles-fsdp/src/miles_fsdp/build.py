@@ -61,7 +61,7 @@ class BuildPlan:
 class RoleSpec:
     """What differs between roles: where the weights are, whether they train, offload, LoRA."""
 
-    role: str  # "actor", "reference", "teacher"
+    role: str  # "actor", "critic", "reference", "teacher"
     path: Path
     config: Any
     trainable: bool
@@ -71,6 +71,9 @@ class RoleSpec:
     #: the role's own post-load fixups ``(model, config)``, after the architecture's
     fixups: tuple[Callable[[nn.Module, Any], None], ...] = ()
     gradient_checkpointing: bool = False
+    #: the role's own skeleton patches ``(model, config)`` on meta, after the architecture's
+    #: (the critic's value head)
+    instance_patches: tuple[Callable[[nn.Module, Any], None], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,8 @@ def build_model(plan: BuildPlan, spec: RoleSpec) -> nn.Module:
         patch(config)
     model = build_meta_model(config, precision.master_dtype, plan.attn_implementation)
     for patch in adaptation.model_instance_patches + adaptation.packing_patches:
+        patch(model, config)
+    for patch in spec.instance_patches:
         patch(model, config)
     apply_moe_kernel(model, plan.moe_kernel, plan.device.type)
     if plan.routing_replay is not None:

@@ -11,14 +11,18 @@ here re-derives a formula. Flow of :func:`train_rollout` for this rank's shard:
    ``--old-policy ema`` takes them from the EMA weights instead (always a second forward);
    with a KL term (``--kl-coef``/``--use-kl-loss``) the reference's log-probs become
    ``ref_log_probs`` (:mod:`miles_fsdp.roles`); a ``--custom-prepare-path`` hook runs first;
-3. advantages (``--advantage-estimator``, ``--normalize-advantages`` over all DP ranks);
+   ``--loss-type sft_loss`` and the critic (``value_loss``) skip this step;
+3. advantages (``--advantage-estimator``, ``--normalize-advantages`` over all DP ranks; ``ppo``
+   reads the critic's ``values`` field and adds ``returns``);
 4. ``--num-steps-per-rollout`` optimizer steps, each over its slice of the shard, with the
-   loss denominator of the whole step across DP ranks (see :mod:`miles_fsdp.train_step`).
+   loss denominator of the whole step across DP ranks (see :mod:`miles_fsdp.train_step`), on
+   the loss ``--loss-type`` names (:func:`_loss_of`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,12 +32,13 @@ from miles_core.aggregation import loss_denominator
 from miles_core.args.groups.algorithm import kl_term_on
 from miles_core.batch import RolloutBatch
 from miles_core.log_prob_head import dense_log_probs
-from miles_core.losses import LossConfig, compute_policy_loss
+from miles_core.losses import LossConfig, compute_policy_loss, compute_value_loss, sft_loss
 from miles_core.micro_batch import MicroBatching, split_micro_batches, split_steps
 from miles_core.packing import PackedBatch, pack_thd, packed_attention_kwargs, unpack_response
 from torch import nn
 
 from miles_fsdp.adaptations.moe import RoutingReplay
+from miles_fsdp.critic import values_of
 from miles_fsdp.hooks import TokenScores
 from miles_fsdp.output_head import scoring
 from miles_fsdp.roles import ref_mode, reference_forward
@@ -110,36 +115,79 @@ def packed_scores(
 
 
 @torch.no_grad()
-def policy_log_probs(
-    ctx: RolloutContext, batch: RolloutBatch, model: nn.Module | None = None
+def _per_sample(
+    ctx: RolloutContext,
+    batch: RolloutBatch,
+    per_token: Callable[[PackedBatch], torch.Tensor],
 ) -> list[torch.Tensor]:
-    """Per-sample response log-probs of ``model`` (the actor) at ``--rollout-temperature``."""
+    """Per-sample response-aligned ``per_token(packed)`` of gradient-free forwards."""
     out: list[torch.Tensor | None] = [None] * len(batch)
     index = {src: i for i, src in enumerate(batch.source_indices)}
     for mb in micro_batches(ctx, batch):
         packed = pack_thd(mb).to(ctx.device)
-        lp, _ = packed_scores(ctx, packed, ctx.args.rollout_temperature, model)
-        for src, values in zip(mb.source_indices, unpack_response(packed, lp)):
+        for src, values in zip(mb.source_indices, unpack_response(packed, per_token(packed))):
             out[index[src]] = values.float().cpu()
     return out  # type: ignore[return-value]
 
 
-def _loss_of(ctx: RolloutContext, config: LossConfig, denominator: float, detach_old: bool):
+def policy_log_probs(
+    ctx: RolloutContext, batch: RolloutBatch, model: nn.Module | None = None
+) -> list[torch.Tensor]:
+    """Per-sample response log-probs of ``model`` (the actor) at ``--rollout-temperature``."""
+    temperature = ctx.args.rollout_temperature
+    return _per_sample(ctx, batch, lambda packed: packed_scores(ctx, packed, temperature, model)[0])
+
+
+def critic_values(ctx: RolloutContext, batch: RolloutBatch) -> list[torch.Tensor]:
+    """Per-sample values ``V_t`` of the critic (``ctx.model``) for every response token."""
+    return _per_sample(ctx, batch, lambda packed: values_of(packed_logits(ctx, packed)))
+
+
+def _loss_of(
+    ctx: RolloutContext, config: LossConfig, denominator: float, detach_old: bool, loss_type: str
+):
+    """The micro-batch loss of ``--loss-type``: ``value_loss`` (the critic:
+    :func:`compute_value_loss` of its values against the GAE returns), else through a
+    ``--custom-loss-function-path`` hook when one is set, else ``sft_loss`` (:func:`sft_loss`,
+    the responses' NLL under ``loss_mask``) or ``policy_loss`` (:func:`compute_policy_loss`)."""
     hook = ctx.hooks.loss if ctx.hooks is not None else None
     hook_wants_logits = hook is not None and ctx.hooks.loss_wants_logits
 
     def loss_of(model: nn.Module, mb: RolloutBatch):
         packed = pack_thd(mb).to(ctx.device)
+        fields = packed.fields
+        if loss_type == "value_loss":  # the critic's head gives one value per token
+            loss, metrics = compute_value_loss(
+                values_of(packed_logits(ctx, packed)),
+                old_values=fields["values"],
+                returns=fields["returns"],
+                loss_mask=packed.loss_mask,
+                value_clip=config.value_clip,
+                denominator=denominator,
+                per_token_loss=config.calculate_per_token_loss,
+                sample_ids=packed.sample_ids,
+                num_samples=packed.num_samples,
+            )
+            return loss, {"loss": loss.detach(), **metrics}
         if hook_wants_logits:  # --custom-loss-function-path taking ``logits``: the dense path
             return hook(ctx.hooks.context, packed_logits(ctx, packed), packed, config, denominator)
-        entropy_grad = config.entropy_coef != 0.0
+        entropy_grad = config.entropy_coef != 0.0 and loss_type == "policy_loss"
         log_probs, entropy = packed_scores(ctx, packed, config.temperature, None, entropy_grad)
         if hook is not None:  # a hook taking ``scores``: the lean path
             scores = TokenScores(log_probs, entropy)
             return hook(ctx.hooks.context, scores, packed, config, denominator)
+        if loss_type == "sft_loss":
+            loss, metrics = sft_loss(
+                log_probs,
+                loss_mask=packed.loss_mask,
+                denominator=denominator,
+                per_token_loss=config.calculate_per_token_loss,
+                sample_ids=packed.sample_ids,
+                num_samples=packed.num_samples,
+            )
+            return loss, {"loss": loss.detach(), **metrics}
         if not entropy_grad:
             entropy = entropy.detach()
-        fields = packed.fields
         return compute_policy_loss(
             log_probs,
             old_log_probs=log_probs.detach() if detach_old else fields["old_log_probs"],
@@ -158,6 +206,22 @@ def _loss_of(ctx: RolloutContext, config: LossConfig, denominator: float, detach
     return loss_of
 
 
+def _with_policy_log_probs(
+    ctx: RolloutContext, batch: RolloutBatch, ema_old: bool, detach_old: bool
+) -> RolloutBatch:
+    """``old_log_probs`` (step 2 of the module docstring) and ``ref_log_probs`` when needed."""
+    args = ctx.args
+    if ema_old:
+        with ctx.ema.use_weights(ctx.model):
+            batch = batch.with_fields(old_log_probs=policy_log_probs(ctx, batch))
+    elif not detach_old or args.kl_coef != 0.0:  # --kl-coef's KL needs the pre-update policy
+        batch = batch.with_fields(old_log_probs=policy_log_probs(ctx, batch))
+    if kl_term_on(args):
+        with reference_forward(ctx.model, ctx.reference, ref_mode(args)) as ref:
+            batch = batch.with_fields(ref_log_probs=policy_log_probs(ctx, batch, ref))
+    return batch
+
+
 def train_rollout(ctx: RolloutContext, batch: RolloutBatch) -> tuple[dict[str, float], int, int]:
     """Train on this rank's shard of one rollout; returns (metrics, steps, micro-batches).
 
@@ -172,16 +236,11 @@ def train_rollout(ctx: RolloutContext, batch: RolloutBatch) -> tuple[dict[str, f
     num_steps = args.num_steps_per_rollout
     if ctx.hooks is not None and ctx.hooks.prepare is not None:
         batch = ctx.hooks.prepare(ctx.hooks.context, batch)
+    loss_type = getattr(args, "loss_type", "policy_loss")
     ema_old = getattr(args, "old_policy", "actor") == "ema"
     detach_old = num_steps == 1 and not ema_old
-    if ema_old:
-        with ctx.ema.use_weights(ctx.model):
-            batch = batch.with_fields(old_log_probs=policy_log_probs(ctx, batch))
-    elif not detach_old or args.kl_coef != 0.0:  # --kl-coef's KL needs the pre-update policy
-        batch = batch.with_fields(old_log_probs=policy_log_probs(ctx, batch))
-    if kl_term_on(args):
-        with reference_forward(ctx.model, ctx.reference, ref_mode(args)) as ref:
-            batch = batch.with_fields(ref_log_probs=policy_log_probs(ctx, batch, ref))
+    if loss_type == "policy_loss":  # sft_loss and value_loss read no old or reference policy
+        batch = _with_policy_log_probs(ctx, batch, ema_old, detach_old)
     batch = with_advantages(batch, args, ctx.cpu_group)
 
     results: list[StepResult] = []
@@ -200,7 +259,7 @@ def train_rollout(ctx: RolloutContext, batch: RolloutBatch) -> tuple[dict[str, f
                 ctx.optimizer,
                 ctx.scheduler,
                 step_micro,
-                _loss_of(ctx, config, denominator, detach_old),
+                _loss_of(ctx, config, denominator, detach_old, loss_type),
                 dp_size=ctx.dp_size,
                 clip_grad=args.clip_grad,
                 loss_scaler=ctx.loss_scaler,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from miles_core.args import ArgGroup, ArgumentError, flag
-from miles_core.args.checks import at_least, greater_than, requires, within
+from miles_core.args.checks import at_least, greater_than, option, requires, within
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,18 @@ class LaunchPlacementArgs(ArgGroup):
     num_gpus_per_node: int = flag(
         8, metavar="N", help="GPUs per node (set it on nodes with fewer than 8 usable GPUs)."
     )
+    critic_num_nodes: int | None = flag(
+        None,
+        metavar="N",
+        help="Nodes of the critic (--use-critic); the critic shares the trainer's ranks, so "
+        "only --actor-num-nodes is accepted (unset: the same).",
+    )
+    critic_num_gpus_per_node: int | None = flag(
+        None,
+        metavar="N",
+        help="Critic ranks per node (--use-critic); the critic shares the trainer's ranks, so "
+        "only --actor-num-gpus-per-node is accepted (unset: the same).",
+    )
     ray_address: str | None = flag(
         None,
         metavar="ADDR",
@@ -56,6 +68,20 @@ class LaunchPlacementArgs(ArgGroup):
         ):
             at_least(args, dest, 1)
         at_least(args, "rollout_num_gpus", 1)
+        for critic, actor in (
+            ("critic_num_nodes", "actor_num_nodes"),
+            ("critic_num_gpus_per_node", "actor_num_gpus_per_node"),
+        ):
+            value = getattr(args, critic)
+            if value is None:
+                continue
+            if not getattr(args, "use_critic", False):
+                raise ArgumentError(f"{option(critic)} requires --use-critic")
+            if value != getattr(args, actor):
+                raise ArgumentError(
+                    f"{option(critic)} {value}: the critic runs on the trainer's ranks, "
+                    f"so it must equal {option(actor)} ({getattr(args, actor)})"
+                )
         if args.actor_num_gpus_per_node > args.num_gpus_per_node:
             raise ArgumentError(
                 f"--actor-num-gpus-per-node {args.actor_num_gpus_per_node} exceeds "
@@ -318,6 +344,11 @@ class RolloutArgs(ArgGroup):
         at_least(args, "eval_interval", 1)
         if not 0.0 < args.rollout_top_p <= 1.0:
             raise ArgumentError(f"--rollout-top-p must be in (0, 1], got {args.rollout_top_p}")
+        if args.fully_async and getattr(args, "use_critic", False):
+            raise ArgumentError(
+                "--fully-async with --use-critic is not supported: PPO with a critic runs the "
+                "synchronous loop"
+            )
         if args.fully_async and args.colocate:
             raise ArgumentError(
                 "--fully-async cannot be used with --colocate: generation and training "

@@ -199,6 +199,8 @@ class Job:
         self.state = read_launcher_state(args, next_rollout_id)
         if args.offload_train:
             self.trainer.sleep()
+            if getattr(args, "use_critic", False):
+                self.trainer.sleep("critic")
         if not overlap:
             self.engines.start()
         self.engines.wait_ready()

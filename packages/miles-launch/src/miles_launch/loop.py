@@ -8,8 +8,9 @@
     for rollout_id in range(next_rollout_id, --num-rollout):
         generate --rollout-batch-size prompts x --n-samples-per-prompt, score, filter
         [--offload-rollout: engines release weights, KV cache, CUDA graphs]
+        [--use-critic: wake the critic, score (values), train it, sleep it]
         [--offload-train: wake the trainer]
-        train
+        train (not during the first --num-critic-only-steps rollouts)
         save_model on --save-interval, the last rollout, or the sentinel
         [--offload-train: sleep (model and optimizer state to the host)]
         [--offload-rollout: engines resume weights only]
@@ -234,10 +235,13 @@ class ColocatedCycle:
         self.trainers = trainers
         self.engines = engines
 
-    def to_training(self) -> None:
-        """After generation: the engines let go of everything, then the trainers wake."""
+    def to_training(self, between: Callable[[], None] | None = None) -> None:
+        """After generation: the engines let go of everything, ``between()`` runs (a critic
+        that wakes and sleeps on its own), then the trainers wake."""
         if self.offload_rollout:
             self.engines.release_memory(ENGINE_ALL)
+        if between is not None:
+            between()
         if self.offload_train:
             for trainer in self.trainers:
                 trainer.wake_up()
@@ -272,13 +276,15 @@ class ColocatedCycle:
         train: Callable[[], Any],
         save: Callable[[], bool],
         publish: Callable[[], None],
+        before_training: Callable[[], None] | None = None,
     ) -> tuple[Any, bool, dict[str, float]]:
         """One rollout from its generated batch on: train, save, publish, with the memory
-        steps between them; returns (``train()``'s result, ``save()``'s, seconds of
+        steps between them (``before_training``: what runs once the engines let go and before
+        the trainers wake); returns (``train()``'s result, ``save()``'s, seconds of
         ``train``/``save``/``update``)."""
         times: dict[str, float] = {}
         t = time.monotonic()
-        self.to_training()
+        self.to_training(before_training)
         trained = train()
         times["train"] = time.monotonic() - t
         t = time.monotonic()
@@ -302,14 +308,46 @@ def publish(job: Job, weights: str | None = None) -> None:
         raise
 
 
-def train_rollout(job: Job, rollout_id: int, batch: Any) -> dict[str, float]:
-    return rank0_metrics(job.trainer.train(rollout_id, batch))
-
-
 def save_rollout(job: Job, rollout_id: int, trigger: SaveTrigger | None) -> bool:
     saved = save_point(job, rollout_id, trigger)
     job.state.next_rollout_id = rollout_id + 1
     return saved
+
+
+def critic_phase(job: Job, rollout_id: int, batch: Any) -> tuple[Any, dict[str, float]]:
+    """``--use-critic``: the critic (awake only for this phase under ``--offload-train``) scores
+    the batch with its pre-update values and trains on it; returns the batch with its
+    ``values`` field, which the actor's GAE reads, and the critic's metrics (``critic/<name>``).
+    Without a critic: the batch unchanged and no metrics."""
+    args, trainer = job.args, job.trainer
+    if not getattr(args, "use_critic", False):
+        return batch, {}
+    if args.offload_train:
+        trainer.wake_up("critic")
+    batch = trainer.critic_values(batch)
+    metrics = rank0_metrics(trainer.train_critic(rollout_id, batch))
+    if args.offload_train:
+        trainer.sleep("critic")
+    return batch, {f"critic/{k}": v for k, v in metrics.items()}
+
+
+class RolloutTraining:
+    """One rollout's training in the cycle's two slots: :meth:`critic` (before the actor
+    wakes: the critic never shares the device with it) and :meth:`actor` (the actor's train,
+    skipped during the first ``--num-critic-only-steps`` rollouts, with the critic's metrics)."""
+
+    def __init__(self, job: Job, rollout_id: int, batch: Any) -> None:
+        self.job, self.rollout_id, self.batch = job, rollout_id, batch
+        self.critic_metrics: dict[str, float] = {}
+
+    def critic(self) -> None:
+        self.batch, self.critic_metrics = critic_phase(self.job, self.rollout_id, self.batch)
+
+    def actor(self) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        if self.rollout_id >= getattr(self.job.args, "num_critic_only_steps", 0):
+            metrics = rank0_metrics(self.job.trainer.train(self.rollout_id, self.batch))
+        return {**metrics, **self.critic_metrics}
 
 
 def run_sync(job: Job) -> list[dict[str, Any]]:
@@ -330,10 +368,12 @@ def run_sync(job: Job) -> list[dict[str, Any]]:
         groups, filter_info = collect_rollout(job, rollout_id)
         times["gen"] = time.monotonic() - t
         batch = to_rollout_batch(groups)
+        training = RolloutTraining(job, rollout_id, batch)
         train_metrics, saved, step_times = cycle.after_generation(
-            functools.partial(train_rollout, job, rollout_id, batch),
+            training.actor,
             functools.partial(save_rollout, job, rollout_id, trigger),
             functools.partial(publish, job),
+            before_training=training.critic,
         )
         times.update(step_times)
         version = engines.weight_versions()[0]

@@ -56,6 +56,7 @@ class TrainerRank:
         self.backend_name = backend_name
         self.use_gpu = use_gpu
         self.backend = None
+        self.critic = None  # --use-critic: a second backend instance in role "critic"
 
     def master_endpoint(self) -> tuple[str, int]:
         """A free TCP port on this actor's node (rank 0 hosts the rendezvous store)."""
@@ -86,8 +87,20 @@ class TrainerRank:
             world_size=self.world_size,
             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
         )
-        self.backend = load(self.backend_name)()
-        return int(self.backend.init(args, "actor"))
+        backend_cls = load(self.backend_name)
+        critic_next = None
+        if getattr(args, "use_critic", False):
+            # first: the actor's init (and its --load) sets the process's RNG state last
+            self.critic = backend_cls()
+            critic_next = int(self.critic.init(args, "critic"))
+        self.backend = backend_cls()
+        next_id = int(self.backend.init(args, "actor"))
+        if critic_next is not None and critic_next != next_id:
+            raise RuntimeError(
+                f"the critic's checkpoint (--critic-load {args.critic_load}) resumes at rollout "
+                f"{critic_next}, the actor's (--load {args.load}) at {next_id}"
+            )
+        return next_id
 
     def data_layout(self):
         return self.backend.data_layout()
@@ -98,8 +111,21 @@ class TrainerRank:
 
         return str(dist.get_backend())
 
+    def _role(self, role: str):
+        if role == "critic":
+            if self.critic is None:
+                raise RuntimeError("no critic on this trainer (--use-critic is off)")
+            return self.critic
+        return self.backend
+
     def train(self, rollout_id: int, shard: RolloutBatch) -> dict[str, float]:
         return self.backend.train(rollout_id, shard)
+
+    def critic_values(self, shard: RolloutBatch) -> list:
+        return self._role("critic").compute_values(shard)
+
+    def train_critic(self, rollout_id: int, shard: RolloutBatch) -> dict[str, float]:
+        return self._role("critic").train(rollout_id, shard)
 
     def update_weights(self, engines: list[str], weights: str | None = None) -> None:
         if weights is None:
@@ -108,17 +134,22 @@ class TrainerRank:
             self.backend.update_weights(engines, weights=weights)
 
     def save_model(self, rollout_id: int, force_sync: bool) -> None:
+        """The actor's checkpoint, then the critic's (``--critic-save``) at the same point."""
         self.backend.save_model(rollout_id, force_sync=force_sync)
+        if self.critic is not None:
+            self.critic.save_model(rollout_id, force_sync=force_sync)
 
-    def sleep(self) -> None:
-        self.backend.sleep()
+    def sleep(self, role: str = "actor") -> None:
+        self._role(role).sleep()
 
-    def wake_up(self) -> None:
-        self.backend.wake_up()
+    def wake_up(self, role: str = "actor") -> None:
+        self._role(role).wake_up()
 
     def close(self) -> None:
         import torch.distributed as dist
 
+        if self.critic is not None:
+            self.critic.close()
         if self.backend is not None:
             self.backend.close()
         if dist.is_initialized():
@@ -195,18 +226,40 @@ class TrainerGroup:
         self.layouts = self.call("data_layout")
         return next_ids[0]
 
+    def _shards(self, batch: RolloutBatch) -> list[RolloutBatch]:
+        """``batch`` split by the data layouts (prompt groups kept whole, token counts
+        balanced): shard ``d`` for data-parallel rank ``d``."""
+        return partition_for_dp(batch, self.layouts[0].dp_size, keep_groups=True)
+
     def train(self, rollout_id: int, batch: RolloutBatch) -> list[dict[str, float]]:
-        """Split ``batch`` by the ranks' data layouts (prompt groups kept whole, token counts
-        balanced) and train every rank on its shard."""
+        """Train every rank on its shard of ``batch`` (:meth:`_shards`)."""
+        return self._on_shards("train", rollout_id, self._shards(batch))
+
+    def _on_shards(self, method: str, rollout_id: int | None, shards: list[RolloutBatch]):
         import ray
 
-        dp_size = self.layouts[0].dp_size
-        shards = partition_for_dp(batch, dp_size, keep_groups=True)
         refs = [ray.put(shard) for shard in shards]
+        head = () if rollout_id is None else (rollout_id,)
         return self.call(
-            "train",
-            per_rank=[(rollout_id, refs[layout.dp_rank]) for layout in self.layouts],
+            method, per_rank=[(*head, refs[layout.dp_rank]) for layout in self.layouts]
         )
+
+    def critic_values(self, batch: RolloutBatch) -> RolloutBatch:
+        """``batch`` with the critic's ``values`` field (``--use-critic``): every rank scores its
+        shard before this rollout's updates; the shards' values are put back in batch order."""
+        shards = self._shards(batch)
+        per_rank = self._on_shards("critic_values", None, shards)
+        position = {src: i for i, src in enumerate(batch.source_indices)}
+        values: list = [None] * len(batch)
+        for layout, shard_values in zip(self.layouts, per_rank):
+            shard = shards[layout.dp_rank]
+            for src, v in zip(shard.source_indices, shard_values):
+                values[position[src]] = v
+        return batch.with_fields(values=values)
+
+    def train_critic(self, rollout_id: int, batch: RolloutBatch) -> list[dict[str, float]]:
+        """Train the critic of every rank on its shard of ``batch`` (which carries ``values``)."""
+        return self._on_shards("train_critic", rollout_id, self._shards(batch))
 
     def update_weights(self, engine_urls: list[str], weights: str | None = None) -> None:
         self.call("update_weights", list(engine_urls), weights)
@@ -214,11 +267,12 @@ class TrainerGroup:
     def save_model(self, rollout_id: int, force_sync: bool = False) -> None:
         self.call("save_model", rollout_id, force_sync)
 
-    def sleep(self) -> None:
-        self.call("sleep")
+    def sleep(self, role: str = "actor") -> None:
+        """``role``: ``actor`` or ``critic`` (``--use-critic``)."""
+        self.call("sleep", role)
 
-    def wake_up(self) -> None:
-        self.call("wake_up")
+    def wake_up(self, role: str = "actor") -> None:
+        self.call("wake_up", role)
 
     def close(self) -> None:
         """``backend.close`` on every rank, then the actors go."""

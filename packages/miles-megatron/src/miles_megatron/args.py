@@ -66,6 +66,11 @@ class MegatronArgs(ArgGroup):
 
     @classmethod
     def validate(cls, args: Any) -> None:
+        if getattr(args, "use_critic", False):
+            raise ArgumentError(
+                "--use-critic: the critic role (value head) is built by --train-backend fsdp "
+                "only, not by the Megatron backend"
+            )
         if not args.use_distributed_optimizer:
             raise ArgumentError(
                 "--no-use-distributed-optimizer: the Megatron backend always uses the "

@@ -5,6 +5,7 @@ from __future__ import annotations
 from miles_core.args.flags import ArgGroup
 from miles_core.args.groups.algorithm import AlgorithmArgs
 from miles_core.args.groups.checkpoint import CheckpointArgs
+from miles_core.args.groups.critic import CriticArgs
 from miles_core.args.groups.offload import OffloadArgs
 from miles_core.args.groups.optimizer import OptimizerArgs
 from miles_core.args.groups.parallel import ParallelArgs
@@ -16,6 +17,7 @@ from miles_core.args.groups.sync import SyncArgs
 __all__ = [
     "AlgorithmArgs",
     "CheckpointArgs",
+    "CriticArgs",
     "OffloadArgs",
     "OptimizerArgs",
     "ParallelArgs",
@@ -36,6 +38,7 @@ def core_groups() -> list[type[ArgGroup]]:
         ParallelArgs,
         AlgorithmArgs,
         RolesArgs,
+        CriticArgs,
         OffloadArgs,
         SyncArgs,
         ReportingArgs,

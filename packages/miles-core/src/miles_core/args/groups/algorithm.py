@@ -37,8 +37,11 @@ class AlgorithmArgs(ArgGroup):
     max_tokens_per_gpu: int | None = flag(
         None, help="Token budget of one micro-batch per GPU (x CP with context parallelism)."
     )
-    loss_type: Literal["policy_loss", "sft_loss", "value_loss"] = flag(
-        "policy_loss", help="Which loss the actor trains on."
+    loss_type: Literal["policy_loss", "sft_loss", "value_loss", "nft"] = flag(
+        "policy_loss",
+        help="The actor's loss: policy_loss (the clipped policy objective) or sft_loss "
+        "(negative log-likelihood of the responses under their loss mask); value_loss is the "
+        "critic's (--use-critic).",
     )
     advantage_estimator: Literal[
         "grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"
@@ -97,6 +100,16 @@ class AlgorithmArgs(ArgGroup):
             raise ArgumentError(
                 f"--global-batch-size ({args.global_batch_size}) must be a multiple of "
                 f"--micro-batch-size ({args.micro_batch_size})"
+            )
+        if args.loss_type == "nft":
+            raise ArgumentError(
+                "--loss-type nft (EMA as pi_old) is offered for causal LMs as "
+                "--old-policy ema (with --use-ema)"
+            )
+        if args.loss_type == "value_loss":
+            raise ArgumentError(
+                "--loss-type value_loss is the critic's loss (--use-critic trains one with it); "
+                "the actor takes policy_loss or sft_loss"
             )
         within(args, "gamma", 0.0, 1.0)
         within(args, "lambd", 0.0, 1.0)

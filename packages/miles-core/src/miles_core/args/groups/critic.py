@@ -1,0 +1,119 @@
+"""The critic (``--use-critic``): a value model trained beside the actor for PPO.
+
+The critic is built by the actor's backend from ``--hf-checkpoint`` with a value head in place
+of the LM head, trained with the clipped value loss (``--value-clip``) on the GAE returns of its
+own values (``--gamma``, ``--lambd``); the actor's advantages come from the same values. It has
+its own optimizer (``--critic-lr``, ``--critic-lr-warmup-iters``, the actor's other optimizer
+flags) and checkpoint: ``--critic-save`` / ``--critic-load``, by default the ``critic/``
+directory inside ``--save`` / ``--load``, saved at the actor's save points. It never publishes.
+:func:`critic_args` is the namespace the critic's backend is initialised with.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from miles_core.args.checks import at_least, option, requires
+from miles_core.args.flags import ArgGroup, ArgumentError, flag
+
+#: The critic's checkpoint directory inside ``--save`` / ``--load`` when not given.
+CRITIC_SUBDIR = "critic"
+
+#: Flags that need --use-critic.
+CRITIC_ONLY = ("critic_lr", "critic_lr_warmup_iters", "critic_load", "critic_save")
+
+
+@dataclass
+class CriticArgs(ArgGroup):
+    title: ClassVar[str] = "critic (PPO)"
+
+    use_critic: bool = flag(
+        False,
+        help="Train a critic (value model) beside the actor; its values feed GAE "
+        "(--advantage-estimator ppo, which needs it).",
+    )
+    critic_lr: float | None = flag(None, help="Learning rate of the critic (unset: --lr).")
+    critic_lr_warmup_iters: int | None = flag(
+        None, help="Warm-up steps of the critic's learning rate (unset: --lr-warmup-iters)."
+    )
+    critic_load: str | None = flag(
+        None, metavar="DIR", help="Critic checkpoint to resume from (unset: <--load>/critic)."
+    )
+    critic_save: str | None = flag(
+        None, metavar="DIR", help="Where the critic's checkpoints go (unset: <--save>/critic)."
+    )
+    num_critic_only_steps: int = flag(
+        0, help="First rollouts that train only the critic (the actor is not updated)."
+    )
+
+    @classmethod
+    def validate(cls, args: Any) -> None:
+        if args.advantage_estimator == "ppo" and not args.use_critic:
+            raise ArgumentError(
+                "--advantage-estimator ppo needs --use-critic (GAE takes a critic's values)"
+            )
+        if args.use_critic and args.advantage_estimator != "ppo":
+            raise ArgumentError(
+                f"--use-critic: only --advantage-estimator ppo uses a critic's values, "
+                f"not {args.advantage_estimator}"
+            )
+        for dest in CRITIC_ONLY:
+            requires(args, dest, "use_critic")
+        if args.num_critic_only_steps:
+            requires(args, "num_critic_only_steps", "use_critic")
+        at_least(args, "num_critic_only_steps", 0)
+        at_least(args, "critic_lr", 0.0)
+        at_least(args, "critic_lr_warmup_iters", 0)
+        if args.use_critic and args.kl_coef > 0:
+            raise ArgumentError(
+                "--use-critic with --kl-coef > 0 (KL in the reward) is not supported: "
+                "use --use-kl-loss for a KL term"
+            )
+        if args.use_critic and args.loss_type != "policy_loss":
+            raise ArgumentError(
+                f"--use-critic trains the actor with --loss-type policy_loss, not {args.loss_type}"
+            )
+
+    @classmethod
+    def resolve_defaults(cls, args: Any) -> None:
+        if not args.use_critic:
+            return
+        if args.critic_save is None and args.save:
+            args.critic_save = os.path.join(args.save, CRITIC_SUBDIR)
+        if args.critic_load is None and args.load:
+            args.critic_load = os.path.join(args.load, CRITIC_SUBDIR)
+
+
+def critic_args(args: Any) -> Any:
+    """The namespace the critic's backend is built with: a copy of ``args`` with
+    ``--loss-type value_loss``, the ``--critic-*`` values in place of the actor's (learning
+    rate, warm-up, save and load directories), no RNG restore (the actor's checkpoint holds the
+    process's RNG state), its scalars in ``<--tensorboard-dir>/critic``, no profiler window (the
+    actor's) and none of the actor-only roles (LoRA, EMA, reference, teacher, custom hooks)."""
+    if not args.use_critic:
+        raise ArgumentError(f"{option('use_critic')} is off: there is no critic")
+    out = copy.copy(args)
+    out.loss_type = "value_loss"
+    out.lr = args.lr if args.critic_lr is None else args.critic_lr
+    if args.critic_lr_warmup_iters is not None:
+        out.lr_warmup_iters = args.critic_lr_warmup_iters
+    out.save = args.critic_save
+    out.load = args.critic_load
+    out.load_rng = False
+    out.use_lora = False
+    out.lora_adapter_path = None
+    out.use_ema = False
+    out.rollout_weights = out.eval_weights = out.old_policy = "actor"
+    out.ref_load = out.teacher_load = None
+    out.ref_mode = "none"
+    out.use_kl_loss = False
+    out.custom_prepare_path = out.custom_loss_function_path = None
+    if getattr(args, "tensorboard_dir", None):
+        out.tensorboard_dir = os.path.join(args.tensorboard_dir, CRITIC_SUBDIR)
+    for dest in ("use_pytorch_profiler", "record_memory_history"):
+        if hasattr(args, dest):
+            setattr(out, dest, False)
+    return out

@@ -1,0 +1,107 @@
+"""``--use-critic``, ``--advantage-estimator ppo`` and ``--loss-type`` at argument time: every bad
+combination is one line naming the flags (exit status 2 from the CLI), before anything starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from launch_testing import parse
+from miles_core import backends
+from miles_core.args import ArgumentError
+from miles_core.args.groups.critic import critic_args
+
+PPO = ["--advantage-estimator", "ppo", "--use-critic"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--advantage-estimator", "ppo"],
+            "--advantage-estimator ppo needs --use-critic",
+        ),
+        (["--use-critic"], "--use-critic: only --advantage-estimator ppo uses"),
+        (["--critic-lr", "1e-5"], "--critic-lr requires --use-critic"),
+        (["--critic-save", "/x"], "--critic-save requires --use-critic"),
+        (["--num-critic-only-steps", "2"], "--num-critic-only-steps requires --use-critic"),
+        ([*PPO, "--num-critic-only-steps", "-1"], "--num-critic-only-steps must be >= 0"),
+        (
+            ["--loss-type", "nft"],
+            "--loss-type nft (EMA as pi_old) is offered for causal LMs as --old-policy ema",
+        ),  # fmt: skip
+        (["--loss-type", "value_loss"], "--loss-type value_loss is the critic's loss"),
+        ([*PPO, "--loss-type", "sft_loss"], "--use-critic trains the actor with --loss-type"),
+        ([*PPO, "--kl-coef", "0.1", "--ref-load", "/x"], "--use-critic with --kl-coef > 0"),
+        ([*PPO, "--fully-async"], "--fully-async with --use-critic is not supported"),
+        (
+            [*PPO, "--actor-num-gpus-per-node", "2", "--critic-num-gpus-per-node", "1"],
+            "--critic-num-gpus-per-node 1: the critic runs on the trainer's ranks, so it must "
+            "equal --actor-num-gpus-per-node (2)",
+        ),
+        (["--critic-num-nodes", "1"], "--critic-num-nodes requires --use-critic"),
+    ],
+)
+def test_bad_critic_combinations_are_one_line_errors(tmp_path, flags, message):
+    with pytest.raises(ArgumentError) as info:
+        parse(tmp_path, *flags)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_critic_flags_and_checkpoint_directories(tmp_path):
+    args = parse(
+        tmp_path, *PPO, "--lr", "1e-6", "--critic-lr", "1e-5", "--critic-lr-warmup-iters", "3",
+        "--save", str(tmp_path / "ck"), "--load", str(tmp_path / "ck"),
+        "--critic-num-gpus-per-node", "1", "--value-clip", "0.5",
+        "--tensorboard-dir", str(tmp_path / "tb"),
+    )  # fmt: skip
+    assert args.critic_save == str(tmp_path / "ck" / "critic")
+    assert args.critic_load == str(tmp_path / "ck" / "critic")
+    critic = critic_args(args)
+    assert (critic.lr, critic.lr_warmup_iters, critic.loss_type) == (1e-5, 3, "value_loss")
+    assert (critic.save, critic.load) == (args.critic_save, args.critic_load)
+    assert critic.tensorboard_dir == str(tmp_path / "tb" / "critic")
+    assert (critic.load_rng, critic.use_lora, critic.use_ema, critic.ref_mode) == (
+        False, False, False, "none",
+    )  # fmt: skip
+    assert (args.lr, args.lr_warmup_iters, args.loss_type) == (1e-6, 0, "policy_loss")
+    explicit = parse(tmp_path, *PPO, "--save", "/a", "--critic-save", "/b")
+    assert explicit.critic_save == "/b" and explicit.critic_load is None
+    assert critic_args(parse(tmp_path, *PPO, "--lr", "2e-3")).lr == 2e-3
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "miles_launch.cli", "train", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _one_error_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def test_cli_ppo_without_critic_and_nft_exit_2():
+    if "fsdp" not in backends.available():
+        pytest.skip("the FSDP backend is not installed")
+    line = _one_error_line(_cli("--train-backend", "fsdp", "--advantage-estimator", "ppo"))
+    assert "--advantage-estimator ppo" in line and "--use-critic" in line
+    line = _one_error_line(_cli("--train-backend", "fsdp", "--loss-type", "nft"))
+    assert "--old-policy ema" in line
+
+
+@pytest.mark.slow
+def test_cli_megatron_refuses_the_critic():
+    if "megatron" not in backends.available():
+        pytest.skip("the Megatron backend is not installed")
+    result = _cli("--train-backend", "megatron", *PPO)
+    assert result.returncode == 2, result.stderr  # (megatron-core's import warnings come first)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "--use-critic" in errors[0] and "fsdp" in errors[0], errors

@@ -4,8 +4,12 @@ megatron-core's local spec attends with an explicit mask, so a packed row ``[1, 
 block-diagonal causal mask of miles-core's ``block_causal_mask`` (inverted: megatron masks
 where the mask is True) and positions that restart at 0 in every sample. The output layer
 gathers the vocabulary over TP (``parallel_output=False``), so every TP rank holds the same
-``[1, T, V]`` logits and the same loss. ``T`` is a multiple of ``pack_thd``'s pad multiple
-(128), which sequence parallelism needs to be divisible by TP.
+``[1, T, V]`` logits and the same loss. ``T`` is a multiple of
+:func:`~miles_megatron.context_parallel.row_pad_multiple` (128, and ``2 x CP x TP``).
+
+At CP > 1 each CP rank computes the log-probs of its shard of the row, and
+:meth:`~miles_megatron.context_parallel.PackedShard.gather_row` brings the whole row back on
+every CP rank before it is cut into samples.
 
 The micro-batches go through megatron's schedule (:mod:`miles_megatron.schedule`); with PP > 1
 the last stage computes the log-probs and broadcasts them to the other stages.
@@ -16,8 +20,9 @@ from __future__ import annotations
 import torch
 from miles_core.batch import RolloutBatch
 from miles_core.log_probs import token_log_probs
-from miles_core.packing import PackedBatch, pack_thd, unpack_response
+from miles_core.packing import pack_thd, unpack_response
 
+from miles_megatron.context_parallel import PackedShard, row_pad_multiple
 from miles_megatron.schedule import broadcast_from_last_stage, run_schedule
 
 
@@ -35,11 +40,13 @@ def rollout_log_probs(
     on every pipeline stage."""
     out: list[torch.Tensor | None] = [None] * num_samples
 
-    def on_logits(index: int, packed: PackedBatch, logits: torch.Tensor) -> None:
-        lp = token_log_probs(logits, packed.targets, temperature)
-        for src, values in zip(packed.source_indices, unpack_response(packed, lp)):
+    def on_logits(index: int, shard: PackedShard, logits: torch.Tensor) -> None:
+        lp = shard.gather_row(token_log_probs(logits, shard.targets, temperature))
+        full = shard.full
+        for src, values in zip(full.source_indices, unpack_response(full, lp)):
             out[source_index[src]] = values.float().cpu()
 
-    packed = [pack_thd(mb).to(device) for mb in micro_batches]
+    multiple = row_pad_multiple()
+    packed = [pack_thd(mb, pad_multiple=multiple).to(device) for mb in micro_batches]
     run_schedule(model, packed, vocab_size, on_logits, forward_only=True)
     return broadcast_from_last_stage(out)  # type: ignore[return-value]

@@ -13,9 +13,16 @@ kernel, which never stores the scores (the backward recomputes them), with group
 shared without copies (``enable_gqa``). What SDPA cannot express falls back to megatron's own
 forward: a softmax offset (``--softmax-type off-by-one|learnable``), sliding-window layers, an
 attention bias, and packed-sequence params (the THD format of TransformerEngine).
+
+At ``--context-parallel-size > 1`` the queries are this CP rank's shard of the row and the keys
+and values are all-gathered over the CP group first (:mod:`miles_megatron.context_parallel`:
+the mask's key columns follow the gathered order); megatron's own forward has no CP, so there
+the fallback cases raise.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +34,19 @@ class SDPAttention(DotProductAttention):
     """``DotProductAttention`` (same constructor, parameters and checkpoint) whose forward is
     one SDPA call: ``softmax(scale * q k^T, masked) v`` per head, inputs ``[s, b, heads, d]``,
     output ``[s, b, heads * d]``."""
+
+    def __init__(self, config, *args, **kwargs) -> None:
+        # megatron's DotProductAttention refuses CP > 1 (only TE's attends across CP ranks);
+        # this forward does, so the parent is built from a CP = 1 view of the same config
+        cp_size = config.context_parallel_size
+        if cp_size > 1:
+            view = copy.copy(config)
+            view.context_parallel_size = 1
+            super().__init__(view, *args, **kwargs)
+            self.config = config
+        else:
+            super().__init__(config, *args, **kwargs)
+        self.cp_size = cp_size
 
     def _sdpa_supported(self, attention_bias, packed_seq_params) -> bool:
         return (
@@ -47,6 +67,11 @@ class SDPAttention(DotProductAttention):
         packed_seq_params=None,
     ) -> torch.Tensor:
         if not self._sdpa_supported(attention_bias, packed_seq_params):
+            if self.cp_size > 1:
+                raise NotImplementedError(
+                    "--context-parallel-size > 1 attends through SDPA only: no softmax offset, "
+                    "sliding window, attention bias or packed-sequence params"
+                )
             return super().forward(
                 query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
             )
@@ -54,6 +79,15 @@ class SDPAttention(DotProductAttention):
         scale = self.softmax_scale
         if self.config.apply_query_key_layer_scaling:
             scale *= self.layer_number
+        if self.cp_size > 1:
+            from megatron.core import parallel_state as ps
+
+            from miles_megatron.context_parallel import gather_sequence
+
+            if attention_mask is None:
+                raise ValueError("context parallelism needs the packed row's attention mask")
+            group = ps.get_context_parallel_group()
+            key, value = gather_sequence(key, group), gather_sequence(value, group)
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         mask = None if attention_mask is None else ~attention_mask.to(torch.bool)

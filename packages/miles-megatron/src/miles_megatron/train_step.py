@@ -4,8 +4,9 @@ Loss scaling is miles-core's (docs/rl-math.md): each micro-batch's loss is its c
 ``sum(token losses) / D`` with the step's global denominator ``D``; megatron-core's DDP divides
 the reduced gradients by the data-parallel size, so each rank back-propagates
 ``dp_size * contribution`` and the reduced gradient is exactly ``dL/dw`` for any split.
-TP peers compute identical (vocabulary-gathered) logits and losses; metrics are summed over
-the data-parallel group only. At PP > 1 the micro-batches run megatron's 1F1B schedule
+TP peers compute identical (vocabulary-gathered) logits and losses; CP ranks compute the terms
+of their own tokens (:mod:`miles_megatron.context_parallel`), shares that add up; metrics are
+summed over the data-parallel x context-parallel group. At PP > 1 the micro-batches run megatron's 1F1B schedule
 (:mod:`miles_megatron.schedule`): the loss and metrics exist on the last stage, which
 broadcasts the metrics to the other stages.
 
@@ -27,15 +28,11 @@ from miles_core.aggregation import loss_denominator
 from miles_core.batch import RolloutBatch
 from miles_core.log_probs import entropy_from_logits, token_log_probs
 from miles_core.losses import LossConfig, compute_policy_loss
-from miles_core.micro_batch import (
-    agree_num_micro_batches,
-    count_micro_batches,
-    fixed_size_micro_batches,
-    make_micro_batches,
-    split_steps,
-)
-from miles_core.packing import PackedBatch, pack_thd
+from miles_core.micro_batch import MicroBatching, split_steps
+from miles_core.micro_batch import split_micro_batches as split_for_ranks
+from miles_core.packing import pack_thd
 
+from miles_megatron.context_parallel import PackedShard, row_pad_multiple
 from miles_megatron.packed_forward import rollout_log_probs
 from miles_megatron.schedule import broadcast_from_last_stage, run_schedule
 
@@ -52,23 +49,20 @@ class TrainContext:
     vocab_size: int
     dp_size: int
     dp_group_gloo: Any
+    cp_size: int
+    dp_cp_group_gloo: Any  # metrics are summed over it (the DP group at CP = 1)
     before_log_prob_hook: Any = None
     before_train_step_hook: Any = None
 
 
 def split_micro_batches(ctx: TrainContext, batch: RolloutBatch) -> list[RolloutBatch]:
-    """This rank's micro-batches, as many as the busiest DP rank needs."""
-    args = ctx.args
-    if args.use_dynamic_batch_size:
-        local = count_micro_batches(batch, args.max_tokens_per_gpu)
-        num = agree_num_micro_batches(local, group=ctx.dp_group_gloo)
-        return make_micro_batches(batch, args.max_tokens_per_gpu, num=num)
-    local = max(-(-len(batch) // args.micro_batch_size), 1)
-    num = agree_num_micro_batches(local, group=ctx.dp_group_gloo)
-    return fixed_size_micro_batches(batch, args.micro_batch_size, num=num)
+    """This rank's micro-batches, as many as the busiest DP rank needs; the token budget of
+    one is ``--max-tokens-per-gpu x --context-parallel-size`` (the CP group shares it)."""
+    how = MicroBatching.from_args(ctx.args, cp_size=ctx.cp_size)
+    return split_for_ranks(batch, how, group=ctx.dp_group_gloo)
 
 
-def _sum_over_dp(values: dict[str, torch.Tensor], group: Any) -> dict[str, float]:
+def _sum_over_ranks(values: dict[str, torch.Tensor], group: Any) -> dict[str, float]:
     if not values:
         return {}
     keys = sorted(values)
@@ -91,7 +85,7 @@ def optimizer_step(
     ctx.optimizer.zero_grad()
     sums: dict[str, torch.Tensor] = {}
 
-    def on_logits(index: int, packed: PackedBatch, logits: torch.Tensor) -> torch.Tensor:
+    def on_logits(index: int, packed: PackedShard, logits: torch.Tensor) -> torch.Tensor:
         log_probs = token_log_probs(logits, packed.targets, config.temperature)
         if config.entropy_coef != 0.0:
             entropy = entropy_from_logits(logits, config.temperature)
@@ -118,14 +112,18 @@ def optimizer_step(
             sums[k] = sums[k] + v if k in sums else v
         return loss * ctx.dp_size
 
-    packed = [pack_thd(mb).to(ctx.device) for mb in split_micro_batches(ctx, step_batch)]
+    multiple = row_pad_multiple()
+    packed = [
+        pack_thd(mb, pad_multiple=multiple).to(ctx.device)
+        for mb in split_micro_batches(ctx, step_batch)
+    ]
     run_schedule(model, packed, ctx.vocab_size, on_logits, forward_only=False)
     finalize_model_grads([model])
     lr = ctx.optimizer.param_groups[0]["lr"]
     update_ok, grad_norm, _ = ctx.optimizer.step()
     if update_ok:
         ctx.scheduler.step(increment=1)
-    reduced = broadcast_from_last_stage(_sum_over_dp(sums, ctx.dp_group_gloo))
+    reduced = broadcast_from_last_stage(_sum_over_ranks(sums, ctx.dp_cp_group_gloo))
     return {
         **reduced,
         "loss": reduced.pop("step_loss"),

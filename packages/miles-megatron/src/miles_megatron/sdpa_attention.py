@@ -30,6 +30,42 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 
+def sdpa_attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    dropout: float = 0.0,
+    causal: bool = False,
+    cp_group=None,
+) -> torch.Tensor:
+    """``softmax(scale * q k^T, mask) v`` per head through SDPA: ``[s, b, heads, d]`` in (keys and
+    values may have fewer, grouped heads), ``[s, b, heads, d]`` out. ``mask``: boolean, True
+    where a query attends. With ``cp_group`` the keys and values are this CP rank's and are
+    all-gathered over the group first; ``mask``'s columns follow the gathered order."""
+    if cp_group is not None:
+        from miles_megatron.context_parallel import gather_sequence
+
+        if mask is None:
+            raise ValueError("context parallelism needs the packed row's attention mask")
+        key, value = gather_sequence(key, cp_group), gather_sequence(value, cp_group)
+    # [s, b, h, d] -> [b, h, s, d]
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+    context = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        dropout_p=dropout,
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=q.size(1) != k.size(1),
+    )
+    # [b, h, s, d] -> [s, b, h, d]
+    return context.permute(2, 0, 1, 3).contiguous()
+
+
 class SDPAttention(DotProductAttention):
     """``DotProductAttention`` (same constructor, parameters and checkpoint) whose forward is
     one SDPA call: ``softmax(scale * q k^T, masked) v`` per head, inputs ``[s, b, heads, d]``,
@@ -79,32 +115,17 @@ class SDPAttention(DotProductAttention):
         scale = self.softmax_scale
         if self.config.apply_query_key_layer_scaling:
             scale *= self.layer_number
-        if self.cp_size > 1:
-            from megatron.core import parallel_state as ps
-
-            from miles_megatron.context_parallel import gather_sequence
-
-            if attention_mask is None:
-                raise ValueError("context parallelism needs the packed row's attention mask")
-            group = ps.get_context_parallel_group()
-            key, value = gather_sequence(key, group), gather_sequence(value, group)
-        # [s, b, h, d] -> [b, h, s, d]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         mask = None if attention_mask is None else ~attention_mask.to(torch.bool)
         causal = mask is None and (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
         dropout = self.attention_dropout.p if self.training else 0.0
+        cp_group = None
+        if self.cp_size > 1:
+            from megatron.core import parallel_state as ps
+
+            cp_group = ps.get_context_parallel_group()
 
         def attend() -> torch.Tensor:
-            return F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=mask,
-                dropout_p=dropout,
-                is_causal=causal,
-                scale=scale,
-                enable_gqa=q.size(1) != k.size(1),
-            )
+            return sdpa_attend(query, key, value, mask, scale, dropout, causal, cp_group)
 
         if dropout and not self.config.sequence_parallel:
             from megatron.core import tensor_parallel
@@ -113,6 +134,4 @@ class SDPAttention(DotProductAttention):
                 context = attend()
         else:
             context = attend()
-        # [b, h, s, d] -> [s, b, h * d]
-        context = context.permute(2, 0, 1, 3).contiguous()
         return context.view(*context.shape[:2], self.hidden_size_per_partition)

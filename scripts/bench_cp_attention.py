@@ -10,9 +10,10 @@ zig-zag shard of one THD-packed row of ``--tokens`` tokens (one sample;
 shard's block-causal mask) forward and backward in fp32. Reported per rank: the peak resident
 memory during that step above the resident memory before it (``ru_maxrss``, the process's
 high-water mark: on the host, glibc serves and returns these large blocks with mmap, so the
-mark follows the live peak), wall time, and the scores' size ``heads x (T / cp) x T x 4`` bytes
-that the CPU kernel materialises. CP = 1 is the baseline of the same run. Prints a table and
-writes JSON; asserts nothing.
+mark follows the live peak), wall time, and for reference the size dense scores would have,
+``heads x (T / cp) x T x 4`` bytes (the fused kernels store none: their ``T / cp x T`` term is
+the mask, boolean and SDPA's additive fp32 copy). CP = 1 is the baseline of the same run. Prints
+a table and writes JSON; asserts nothing.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def main() -> None:
     rows = [row for cp in args.cp for row in measure(cp, args)]
     base = max(r["peak_above_start_mib"] for r in rows if r["cp"] == args.cp[0])
     print(f"one packed sequence of {args.tokens} tokens, {args.heads} heads x {args.head_dim}")
-    print("| CP | rank | tokens | peak above start (MiB) | vs first CP | scores (MiB) | s |")
+    print("| CP | rank | tokens | peak above start (MiB) | vs first CP | dense scores (MiB) | s |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(

@@ -57,6 +57,8 @@ def run_backend(hf_dir, shard, args, world):
     ]
     if args.attn:
         argv += ["--attn-implementation", args.attn]
+    if args.gradient_checkpointing:
+        argv += ["--gradient-checkpointing"]
     backend = FSDPBackend()
     backend.init(parse_args(argv, [*core_groups(), *fsdp_groups()]))
     total = args.warmup + args.iters
@@ -93,6 +95,8 @@ def run_plain(hf_dir, shard, args, attn):
     model = AutoModelForCausalLM.from_pretrained(
         hf_dir, dtype=torch.float32, attn_implementation=attn
     ).to(device)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
@@ -152,7 +156,10 @@ def main() -> None:
     args = parser.parse_args()
 
     rank, world = bench.init_nccl()
-    cfg = bench.qwen3_config("0.6B")
+    size = args.size or "0.6B"
+    peak = bench.peak_tflops(args)
+    say(f"Qwen3-{size} shape; bf16 matmul peak {peak:.0f} TFLOP/s (the MFU denominator)")
+    cfg = bench.qwen3_config(size)
     hf_dir = bench.shared_model_dir(cfg, prefix="bench_fsdp_")
 
     from miles_core.partition import partition_for_dp
@@ -191,7 +198,8 @@ def main() -> None:
     )
     if rank == 0:
         print(
-            f"\n{world} GPU(s), {torch.cuda.get_device_name()}, attn={attn}, "
+            f"\n{world} GPU(s), {torch.cuda.get_device_name()}, Qwen3-{size} shape, attn={attn}, "
+            f"gradient checkpointing {args.gradient_checkpointing}, peak {peak:.0f} TFLOP/s, "
             f"{tokens} tokens/GPU/rollout, {args.steps} steps/rollout"
         )
         print(f"{'':20s} {'tok/s/GPU':>12s} {'MFU':>7s} {'peak GB':>8s}")
@@ -204,6 +212,9 @@ def main() -> None:
             "gpus": world,
             "device": torch.cuda.get_device_name(),
             "attn_implementation": attn,
+            "size": size,
+            "gradient_checkpointing": args.gradient_checkpointing,
+            "bf16_peak_tflops_measured": peak,
             "tokens_per_gpu_per_rollout": tokens,
             "steps_per_rollout": args.steps,
             "results": rows,

@@ -23,8 +23,13 @@ import argparse
 import json
 import platform
 import statistics
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import train_bench_model as bench  # noqa: E402  (same-directory module)
 
 
 def time_ms(fn, warmup: int, iters: int) -> float:
@@ -41,14 +46,6 @@ def time_ms(fn, warmup: int, iters: int) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
-
-
-def matmul_peak_tflops() -> float:
-    n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    ms = time_ms(lambda: a @ b, warmup=3, iters=10)
-    return 2 * n**3 / ms / 1e9
 
 
 def build_experts(args, implementation: str):
@@ -122,7 +119,7 @@ def main():
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
 
-    peak = matmul_peak_tflops()
+    peak = bench.measure_bf16_peak_tflops()
     modules = {"fused": build_experts(args, "eager")}
     for name in args.baselines:
         modules[name] = build_experts(args, name)

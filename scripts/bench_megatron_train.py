@@ -41,6 +41,11 @@ def run(name: str, hf_dir: str, shard, args, world: int) -> list[float]:
     if name == "megatron":
         argv += ["--tensor-model-parallel-size", str(args.tp)]
         argv += ["--sequence-parallel"] if args.tp > 1 else []
+        if args.gradient_checkpointing:
+            argv += ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+            argv += ["--recompute-num-layers", "1"]
+    elif args.gradient_checkpointing:
+        argv += ["--gradient-checkpointing"]
     say(f"{name}: building the backend (world {world})")
     start = time.perf_counter()
     backend = cls()
@@ -79,8 +84,11 @@ def main() -> None:
         faulthandler.dump_traceback_later(args.stack_dump_s, repeat=True)
 
     rank, world = bench.init_nccl()
-    cfg = bench.qwen3_config("1.7B")
-    say("writing a random Qwen3-1.7B-shaped checkpoint")
+    size = args.size or "1.7B"
+    peak = bench.peak_tflops(args)
+    say(f"bf16 matmul peak {peak:.0f} TFLOP/s (the MFU denominator); writing a random "
+        f"Qwen3-{size}-shaped checkpoint")  # fmt: skip
+    cfg = bench.qwen3_config(size)
     hf_dir = bench.shared_model_dir(cfg, prefix="bench_megatron_")
     results = {}
     for name in args.backends.split(","):
@@ -109,7 +117,18 @@ def main() -> None:
                 f"{name:10s} {r['tokens_per_s_per_gpu']:10.0f} {r['mfu']:6.1%} "
                 f"{r['peak_memory_gib']:9.1f}"
             )
-        Path(args.out).write_text(json.dumps({"world": world, "tp": args.tp, **results}, indent=2))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "world": world,
+                    "tp": args.tp,
+                    "size": size,
+                    "bf16_peak_tflops_measured": peak,
+                    **results,
+                },
+                indent=2,
+            )
+        )
     dist.destroy_process_group()
 
 

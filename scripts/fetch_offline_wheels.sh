@@ -11,8 +11,10 @@
 # they are not in uv.lock. typing-extensions and packaging are included (though such images have
 # them) because pydantic and hatchling need recent ones.
 #
-# Not included: ray (its wheel is large); such a node runs the backends under torchrun. Set
-# PYTHON for the interpreter that reads uv.lock (default python3).
+# Ray's wheel (~79 MB) is written without its Java jars (scripts/strip_ray_wheel.py: ~45 MB,
+# Python actors only), so `miles train` runs on such a node; with NO_RAY=1 it is left out and the
+# node runs the backends under torchrun. Set PYTHON for the interpreter that reads uv.lock
+# (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -46,6 +48,16 @@ PACKAGES=(
   "typing-extensions=lock"
   "packaging=lock"
 )
+if [ "${NO_RAY:-0}" != 1 ]; then
+  # Ray and what it needs beyond such an image (jsonschema's family).
+  PACKAGES+=(
+    "ray=lock"
+    "jsonschema=lock"
+    "jsonschema-specifications=lock"
+    "referencing=lock"
+    "rpds-py=lock"
+  )
+fi
 
 locked_version() {
   "$PYTHON" - "$1" <<'EOF'
@@ -84,6 +96,15 @@ echo "fetch_offline_wheels: ${specs[*]}"
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 --platform any \
   -d "$DEST" "${specs[@]}"
+
+shopt -s nullglob
+for wheel in "$DEST"/ray-[0-9]*.whl; do
+  tmp=$(mktemp -d)
+  "$PYTHON" scripts/strip_ray_wheel.py "$wheel" "$tmp"
+  mv "$tmp/$(basename "$wheel")" "$wheel"
+  rmdir "$tmp"
+done
+shopt -u nullglob
 
 du -sh "$DEST"
 ls "$DEST"

@@ -19,6 +19,8 @@
 #   bench-fsdp     scripts/bench_fsdp_train.py on 1 GPU, then 2 GPUs     FSDP_ITERS (default 6)
 #   bench-megatron scripts/bench_megatron_train.py at TP = each of MEGATRON_GPUS (default "1 2")
 #   bench-moe      scripts/bench_fused_moe.py
+#   train-e2e      scripts/gpu_train_e2e.py: miles train jobs, E2E_CASES (default by GPU count),
+#                  E2E_ROLLOUTS (default 3); phase times, peak memory, engine = trainer weights
 #
 # A stage that fails or times out is reported and the next one runs; the exit status is the
 # number of failed stages. STAGE_TIMEOUT_<NAME> (seconds) overrides a stage's limit.
@@ -110,6 +112,15 @@ for stage in "$@"; do
           scripts/bench_megatron_train.py --stack-dump-s 45 --tp "$n" \
           --out "$OUT_DIR/bench_megatron_${n}gpu.json"
       done ;;
+    train-e2e)
+      # miles train end to end (Ray, trainer, built-in engines on the GPUs); needs Ray installed
+      if [ "$NGPU" -ge 2 ]; then
+        e2e_default=fsdp-0.6b-colocate-2gpu,fsdp-0.6b-disagg-broadcast,megatron-0.6b-colocate-tp2
+      else
+        e2e_default=fsdp-tiny-colocate-1gpu,megatron-tiny-colocate-1gpu,fsdp-0.6b-colocate-1gpu
+      fi
+      run_stage train-e2e 900 python3 scripts/gpu_train_e2e.py --out "$OUT_DIR/train_e2e" \
+        --cases "${E2E_CASES:-$e2e_default}" --rollouts "${E2E_ROLLOUTS:-3}" ;;
     bench-moe)
       run_stage bench-moe 240 python3 scripts/bench_fused_moe.py --out "$OUT_DIR/bench_fused_moe.json" ;;
     *)

@@ -14,27 +14,51 @@ import torch
 import torch.distributed as dist
 
 VOCAB_SIZE = 151936
-# hidden, intermediate; every size has 28 layers, 16 query / 8 key-value heads of dim 128.
-QWEN3_SIZES = {"0.6B": (1024, 3072), "1.7B": (2048, 6144)}
+# Qwen3's published shapes: hidden, intermediate, layers, query heads, tied embeddings (8 key-value
+# heads of dim 128 in every size).
+QWEN3_SIZES = {
+    "0.6B": (1024, 3072, 28, 16, True),
+    "1.7B": (2048, 6144, 28, 16, True),
+    "4B": (2560, 9728, 36, 32, True),
+    "8B": (4096, 12288, 36, 32, False),
+}
 
 
 def qwen3_config(size: str):
-    """Qwen3-``size`` shapes (``QWEN3_SIZES``) with tied embeddings, rope theta 1e6."""
+    """Qwen3-``size`` shapes (``QWEN3_SIZES``), rope theta 1e6."""
     from transformers import Qwen3Config
 
-    hidden, intermediate = QWEN3_SIZES[size]
+    hidden, intermediate, layers, heads, tied = QWEN3_SIZES[size]
     return Qwen3Config(
         vocab_size=VOCAB_SIZE,
         hidden_size=hidden,
         intermediate_size=intermediate,
-        num_hidden_layers=28,
-        num_attention_heads=16,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
         num_key_value_heads=8,
         head_dim=128,
         max_position_embeddings=40960,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
         rope_theta=1000000.0,
     )
+
+
+def measure_bf16_peak_tflops(n: int = 8192, iters: int = 10) -> float:
+    """The bf16 matmul rate of this GPU, measured now (random ``n x n`` operands, median of
+    ``iters`` products after 3 warm-ups, CUDA events): the MFU denominator of the same run."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    times = []
+    for i in range(3 + iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end))
+    times.sort()
+    return 2 * n**3 / times[len(times) // 2] / 1e9
 
 
 def write_random_model(path: str, config) -> None:
@@ -60,7 +84,23 @@ def add_timing_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps per rollout")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak per GPU")
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=0.0,
+        help="bf16 peak per GPU for MFU (0, the default: measured in this run)",
+    )
+    parser.add_argument("--size", default=None, choices=sorted(QWEN3_SIZES), help="model shape")
+    parser.add_argument(
+        "--gradient-checkpointing", action="store_true", help="recompute each layer in backward"
+    )
+
+
+def peak_tflops(args) -> float:
+    """``--peak-tflops``, or the bf16 matmul rate measured now when it is 0."""
+    if not args.peak_tflops:
+        args.peak_tflops = measure_bf16_peak_tflops()
+    return args.peak_tflops
 
 
 def init_nccl() -> tuple[int, int]:

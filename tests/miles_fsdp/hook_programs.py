@@ -47,12 +47,13 @@ HOOK_FLAGS = dict(
 )
 
 
-def loss_hook_program(rank, world, hf_dir, teacher_dir, out_file):
+def loss_hook_program(rank, world, hf_dir, teacher_dir, out_file, hook="distill_loss"):
     """One train() with the distillation hook; the gradients, metrics and what the hook saw."""
     from miles_fsdp.backend import FSDPBackend
 
+    flags = HOOK_FLAGS | {"custom_loss_function_path": f"hook_programs:{hook}"}
     backend = FSDPBackend()
-    backend.init(make_args(hf_checkpoint=hf_dir, teacher_load=teacher_dir, **HOOK_FLAGS))
+    backend.init(make_args(hf_checkpoint=hf_dir, teacher_load=teacher_dir, **flags))
     initial = full_params(backend.model)
     shard = my_shard(make_samples(), rank, world)
     metrics = backend.train(0, shard)
@@ -66,3 +67,22 @@ def loss_hook_program(rank, world, hf_dir, teacher_dir, out_file):
     }
     backend.close()
     torch.save(res, f"{out_file}.{rank}")
+
+
+def distill_scores_loss(ctx, scores, packed, config, denominator):
+    """:func:`distill_loss` on the lean path: the actor's and the teacher's log-probs come from
+    the fused head (``scores``, ``ctx.scores``), no logits."""
+    teacher = ctx.teacher_models["model"]
+    with torch.no_grad():
+        teacher_scores = ctx.scores(teacher, packed, config.temperature)
+    diff = scores.log_probs - teacher_scores.log_probs
+    contribution = (diff**2 * packed.loss_mask).sum() / denominator
+    SEEN["denominators"].append(denominator)
+    SEEN["teacher_requires_grad"].append(teacher_scores.log_probs.requires_grad)
+    SEEN["temperatures"].append(config.temperature)
+    loss_tokens = packed.loss_mask.sum() / denominator
+    return contribution, {"distill": contribution.detach(), "token_share": loss_tokens}
+
+
+def misnamed_loss(ctx, values, packed, config, denominator):
+    raise AssertionError("never called: refused when loaded")

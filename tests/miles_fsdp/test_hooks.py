@@ -14,11 +14,18 @@ from tiny_models import save_tiny_model
 
 
 @pytest.mark.slow
-def test_custom_loss_hook_through_train_matches_float64(tmp_path):
+@pytest.mark.parametrize(
+    "hook",
+    [
+        "distill_loss",  # takes logits: the dense path
+        pytest.param("distill_scores_loss", marks=pytest.mark.extended),  # scores: fused head
+    ],
+)
+def test_custom_loss_hook_through_train_matches_float64(tmp_path, hook):
     hf_dir = save_tiny_model(tmp_path / "actor", seed=0)
     teacher_dir = save_tiny_model(tmp_path / "teacher", seed=2)
     out = tmp_path / "out.pt"
-    run_ranks(2, loss_hook_program, str(hf_dir), str(teacher_dir), str(out), timeout=300)
+    run_ranks(2, loss_hook_program, str(hf_dir), str(teacher_dir), str(out), hook, timeout=300)
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
 
     actor, teacher = dense_model(hf_dir), dense_model(teacher_dir)
@@ -57,3 +64,19 @@ def test_custom_loss_hook_through_train_matches_float64(tmp_path):
         # the optimizer stepped on those gradients
         assert any(not torch.equal(res["stepped"][n], v) for n, v in res["initial"].items())
     assert loss.item() > 1e-3  # actor and teacher differ: the test can see a wrong loss
+
+
+def test_loss_hook_parameter_name_chooses_logits_or_scores(tmp_path):
+    from miles_core.args import ArgumentError
+    from miles_fsdp.hooks import HookContext, Hooks
+    from run_args import make_args
+
+    def hooks(name):
+        path = f"hook_programs:{name}"
+        args = make_args(hf_checkpoint=str(tmp_path), custom_loss_function_path=path)
+        return Hooks.from_args(args, HookContext(args, torch.device("cpu")))
+
+    assert hooks("distill_loss").loss_wants_logits
+    assert not hooks("distill_scores_loss").loss_wants_logits
+    with pytest.raises(ArgumentError, match="--custom-loss-function-path .* logits or scores"):
+        hooks("misnamed_loss")

@@ -296,3 +296,26 @@ def test_fd_passing_payload_is_refused_over_http(engine, models):
     assert r.status_code == 400, r.text
     assert "rebuild_storage_fd is not on the allowlist" in r.json()["message"]
     assert_generates(engine, models, "old")
+
+
+def test_get_weights_by_name_reads_back_what_was_loaded(engine, models):
+    """SGLang's ``/get_weights_by_name``: the first rows of a tensor, exact in float32, so a
+    caller can compare an engine's weights with the trainer's bit for bit."""
+    new_state = dict(models["new"][1].state_dict())
+    r = engine.post(
+        "/update_weights_from_tensor",
+        {"serialized_named_tensors": [serialize(list(new_state.items()))]},
+    )
+    assert r.status_code == 200, r.text
+    for name in ("model.embed_tokens.weight", "model.norm.weight"):
+        got = engine.post("/get_weights_by_name", {"name": name, "truncate_size": 3})
+        assert got.status_code == 200, got.text
+        want = new_state[name][:3].float()
+        assert torch.equal(torch.tensor(got.json(), dtype=torch.float32), want)
+    bad = engine.post("/get_weights_by_name", {"name": "model.no_such.weight"})
+    assert bad.status_code == 400 and "model.no_such.weight" in bad.json()["error"]["message"]
+    assert engine.post("/get_weights_by_name", {"name": 3}).status_code == 400
+    zero = engine.post("/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 0})
+    assert zero.status_code == 400
+    r = engine.post("/update_weights_from_disk", {"model_path": str(models["old"][0])})
+    assert r.status_code == 200, r.text

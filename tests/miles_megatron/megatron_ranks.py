@@ -612,3 +612,44 @@ def check_custom_spec(ranks: list[dict]) -> None:
         optimizer_keys = [k for k in saved if k.startswith("optimizer.state.")]
         assert optimizer_keys and all(saved[k] == "torch.float32" for k in optimizer_keys)
         assert r["resumed_state_names"] and all(r["resumed_state_equal"].values())
+
+
+def head_scores_and_grads(
+    rank: int, world: int, cases: list[tuple[str, str, float, bool]], samples: list, out_dir: str
+) -> None:
+    """Per case ``(label, hf_dir, temperature, fused)`` at TP=2 with sequence parallelism: the
+    response log-probs/entropies of one THD-packed micro-batch through megatron's schedule and
+    the gradients (this rank's shards) of ``sum(a * log_prob + b * entropy)``, saved to
+    ``out_dir/rank{rank}.pt`` (tensors do not travel through the result queue)."""
+    from miles_core.batch import RolloutBatch
+    from miles_core.packing import pack_thd, unpack_response
+    from miles_megatron.output_head import ScoreHead
+    from miles_megatron.schedule import run_schedule
+
+    out: dict[str, Any] = {}
+    for label, hf_dir, temperature, fused in cases:
+        _, margs, model, _ = build_from_hf(hf_dir, layout_argv(tp=2))
+        packed = pack_thd(RolloutBatch(samples))
+        values: dict[str, list] = {}
+
+        def on_scores(index, packed, lp, ent, values=values):
+            loss = lp.new_zeros(())
+            values["lp"] = [v.detach().clone() for v in unpack_response(packed, lp)]
+            values["ent"] = [v.detach().clone() for v in unpack_response(packed, ent)]
+            for i, (lp_i, ent_i) in enumerate(
+                zip(unpack_response(packed, lp), unpack_response(packed, ent), strict=True)
+            ):
+                a, b = head_token_weights(i, lp_i.numel())
+                loss = loss + (a * lp_i).sum() + (b * ent_i).sum()
+            return loss
+
+        head = ScoreHead(margs["vocab_size"], temperature, fused, entropy_grad=True)
+        run_schedule(model, [packed], head, on_scores, forward_only=False)
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        out[label] = {**values, "grads": grads}
+    torch.save(out, f"{out_dir}/rank{rank}.pt")
+
+
+def head_token_weights(sample_index: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    t = torch.arange(n, dtype=torch.float32)
+    return torch.sin(7.0 * sample_index + t), torch.cos(3.0 * sample_index + 0.5 * t)

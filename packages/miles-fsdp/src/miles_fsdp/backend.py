@@ -36,6 +36,7 @@ from miles_fsdp.optimizer import (
     build_streamed_optimizer,
     is_streamed,
 )
+from miles_fsdp.output_head import check_fused_head
 from miles_fsdp.precision import PrecisionConfig, resolve_precision
 from miles_fsdp.profiling import TrainProfiler
 from miles_fsdp.roles import component_names, frozen_role, frozen_sources
@@ -122,6 +123,8 @@ class FSDPBackend(TrainBackend):
         self.info: HFCheckpointInfo = validate_on_rank0(args.hf_checkpoint)
         self.hf_dir = Path(args.hf_checkpoint)
         self.config = load_config(self.hf_dir)
+        if args.fused_log_probs:
+            check_fused_head(self.config)
         self.adaptation: Adaptation = adaptation_for(self.config.model_type)
         precision = resolve_precision(
             args.fp16, getattr(args, "fsdp_compute_dtype", None), args.keep_fp32_master

@@ -16,22 +16,44 @@ run in eval mode with no gradients; call them inside ``torch.no_grad()``.
   ``denominator``, see :mod:`miles_fsdp.train_step`), ``parts`` are logged scalars (summed
   over micro-batches and DP ranks, like the built-in loss's parts).
 
+  What the hook receives is chosen by the name of its second parameter. ``logits``: the model
+  materialises the full logits for it (the dense path, whatever ``--fused-log-probs`` says):
+  ``T x V`` in the compute dtype, plus what the hook's own softmax keeps for backward (a
+  float32 ``T x V`` or two), the memory that caps ``--max-tokens-per-gpu``. ``scores``: a
+  :class:`TokenScores` of the target tokens' log-probs and the entropies ``[1, T]`` (float32,
+  at ``config.temperature``, with gradients) from the same head as the built-in loss, lean
+  under ``--fused-log-probs``. Another name is refused when the hook is loaded.
+
 ``ctx.logits(model, packed)`` runs any role on the same packed row the actor saw (attention
 kept inside each sample, the actor's attention implementation), e.g. a teacher for
-distillation.
+distillation, and materialises its ``[1, T, V]`` logits; ``ctx.scores(model, packed,
+temperature)`` gives the same role's :class:`TokenScores` through the fused head instead
+(``--fused-log-probs``; the dense path otherwise).
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from miles_core.args import ArgumentError
+from miles_core.log_prob_head import dense_log_probs
 from miles_core.packing import PackedBatch, packed_attention_kwargs
 from torch import nn
+
+from miles_fsdp.output_head import scoring
+
+
+@dataclass
+class TokenScores:
+    """Per-position log-prob of the target token and entropy, ``[1, T]`` float32."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor
 
 
 @dataclass
@@ -51,6 +73,17 @@ class HookContext:
         ``torch.no_grad()``)."""
         kwargs = packed_attention_kwargs(packed, self.attn_implementation, self.compute_dtype)
         return model(input_ids=packed.input_ids, **kwargs).logits
+
+    def scores(self, model: nn.Module, packed: PackedBatch, temperature: float) -> TokenScores:
+        """:class:`TokenScores` of ``model`` on the packed row at ``temperature``, through the
+        fused head under ``--fused-log-probs`` (no ``[T, V]`` logits)."""
+        if self.args.fused_log_probs:
+            with scoring(model, packed.targets, temperature):
+                out = self.logits(model, packed)
+            return TokenScores(out[..., 0], out[..., 1])
+        return TokenScores(
+            *dense_log_probs(self.logits(model, packed), packed.targets, temperature, True)
+        )
 
 
 def load_hook(spec: str, flag: str) -> Callable:
@@ -77,6 +110,8 @@ class Hooks:
     context: HookContext
     prepare: Callable | None = None
     loss: Callable | None = None
+    #: the loss hook's second parameter is ``logits`` (else ``scores``)
+    loss_wants_logits: bool = False
 
     @classmethod
     def from_args(cls, args: Any, context: HookContext) -> Hooks:
@@ -85,4 +120,16 @@ class Hooks:
             prepare = load_hook(args.custom_prepare_path, "--custom-prepare-path")
         if args.custom_loss_function_path:
             loss = load_hook(args.custom_loss_function_path, "--custom-loss-function-path")
-        return cls(context, prepare, loss)
+        return cls(context, prepare, loss, loss is not None and _wants_logits(loss, args))
+
+
+def _wants_logits(fn: Callable, args: Any) -> bool:
+    """Whether a loss hook takes ``logits`` or ``scores`` (its second parameter's name)."""
+    params = list(inspect.signature(fn).parameters)
+    second = params[1] if len(params) > 1 else None
+    if second not in ("logits", "scores"):
+        raise ArgumentError(
+            f"--custom-loss-function-path {args.custom_loss_function_path}: the second parameter "
+            f"must be named logits or scores (got {second})"
+        )
+    return second == "logits"

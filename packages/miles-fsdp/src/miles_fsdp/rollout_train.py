@@ -27,13 +27,15 @@ from miles_core.advantages import with_advantages
 from miles_core.aggregation import loss_denominator
 from miles_core.args.groups.algorithm import kl_term_on
 from miles_core.batch import RolloutBatch
-from miles_core.log_probs import entropy_from_logits, token_log_probs
+from miles_core.log_prob_head import dense_log_probs
 from miles_core.losses import LossConfig, compute_policy_loss
 from miles_core.micro_batch import MicroBatching, split_micro_batches, split_steps
 from miles_core.packing import PackedBatch, pack_thd, packed_attention_kwargs, unpack_response
 from torch import nn
 
 from miles_fsdp.adaptations.moe import RoutingReplay
+from miles_fsdp.hooks import TokenScores
+from miles_fsdp.output_head import scoring
 from miles_fsdp.roles import ref_mode, reference_forward
 from miles_fsdp.train_step import StepResult, optimizer_step
 
@@ -87,6 +89,26 @@ def packed_logits(
     return model(input_ids=packed.input_ids, **kwargs).logits
 
 
+def packed_scores(
+    ctx: RolloutContext,
+    packed: PackedBatch,
+    temperature: float,
+    model: nn.Module | None = None,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log_probs, entropy)`` ``[1, T]`` float32 of a packed row at ``temperature``.
+
+    ``--fused-log-probs`` (default): the output head computes them chunk by chunk from the
+    hidden states (:mod:`miles_fsdp.output_head`), no ``[T, V]`` logits; otherwise from the
+    materialised logits, the entropy without a graph unless ``entropy_grad``."""
+    if ctx.args.fused_log_probs:
+        with scoring(ctx.model if model is None else model, packed.targets, temperature):
+            out = packed_logits(ctx, packed, model)
+        return out[..., 0], out[..., 1]
+    logits = packed_logits(ctx, packed, model)
+    return dense_log_probs(logits, packed.targets, temperature, entropy_grad)
+
+
 @torch.no_grad()
 def policy_log_probs(
     ctx: RolloutContext, batch: RolloutBatch, model: nn.Module | None = None
@@ -96,25 +118,27 @@ def policy_log_probs(
     index = {src: i for i, src in enumerate(batch.source_indices)}
     for mb in micro_batches(ctx, batch):
         packed = pack_thd(mb).to(ctx.device)
-        logits = packed_logits(ctx, packed, model)
-        lp = token_log_probs(logits, packed.targets, ctx.args.rollout_temperature)
+        lp, _ = packed_scores(ctx, packed, ctx.args.rollout_temperature, model)
         for src, values in zip(mb.source_indices, unpack_response(packed, lp)):
             out[index[src]] = values.float().cpu()
     return out  # type: ignore[return-value]
 
 
 def _loss_of(ctx: RolloutContext, config: LossConfig, denominator: float, detach_old: bool):
+    hook = ctx.hooks.loss if ctx.hooks is not None else None
+    hook_wants_logits = hook is not None and ctx.hooks.loss_wants_logits
+
     def loss_of(model: nn.Module, mb: RolloutBatch):
         packed = pack_thd(mb).to(ctx.device)
-        logits = packed_logits(ctx, packed)
-        if ctx.hooks is not None and ctx.hooks.loss is not None:  # --custom-loss-function-path
-            return ctx.hooks.loss(ctx.hooks.context, logits, packed, config, denominator)
-        log_probs = token_log_probs(logits, packed.targets, config.temperature)
-        if config.entropy_coef != 0.0:
-            entropy = entropy_from_logits(logits, config.temperature)
-        else:  # metric only: no graph through the full-vocabulary softmax
-            with torch.no_grad():
-                entropy = entropy_from_logits(logits.detach(), config.temperature)
+        if hook_wants_logits:  # --custom-loss-function-path taking ``logits``: the dense path
+            return hook(ctx.hooks.context, packed_logits(ctx, packed), packed, config, denominator)
+        entropy_grad = config.entropy_coef != 0.0
+        log_probs, entropy = packed_scores(ctx, packed, config.temperature, None, entropy_grad)
+        if hook is not None:  # a hook taking ``scores``: the lean path
+            scores = TokenScores(log_probs, entropy)
+            return hook(ctx.hooks.context, scores, packed, config, denominator)
+        if not entropy_grad:
+            entropy = entropy.detach()
         fields = packed.fields
         return compute_policy_loss(
             log_probs,

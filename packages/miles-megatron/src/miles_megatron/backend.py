@@ -289,6 +289,7 @@ class MegatronBackend(TrainBackend):
                 ctx.vocab_size,
                 self.args.rollout_temperature,
                 self.device,
+                fused=self.args.fused_log_probs,
             )
 
     def _context(self):

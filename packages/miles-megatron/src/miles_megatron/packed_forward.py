@@ -2,12 +2,14 @@
 
 megatron-core's local spec attends with an explicit mask, so a packed row ``[1, T]`` gets the
 block-diagonal causal mask of miles-core's ``block_causal_mask`` (inverted: megatron masks
-where the mask is True) and positions that restart at 0 in every sample. The output layer
-gathers the vocabulary over TP (``parallel_output=False``), so every TP rank holds the same
-``[1, T, V]`` logits and the same loss. ``T`` is a multiple of
+where the mask is True) and positions that restart at 0 in every sample. The last stage scores
+the tokens with the fused vocabulary-parallel head (:mod:`miles_megatron.output_head`); with
+``--no-fused-log-probs`` the output layer gathers the vocabulary over TP
+(``parallel_output=False``) into ``[1, T, V]`` logits. Either way every TP rank holds the same
+log-probs and the same loss. ``T`` is a multiple of
 :func:`~miles_megatron.context_parallel.row_pad_multiple` (128, and ``2 x CP x TP``).
 
-At CP > 1 each CP rank computes the log-probs of its shard of the row, and
+At CP > 1 each CP rank scores its shard of the row, and
 :meth:`~miles_megatron.context_parallel.PackedShard.gather_row` brings the whole row back on
 every CP rank before it is cut into samples.
 
@@ -19,10 +21,10 @@ from __future__ import annotations
 
 import torch
 from miles_core.batch import RolloutBatch
-from miles_core.log_probs import token_log_probs
 from miles_core.packing import pack_thd, unpack_response
 
 from miles_megatron.context_parallel import PackedShard, row_pad_multiple
+from miles_megatron.output_head import ScoreHead
 from miles_megatron.schedule import broadcast_from_last_stage, run_schedule
 
 
@@ -35,18 +37,19 @@ def rollout_log_probs(
     vocab_size: int,
     temperature: float,
     device: torch.device,
+    fused: bool = True,
 ) -> list[torch.Tensor]:
     """Per-sample response log-probs (CPU float32) at ``temperature`` over ``micro_batches``,
-    on every pipeline stage."""
+    on every pipeline stage (``fused``: ``--fused-log-probs``)."""
     out: list[torch.Tensor | None] = [None] * num_samples
 
-    def on_logits(index: int, shard: PackedShard, logits: torch.Tensor) -> None:
-        lp = shard.gather_row(token_log_probs(logits, shard.targets, temperature))
+    def on_scores(index: int, shard: PackedShard, lp: torch.Tensor, _: torch.Tensor) -> None:
         full = shard.full
-        for src, values in zip(full.source_indices, unpack_response(full, lp)):
+        for src, values in zip(full.source_indices, unpack_response(full, shard.gather_row(lp))):
             out[source_index[src]] = values.float().cpu()
 
     multiple = row_pad_multiple()
     packed = [pack_thd(mb, pad_multiple=multiple).to(device) for mb in micro_batches]
-    run_schedule(model, packed, vocab_size, on_logits, forward_only=True)
+    head = ScoreHead(vocab_size, temperature, fused, entropy_grad=False)
+    run_schedule(model, packed, head, on_scores, forward_only=True)
     return broadcast_from_last_stage(out)  # type: ignore[return-value]

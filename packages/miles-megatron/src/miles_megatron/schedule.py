@@ -7,10 +7,11 @@
 forwards, one-forward-one-backward, cool-down backwards), with hidden states sent between stages
 by megatron's P2P communicator (``variable_seq_lengths``: every micro-batch's padded length is
 exchanged first). Every stage runs the model on the same shard (the first stage embeds
-``input_ids``; all stages need the block-causal mask); only the last stage has logits and
-calls ``on_logits``.
+``input_ids``; all stages need the block-causal mask); only the last stage scores the shard's
+tokens (:class:`~miles_megatron.output_head.ScoreHead`: the fused head, or the logits on the
+dense path) and calls ``on_scores``.
 
-Loss scaling: ``on_logits`` returns this rank's share of the step loss as miles-core defines it
+Loss scaling: ``on_scores`` returns this rank's share of the step loss as miles-core defines it
 (its tokens' terms, already divided by the step's global denominator, see
 :mod:`miles_megatron.train_step`). megatron's schedule multiplies a returned loss by the CP size
 and divides it by the number of micro-batches before back-propagating; :func:`run_schedule`
@@ -31,14 +32,17 @@ import torch.distributed as dist
 from miles_core.packing import PackedBatch
 
 from miles_megatron.context_parallel import PackedShard, shard_micro_batches
+from miles_megatron.output_head import ScoreHead
 
-#: ``on_logits(index, shard, logits)`` -> this rank's share of the loss (training) or None.
-LogitsCallback = Callable[[int, PackedShard, torch.Tensor], torch.Tensor | None]
+#: ``on_scores(index, shard, log_probs, entropy)`` -> this rank's share of the loss (training)
+#: or None.
+ScoresCallback = Callable[[int, PackedShard, torch.Tensor, torch.Tensor], torch.Tensor | None]
 
 
 def stage_forward(model: torch.nn.Module, shard: PackedShard) -> torch.Tensor:
-    """This stage's output on a CP rank's shard of a packed row: hidden states, or
-    ``[1, T / cp, V_padded]`` logits on the last stage (the vocabulary gathered over TP)."""
+    """This stage's output on a CP rank's shard of a packed row: hidden states, or on the last
+    stage ``[1, T / cp, 2]`` scores inside :func:`~miles_megatron.output_head.scoring`, else
+    ``[1, T / cp, V_padded]`` logits (the vocabulary gathered over TP)."""
     mask = ~shard.attention_mask()  # megatron masks where True
     return model(shard.input_ids, shard.position_ids, attention_mask=mask)
 
@@ -46,29 +50,32 @@ def stage_forward(model: torch.nn.Module, shard: PackedShard) -> torch.Tensor:
 def run_schedule(
     model: torch.nn.Module,
     micro_batches: Sequence[PackedBatch],
-    vocab_size: int,
-    on_logits: LogitsCallback,
+    head: ScoreHead,
+    on_scores: ScoresCallback,
     forward_only: bool,
 ) -> None:
     """Forward (and, unless ``forward_only``, backward) every micro-batch through the schedule.
 
-    ``on_logits`` sees this CP rank's shard and its float32 logits ``[1, T / cp, vocab_size]``
-    (padded vocabulary entries dropped) on the last pipeline stage only. Gradients accumulate
+    ``on_scores`` sees this CP rank's shard and its float32 log-probs and entropies
+    ``[1, T / cp]`` at ``head.temperature`` on the last pipeline stage only. Gradients accumulate
     in the DDP buffers; the caller finalises them (``finalize_model_grads``) and steps the
     optimizer.
     """
+    from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     count = len(micro_batches)
+    last_stage = ps.is_pipeline_last_stage()
     shards = shard_micro_batches(list(micro_batches))
     items = iter(enumerate(shards))
 
     def forward_step(data_iterator, module):
         index, shard = next(data_iterator)
-        output = stage_forward(module, shard)
+        with head.context(module, shard, last_stage):
+            output = stage_forward(module, shard)
 
         def loss_func(output_tensor: torch.Tensor):
-            loss = on_logits(index, shard, output_tensor[..., :vocab_size].float())
+            loss = on_scores(index, shard, *head.scores(output_tensor, shard))
             if loss is None:
                 loss = output_tensor.new_zeros((), dtype=torch.float32)
             return loss * count, {}

@@ -4,9 +4,10 @@ Loss scaling is miles-core's (docs/rl-math.md): each micro-batch's loss is its c
 ``sum(token losses) / D`` with the step's global denominator ``D``; megatron-core's DDP divides
 the reduced gradients by the data-parallel size, so each rank back-propagates
 ``dp_size * contribution`` and the reduced gradient is exactly ``dL/dw`` for any split.
-TP peers compute identical (vocabulary-gathered) logits and losses; CP ranks compute the terms
-of their own tokens (:mod:`miles_megatron.context_parallel`), shares that add up; metrics are
-summed over the data-parallel x context-parallel group. At PP > 1 the micro-batches run megatron's 1F1B schedule
+TP peers compute identical log-probs and losses (the fused vocabulary-parallel head, or the
+vocabulary-gathered logits under ``--no-fused-log-probs``); CP ranks compute the terms of their
+own tokens (:mod:`miles_megatron.context_parallel`), shares that add up; metrics are summed
+over the data-parallel x context-parallel group. At PP > 1 the micro-batches run megatron's 1F1B schedule
 (:mod:`miles_megatron.schedule`): the loss and metrics exist on the last stage, which
 broadcasts the metrics to the other stages.
 
@@ -26,13 +27,13 @@ import torch.distributed as dist
 from miles_core.advantages import with_advantages
 from miles_core.aggregation import loss_denominator
 from miles_core.batch import RolloutBatch
-from miles_core.log_probs import entropy_from_logits, token_log_probs
 from miles_core.losses import LossConfig, compute_policy_loss
 from miles_core.micro_batch import MicroBatching, split_steps
 from miles_core.micro_batch import split_micro_batches as split_for_ranks
 from miles_core.packing import pack_thd
 
 from miles_megatron.context_parallel import PackedShard, row_pad_multiple
+from miles_megatron.output_head import ScoreHead
 from miles_megatron.packed_forward import rollout_log_probs
 from miles_megatron.schedule import broadcast_from_last_stage, run_schedule
 
@@ -85,13 +86,13 @@ def optimizer_step(
     ctx.optimizer.zero_grad()
     sums: dict[str, torch.Tensor] = {}
 
-    def on_logits(index: int, packed: PackedShard, logits: torch.Tensor) -> torch.Tensor:
-        log_probs = token_log_probs(logits, packed.targets, config.temperature)
-        if config.entropy_coef != 0.0:
-            entropy = entropy_from_logits(logits, config.temperature)
-        else:
-            with torch.no_grad():
-                entropy = entropy_from_logits(logits.detach(), config.temperature)
+    entropy_grad = config.entropy_coef != 0.0
+
+    def on_scores(
+        index: int, packed: PackedShard, log_probs: torch.Tensor, entropy: torch.Tensor
+    ) -> torch.Tensor:
+        if not entropy_grad:
+            entropy = entropy.detach()
         fields = packed.fields
         loss, metrics = compute_policy_loss(
             log_probs,
@@ -117,7 +118,8 @@ def optimizer_step(
         pack_thd(mb, pad_multiple=multiple).to(ctx.device)
         for mb in split_micro_batches(ctx, step_batch)
     ]
-    run_schedule(model, packed, ctx.vocab_size, on_logits, forward_only=False)
+    head = ScoreHead(ctx.vocab_size, config.temperature, ctx.args.fused_log_probs, entropy_grad)
+    run_schedule(model, packed, head, on_scores, forward_only=False)
     finalize_model_grads([model])
     lr = ctx.optimizer.param_groups[0]["lr"]
     update_ok, grad_norm, _ = ctx.optimizer.step()
@@ -158,6 +160,7 @@ def train_rollout(ctx: TrainContext, rollout_id: int, batch: RolloutBatch) -> di
                 ctx.vocab_size,
                 args.rollout_temperature,
                 ctx.device,
+                fused=args.fused_log_probs,
             )
         )
     batch = with_advantages(batch, args, ctx.dp_group_gloo)

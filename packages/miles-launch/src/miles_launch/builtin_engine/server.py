@@ -263,6 +263,30 @@ def build_app(state: EngineState) -> FastAPI:
         )
         return info
 
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(request: Request):
+        """SGLang's: the first ``truncate_size`` rows of the tensor of HF name ``name`` as
+        float32 lists (bf16 and fp16 values are exact in float32, so callers can compare bits)."""
+        body = await _json_body(request)
+        name, size = body.get("name"), body.get("truncate_size", 100)
+        if not isinstance(name, str):
+            return _error("get_weights_by_name: field name (a string) is required")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            return _error(
+                f"get_weights_by_name: truncate_size must be a positive int, got {size!r}"
+            )
+
+        def read():
+            if state.weights.released:
+                raise ApiError("get_weights_by_name: weights are released")
+            tensor = state.weights.resolve(name)
+            if tensor is None:
+                raise ApiError(f"get_weights_by_name: no parameter named {name!r}")
+            rows = tensor.detach()[:size] if tensor.dim() else tensor.detach()
+            return rows.to(device="cpu", dtype=torch.float32).tolist()
+
+        return await control(read)
+
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request):
         body = await _json_body(request)

@@ -74,6 +74,12 @@ class AlgorithmArgs(ArgGroup):
     rollout_temperature: float = flag(
         1.0, help="Sampling temperature; the trainer's log-probs use the same temperature."
     )
+    fused_log_probs: bool = flag(
+        True,
+        help="Log-probs and entropy chunk by chunk from the hidden states, never holding the "
+        "[T, V] logits (miles_core.log_prob_head); --no-fused-log-probs materialises the "
+        "logits (the dense path, for debugging).",
+    )
 
     @classmethod
     def validate(cls, args: Any) -> None:

@@ -632,7 +632,8 @@ def head_scores_and_grads(
         packed = pack_thd(RolloutBatch(samples))
         values: dict[str, list] = {}
 
-        def on_scores(index, packed, lp, ent, values=values):
+        def on_scores(index, shard, lp, ent, values=values):
+            packed = shard.full  # CP = 1: the shard is the whole row
             loss = lp.new_zeros(())
             values["lp"] = [v.detach().clone() for v in unpack_response(packed, lp)]
             values["ent"] = [v.detach().clone() for v in unpack_response(packed, ent)]

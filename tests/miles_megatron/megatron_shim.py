@@ -12,7 +12,8 @@ dist-checkpointing (sync and async):
    recomputation (``tensor_parallel.checkpoint``) saves and restores is the CPU generator's.
 3. ``torch.cuda.synchronize`` and streams are no-ops.
 4. Modules that write ``device="cuda"`` literally see a ``torch`` whose tensor factories map it
-   to the CPU; ``Tensor.cuda()`` returns the tensor, ``Tensor.pin_memory()`` a copy.
+   to the CPU and drop ``pin_memory=True`` (the rotary table's CP slice pins its index);
+   ``Tensor.cuda()`` returns the tensor, ``Tensor.pin_memory()`` a copy.
 5. ``Tensor.type()`` names a CPU float tensor ``torch.cuda.FloatTensor`` (the optimizers accept
    parameters by these type strings).
 6. Collectives gloo lacks in the form the MoE all-to-all dispatcher uses (NCCL has them):
@@ -59,6 +60,7 @@ _CUDA_LITERAL_MODULES = (
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.utils",
     "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.models.common.embeddings.rope_utils",
 )
 
 
@@ -75,6 +77,7 @@ class _CpuTorch:
         def factory(*args: object, **kwargs: object) -> torch.Tensor:
             if str(kwargs.get("device", "")).startswith("cuda"):
                 kwargs["device"] = "cpu"
+            kwargs.pop("pin_memory", None)
             return value(*args, **kwargs)
 
         return factory

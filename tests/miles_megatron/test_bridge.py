@@ -131,8 +131,8 @@ def test_layout_rejected_at_argument_time(hf_dirs, monkeypatch):
         parse(["--hf-checkpoint", hf_dirs["qwen3_moe"], "--tensor-model-parallel-size", "2"])
     with pytest.warns(UserWarning, match="without --sequence-parallel"):
         parse(["--hf-checkpoint", hf_dirs["qwen3"], "--tensor-model-parallel-size", "2"])
-    with pytest.raises(ArgumentError, match="needs TransformerEngine"):
-        parse(["--context-parallel-size", "2"])
+    with pytest.raises(ArgumentError, match="--context-parallel-size 2 on an MoE model"):
+        parse(["--hf-checkpoint", hf_dirs["qwen3_moe"], "--context-parallel-size", "2"])
 
 
 def test_expert_tensor_parallel_above_tensor_parallel_is_refused(hf_dirs):

@@ -105,10 +105,7 @@ class MegatronArgs(ArgGroup):
                 "otherwise)",
                 stacklevel=2,
             )
-        if args.context_parallel_size > 1 and not transformer_engine_available():
-            raise ArgumentError(
-                "--context-parallel-size > 1 needs TransformerEngine, which is not installed"
-            )
+        check_context_parallel_flags(args)
         check_memory_flags(args)
         world = world_size_of(args)
         check_parallel_sizes(args, world, model_args=None)
@@ -131,6 +128,26 @@ class MegatronArgs(ArgGroup):
             except BridgeError as exc:
                 raise ArgumentError(str(exc)) from exc
             check_parallel_sizes(args, world_size_of(args), model_args=margs)
+
+
+def check_context_parallel_flags(args: Any) -> None:
+    """``--context-parallel-size > 1``: refuse what its attention and loss split do not cover
+    (:mod:`miles_megatron.context_parallel`)."""
+    cp = args.context_parallel_size
+    if cp <= 1:
+        return
+    if args.spec is not None:
+        raise ArgumentError(
+            f"--context-parallel-size {cp} with --spec: context parallelism attends through "
+            "the local spec's SDPA attention only"
+        )
+    if getattr(args, "advantage_estimator", None) == "gspo":
+        raise ArgumentError(
+            f"--context-parallel-size {cp} with --advantage-estimator gspo: GSPO's sequence "
+            "ratio is not a sum over tokens, which CP ranks hold parts of"
+        )
+    if getattr(args, "use_lora", False):
+        raise ArgumentError(f"--context-parallel-size {cp} with --use-lora is not supported yet")
 
 
 def check_memory_flags(args: Any) -> None:
@@ -227,6 +244,11 @@ def check_parallel_sizes(args: Any, world_size: int | None, model_args: dict | N
             f"query groups ({groups}) not divisible by --tensor-model-parallel-size {tp}"
         )
     experts = model_args.get("num_experts")
+    if experts and cp > 1:
+        raise ArgumentError(
+            f"--context-parallel-size {cp} on an MoE model ({experts} experts) is not supported "
+            "yet (dense models only)"
+        )
     if not experts and ep > 1:
         raise ArgumentError("--expert-model-parallel-size on a dense model (no --num-experts)")
     if experts and tp > 1 and not getattr(args, "sequence_parallel", False):

@@ -16,7 +16,10 @@ after init; ``--custom-megatron-before-log-prob-hook-path`` ``f(args, model, bat
 each log-prob pass; ``--custom-megatron-before-train-step-hook-path``
 ``f(args, rollout_id, step, model, optimizer)`` before each optimizer step.
 
-Not yet here (see docs/miles-megatron.md): CP > 1 training without TransformerEngine.
+Context parallelism (``--context-parallel-size``): each CP rank holds a zig-zag shard of every
+packed micro-batch and attends to the whole row through all-gathered keys and values
+(:mod:`miles_megatron.context_parallel`); weights are replicated over CP, so a checkpoint saved
+at one CP size loads at another and a publish reads one CP replica.
 
 Reference model: with ``--ref-load`` (``--ref-mode ref``) the reference's shards are kept on
 the host and swapped in for the reference log-prob pass (:mod:`miles_megatron.reference_model`);
@@ -91,12 +94,6 @@ class MegatronBackend(TrainBackend):
     def init(self, args: Any, role: str = "actor") -> int:
         if getattr(args, "kl_coef", 0.0) and not wants_reference(args):
             raise ArgumentError("megatron backend: --kl-coef needs a reference model (--ref-load)")
-        if args.context_parallel_size > 1:
-            raise ArgumentError(
-                "megatron backend: --context-parallel-size > 1 needs TransformerEngine's "
-                "context-parallel attention in the layer spec, which is not wired yet (the data "
-                "split is miles_megatron.context_parallel)"
-            )
         if role != "actor":
             raise ArgumentError(f"the megatron backend trains role 'actor' only, not {role!r}")
         if args.use_lora and not args.hf_checkpoint:
@@ -309,6 +306,8 @@ class MegatronBackend(TrainBackend):
             vocab_size=self.margs["vocab_size"],
             dp_size=ps.get_data_parallel_world_size(),
             dp_group_gloo=ps.get_data_parallel_group_gloo(),
+            cp_size=ps.get_context_parallel_world_size(),
+            dp_cp_group_gloo=ps.get_data_parallel_group_gloo(with_context_parallel=True),
             before_log_prob_hook=self._before_log_prob,
             before_train_step_hook=self._before_train_step,
         )

@@ -6,8 +6,12 @@ where the mask is True) and positions that restart at 0 in every sample. The las
 the tokens with the fused vocabulary-parallel head (:mod:`miles_megatron.output_head`); with
 ``--no-fused-log-probs`` the output layer gathers the vocabulary over TP
 (``parallel_output=False``) into ``[1, T, V]`` logits. Either way every TP rank holds the same
-log-probs and the same loss. ``T`` is a multiple of ``pack_thd``'s pad multiple
-(128), which sequence parallelism needs to be divisible by TP.
+log-probs and the same loss. ``T`` is a multiple of
+:func:`~miles_megatron.context_parallel.row_pad_multiple` (128, and ``2 x CP x TP``).
+
+At CP > 1 each CP rank scores its shard of the row, and
+:meth:`~miles_megatron.context_parallel.PackedShard.gather_row` brings the whole row back on
+every CP rank before it is cut into samples.
 
 The micro-batches go through megatron's schedule (:mod:`miles_megatron.schedule`); with PP > 1
 the last stage computes the log-probs and broadcasts them to the other stages.
@@ -17,8 +21,9 @@ from __future__ import annotations
 
 import torch
 from miles_core.batch import RolloutBatch
-from miles_core.packing import PackedBatch, pack_thd, unpack_response
+from miles_core.packing import pack_thd, unpack_response
 
+from miles_megatron.context_parallel import PackedShard, row_pad_multiple
 from miles_megatron.output_head import ScoreHead
 from miles_megatron.schedule import broadcast_from_last_stage, run_schedule
 
@@ -38,11 +43,13 @@ def rollout_log_probs(
     on every pipeline stage (``fused``: ``--fused-log-probs``)."""
     out: list[torch.Tensor | None] = [None] * num_samples
 
-    def on_scores(index: int, packed: PackedBatch, lp: torch.Tensor, _: torch.Tensor) -> None:
-        for src, values in zip(packed.source_indices, unpack_response(packed, lp)):
+    def on_scores(index: int, shard: PackedShard, lp: torch.Tensor, _: torch.Tensor) -> None:
+        full = shard.full
+        for src, values in zip(full.source_indices, unpack_response(full, shard.gather_row(lp))):
             out[source_index[src]] = values.float().cpu()
 
-    packed = [pack_thd(mb).to(device) for mb in micro_batches]
+    multiple = row_pad_multiple()
+    packed = [pack_thd(mb, pad_multiple=multiple).to(device) for mb in micro_batches]
     head = ScoreHead(vocab_size, temperature, fused, entropy_grad=False)
     run_schedule(model, packed, head, on_scores, forward_only=True)
     return broadcast_from_last_stage(out)  # type: ignore[return-value]

@@ -1,21 +1,22 @@
-"""Micro-batches through megatron-core's forward/backward schedule, at any pipeline size.
+"""Micro-batches through megatron-core's forward/backward schedule, at any pipeline and CP size.
 
-:func:`run_schedule` hands THD-packed micro-batches to
+:func:`run_schedule` hands this CP rank's shard of each THD-packed micro-batch
+(:mod:`miles_megatron.context_parallel`; the whole row at CP = 1) to
 ``megatron.core.pipeline_parallel.get_forward_backward_func()``: at PP = 1 that is
 ``forward_backward_no_pipelining``, at PP > 1 the non-interleaved 1F1B schedule (warm-up
 forwards, one-forward-one-backward, cool-down backwards), with hidden states sent between stages
 by megatron's P2P communicator (``variable_seq_lengths``: every micro-batch's padded length is
-exchanged first). Every stage runs the model on the same packed micro-batch (the first stage
-embeds ``input_ids``; all stages need the block-causal mask); only the last stage scores the
+exchanged first). Every stage runs the model on the same shard (the first stage embeds
+``input_ids``; all stages need the block-causal mask); only the last stage scores the shard's
 tokens (:class:`~miles_megatron.output_head.ScoreHead`: the fused head, or the logits on the
 dense path) and calls ``on_scores``.
 
-Loss scaling: ``on_scores`` returns the micro-batch's share of the step loss as miles-core
-defines it (already divided by the step's global denominator, see
+Loss scaling: ``on_scores`` returns this rank's share of the step loss as miles-core defines it
+(its tokens' terms, already divided by the step's global denominator, see
 :mod:`miles_megatron.train_step`). megatron's schedule multiplies a returned loss by the CP size
 and divides it by the number of micro-batches before back-propagating; :func:`run_schedule`
-returns ``loss * num_microbatches / cp_size`` to it so that exactly ``loss`` is
-back-propagated.
+returns ``loss * num_microbatches`` to it, so ``cp * loss`` is back-propagated, and megatron's
+DDP divides the gradients it sums over DP x CP by ``dp * cp``: the CP ranks' shares add up.
 
 :func:`broadcast_from_last_stage` sends a picklable value (log-probs, metrics) from the last
 stage to every stage of the pipeline group.
@@ -28,20 +29,22 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from miles_core.packing import PackedBatch, block_causal_mask
+from miles_core.packing import PackedBatch
 
+from miles_megatron.context_parallel import PackedShard, shard_micro_batches
 from miles_megatron.output_head import ScoreHead
 
-#: ``on_scores(index, packed, log_probs, entropy)`` -> the micro-batch's loss (training) or None.
-ScoresCallback = Callable[[int, PackedBatch, torch.Tensor, torch.Tensor], torch.Tensor | None]
+#: ``on_scores(index, shard, log_probs, entropy)`` -> this rank's share of the loss (training)
+#: or None.
+ScoresCallback = Callable[[int, PackedShard, torch.Tensor, torch.Tensor], torch.Tensor | None]
 
 
-def stage_forward(model: torch.nn.Module, packed: PackedBatch) -> torch.Tensor:
-    """This stage's output on a packed row: hidden states, or on the last stage ``[1, T, 2]``
-    scores inside :func:`~miles_megatron.output_head.scoring`, else ``[1, T, V_padded]`` logits
-    (the vocabulary gathered over TP)."""
-    mask = ~block_causal_mask(packed)  # megatron masks where True
-    return model(packed.input_ids, packed.position_ids, attention_mask=mask)
+def stage_forward(model: torch.nn.Module, shard: PackedShard) -> torch.Tensor:
+    """This stage's output on a CP rank's shard of a packed row: hidden states, or on the last
+    stage ``[1, T / cp, 2]`` scores inside :func:`~miles_megatron.output_head.scoring`, else
+    ``[1, T / cp, V_padded]`` logits (the vocabulary gathered over TP)."""
+    mask = ~shard.attention_mask()  # megatron masks where True
+    return model(shard.input_ids, shard.position_ids, attention_mask=mask)
 
 
 def run_schedule(
@@ -53,28 +56,29 @@ def run_schedule(
 ) -> None:
     """Forward (and, unless ``forward_only``, backward) every micro-batch through the schedule.
 
-    ``on_scores`` sees float32 log-probs and entropies ``[1, T]`` at ``head.temperature`` on the
-    last pipeline stage only. Gradients accumulate in the DDP buffers; the caller finalises them
-    (``finalize_model_grads``) and steps the optimizer.
+    ``on_scores`` sees this CP rank's shard and its float32 log-probs and entropies
+    ``[1, T / cp]`` at ``head.temperature`` on the last pipeline stage only. Gradients accumulate
+    in the DDP buffers; the caller finalises them (``finalize_model_grads``) and steps the
+    optimizer.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     count = len(micro_batches)
-    cp_size = ps.get_context_parallel_world_size()
     last_stage = ps.is_pipeline_last_stage()
-    items = iter(enumerate(micro_batches))
+    shards = shard_micro_batches(list(micro_batches))
+    items = iter(enumerate(shards))
 
     def forward_step(data_iterator, module):
-        index, packed = next(data_iterator)
-        with head.context(module, packed, last_stage):
-            output = stage_forward(module, packed)
+        index, shard = next(data_iterator)
+        with head.context(module, shard, last_stage):
+            output = stage_forward(module, shard)
 
         def loss_func(output_tensor: torch.Tensor):
-            loss = on_scores(index, packed, *head.scores(output_tensor, packed))
+            loss = on_scores(index, shard, *head.scores(output_tensor, shard))
             if loss is None:
                 loss = output_tensor.new_zeros((), dtype=torch.float32)
-            return loss * count / cp_size, {}
+            return loss * count, {}
 
         return output, loss_func
 
@@ -83,7 +87,7 @@ def run_schedule(
         data_iterator=items,
         model=[model],
         num_microbatches=count,
-        seq_length=max(p.num_tokens for p in micro_batches),
+        seq_length=max(p.num_tokens for p in micro_batches),  # megatron divides by CP (and TP)
         micro_batch_size=1,
         forward_only=forward_only,
     )

@@ -13,9 +13,16 @@ kernel, which never stores the scores (the backward recomputes them), with group
 shared without copies (``enable_gqa``). What SDPA cannot express falls back to megatron's own
 forward: a softmax offset (``--softmax-type off-by-one|learnable``), sliding-window layers, an
 attention bias, and packed-sequence params (the THD format of TransformerEngine).
+
+At ``--context-parallel-size > 1`` the queries are this CP rank's shard of the row and the keys
+and values are all-gathered over the CP group first (:mod:`miles_megatron.context_parallel`:
+the mask's key columns follow the gathered order); megatron's own forward has no CP, so there
+the fallback cases raise.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -23,10 +30,59 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 
+def sdpa_attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    dropout: float = 0.0,
+    causal: bool = False,
+    cp_group=None,
+) -> torch.Tensor:
+    """``softmax(scale * q k^T, mask) v`` per head through SDPA: ``[s, b, heads, d]`` in (keys and
+    values may have fewer, grouped heads), ``[s, b, heads, d]`` out. ``mask``: boolean, True
+    where a query attends. With ``cp_group`` the keys and values are this CP rank's and are
+    all-gathered over the group first; ``mask``'s columns follow the gathered order."""
+    if cp_group is not None:
+        from miles_megatron.context_parallel import gather_sequence
+
+        if mask is None:
+            raise ValueError("context parallelism needs the packed row's attention mask")
+        key, value = gather_sequence(key, cp_group), gather_sequence(value, cp_group)
+    # [s, b, h, d] -> [b, h, s, d]
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+    context = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        dropout_p=dropout,
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=q.size(1) != k.size(1),
+    )
+    # [b, h, s, d] -> [s, b, h, d]
+    return context.permute(2, 0, 1, 3).contiguous()
+
+
 class SDPAttention(DotProductAttention):
     """``DotProductAttention`` (same constructor, parameters and checkpoint) whose forward is
     one SDPA call: ``softmax(scale * q k^T, masked) v`` per head, inputs ``[s, b, heads, d]``,
     output ``[s, b, heads * d]``."""
+
+    def __init__(self, config, *args, **kwargs) -> None:
+        # megatron's DotProductAttention refuses CP > 1 (only TE's attends across CP ranks);
+        # this forward does, so the parent is built from a CP = 1 view of the same config
+        cp_size = config.context_parallel_size
+        if cp_size > 1:
+            view = copy.copy(config)
+            view.context_parallel_size = 1
+            super().__init__(view, *args, **kwargs)
+            self.config = config
+        else:
+            super().__init__(config, *args, **kwargs)
+        self.cp_size = cp_size
 
     def _sdpa_supported(self, attention_bias, packed_seq_params) -> bool:
         return (
@@ -47,6 +103,11 @@ class SDPAttention(DotProductAttention):
         packed_seq_params=None,
     ) -> torch.Tensor:
         if not self._sdpa_supported(attention_bias, packed_seq_params):
+            if self.cp_size > 1:
+                raise NotImplementedError(
+                    "--context-parallel-size > 1 attends through SDPA only: no softmax offset, "
+                    "sliding window, attention bias or packed-sequence params"
+                )
             return super().forward(
                 query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
             )
@@ -54,23 +115,17 @@ class SDPAttention(DotProductAttention):
         scale = self.softmax_scale
         if self.config.apply_query_key_layer_scaling:
             scale *= self.layer_number
-        # [s, b, h, d] -> [b, h, s, d]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         mask = None if attention_mask is None else ~attention_mask.to(torch.bool)
         causal = mask is None and (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
         dropout = self.attention_dropout.p if self.training else 0.0
+        cp_group = None
+        if self.cp_size > 1:
+            from megatron.core import parallel_state as ps
+
+            cp_group = ps.get_context_parallel_group()
 
         def attend() -> torch.Tensor:
-            return F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=mask,
-                dropout_p=dropout,
-                is_causal=causal,
-                scale=scale,
-                enable_gqa=q.size(1) != k.size(1),
-            )
+            return sdpa_attend(query, key, value, mask, scale, dropout, causal, cp_group)
 
         if dropout and not self.config.sequence_parallel:
             from megatron.core import tensor_parallel
@@ -79,6 +134,4 @@ class SDPAttention(DotProductAttention):
                 context = attend()
         else:
             context = attend()
-        # [b, h, s, d] -> [s, b, h * d]
-        context = context.permute(2, 0, 1, 3).contiguous()
         return context.view(*context.shape[:2], self.hidden_size_per_partition)

@@ -5,8 +5,9 @@ Loss scaling is miles-core's (docs/rl-math.md): each micro-batch's loss is its c
 the reduced gradients by the data-parallel size, so each rank back-propagates
 ``dp_size * contribution`` and the reduced gradient is exactly ``dL/dw`` for any split.
 TP peers compute identical log-probs and losses (the fused vocabulary-parallel head, or the
-vocabulary-gathered logits under ``--no-fused-log-probs``); metrics are summed over
-the data-parallel group only. At PP > 1 the micro-batches run megatron's 1F1B schedule
+vocabulary-gathered logits under ``--no-fused-log-probs``); CP ranks compute the terms of their
+own tokens (:mod:`miles_megatron.context_parallel`), shares that add up; metrics are summed
+over the data-parallel x context-parallel group. At PP > 1 the micro-batches run megatron's 1F1B schedule
 (:mod:`miles_megatron.schedule`): the loss and metrics exist on the last stage, which
 broadcasts the metrics to the other stages.
 
@@ -27,15 +28,11 @@ from miles_core.advantages import with_advantages
 from miles_core.aggregation import loss_denominator
 from miles_core.batch import RolloutBatch
 from miles_core.losses import LossConfig, compute_policy_loss
-from miles_core.micro_batch import (
-    agree_num_micro_batches,
-    count_micro_batches,
-    fixed_size_micro_batches,
-    make_micro_batches,
-    split_steps,
-)
-from miles_core.packing import PackedBatch, pack_thd
+from miles_core.micro_batch import MicroBatching, split_steps
+from miles_core.micro_batch import split_micro_batches as split_for_ranks
+from miles_core.packing import pack_thd
 
+from miles_megatron.context_parallel import PackedShard, row_pad_multiple
 from miles_megatron.output_head import ScoreHead
 from miles_megatron.packed_forward import rollout_log_probs
 from miles_megatron.schedule import broadcast_from_last_stage, run_schedule
@@ -53,23 +50,20 @@ class TrainContext:
     vocab_size: int
     dp_size: int
     dp_group_gloo: Any
+    cp_size: int
+    dp_cp_group_gloo: Any  # metrics are summed over it (the DP group at CP = 1)
     before_log_prob_hook: Any = None
     before_train_step_hook: Any = None
 
 
 def split_micro_batches(ctx: TrainContext, batch: RolloutBatch) -> list[RolloutBatch]:
-    """This rank's micro-batches, as many as the busiest DP rank needs."""
-    args = ctx.args
-    if args.use_dynamic_batch_size:
-        local = count_micro_batches(batch, args.max_tokens_per_gpu)
-        num = agree_num_micro_batches(local, group=ctx.dp_group_gloo)
-        return make_micro_batches(batch, args.max_tokens_per_gpu, num=num)
-    local = max(-(-len(batch) // args.micro_batch_size), 1)
-    num = agree_num_micro_batches(local, group=ctx.dp_group_gloo)
-    return fixed_size_micro_batches(batch, args.micro_batch_size, num=num)
+    """This rank's micro-batches, as many as the busiest DP rank needs; the token budget of
+    one is ``--max-tokens-per-gpu x --context-parallel-size`` (the CP group shares it)."""
+    how = MicroBatching.from_args(ctx.args, cp_size=ctx.cp_size)
+    return split_for_ranks(batch, how, group=ctx.dp_group_gloo)
 
 
-def _sum_over_dp(values: dict[str, torch.Tensor], group: Any) -> dict[str, float]:
+def _sum_over_ranks(values: dict[str, torch.Tensor], group: Any) -> dict[str, float]:
     if not values:
         return {}
     keys = sorted(values)
@@ -95,7 +89,7 @@ def optimizer_step(
     entropy_grad = config.entropy_coef != 0.0
 
     def on_scores(
-        index: int, packed: PackedBatch, log_probs: torch.Tensor, entropy: torch.Tensor
+        index: int, packed: PackedShard, log_probs: torch.Tensor, entropy: torch.Tensor
     ) -> torch.Tensor:
         if not entropy_grad:
             entropy = entropy.detach()
@@ -119,7 +113,11 @@ def optimizer_step(
             sums[k] = sums[k] + v if k in sums else v
         return loss * ctx.dp_size
 
-    packed = [pack_thd(mb).to(ctx.device) for mb in split_micro_batches(ctx, step_batch)]
+    multiple = row_pad_multiple()
+    packed = [
+        pack_thd(mb, pad_multiple=multiple).to(ctx.device)
+        for mb in split_micro_batches(ctx, step_batch)
+    ]
     head = ScoreHead(ctx.vocab_size, config.temperature, ctx.args.fused_log_probs, entropy_grad)
     run_schedule(model, packed, head, on_scores, forward_only=False)
     finalize_model_grads([model])
@@ -127,7 +125,7 @@ def optimizer_step(
     update_ok, grad_norm, _ = ctx.optimizer.step()
     if update_ok:
         ctx.scheduler.step(increment=1)
-    reduced = broadcast_from_last_stage(_sum_over_dp(sums, ctx.dp_group_gloo))
+    reduced = broadcast_from_last_stage(_sum_over_ranks(sums, ctx.dp_cp_group_gloo))
     return {
         **reduced,
         "loss": reduced.pop("step_loss"),

@@ -1,0 +1,96 @@
+"""Test support: context parallelism (tests/miles_megatron/test_context_parallel.py).
+
+:func:`rl_layouts` trains the same RL recipe (reference model and KL loss, entropy bonus, two
+optimizer steps per rollout, so the old log-prob pass runs) at one layout after another in one
+spawn and returns each layout's metrics, final weights and the reference's log-probs (the
+log-prob pass, gathered over CP) of its samples; with a
+``save`` directory the last layout saves and a CP = 1 backend loads that checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: the RL recipe every layout trains (backend_reference's samples, 4 per rollout)
+RL_FLAGS = [
+    "--lr", "1e-3", "--weight-decay", "0", "--micro-batch-size", "2",
+    "--advantage-estimator", "grpo", "--num-steps-per-rollout", "2",
+    "--entropy-coef", "0.01", "--use-kl-loss", "--kl-loss-coef", "0.5",
+    "--kl-loss-type", "low_var_kl", "--eps-clip", "0.1",
+]  # fmt: skip
+
+RL_ROLLOUTS = 2
+
+
+def cp_argv(cp: int = 1, tp: int = 1, pp: int = 1) -> list[str]:
+    from megatron_ranks import layout_argv
+
+    return [*layout_argv(tp=tp, pp=pp), "--context-parallel-size", str(cp)]
+
+
+def _one_layout(hf_dir: str, argv: list[str], save: str | None) -> dict[str, Any]:
+    from backend_reference import samples
+    from megatron_ranks import parse
+    from miles_core.batch import RolloutBatch
+    from miles_core.partition import partition_for_dp
+    from miles_megatron.backend import MegatronBackend
+
+    full = ["--hf-checkpoint", hf_dir, "--ref-load", hf_dir, *RL_FLAGS, *argv]
+    backend = MegatronBackend()
+    backend.init(parse(full + (["--save", save] if save else [])))
+    layout = backend.data_layout()
+    shards = partition_for_dp(RolloutBatch(samples()), layout.dp_size, keep_groups=True)
+    batch = shards[layout.dp_rank] if layout.consumes_data else None
+    metrics = [backend.train(r, batch) for r in range(RL_ROLLOUTS)]
+    weights = {k: v.detach().cpu().numpy().copy() for k, v in backend.hf_weights()}
+    mine = backend._share_with_model_parallel_peers(batch)
+    ref = backend.reference_log_probs(mine)  # the log-prob pass, at --ref-load's weights
+    if save:
+        backend.save_model(RL_ROLLOUTS - 1)
+    backend.close()
+    return {
+        "metrics": metrics,
+        "weights": weights,
+        "ref_log_probs": {s: v.tolist() for s, v in zip(mine.source_indices, ref, strict=True)},
+    }
+
+
+def _reload_at_cp1(hf_dir: str, save: str) -> dict:
+    from megatron_ranks import parse
+    from miles_megatron.backend import MegatronBackend
+
+    backend = MegatronBackend()
+    argv = ["--hf-checkpoint", hf_dir, *RL_FLAGS[:4], "--load", save, *cp_argv(cp=1)]
+    backend.init(parse(argv))
+    weights = {k: v.detach().cpu().numpy().copy() for k, v in backend.hf_weights()}
+    backend.close()
+    return weights
+
+
+def rl_layouts(rank: int, world: int, hf_dir: str, layouts: list, save: str | None) -> dict:
+    """For each ``(label, argv)``: the RL recipe's results (module docstring); with ``save``,
+    the last layout's checkpoint reloaded at CP = 1 (``"reloaded"``: its weights)."""
+    out: dict[str, Any] = {}
+    for i, (label, argv) in enumerate(layouts):
+        last = i == len(layouts) - 1
+        try:
+            out[label] = _one_layout(hf_dir, argv, save if last else None)
+        except Exception as error:
+            raise RuntimeError(f"layout {label!r}") from error
+    if save:
+        out["reloaded"] = _reload_at_cp1(hf_dir, save)
+    return out
+
+
+def cp_default_run(rank: int, world: int, hf_dir: str, rollouts: int, save: str) -> dict:
+    """The default suite's one 2-rank spawn: CP = 2 against HF + AdamW (GRPO) with both
+    publishes (layout_ranks.train_and_publish), then the RL recipe at CP = 1 (DP = 2) and
+    CP = 2 with the CP = 2 checkpoint reloaded at CP = 1."""
+    from layout_ranks import train_and_publish
+
+    cases = [("llama cp2", hf_dir, cp_argv(cp=2))]
+    layouts = [("tp2", cp_argv(tp=2)), ("cp2", cp_argv(cp=2))]
+    return {
+        "layouts": train_and_publish(rank, world, cases, rollouts),
+        "rl": rl_layouts(rank, world, hf_dir, layouts, save),
+    }

@@ -29,7 +29,14 @@ from typing import Any
 from miles_core.save_trigger import SaveTrigger
 
 from miles_launch.job import Job
-from miles_launch.loop import add_eval, publish, rollout_stats, sampling_config, save_point
+from miles_launch.loop import (
+    add_eval,
+    publish,
+    rollout_stats,
+    sampling_config,
+    save_debug_rollout,
+    save_point,
+)
 from miles_launch.reporting import rank0_metrics
 from miles_launch.rollout.filtering import has_signal
 from miles_launch.rollout.generate import GeneratedSample, Generator, to_rollout_batch
@@ -179,6 +186,7 @@ def run_async(job: Job) -> list[dict[str, Any]]:
             groups = producer.take(args.rollout_batch_size)
             times["wait"] = time.monotonic() - t
             batch = to_rollout_batch(groups)
+            save_debug_rollout(job, rollout_id, batch, groups, {})
             staleness = [
                 version - s.weight_version
                 for g in groups

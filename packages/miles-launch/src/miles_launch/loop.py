@@ -25,6 +25,7 @@ from miles_core.save_trigger import SaveTrigger, should_save
 
 from miles_launch.job import Job, LauncherState, write_launcher_state
 from miles_launch.reporting import rank0_metrics
+from miles_launch.rollout.debug_data import save_rollout_data
 from miles_launch.rollout.evaluation import eval_metrics
 from miles_launch.rollout.filtering import has_signal
 from miles_launch.rollout.generate import (
@@ -161,6 +162,21 @@ def rollout_stats(groups: list[list[GeneratedSample]]) -> dict[str, Any]:
     }
 
 
+def save_debug_rollout(
+    job: Job, rollout_id: int, batch: Any, groups: list[list[GeneratedSample]], extra: dict
+) -> None:
+    """``--save-debug-rollout-data``: the batch ``train`` receives, with the record's prompt ids
+    and rollout stats and the data position after the rollout (a replay continues from it)."""
+    template = job.args.save_debug_rollout_data
+    if template:
+        info = {
+            "prompt_ids": [g[0].prompt.index for g in groups],
+            "rollout": {**rollout_stats(groups), **extra},
+            "data_position": job.state.data_position,
+        }
+        save_rollout_data(template, rollout_id, batch, info)
+
+
 def run_eval(job: Job, rollout_id: int) -> dict[str, dict[str, float]]:
     """Generate and score every eval set (:func:`eval_sampling_config`); its metrics
     (:func:`~miles_launch.rollout.evaluation.eval_metrics`) by set name.
@@ -250,6 +266,7 @@ def run_sync(job: Job) -> list[dict[str, Any]]:
         groups, filter_info = collect_rollout(job, rollout_id)
         times["gen"] = time.monotonic() - t
         batch = to_rollout_batch(groups)
+        save_debug_rollout(job, rollout_id, batch, groups, filter_info)
 
         t = time.monotonic()
         if args.offload_rollout:

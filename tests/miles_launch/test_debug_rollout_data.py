@@ -5,7 +5,6 @@ tests/miles_megatron/test_debug_rollout_replay.py)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from miles_launch.rollout.debug_data import (
     load_rollout_data,
     save_rollout_data,
 )
+from train_runs import dcp_tensors, metric_records
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -133,25 +133,6 @@ def test_a_foreign_or_missing_file_is_a_clear_error(tmp_path):
 
 
 # ----------------------------------------------------------------------------- end to end
-def dcp_weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a DCP checkpoint directory, by flattened name."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = model_dir.parent / (model_dir.parent.name + ".pt")
-    dcp_to_torch_save(model_dir, out)
-    flat: dict[str, torch.Tensor] = {}
-
-    def walk(value, prefix):
-        if isinstance(value, torch.Tensor):
-            flat[prefix] = value
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                walk(item, f"{prefix}.{key}" if prefix else str(key))
-
-    walk(torch.load(out, weights_only=False), "")
-    return flat
-
-
 ENGINE_FLAGS = {"--rollout-engine": 1, "--rollout-num-gpus": 1}
 
 
@@ -165,10 +146,6 @@ def without_engine_flags(flags: list[str]) -> list[str]:
         else:
             out.append(f)
     return out
-
-
-def metric_records(path: Path) -> list[dict]:
-    return [r for r in map(json.loads, path.read_text().splitlines()) if "rollout_id" in r]
 
 
 @pytest.mark.slow
@@ -202,10 +179,10 @@ def test_fsdp_replay_without_engines_equals_the_live_run(tmp_path):
     )
     assert [r["train"] for r in live] == [r["train"] for r in replay]
     assert [r["prompt_ids"] for r in live] == [r["prompt_ids"] for r in replay]
-    a = dcp_weights(tmp_path / "live" / "iter_0000002" / "model")
-    b = dcp_weights(tmp_path / "replay" / "iter_0000002" / "model")
+    a = dcp_tensors(tmp_path / "live" / "iter_0000002" / "model")
+    b = dcp_tensors(tmp_path / "replay" / "iter_0000002" / "model")
     assert a.keys() == b.keys() and len(a) > 0
     for key in a:
         assert torch.equal(a[key], b[key]), key
-    first = dcp_weights(tmp_path / "live" / "iter_0000001" / "model")
+    first = dcp_tensors(tmp_path / "live" / "iter_0000001" / "model")
     assert any(not torch.equal(first[k], a[k]) for k in a)  # the second step moved them

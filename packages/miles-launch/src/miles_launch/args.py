@@ -12,7 +12,14 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from miles_core.args import ArgGroup, ArgumentError, flag
-from miles_core.args.checks import at_least, greater_than, option, requires, within
+from miles_core.args.checks import (
+    at_least,
+    exclusive,
+    greater_than,
+    option,
+    requires,
+    within,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -391,6 +398,8 @@ class RolloutArgs(ArgGroup):
         from miles_launch.rollout.routed_experts import read_layout, routing_replay_on
 
         if args.prompt_data is None:
+            if args.load_debug_rollout_data:  # a replay draws no prompts
+                return
             raise ArgumentError("--prompt-data is required (a JSONL or Parquet file of prompts)")
         if not Path(args.prompt_data).is_file():
             raise ArgumentError(f"--prompt-data {args.prompt_data}: no such file")
@@ -501,6 +510,85 @@ class OutputArgs(ArgGroup):
     wandb_run_name: str | None = flag(None, help="W&B run name.")
 
 
+#: Flags that start or drive engines, refused with --load-debug-rollout-data (which has none).
+REPLAY_REFUSES = (
+    "colocate",
+    "rollout_num_gpus",
+    "sglang_router_ip",
+    "fully_async",
+    "eval_interval",
+    "offload_train",
+    "offload_rollout",
+)
+
+
+@dataclass
+class DebugDataArgs(ArgGroup):
+    title: ClassVar[str] = "debugging"
+
+    save_debug_rollout_data: str | None = flag(
+        None,
+        metavar="PATH",
+        help="Save each rollout's training data (the batch train receives) to PATH, with "
+        "{rollout_id} replaced by the rollout's id (e.g. /tmp/run/rollout_{rollout_id}.pt).",
+    )
+    load_debug_rollout_data: str | None = flag(
+        None,
+        metavar="PATH",
+        help="Train on the rollouts a --save-debug-rollout-data PATH run saved instead of "
+        "generating them: no engines start; each step is bitwise the saving run's.",
+    )
+
+    @classmethod
+    def validate(cls, args: Any) -> None:
+        from miles_launch.rollout.debug_data import DebugDataError, check_template
+
+        exclusive(args, "save_debug_rollout_data", "load_debug_rollout_data")
+        for dest in ("save_debug_rollout_data", "load_debug_rollout_data"):
+            template = getattr(args, dest)
+            if template is not None:
+                try:
+                    check_template(option(dest), template)
+                except DebugDataError as error:
+                    raise ArgumentError(str(error)) from None
+        save = args.save_debug_rollout_data
+        if save and args.num_rollout > 1 and "{rollout_id}" not in save:
+            raise ArgumentError(
+                f"--save-debug-rollout-data {save}: no {{rollout_id}} in the path, so each of "
+                f"the {args.num_rollout} rollouts would overwrite the last"
+            )
+        if args.load_debug_rollout_data:
+            for dest in REPLAY_REFUSES:
+                if dest in args.explicit_flags:
+                    raise ArgumentError(
+                        f"--load-debug-rollout-data replays saved rollouts without engines: "
+                        f"{option(dest)} cannot be used with it"
+                    )
+
+    @classmethod
+    def resolve_defaults(cls, args: Any) -> None:
+        if args.load_debug_rollout_data:
+            args.rollout_num_gpus = 0  # no engines (see miles_launch.replay)
+
+    @classmethod
+    def check_paths(cls, args: Any) -> None:
+        from miles_launch.rollout.debug_data import data_path
+
+        template = args.load_debug_rollout_data
+        if not template:
+            return
+        # A resumed run (--load) needs only the rollouts after its checkpoint: the last one is
+        # checked here, the others when they are trained.
+        ids = [args.num_rollout - 1] if args.load else range(args.num_rollout)
+        for rollout_id in ids:
+            path = data_path(template, rollout_id)
+            if not path.is_file():
+                raise ArgumentError(
+                    f"--load-debug-rollout-data {template}: {path} (rollout {rollout_id}) "
+                    "does not exist"
+                )
+
+
 def launch_groups() -> list[type[ArgGroup]]:
     """The ``miles.arg_groups`` entry point ``launch``."""
-    return [LaunchPlacementArgs, EngineLaunchArgs, RolloutArgs, OutputArgs]
+    return [LaunchPlacementArgs, EngineLaunchArgs, RolloutArgs, OutputArgs, DebugDataArgs]

@@ -36,6 +36,7 @@ from miles_launch.loop import (
     publish,
     rollout_stats,
     sampling_config,
+    save_debug_rollout,
     save_point,
 )
 from miles_launch.reporting import rank0_metrics
@@ -178,6 +179,7 @@ def run_async(job: Job) -> list[dict[str, Any]]:
             groups = producer.take(args.rollout_batch_size)
             times["wait"] = time.monotonic() - t
             batch = to_rollout_batch(groups)
+            save_debug_rollout(job, rollout_id, batch, groups, {})
             staleness = [
                 version - s.weight_version
                 for g in groups

@@ -4,7 +4,8 @@ Setup order (what can fail on a bad file fails before Ray starts): tokenizer and
 reward function -> Ray and the placement group -> engines started (disaggregated: they start
 while the trainer does) -> trainer ranks (``init``, which resumes from ``--load``) -> engines
 started (colocated: after the trainer, which sleeps first with ``--offload-train``) -> engines
-health-checked. Teardown closes the trainer (or kills it after a
+health-checked (none under ``--load-debug-rollout-data``, which replays saved rollouts).
+Teardown closes the trainer (or kills it after a
 failure), stops the engines, removes the placement group and shuts down the Ray it started.
 
 Resume: the launcher keeps its own state next to the backend's checkpoint, written before
@@ -101,7 +102,7 @@ class Job:
     prompts: list[Prompt]
     order: PromptOrder
     eval_prompts: dict[str, list[Prompt]]  # --eval-prompt-data: name -> prompts
-    reward: RewardModel
+    reward: RewardModel | None  # None: --load-debug-rollout-data (nothing is generated)
     reporter: Reporter
     placement: Placement | None = None
     trainer: TrainerGroup | None = None
@@ -117,17 +118,20 @@ class Job:
         import torch
 
         tokenizer = load_tokenizer(args.hf_checkpoint)
-        prompts = load_prompts(
-            args.prompt_data,
-            tokenizer,
-            args.input_key,
-            args.label_key,
-            args.apply_chat_template,
-            args.metadata_key,
-        )
-        prompts, too_long = drop_long_prompts(
-            prompts, args.rollout_max_prompt_len, args.prompt_data
-        )
+        replay = bool(args.load_debug_rollout_data)  # trains on saved rollouts: no engines
+        prompts, too_long = [], 0
+        if args.prompt_data:
+            prompts = load_prompts(
+                args.prompt_data,
+                tokenizer,
+                args.input_key,
+                args.label_key,
+                args.apply_chat_template,
+                args.metadata_key,
+            )
+            prompts, too_long = drop_long_prompts(
+                prompts, args.rollout_max_prompt_len, args.prompt_data
+            )
         if too_long:
             logger.warning(
                 "--rollout-max-prompt-len %d: dropped %d of %d prompts",
@@ -146,7 +150,7 @@ class Job:
             )
             for name, path in eval_sets(args).items()
         }
-        reward = RewardModel.from_args(args)
+        reward = None if replay else RewardModel.from_args(args)
         use_gpu = torch.cuda.is_available()
         started = not ray.is_initialized() and not args.ray_address
         layout = plan_layout(args, use_gpu)
@@ -187,6 +191,9 @@ class Job:
         ensure_api_key(args, node_ip())
         self.placement = Placement(self.layout)
         self.trainer = TrainerGroup(self.placement, args.train_backend)
+        if args.load_debug_rollout_data:  # a replay (miles_launch.replay): no engines
+            self.state = read_launcher_state(args, self.trainer.init(args))
+            return
         self.engines = EngineSet(args, self.placement)
         # Disaggregated, the engines have GPUs of their own: they start while the trainer
         # initialises. Colocated, they start once the trainer is built (and asleep with

@@ -39,6 +39,7 @@ from miles_core.save_trigger import SaveTrigger, should_save
 from miles_launch.job import Job, LauncherState, write_launcher_state
 from miles_launch.reporting import rank0_metrics
 from miles_launch.rollout.custom_generate import load_generate_function
+from miles_launch.rollout.debug_data import save_rollout_data
 from miles_launch.rollout.draw import draw_groups
 from miles_launch.rollout.evaluation import eval_metrics
 from miles_launch.rollout.generate import (
@@ -156,6 +157,21 @@ def rollout_stats(groups: list[list[GeneratedSample]]) -> dict[str, Any]:
         "num_samples": len(samples),
         "generated_with_versions": versions,
     }
+
+
+def save_debug_rollout(
+    job: Job, rollout_id: int, batch: Any, groups: list[list[GeneratedSample]], extra: dict
+) -> None:
+    """``--save-debug-rollout-data``: the batch ``train`` receives, with the record's prompt ids
+    and rollout stats and the data position after the rollout (a replay continues from it)."""
+    template = job.args.save_debug_rollout_data
+    if template:
+        info = {
+            "prompt_ids": [g[0].prompt.index for g in groups],
+            "rollout": {**rollout_stats(groups), **extra},
+            "data_position": job.state.data_position,
+        }
+        save_rollout_data(template, rollout_id, batch, info)
 
 
 def run_eval(job: Job, rollout_id: int) -> dict[str, dict[str, float]]:
@@ -368,6 +384,7 @@ def run_sync(job: Job) -> list[dict[str, Any]]:
         groups, filter_info = collect_rollout(job, rollout_id)
         times["gen"] = time.monotonic() - t
         batch = to_rollout_batch(groups)
+        save_debug_rollout(job, rollout_id, batch, groups, filter_info)
         training = RolloutTraining(job, rollout_id, batch)
         train_metrics, saved, step_times = cycle.after_generation(
             training.actor,

@@ -25,6 +25,7 @@ from miles_core.checkpoint_layout import CheckpointError
 from miles_core.engine import EngineError
 
 from miles_launch.engine_launch.process import EngineDied
+from miles_launch.rollout.debug_data import DebugDataError
 from miles_launch.rollout.prompts import PromptDataError
 from miles_launch.trainer_group import TrainerFailure
 
@@ -38,6 +39,7 @@ RUN_ERRORS = (
     PromptDataError,
     CheckpointError,
     BackendNotInstalledError,
+    DebugDataError,
 )
 
 
@@ -63,7 +65,11 @@ def run(args: Any) -> list[dict]:
     job = Job.setup(args)
     failed = True
     try:
-        if args.fully_async:
+        if args.load_debug_rollout_data:
+            from miles_launch.replay import run_replay
+
+            records = run_replay(job)
+        elif args.fully_async:
             from miles_launch.async_loop import run_async
 
             records = run_async(job)

@@ -1,0 +1,41 @@
+"""Test support shared by the ``miles train`` end-to-end tests of both backends: the rollout
+records of a ``--metrics-jsonl`` file and the tensors of a checkpoint directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+#: Train metrics that measure time or memory rather than the step.
+NOT_THE_STEP = ("tokens_per_s", "peak_memory_gb")
+
+
+def metric_records(path: Path) -> list[dict]:
+    """The rollout records of a ``--metrics-jsonl`` file, their train metrics without
+    :data:`NOT_THE_STEP`."""
+    out = [r for r in map(json.loads, path.read_text().splitlines()) if "rollout_id" in r]
+    for r in out:
+        r["train"] = {k: v for k, v in r["train"].items() if k not in NOT_THE_STEP}
+    return out
+
+
+def dcp_tensors(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a torch.distributed.checkpoint directory (FSDP's ``model/``, megatron's
+    torch_dist ``iter_*``), by flattened name."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = checkpoint_dir.parent / (checkpoint_dir.parent.name + "_" + checkpoint_dir.name + ".pt")
+    dcp_to_torch_save(checkpoint_dir, out)
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(value, prefix):
+        if isinstance(value, torch.Tensor):
+            flat[prefix] = value
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{prefix}.{key}" if prefix else str(key))
+
+    walk(torch.load(out, weights_only=False), "")
+    return flat

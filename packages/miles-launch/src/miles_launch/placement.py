@@ -19,6 +19,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from miles_sync.engine_group import NODE_IP_ENV
+
 logger = logging.getLogger(__name__)
 
 #: Share of a bundle's CPU/GPU taken by a trainer actor and by an engine host actor. Both fit
@@ -171,9 +173,9 @@ def _sort_key(info: BundleInfo) -> tuple:
     return (info.node_ip, info.node_id, info.gpu_ids or (info.index,), info.index)
 
 
-#: Set in the runtime environment of a local (single-machine) Ray cluster: every address the
-#: job hands out (engines, the trainer's process group) is then loopback.
-NODE_IP_ENV = "MILES_NODE_IP"
+# NODE_IP_ENV is set in the runtime environment of a local (single-machine) Ray cluster: every
+# address the job hands out (engines, the trainer's process groups) is then loopback. Trainer
+# ranks set it to their node's address, which the weight-update groups advertise.
 
 
 def node_ip() -> str:

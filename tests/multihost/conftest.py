@@ -1,4 +1,5 @@
-"""One Ray cluster of network-namespace hosts for every multi-host test (session scope).
+"""One set of network-namespace hosts, and one Ray cluster on them, for every multi-host test
+(session scope).
 
 Host a (10.123.0.1) is the Ray head with 2 CPU slots (the trainer's); hosts b and c have 1
 slot each (one engine each). Where namespaces cannot be made (no root, no iproute2), every
@@ -12,17 +13,25 @@ from netns_cluster import CannotMakeNamespaces, NamespaceCluster, probe
 
 
 @pytest.fixture(scope="session")
-def cluster():
+def hosts():
+    """The three hosts and their links; removed at the end of the session."""
     try:
         probe()
     except CannotMakeNamespaces as why:
         pytest.skip(f"multi-host tests need network namespaces: {why}")
-    made = NamespaceCluster([2, 1, 1])
-    made.start()
+    made = NamespaceCluster([2, 1, 1]).make_network()
     try:
         yield made
     finally:
         made.close()
+
+
+@pytest.fixture(scope="session")
+def cluster(hosts):
+    """The same hosts with the Ray cluster started on them (once per session)."""
+    if hosts.head.ray is None:
+        hosts.start_ray()
+    return hosts
 
 
 @pytest.fixture(scope="session")

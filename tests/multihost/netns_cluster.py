@@ -122,10 +122,6 @@ class NamespaceCluster:
             # Ray's token authentication, with a token of this cluster's own.
             "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN": self.token,
-            # The raylet waits this long for its Python agents' ports (default 10-15 s, which a
-            # loaded machine can pass while they import).
-            "RAY_agent_register_timeout_ms": "180000",
-            "RAY_raylet_start_wait_time_s": "180",
             "PYTHONUNBUFFERED": "1",
         }
 
@@ -142,9 +138,14 @@ class NamespaceCluster:
             **kw,
         )
 
-    def popen(self, host: Host, argv: list[str], **kw) -> subprocess.Popen:
+    def popen(
+        self, host: Host, argv: list[str], env_extra: dict[str, str] | None = None, **kw
+    ) -> subprocess.Popen:
         return subprocess.Popen(
-            self._exec(host, argv), env=self.env(host), start_new_session=True, **kw
+            self._exec(host, argv),
+            env={**self.env(host), **(env_extra or {})},
+            start_new_session=True,
+            **kw,
         )
 
     # ------------------------------------------------------------------ Ray
@@ -230,9 +231,18 @@ class NamespaceCluster:
         return path.read_text(errors="replace")[-chars:] if path.exists() else ""
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self, timeout_s: float = 240.0) -> NamespaceCluster:
+    def make_network(self) -> NamespaceCluster:
+        """The hosts and their links (no Ray yet)."""
         try:
             self._make_network()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def start_ray(self, timeout_s: float = 240.0) -> NamespaceCluster:
+        """The Ray head on host 0 and a worker on every other host."""
+        try:
             self._start_node(
                 self.head,
                 ["--head", "--port", str(RAY_PORT), "--include-dashboard=false",
@@ -243,7 +253,9 @@ class NamespaceCluster:
                 self._start_node(host, ["--address", self.ray_address], timeout_s)
             self._wait_for_nodes(timeout_s)
         except BaseException:
-            self.close()
+            self._kill_all(*(h.name for h in self.hosts))
+            for host in self.hosts:
+                host.ray = None
             raise
         return self
 

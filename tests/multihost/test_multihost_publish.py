@@ -1,5 +1,6 @@
 """A publish across hosts, without Ray: a built-in engine on host b, the trainer's publisher on
-host a, a third host c.
+host a, a third host c. ``broadcast`` in the default suite; ``p2p`` and ``disk-delta`` (with the
+launcher's puller command on host b) are ``extended``.
 
 The publisher is given no master address: the weight-update group's store must be advertised
 at host a's address (before, it defaulted to 127.0.0.1, and the engine on host b looked for
@@ -23,19 +24,21 @@ ROOT = Path(__file__).resolve().parents[2]
 KEY = "multihost-test-key-0123456789"
 PORT = 30000
 
-#: Runs on host a: perturb the checkpoint's weights, publish them with ``broadcast`` (master
-#: address left unset), print the version and whether every engine tensor equals the trainer's.
+#: Runs on host a: perturb the checkpoint's weights, publish them (the mode and its settings
+#: in the last argument; master address left unset), print the version and whether every
+#: engine tensor equals the trainer's.
 TRAINER = """
 import json, sys, torch, xxhash, httpx
 from transformers import AutoModelForCausalLM
 from miles_sync.weight_sync import SyncConfig, WeightPublisher
-hf, url, key = sys.argv[1:4]
-model = AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32)
+hf, url, key, extra = sys.argv[1:5]
+model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
 with torch.no_grad():
     for i, p in enumerate(model.parameters()):
         p.add_(0.01 * (i + 1))
 state = {n: t.detach().contiguous() for n, t in model.state_dict().items()}
-config = SyncConfig(mode="broadcast", buffer_size=4096, engine_api_key=key, group_timeout_s=60)
+settings = dict(buffer_size=4096, engine_api_key=key, group_timeout_s=60, hf_checkpoint=hf)
+config = SyncConfig(**{**settings, **json.loads(extra)})
 publisher = WeightPublisher(config)
 version = publisher.update_weights(iter(state.items()), [url])
 publisher.close()
@@ -59,7 +62,21 @@ except urllib.error.HTTPError as e:
 """
 
 
-def test_broadcast_publish_reaches_an_engine_on_another_host(hosts, material, tmp_path):
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "broadcast",
+        pytest.param("p2p", marks=pytest.mark.extended),
+        pytest.param("disk-delta", marks=pytest.mark.extended),
+    ],
+)
+def test_publish_reaches_an_engine_on_another_host(hosts, material, tmp_path, mode):
+    """``disk-delta``: the puller runs on host b as the launcher starts it
+    (``puller_command``), the delta directory is shared, the engine loads the puller's copy."""
+    from types import SimpleNamespace
+
+    from miles_launch.engine_launch.engine_set import puller_command
+
     host_a, host_b, host_c = hosts.hosts
     hf, _ = material
     url = f"http://{host_b.address}:{PORT}"
@@ -70,8 +87,21 @@ def test_broadcast_publish_reaches_an_engine_on_another_host(hosts, material, tm
         "--device", "cpu",
     ]  # fmt: skip
     env = {"MILES_ENGINE_API_KEY": KEY}
+    extra: dict = {"mode": mode}
+    helpers = []
     with open(log, "wb") as sink:
         engine = hosts.popen(host_b, engine_cmd, stdout=sink, stderr=sink, env_extra=env)
+    if mode == "disk-delta":
+        shared = tmp_path / "shared"
+        extra.update(disk_dir=str(shared), puller_timeout_s=600)
+        flags = SimpleNamespace(
+            update_weight_disk_dir=str(shared),
+            update_weight_local_checkpoint_dir=str(tmp_path / "local-b"),
+        )
+        with open(tmp_path / "puller.log", "wb") as sink:
+            helpers.append(
+                hosts.popen(host_b, puller_command(flags, 0, url), stdout=sink, stderr=sink)
+            )
     try:
         deadline = time.monotonic() + 600
         status = ""
@@ -82,14 +112,21 @@ def test_broadcast_publish_reaches_an_engine_on_another_host(hosts, material, tm
             status = status.strip()
         assert status == "401", f"keyless request from host c: {status!r}"
         result = hosts.run(
-            host_a, [sys.executable, "-c", TRAINER, str(hf), url, KEY], timeout=900, cwd=ROOT
+            host_a,
+            [sys.executable, "-c", TRAINER, str(hf), url, KEY, json.dumps(extra)],
+            timeout=900,
+            cwd=ROOT,
         )
         assert result.returncode == 0, result.stderr[-4000:] + log.read_text()[-2000:]
         report = json.loads(result.stdout.strip().splitlines()[-1])
         assert report["version"] == 1 and report["tensors"] > 0
         assert report["equal"], report
         joined = [line for line in log.read_text().splitlines() if "joined weight-update" in line]
-        assert joined and all(f"at master {host_a.address}:" in line for line in joined), joined
+        if mode == "disk-delta":
+            assert not joined  # no group: the engine loaded the puller's local copy
+        else:
+            assert joined and all(f"at master {host_a.address}:" in line for line in joined)
     finally:
-        engine.kill()
-        engine.wait(30)
+        for process in [engine, *helpers]:
+            process.kill()
+            process.wait(30)

@@ -114,3 +114,17 @@ def test_colocated_engines_stay_inside_a_trainer_node(tmp_path):
             "--actor-num-gpus-per-node", "3",
             "--rollout-num-gpus-per-engine", "2",
         )  # fmt: skip
+
+
+def test_a_trainer_node_takes_the_first_node_with_room(tmp_path):
+    layout = _layout(
+        tmp_path,
+        "--actor-num-gpus-per-node", "2",
+        "--rollout-num-gpus", "1",
+        "--num-gpus-per-node", "2",
+    )  # fmt: skip
+    assert assign_nodes(layout, {"10.0.0.1": 1, "10.0.0.2": 2}) == [
+        "10.0.0.2",
+        "10.0.0.2",
+        "10.0.0.1",
+    ]

@@ -109,38 +109,51 @@ class LayoutDoesNotFit(RuntimeError):
 def assign_nodes(layout: Layout, capacities: dict[str, int]) -> list[str]:
     """The node of every bundle (by layout index), given each node's devices by address.
 
-    A node holds at most ``min(its devices, --num-gpus-per-node)`` of the job's bundles. The
-    trainer's node groups take whole nodes of their own, in address order (a trainer node is
-    a node); engines then fill the room left, first fit, in the same order. Raises
-    :class:`LayoutDoesNotFit` naming the first group with no room and what the nodes have.
+    A node holds at most ``min(its devices, --num-gpus-per-node)`` of the job's bundles. Each
+    trainer node group takes a node of its own (the first, in address order, with room);
+    engines then fill the room left, first fit, in the same order. Raises
+    :class:`LayoutDoesNotFit` naming the first group with no room and the room per node.
     """
-    nodes = sorted(capacities, key=_address_key)
-    room = {n: min(int(capacities[n]), layout.gpus_per_node) for n in nodes}
-    where: dict[int, str] = {}
-    trainer_nodes = iter(nodes)
-    for what, bundles in layout.node_groups():
-        if what.startswith("trainer"):
-            candidates = [next(trainer_nodes, None)]
-        else:
-            candidates = nodes
-        node = next((n for n in candidates if n is not None and room[n] >= len(bundles)), None)
-        if node is None:
-            raise LayoutDoesNotFit(
-                f"the layout needs {nodes_needed(layout)} node(s) of --num-gpus-per-node "
-                f"{layout.gpus_per_node}: {what} ({len(bundles)} {_unit(layout)}) fits no node; "
-                f"room per node: {room or 'no nodes'}"
-            )
-        room[node] -= len(bundles)
-        for b in bundles:
-            where[b] = node
-    return [where[b] for b in range(layout.num_bundles)]
+    where, failed, room = _pack(layout, capacities)
+    if failed is None:
+        return where
+    what, size = failed
+    needed = nodes_needed(layout)
+    raise LayoutDoesNotFit(
+        f"the layout needs {needed or 'more than any number of'} node(s) of "
+        f"--num-gpus-per-node {layout.gpus_per_node}: {what} ({size} {_unit(layout)}) fits no "
+        f"node; room per node: {room or 'no nodes'}"
+    )
 
 
 def nodes_needed(layout: Layout) -> int:
     """Nodes of ``--num-gpus-per-node`` devices the layout fills, packed as
-    :func:`assign_nodes` packs it (for the log line and the refusal)."""
+    :func:`assign_nodes` packs it (for the log line and the refusal); 0 when a group is larger
+    than a node."""
     spare = {f"node {i:05d}": layout.gpus_per_node for i in range(len(layout.node_groups()))}
-    return len(set(assign_nodes(layout, spare)))
+    where, failed, _ = _pack(layout, spare)
+    return 0 if failed is not None else len(set(where))
+
+
+def _pack(layout: Layout, capacities: dict[str, int]):
+    """``(node per bundle, None, room left)``, or ``(partial, (group, size), room)`` for the
+    first group that fits no node."""
+    nodes = sorted(capacities, key=_address_key)
+    room = {n: min(int(capacities[n]), layout.gpus_per_node) for n in nodes}
+    where: dict[int, str] = {}
+    trainer_nodes: set[str] = set()
+    for what, bundles in layout.node_groups():
+        trainer = what.startswith("trainer")
+        candidates = [n for n in nodes if not (trainer and n in trainer_nodes)]
+        node = next((n for n in candidates if room[n] >= len(bundles)), None)
+        if node is None:
+            return [], (what, len(bundles)), room
+        if trainer:
+            trainer_nodes.add(node)
+        room[node] -= len(bundles)
+        for b in bundles:
+            where[b] = node
+    return [where[b] for b in range(layout.num_bundles)], None, room
 
 
 def _unit(layout: Layout) -> str:

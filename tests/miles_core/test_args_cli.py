@@ -124,11 +124,12 @@ def test_hooks_run_in_order_for_all_groups():
 
     args = parse_args(["--a", "3"], [First, Second])
     assert args.b == 30
+    # Defaults first: every group's validate sees the resolved value of every other group.
     assert calls == [
-        ("validate", "First", None),
-        ("validate", "Second", None),
         ("resolve", "First"),
         ("resolve", "Second"),
+        ("validate", "First", 30),
+        ("validate", "Second", 30),
         ("paths", "First"),
         ("paths", "Second"),
     ]

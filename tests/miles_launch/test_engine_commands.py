@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote
 
 import pytest
 from launch_testing import parse
@@ -139,3 +140,79 @@ def test_register_worker_with_external_router(new_api):
     route = "workers" if new_api else "add_worker"
     expected = "http://10.0.0.5:30001" if new_api else "http%3A%2F%2F10.0.0.5%3A30001"
     assert handler.seen == [(route, expected)]
+
+
+class _RemovingRouter(_Router):
+    """Also removes workers: ``DELETE /workers/<url>`` (new API) or ``/remove_worker``."""
+
+    def do_DELETE(self):  # noqa: N802
+        if self.path.startswith("/workers/") and self.new_api:
+            type(self).seen.append(("delete", unquote(self.path[len("/workers/") :])))
+            self.send_response(202)
+        else:
+            self.send_response(404)
+        self.end_headers()
+
+    def do_POST(self):  # noqa: N802
+        if self.path.startswith("/remove_worker?url=") and not self.new_api:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            type(self).seen.append(("remove_worker", unquote(self.path.split("=", 1)[1])))
+            self.send_response(200)
+            self.end_headers()
+            return
+        super().do_POST()
+
+
+@pytest.mark.parametrize("new_api", [True, False])
+def test_engine_set_removes_its_workers_from_an_external_router_at_shutdown(tmp_path, new_api):
+    """The engines this job registered leave the external router when the job stops (before,
+    the router kept sending requests to stopped engines)."""
+    from miles_launch.engine_launch.engine_set import EngineSet
+
+    handler = type("Router", (_RemovingRouter,), {"new_api": new_api, "seen": []})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = server.server_address[1]
+        args = parse(
+            tmp_path,
+            "--rollout-engine", "sglang",
+            "--sglang-router-ip", "127.0.0.1",
+            "--sglang-router-port", str(port),
+        )  # fmt: skip
+        engines = EngineSet(args, placement=None)
+        engines.router_url = external_router_url(args)
+        for url in ("http://10.0.0.5:30001", "http://10.0.0.6:30001"):
+            register_worker(engines.router_url, url)
+            engines.registered.append(url)
+        engines.shutdown()
+    finally:
+        server.shutdown()
+    route, removal = ("workers", "delete") if new_api else ("add_worker", "remove_worker")
+    assert [kind for kind, _ in handler.seen] == [route, route, removal, removal]
+    assert [url for kind, url in handler.seen if kind == removal] == [
+        "http://10.0.0.5:30001",
+        "http://10.0.0.6:30001",
+    ]
+    assert engines.registered == []
+
+
+def test_disk_delta_puller_command_sits_beside_its_engine(tmp_path):
+    from miles_launch.engine_launch.engine_set import puller_command
+    from miles_sync.cli import parse_pull_args
+
+    shared = tmp_path / "shared"
+    args = parse(
+        tmp_path,
+        "--rollout-engine", "builtin",
+        "--update-weight-transfer-mode", "disk-delta",
+        "--update-weight-disk-dir", str(shared),
+        "--update-weight-local-checkpoint-dir", str(tmp_path / "local"),
+    )  # fmt: skip
+    cmd = puller_command(args, 1, "http://10.0.0.6:30001", python="py")
+    assert cmd[:5] == ["py", "-m", "miles_sync.cli", "pull", "--update-weight-disk-dir"]
+    pull = parse_pull_args(cmd[4:])  # the puller's own parser accepts it
+    assert pull.update_weight_disk_dir == str(shared)
+    assert pull.update_weight_local_checkpoint_dir == str(tmp_path / "local" / "engine-1-30001")
+    assert pull.engine_url == "http://10.0.0.6:30001"

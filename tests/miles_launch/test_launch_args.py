@@ -101,6 +101,19 @@ def test_bad_combinations_are_one_line_errors(tmp_path, flags, message):
     assert "\n" not in str(info.value)
 
 
+def test_checks_see_the_engine_the_job_will_use(tmp_path):
+    """No --rollout-engine: the engine is resolved before validation, so a layout the resolved
+    engine cannot serve is refused (before, the check saw None and passed it)."""
+    from miles_launch.args import sglang_importable
+
+    if sglang_importable():
+        args = parse(tmp_path, "--rollout-num-gpus-per-engine", "2")
+        assert args.rollout_engine == "sglang"
+        return
+    with pytest.raises(ArgumentError, match="the built-in engine serves on one device"):
+        parse(tmp_path, "--rollout-num-gpus-per-engine", "2")
+
+
 def test_missing_prompt_file_names_the_flag(tmp_path):
     with pytest.raises(ArgumentError, match="--prompt-data .*nope.jsonl: no such file"):
         parse(tmp_path, "--prompt-data", str(tmp_path / "nope.jsonl"))

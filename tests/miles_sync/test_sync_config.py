@@ -51,3 +51,30 @@ def test_from_args_defaults_by_placement():
 def test_refused_combinations(kwargs, message):
     with pytest.raises(ArgumentError, match=message):
         SyncConfig(**kwargs)
+
+
+def test_group_master_address_is_the_publishing_rank_s_node_address(monkeypatch):
+    """No loopback default: unset, the weight-update group advertises the address this node is
+    reached on (the launcher's MILES_NODE_IP, else the route towards the engine)."""
+    import socket
+
+    from miles_sync.engine_group import NODE_IP_ENV, node_address
+
+    assert SyncConfig.from_args(parse()).master_address is None
+    monkeypatch.delenv(NODE_IP_ENV, raising=False)
+    assert node_address("http://127.0.0.1:30000") == "127.0.0.1"
+
+    # Towards a non-loopback address of this host, the route's source is that address.
+    def local(address: str) -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind((address, 0))
+            except OSError:
+                return False
+        return not address.startswith("127.")
+
+    infos = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)
+    for address in {info[4][0] for info in infos if local(info[4][0])}:
+        assert node_address(f"http://{address}:30000") == address
+    monkeypatch.setenv(NODE_IP_ENV, "10.9.8.7")
+    assert node_address("http://127.0.0.1:30000") == "10.9.8.7"

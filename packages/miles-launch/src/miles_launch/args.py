@@ -100,11 +100,11 @@ class LaunchPlacementArgs(ArgGroup):
                 f"--num-gpus-per-node {args.num_gpus_per_node} (an engine spans one node)"
             )
         if args.colocate:
-            trainer = args.actor_num_nodes * args.actor_num_gpus_per_node
-            if trainer % args.rollout_num_gpus_per_engine:
+            if args.actor_num_gpus_per_node % args.rollout_num_gpus_per_engine:
                 raise ArgumentError(
                     f"--colocate: --rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}"
-                    f" does not divide the {trainer} trainer GPUs"
+                    f" does not divide --actor-num-gpus-per-node {args.actor_num_gpus_per_node}"
+                    " (an engine spans one node)"
                 )
         elif args.rollout_num_gpus is not None:
             if args.rollout_num_gpus % args.rollout_num_gpus_per_engine:

@@ -32,6 +32,7 @@ from miles_launch.placement import (
     Placement,
     init_ray,
     node_ip,
+    nodes_needed,
     plan_layout,
     prepare_ray_env,
 )
@@ -180,12 +181,14 @@ class Job:
     def _start(self) -> None:
         args = self.args
         logger.info(
-            "layout: %d trainer ranks, %d engine(s) x %d %s, %s",
+            "layout: %d trainer ranks, %d engine(s) x %d %s, %s, %d node(s) of %d",
             self.layout.num_trainer_ranks,
             self.layout.num_engines,
             self.layout.gpus_per_engine,
             "GPU" if self.layout.use_gpu else "CPU slot",
             "colocated" if self.layout.colocate else "disaggregated",
+            nodes_needed(self.layout),
+            self.layout.gpus_per_node,
         )
         # Before anything receives args: engines, router, trainer (its weight publisher).
         ensure_api_key(args, node_ip())

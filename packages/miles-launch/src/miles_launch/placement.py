@@ -1,8 +1,7 @@
 """Where trainer ranks and engines run: the bundle layout and its Ray placement group.
 
 One placement group holds one bundle per device: ``{GPU: 1, CPU: 1}``, or ``{CPU: 1}`` when the
-job runs without GPUs (then a "GPU" below is a CPU slot). Bundles are sorted by node, then by
-GPU id, and used in that order:
+job runs without GPUs (then a "GPU" below is a CPU slot). Bundles are numbered thus:
 
 * disaggregated (default): bundles ``0 .. T-1`` are the trainer's (``T = --actor-num-nodes x
   --actor-num-gpus-per-node``, rank ``r`` on bundle ``r``), bundles ``T .. T+R-1`` the engines'
@@ -10,6 +9,14 @@ GPU id, and used in that order:
   ``g = --rollout-num-gpus-per-engine``;
 * ``--colocate``: ``T`` bundles; engine ``k`` shares bundles ``k*g .. (k+1)*g - 1`` with the
   trainer ranks there (``R`` is reconciled to ``T``).
+
+Which node each bundle sits on is decided here, before Ray is asked
+(:func:`assign_nodes`): the trainer's ranks fill ``--actor-num-nodes`` nodes of
+``--actor-num-gpus-per-node`` each, every engine's ``g`` bundles sit on one node, and no node
+holds more than ``--num-gpus-per-node`` of the job's bundles. Nodes are taken in address order,
+the trainer's first. A layout that cannot fit the cluster's nodes is refused with one message
+naming what does not fit; one that fits pins every bundle to its node (Ray's ``node:<ip>``
+resource), so the placement group is exactly the plan.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ import logging
 import os
 from dataclasses import dataclass
 from typing import Any
+
+from miles_sync.engine_group import NODE_IP_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +45,8 @@ class Layout:
     gpus_per_engine: int
     colocate: bool
     use_gpu: bool
+    trainer_gpus_per_node: int = 1  # --actor-num-gpus-per-node
+    gpus_per_node: int = 8  # --num-gpus-per-node
 
     @property
     def num_bundles(self) -> int:
@@ -44,17 +55,30 @@ class Layout:
         return self.num_trainer_ranks + self.num_engines * self.gpus_per_engine
 
     def trainer_bundles(self) -> list[int]:
-        """Bundle index of each trainer rank (in sorted order)."""
+        """Bundle index of each trainer rank."""
         return list(range(self.num_trainer_ranks))
 
     def engine_bundles(self) -> list[list[int]]:
-        """Bundle indices of each engine (in sorted order)."""
+        """Bundle indices of each engine."""
         start = 0 if self.colocate else self.num_trainer_ranks
         g = self.gpus_per_engine
         return [list(range(start + k * g, start + (k + 1) * g)) for k in range(self.num_engines)]
 
     def bundle_resources(self) -> dict[str, float]:
         return {"GPU": 1.0, "CPU": 1.0} if self.use_gpu else {"CPU": 1.0}
+
+    def node_groups(self) -> list[tuple[str, list[int]]]:
+        """``(what, bundles)`` that must share one node: each trainer node's ranks, then (not
+        colocated) each engine's bundles. Colocated engines sit inside the trainer's nodes."""
+        per_node = self.trainer_gpus_per_node
+        trainer = self.trainer_bundles()
+        groups = [
+            (f"trainer node {i // per_node}", trainer[i : i + per_node])
+            for i in range(0, len(trainer), per_node)
+        ]
+        if not self.colocate:
+            groups += [(f"engine {k}", b) for k, b in enumerate(self.engine_bundles())]
+        return groups
 
 
 def plan_layout(args: Any, use_gpu: bool) -> Layout:
@@ -73,12 +97,76 @@ def plan_layout(args: Any, use_gpu: bool) -> Layout:
         gpus_per_engine=g,
         colocate=bool(args.colocate),
         use_gpu=use_gpu,
+        trainer_gpus_per_node=args.actor_num_gpus_per_node,
+        gpus_per_node=args.num_gpus_per_node,
     )
 
 
-def nodes_needed(layout: Layout, gpus_per_node: int) -> int:
-    """Nodes of ``gpus_per_node`` devices the layout fills (for the log line and checks)."""
-    return -(-layout.num_bundles // gpus_per_node)
+class LayoutDoesNotFit(RuntimeError):
+    """The job's bundles cannot be placed on the cluster's nodes (the message says why)."""
+
+
+def assign_nodes(layout: Layout, capacities: dict[str, int]) -> list[str]:
+    """The node of every bundle (by layout index), given each node's devices by address.
+
+    A node holds at most ``min(its devices, --num-gpus-per-node)`` of the job's bundles. Each
+    trainer node group takes a node of its own (the first, in address order, with room);
+    engines then fill the room left, first fit, in the same order. Raises
+    :class:`LayoutDoesNotFit` naming the first group with no room and the room per node.
+    """
+    where, failed, room = _pack(layout, capacities)
+    if failed is None:
+        return where
+    what, size = failed
+    needed = nodes_needed(layout)
+    raise LayoutDoesNotFit(
+        f"the layout needs {needed or 'more than any number of'} node(s) of "
+        f"--num-gpus-per-node {layout.gpus_per_node}: {what} ({size} {_unit(layout)}) fits no "
+        f"node; room per node: {room or 'no nodes'}"
+    )
+
+
+def nodes_needed(layout: Layout) -> int:
+    """Nodes of ``--num-gpus-per-node`` devices the layout fills, packed as
+    :func:`assign_nodes` packs it (for the log line and the refusal); 0 when a group is larger
+    than a node."""
+    spare = {f"node {i:05d}": layout.gpus_per_node for i in range(len(layout.node_groups()))}
+    where, failed, _ = _pack(layout, spare)
+    return 0 if failed is not None else len(set(where))
+
+
+def _pack(layout: Layout, capacities: dict[str, int]):
+    """``(node per bundle, None, room left)``, or ``(partial, (group, size), room)`` for the
+    first group that fits no node."""
+    nodes = sorted(capacities, key=_address_key)
+    room = {n: min(int(capacities[n]), layout.gpus_per_node) for n in nodes}
+    where: dict[int, str] = {}
+    trainer_nodes: set[str] = set()
+    for what, bundles in layout.node_groups():
+        trainer = what.startswith("trainer")
+        candidates = [n for n in nodes if not (trainer and n in trainer_nodes)]
+        node = next((n for n in candidates if room[n] >= len(bundles)), None)
+        if node is None:
+            return [], (what, len(bundles)), room
+        if trainer:
+            trainer_nodes.add(node)
+        room[node] -= len(bundles)
+        for b in bundles:
+            where[b] = node
+    return [where[b] for b in range(layout.num_bundles)], None, room
+
+
+def _unit(layout: Layout) -> str:
+    return "GPU(s)" if layout.use_gpu else "CPU slot(s)"
+
+
+def _address_key(address: str) -> tuple:
+    import ipaddress
+
+    try:
+        return (0, ipaddress.ip_address(address).packed)
+    except ValueError:
+        return (1, address.encode())
 
 
 @dataclass(frozen=True)
@@ -92,18 +180,22 @@ class BundleInfo:
 
 
 class Placement:
-    """The job's placement group with its bundles in sorted order.
-
-    ``bundle(i)`` is the placement-group bundle index of the ``i``-th sorted bundle; use it with
-    :meth:`strategy`.
-    """
+    """The job's placement group: bundle ``i`` pinned to the node :func:`assign_nodes` planned
+    for layout bundle ``i``. Use ``strategy(bundle(i))`` to run on it."""
 
     def __init__(self, layout: Layout, timeout_s: float = 300.0):
         import ray
         from ray.util.placement_group import placement_group
 
         self.layout = layout
-        bundles = [layout.bundle_resources() for _ in range(layout.num_bundles)]
+        self.nodes = assign_nodes(layout, cluster_capacities(layout.use_gpu))
+        bundles = [{**layout.bundle_resources(), f"node:{node}": NODE_SHARE} for node in self.nodes]
+        logger.info(
+            "placement: %d bundles on %d node(s): %s",
+            layout.num_bundles,
+            len(set(self.nodes)),
+            {n: self.nodes.count(n) for n in sorted(set(self.nodes), key=_address_key)},
+        )
         self.group = placement_group(bundles, strategy="PACK")
         ready, _ = ray.wait([self.group.ready()], timeout=timeout_s)
         if not ready:
@@ -113,13 +205,9 @@ class Placement:
                 f"{timeout_s:.0f}s (available: {available})"
             )
         self.infos = self._probe()
-        self.order = [info.index for info in sorted(self.infos, key=_sort_key)]
-        logger.info(
-            "placement: %d bundles %s, sorted %s",
-            layout.num_bundles,
-            bundles[0],
-            [(self.infos[i].node_ip, self.infos[i].gpu_ids) for i in self.order],
-        )
+        misplaced = [i.index for i in self.infos if i.node_ip != self.nodes[i.index]]
+        if misplaced:  # the node:<ip> pin makes this impossible; say so if it ever happens
+            raise RuntimeError(f"Ray placed bundles {misplaced} off their planned nodes")
 
     def _probe(self) -> list[BundleInfo]:
         """Node and GPU ids of every bundle: from the placement-group table without GPUs,
@@ -146,11 +234,13 @@ class Placement:
         )
         return [BundleInfo(i, node_of[i], ip, tuple(gpus)) for i, (ip, gpus) in enumerate(found)]
 
-    def bundle(self, sorted_index: int) -> int:
-        return self.order[sorted_index]
+    def bundle(self, layout_index: int) -> int:
+        """The placement-group bundle of a layout bundle (the same index: bundle ``i`` of the
+        group is pinned to the node planned for layout bundle ``i``)."""
+        return layout_index
 
-    def info(self, sorted_index: int) -> BundleInfo:
-        return self.infos[self.order[sorted_index]]
+    def info(self, layout_index: int) -> BundleInfo:
+        return self.infos[layout_index]
 
     def strategy(self, bundle_index: int):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -167,13 +257,26 @@ class Placement:
         remove_placement_group(self.group)
 
 
-def _sort_key(info: BundleInfo) -> tuple:
-    return (info.node_ip, info.node_id, info.gpu_ids or (info.index,), info.index)
+#: Share of a node's own ``node:<ip>`` resource that pins a bundle to that node.
+NODE_SHARE = 0.001
 
 
-#: Set in the runtime environment of a local (single-machine) Ray cluster: every address the
-#: job hands out (engines, the trainer's process group) is then loopback.
-NODE_IP_ENV = "MILES_NODE_IP"
+def cluster_capacities(use_gpu: bool) -> dict[str, int]:
+    """Devices (GPUs, or CPU slots without GPUs) of every live Ray node, by node address."""
+    import ray
+
+    key = "GPU" if use_gpu else "CPU"
+    out: dict[str, int] = {}
+    for node in ray.nodes():
+        if node.get("Alive"):
+            address = node["NodeManagerAddress"]
+            out[address] = out.get(address, 0) + int(node["Resources"].get(key, 0))
+    return out
+
+
+# NODE_IP_ENV is set in the runtime environment of a local (single-machine) Ray cluster: every
+# address the job hands out (engines, the trainer's process groups) is then loopback. Trainer
+# ranks set it to their node's address, which the weight-update groups advertise.
 
 
 def node_ip() -> str:

@@ -19,7 +19,7 @@ from typing import Any
 from miles_core.batch import RolloutBatch
 from miles_core.partition import partition_for_dp
 
-from miles_launch.placement import TRAINER_SHARE, Placement, node_ip
+from miles_launch.placement import NODE_IP_ENV, TRAINER_SHARE, Placement, node_ip
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,8 @@ class TrainerRank:
             LOCAL_RANK="0",  # Ray shows each actor its own device only
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),
+            # The address this rank's weight-update groups advertise to the engines.
+            **{NODE_IP_ENV: node_ip()},
         )
         if self.use_gpu:
             torch.cuda.set_device(0)

@@ -27,7 +27,7 @@ class GroupSettings:
     """How weight-update groups are made (see :func:`form_engine_group`)."""
 
     gpus_per_engine: int = 1
-    master_address: str = "127.0.0.1"
+    master_address: str | None = None  # None: this rank's node address (node_address)
     backend: str | None = None  # None: nccl with CUDA, else gloo
     timeout_s: float = 600.0
     group_name: str = "miles_weight_update"

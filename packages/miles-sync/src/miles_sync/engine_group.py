@@ -7,6 +7,10 @@ Engine ``i`` (of ``gpus_per_engine`` TP workers) joins as ranks
 ``1 + i * gpus_per_engine ... (i + 1) * gpus_per_engine``, through
 ``POST /init_weights_update_group``, which blocks until everyone joined: those calls are issued
 concurrently with the trainer's own join. The group needs no default process group.
+
+The store's address (the group's master address) is the publishing rank's node address, the one
+the engines reach it on (:func:`node_address`), never a loopback default: an engine on another
+host would look for the store on its own loopback.
 """
 
 from __future__ import annotations
@@ -14,10 +18,12 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import logging
+import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -26,6 +32,24 @@ from miles_core.engine import EngineClient, EngineError
 from miles_sync.errors import PublishError
 
 logger = logging.getLogger(__name__)
+
+#: This process's node address as other nodes reach it. The launcher sets it in every trainer
+#: rank (Ray's address of the rank's node; loopback on a single-machine cluster).
+NODE_IP_ENV = "MILES_NODE_IP"
+
+
+def node_address(toward: str) -> str:
+    """The address engines reach this process on: ``$MILES_NODE_IP``, else the local address of
+    the route towards ``toward`` (an engine URL; a UDP ``connect`` picks the route and sends
+    nothing)."""
+    explicit = os.environ.get(NODE_IP_ENV)
+    if explicit:
+        return explicit
+    host = urlsplit(toward).hostname or toward
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(sockaddr)
+        return s.getsockname()[0]
 
 
 def free_port(host: str = "") -> int:
@@ -114,17 +138,19 @@ def form_engine_group(
     *,
     group_name: str,
     gpus_per_engine: int = 1,
-    master_address: str = "127.0.0.1",
+    master_address: str | None = None,
     master_port: int | None = None,
     backend: str | None = None,
     timeout_s: float = 600.0,
 ) -> EngineGroup:
     """Make the group: trainer rank 0 plus every engine's TP workers.
 
-    ``world_size = 1 + len(engines) * gpus_per_engine``. Raises :class:`PublishError` naming the
+    ``world_size = 1 + len(engines) * gpus_per_engine``; ``master_address`` None: this node's
+    address as the first engine reaches it (:func:`node_address`). Raises :class:`PublishError` naming the
     engine whose ``/init_weights_update_group`` failed.
     """
     backend = backend or default_backend()
+    master_address = master_address or node_address(engines[0].base_url)
     port = master_port or free_port(master_address)
     world_size = 1 + len(engines) * gpus_per_engine
     timeout = datetime.timedelta(seconds=timeout_s)

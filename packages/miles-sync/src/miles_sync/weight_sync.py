@@ -47,7 +47,7 @@ class SyncConfig:
     pause_mode: str = "retract"
     colocate: bool = False
     gpus_per_engine: int = 1
-    master_address: str = "127.0.0.1"
+    master_address: str | None = None  # None: the publishing rank's node address
     group_backend: str | None = None  # None: nccl with CUDA, else gloo
     group_timeout_s: float = 600.0
     disk_dir: str | None = None

@@ -8,7 +8,7 @@ Supported annotations (see :func:`flag_kind`):
 * ``int``, ``float``, ``str`` and their ``X | None`` forms (``None`` = unset).
 * ``bool``: ``--x`` / ``--no-x``.
 * ``bool | None``: tri-state; the default ``None`` means "decided by another flag" and the
-  owning group's ``resolve_defaults`` fills it in after validation.
+  owning group's ``resolve_defaults`` fills it in before validation.
 * ``list[str]``, ``list[int]``, ``list[float]`` (and ``| None``): ``--f a b`` and ``--f a,b``.
 * ``Literal["a", "b"]`` (and ``| None``): the choices; ``flag(choices=...)`` works too.
 """
@@ -75,9 +75,10 @@ class ArgGroup:
     Hooks, all classmethods taking the full parsed namespace (every group's flags), run by
     :func:`miles_core.args.parse_args` in this order, each for all groups before the next:
 
-    1. ``validate(args)``: flag-combination checks; reads no file. Tri-state flags are still
-       ``None`` when not given, so a check can tell "explicit" from "derived".
-    2. ``resolve_defaults(args)``: fill values derived from other flags (tri-states).
+    1. ``resolve_defaults(args)``: fill values derived from other flags (tri-states). It runs on
+       unchecked values, so it must not fail on out-of-range numbers (``validate`` reports them).
+    2. ``validate(args)``: flag-combination checks on the resolved values; reads no file. A check
+       that must tell "explicit" from "derived" reads ``args.explicit_flags``.
     3. ``check_paths(args)``: filesystem checks ("file missing"), after every combination check.
 
     Each raises :class:`ArgumentError` with one line naming the flags.

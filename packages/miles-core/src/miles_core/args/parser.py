@@ -9,8 +9,10 @@ flag plus:
   about an explicit value that another flag overrides).
 
 Order: build (a flag declared twice is an error naming both groups) -> parse (CLI > YAML >
-defaults) -> every group's ``validate`` -> every group's ``resolve_defaults`` -> every group's
-``check_paths``. Every failure is an :class:`ArgumentError` with one line.
+defaults) -> every group's ``resolve_defaults`` -> every group's ``validate`` -> every group's
+``check_paths``. Defaults are resolved first, so that every check sees the values the job will
+really use (the engine, the transfer mode, the offload settings), not an unset tri-state.
+Every failure is an :class:`ArgumentError` with one line.
 """
 
 from __future__ import annotations
@@ -185,9 +187,9 @@ def parse_args(argv: Sequence[str], groups: Sequence[type[ArgGroup]]) -> argpars
         setattr(args, dest, values)
 
     for group in groups:
-        group.validate(args)
-    for group in groups:
         group.resolve_defaults(args)
+    for group in groups:
+        group.validate(args)
     for group in groups:
         group.check_paths(args)
     return args

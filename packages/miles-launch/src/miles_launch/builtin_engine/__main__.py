@@ -82,6 +82,10 @@ def parse_args(argv: list[str] | None = None):
 
     config = EngineConfig(**vars(ns))
     logging.basicConfig(level=log_level.upper())
+    # The engine's own events (weight-update groups joined) are logged at INFO whatever the level
+    # of the libraries' messages.
+    own = logging.getLogger("miles_launch.builtin_engine")
+    own.setLevel(min(own.getEffectiveLevel(), logging.INFO))
     return config
 
 

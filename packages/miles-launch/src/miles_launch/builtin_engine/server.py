@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -38,6 +39,8 @@ from miles_launch.builtin_engine.weights import (
     receive_broadcast,
 )
 from miles_launch.engine_launch.api_key import is_loopback
+
+logger = logging.getLogger(__name__)
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 PUBLIC_PATHS = {"/health", "/health_generate"}
@@ -442,6 +445,15 @@ def build_app(state: EngineState) -> FastAPI:
             )
         except Exception as exc:  # a failed rendezvous is reported, the server lives on
             return _error(f"Failed to initialize custom process group: {exc}", success_field=True)
+        logger.info(
+            "joined weight-update group %s at master %s:%s as rank %s of %s (%s)",
+            name,
+            body["master_address"],
+            body["master_port"],
+            body["rank_offset"],
+            body["world_size"],
+            backend,
+        )
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
     @app.post("/update_weights_from_distributed")

@@ -4,15 +4,23 @@
 :class:`~miles_launch.engine_launch.process.ProcessHost` actor on the engine's first bundle, with
 ``CUDA_VISIBLE_DEVICES`` naming the GPUs of all its bundles, and returns at once;
 ``EngineSet.wait_ready()`` waits until every ``/health`` answers 200, then starts the SGLang
-router (or registers with an external one). Between the two the job initialises the trainer
-(disaggregated), so that engine start-up and trainer start-up overlap. Any engine
-that exits, at start or later, raises :class:`~miles_launch.engine_launch.process.EngineDied` with
-its log tail (:meth:`EngineSet.check_alive`).
+router (or registers with an external one, and removes them from it at shutdown). Between
+the two the job initialises the trainer (disaggregated), so that engine start-up and trainer
+start-up overlap. Any engine that exits, at start or later, raises
+:class:`~miles_launch.engine_launch.process.EngineDied` with its log tail
+(:meth:`EngineSet.check_alive`).
+
+With ``--update-weight-transfer-mode disk-delta`` a ``miles-sync pull`` agent runs beside each
+engine, on the engine's bundle (so on its host), started with it and stopped with it; a puller
+that exits counts as a dead engine.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,7 +30,12 @@ from miles_core.engine import EngineClient, EngineError
 
 from miles_launch.engine_launch.builtin_launcher import builtin_engine_command, builtin_engine_env
 from miles_launch.engine_launch.process import EngineDied, ProcessHost, exit_description
-from miles_launch.engine_launch.router import external_router_url, register_worker, router_command
+from miles_launch.engine_launch.router import (
+    deregister_worker,
+    external_router_url,
+    register_worker,
+    router_command,
+)
 from miles_launch.engine_launch.sglang_launcher import sglang_server_command
 from miles_launch.placement import ENGINE_HOST_SHARE, Placement
 from miles_launch.rollout.routed_experts import routing_replay_on
@@ -50,6 +63,8 @@ class EngineSet:
         self.engines: list[EngineProcess] = []
         self.router: EngineProcess | None = None
         self.router_url: str | None = None
+        self.pullers: list[EngineProcess] = []  # disk-delta: one beside each engine
+        self.registered: list[str] = []  # engine URLs this job added to an external router
 
     # ------------------------------------------------------------------ start
     def start(self) -> None:
@@ -78,6 +93,18 @@ class EngineSet:
             url = f"http://{ip}:{port}"
             self.engines.append(EngineProcess(f"engine {k}", url, host, pid, log_path))
             logger.info("engine %d: %s (pid %d, log %s)", k, url, pid, log_path)
+            if self.args.update_weight_transfer_mode == "disk-delta":
+                self._start_puller(k, url, options)
+
+    def _start_puller(self, k: int, engine_url: str, options: dict[str, Any]) -> None:
+        """``miles-sync pull`` for engine ``k``, on the engine's bundle (so on its host)."""
+        import ray
+
+        host = ray.remote(ProcessHost).options(**options).remote(f"puller-{k}")
+        cmd = puller_command(self.args, k, engine_url)
+        pid, log_path = ray.get(host.start.remote(cmd, {}))
+        self.pullers.append(EngineProcess(f"puller {k}", engine_url, host, pid, log_path))
+        logger.info("puller %d for %s (pid %d, log %s)", k, engine_url, pid, log_path)
 
     def wait_ready(self) -> None:
         """Wait until every started engine answers ``/health``, then start the router."""
@@ -107,9 +134,10 @@ class EngineSet:
                     "the rollout)",
                     external,
                 )
+            self.router_url = external
             for engine in self.engines:
                 register_worker(external, engine.url, api_key=self.api_key)
-            self.router_url = external
+                self.registered.append(engine.url)
             return
         host = ray.remote(ProcessHost).options(num_cpus=0).remote("router")
         ip, port = ray.get(host.endpoint.remote())
@@ -185,7 +213,7 @@ class EngineSet:
                 self._raise_if_dead(proc, when)
 
     def all_processes(self) -> list[EngineProcess]:
-        return self.engines + ([self.router] if self.router is not None else [])
+        return self.engines + self.pullers + ([self.router] if self.router is not None else [])
 
     # ------------------------------------------------------------------ URLs and memory
     @property
@@ -230,8 +258,15 @@ class EngineSet:
 
     # ------------------------------------------------------------------ stop
     def shutdown(self) -> None:
+        """Remove the engines from an external router, then stop every process."""
         import ray
 
+        for url in self.registered:
+            try:
+                deregister_worker(self.router_url, url, api_key=self.api_key)
+            except Exception as error:  # an unreachable router must not block the teardown
+                logger.warning("removing %s from the router: %s", url, error)
+        self.registered = []
         for proc in reversed(self.all_processes()):
             try:
                 ray.get(proc.host.stop.remote(), timeout=30)
@@ -241,4 +276,20 @@ class EngineSet:
                 ray.kill(proc.host)
             except Exception:
                 pass
-        self.engines, self.router = [], None
+        self.engines, self.pullers, self.router = [], [], None
+
+
+def puller_command(args: Any, k: int, engine_url: str, python: str = sys.executable) -> list[str]:
+    """``miles-sync pull`` beside engine ``k``: the shared ``--update-weight-disk-dir``, a
+    local checkpoint directory on the engine's host (under
+    ``--update-weight-local-checkpoint-dir``, else the host's temporary directory)."""
+    local_root = args.update_weight_local_checkpoint_dir or os.path.join(
+        tempfile.gettempdir(), "miles-pullers"
+    )
+    port = engine_url.rsplit(":", 1)[-1]
+    return [
+        python, "-m", "miles_sync.cli", "pull",
+        "--update-weight-disk-dir", str(args.update_weight_disk_dir),
+        "--update-weight-local-checkpoint-dir", os.path.join(local_root, f"engine-{k}-{port}"),
+        "--engine-url", engine_url,
+    ]  # fmt: skip

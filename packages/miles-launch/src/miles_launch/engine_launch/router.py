@@ -4,14 +4,16 @@ Own router: ``python -m sglang_router.launch_router --host H --port P --worker-u
 followed by every ``--router-<x>`` as ``--<x>``. External router (``--sglang-router-ip`` and
 ``--sglang-router-port``): no router is started; each engine is registered once healthy, with
 ``POST /workers {"url": ...}`` (sglang-router >= 0.3) or, when that route is missing,
-``POST /add_worker?url=...`` (older routers). With the job's API key, the router gets
-``--api-key`` and every registration carries it.
+``POST /add_worker?url=...`` (older routers), and removed again at shutdown with
+``DELETE /workers/<url>`` or, when that route is missing, ``POST /remove_worker?url=...``. With
+the job's API key, the router gets ``--api-key`` and every registration carries it.
 """
 
 from __future__ import annotations
 
 import sys
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from miles_core.args import ArgumentError, passthrough_to_argv
@@ -65,5 +67,22 @@ def register_worker(
         if response.status_code >= 400:
             raise RuntimeError(
                 f"router {router_url} refused worker {worker_url}: "
+                f"HTTP {response.status_code} {response.text[:200]}"
+            )
+
+
+def deregister_worker(
+    router_url: str, worker_url: str, api_key: str | None = None, timeout: float = 30.0
+) -> None:
+    """Remove ``worker_url`` from the router at ``router_url`` (new API first, then the old
+    one), so that the router sends nothing more to an engine this job stopped."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(base_url=router_url, timeout=timeout, headers=headers) as http:
+        response = http.delete(f"/workers/{quote(worker_url, safe='')}")
+        if response.status_code in (404, 405):
+            response = http.post("/remove_worker", params={"url": worker_url})
+        if response.status_code >= 400:
+            raise RuntimeError(
+                f"router {router_url} did not remove worker {worker_url}: "
                 f"HTTP {response.status_code} {response.text[:200]}"
             )

@@ -121,7 +121,8 @@ class RolesArgs(ArgGroup):
             raise ArgumentError("--ref-mode lora_base requires --use-lora")
         effective = mode if mode is not None else derived_ref_mode(args)
         if effective == "none" and kl_term_on(args):
-            how = "--ref-mode none" if mode == "none" else "no --ref-load (and no --use-lora)"
+            given = "ref_mode" in getattr(args, "explicit_flags", ())
+            how = "--ref-mode none" if given else "no --ref-load (and no --use-lora)"
             raise ArgumentError(
                 f"a KL term (--use-kl-loss or --kl-coef > 0) needs a reference, but {how}: "
                 "pass --ref-load, or --use-lora with --ref-mode lora_base"

@@ -2,8 +2,8 @@
 trained, ``update_weights`` to a real built-in engine awake and then after ``sleep()``; the
 engine serves the same bytes both times, the model is still asleep afterwards and no model or
 optimizer storage holds device memory (``--offload-train-target cpu`` and ``disk``).
-``extended``: PP=2 (each stage reads its own layers asleep; rank 0 sends both) and the cpu
-target."""
+``extended``: the cpu target and PP=2, which wake for the publish and sleep again (same
+bytes, asleep afterwards)."""
 
 from __future__ import annotations
 

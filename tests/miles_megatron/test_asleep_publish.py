@@ -2,9 +2,8 @@
 trained, ``update_weights`` to a real built-in engine awake and then after ``sleep()``; the
 engine serves the same bytes both times, the model is still asleep afterwards and no model or
 optimizer storage holds device memory (``--offload-train-target cpu`` and ``disk``).
-``--rematerialize-param-from-master-weight`` (no 16-bit copy while asleep) wakes for the publish
-and sleeps again: same bytes, asleep afterwards. ``extended``: PP=2 (each stage reads its own
-layers asleep; rank 0 sends both), the cpu target and remat."""
+``extended``: the cpu target and PP=2, which wake for the publish and sleep again (same
+bytes, asleep afterwards)."""
 
 from __future__ import annotations
 
@@ -84,9 +83,8 @@ def test_asleep_publish_tp2_disk(tmp_path):
     [
         (["--offload-train-target", "cpu"], 1),
         (["--offload-train-target", "cpu"], 2),
-        (["--bf16", "--colocate", "--rematerialize-param-from-master-weight"], 1),
     ],
-    ids=["cpu", "cpu-pp2", "remat"],
+    ids=["cpu", "cpu-pp2"],
 )
 def test_asleep_publish(tmp_path, flags, pp):
     run(tmp_path, flags, pp)

@@ -2,9 +2,29 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 from miles_core.args import entry_point_groups, parse_args
+
+
+def run_cli(*argv: str) -> subprocess.CompletedProcess:
+    """``miles ARGV...`` (the real console entry point) in a subprocess."""
+    return subprocess.run(
+        [sys.executable, "-m", "miles_launch.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def one_error_line(result: subprocess.CompletedProcess) -> str:
+    """The single ``error: ...`` line of an argument error (exit status 2), asserted so."""
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
 
 
 def parse(tmp_path: Path, *flags: str):

@@ -3,11 +3,8 @@ combination is one line naming the flags (exit status 2 from the CLI), before an
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
-from launch_testing import parse
+from launch_testing import one_error_line, parse, run_cli
 from miles_core import backends
 from miles_core.args import ArgumentError
 from miles_core.args.groups.critic import critic_args
@@ -72,28 +69,14 @@ def test_critic_flags_and_checkpoint_directories(tmp_path):
     assert critic_args(parse(tmp_path, *PPO, "--lr", "2e-3")).lr == 2e-3
 
 
-def _cli(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "miles_launch.cli", "train", *argv],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
-def _one_error_line(result: subprocess.CompletedProcess) -> str:
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    return lines[0]
-
-
 def test_cli_ppo_without_critic_and_nft_exit_2():
     if "fsdp" not in backends.available():
         pytest.skip("the FSDP backend is not installed")
-    line = _one_error_line(_cli("--train-backend", "fsdp", "--advantage-estimator", "ppo"))
+    line = one_error_line(
+        run_cli("train", "--train-backend", "fsdp", "--advantage-estimator", "ppo")
+    )
     assert "--advantage-estimator ppo" in line and "--use-critic" in line
-    line = _one_error_line(_cli("--train-backend", "fsdp", "--loss-type", "nft"))
+    line = one_error_line(run_cli("train", "--train-backend", "fsdp", "--loss-type", "nft"))
     assert "--old-policy ema" in line
 
 
@@ -101,7 +84,7 @@ def test_cli_ppo_without_critic_and_nft_exit_2():
 def test_cli_megatron_refuses_the_critic():
     if "megatron" not in backends.available():
         pytest.skip("the Megatron backend is not installed")
-    result = _cli("--train-backend", "megatron", *PPO)
+    result = run_cli("train", "--train-backend", "megatron", *PPO)
     assert result.returncode == 2, result.stderr  # (megatron-core's import warnings come first)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "--use-critic" in errors[0] and "fsdp" in errors[0], errors

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
 
 import pytest
-from launch_testing import parse
+from launch_testing import one_error_line, parse, run_cli
 from miles_core import backends
 from miles_core.args import ArgumentError, entry_point_groups, installed_groups
 from miles_launch.args import launch_groups
@@ -119,36 +117,22 @@ def test_missing_prompt_file_names_the_flag(tmp_path):
         parse(tmp_path, "--prompt-data", str(tmp_path / "nope.jsonl"))
 
 
-def _cli(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "miles_launch.cli", *argv],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
-def _one_error_line(result: subprocess.CompletedProcess) -> str:
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    return lines[0]
-
-
 def test_cli_flag_combination_error_is_one_line_exit_2():
     if "fsdp" not in backends.available():
         pytest.skip("the FSDP backend is not installed")
-    line = _one_error_line(_cli("train", "--train-backend", "fsdp", "--colocate", "--fully-async"))
+    line = one_error_line(
+        run_cli("train", "--train-backend", "fsdp", "--colocate", "--fully-async")
+    )
     assert "--fully-async cannot be used with --colocate" in line
 
 
 def test_cli_unknown_backend_and_command_exit_2():
-    assert "'nosuch'" in _one_error_line(_cli("train", "--train-backend", "nosuch"))
-    assert "unknown command 'serve'" in _one_error_line(_cli("serve"))
+    assert "'nosuch'" in one_error_line(run_cli("train", "--train-backend", "nosuch"))
+    assert "unknown command 'serve'" in one_error_line(run_cli("serve"))
 
 
 def test_cli_help_lists_every_flag():
-    shown = _cli("train", "--help")
+    shown = run_cli("train", "--help")
     assert shown.returncode == 0
     names = [
         "--actor-num-gpus-per-node", "--rollout-num-gpus", "--prompt-data", "--fully-async",
@@ -232,8 +216,8 @@ def test_rollout_control_values_and_defaults(tmp_path):
 def test_cli_rollout_control_error_is_one_line_exit_2():
     if "fsdp" not in backends.available():
         pytest.skip("the FSDP backend is not installed")
-    line = _one_error_line(
-        _cli("train", "--train-backend", "fsdp", "--over-sampling-batch-size", "16")
+    line = one_error_line(
+        run_cli("train", "--train-backend", "fsdp", "--over-sampling-batch-size", "16")
     )
     assert "--over-sampling-batch-size requires --dynamic-filter" in line
 

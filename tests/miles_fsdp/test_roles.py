@@ -103,10 +103,11 @@ def test_hooks_load_by_module_and_name():
         "record_prepare"
     )
     hooks = Hooks.from_args(
-        make_args(custom_loss_function_path="role_programs:record_prepare"),
+        make_args(custom_loss_function_path="hook_programs:distill_loss"),
         HookContext(args=None, device=torch.device("cpu")),
     )
-    assert hooks.prepare is None and hooks.loss.__name__ == "record_prepare"
+    assert hooks.prepare is None and hooks.loss.__name__ == "distill_loss"
+    assert hooks.loss_wants_logits
 
 
 @pytest.mark.parametrize(

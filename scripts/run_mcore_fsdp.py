@@ -33,7 +33,7 @@ SHARED = {
         "--lr", "1e-6", "--lr-decay-style", "constant", "--weight-decay", "0.1",
         "--adam-beta1", "0.9", "--adam-beta2", "0.98", "--bf16",
     ],
-    "sglang": ["--sglang-mem-fraction-static", "0.7"],
+    "sglang": ["--rollout-engine", "sglang", "--sglang-mem-fraction-static", "0.7"],
     "checkpoint": ["--save-interval", "20"],
 }  # fmt: skip
 

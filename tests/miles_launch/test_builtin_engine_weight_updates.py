@@ -302,11 +302,13 @@ def test_get_weights_by_name_reads_back_what_was_loaded(engine, models):
     """SGLang's ``/get_weights_by_name``: the first rows of a tensor, exact in float32, so a
     caller can compare an engine's weights with the trainer's bit for bit."""
     new_state = dict(models["new"][1].state_dict())
+    assert engine.post("/begin_weight_update", {"selector": "all"}).status_code == 200
     r = engine.post(
         "/update_weights_from_tensor",
         {"serialized_named_tensors": [serialize(list(new_state.items()))]},
     )
     assert r.status_code == 200, r.text
+    assert engine.post("/end_weight_update", {}).status_code == 200
     for name in ("model.embed_tokens.weight", "model.norm.weight"):
         got = engine.post("/get_weights_by_name", {"name": name, "truncate_size": 3})
         assert got.status_code == 200, got.text
@@ -317,5 +319,7 @@ def test_get_weights_by_name_reads_back_what_was_loaded(engine, models):
     assert engine.post("/get_weights_by_name", {"name": 3}).status_code == 400
     zero = engine.post("/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 0})
     assert zero.status_code == 400
+    assert engine.post("/begin_weight_update", {"selector": "all"}).status_code == 200
     r = engine.post("/update_weights_from_disk", {"model_path": str(models["old"][0])})
     assert r.status_code == 200, r.text
+    assert engine.post("/end_weight_update", {}).status_code == 200

@@ -74,7 +74,8 @@ class LaunchPlacementArgs(ArgGroup):
             "num_gpus_per_node",
         ):
             at_least(args, dest, 1)
-        at_least(args, "rollout_num_gpus", 1)
+        if not getattr(args, "load_debug_rollout_data", None):  # a replay starts no engines
+            at_least(args, "rollout_num_gpus", 1)
         for critic, actor in (
             ("critic_num_nodes", "actor_num_nodes"),
             ("critic_num_gpus_per_node", "actor_num_gpus_per_node"),

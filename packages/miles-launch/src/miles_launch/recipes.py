@@ -47,7 +47,9 @@ def fsdp_math_grpo_groups(
             "--adam-beta1", "0.9", "--adam-beta2", "0.98",
         ],
         "fsdp": ["--gradient-checkpointing"],
-        "sglang": list(sglang),
+        # the recipes are SGLang jobs: said explicitly, so a machine without sglang installed
+        # does not quietly pick the built-in engine (one device per engine)
+        "sglang": ["--rollout-engine", "sglang", *sglang],
         "checkpoint": ["--save-interval", "20"],
     }  # fmt: skip
 

@@ -49,7 +49,7 @@ def test_train_two_gpus_sdpa_matches_reference(tmp_path):
     }
     out = tmp_path / "t.pt"
     run_ranks(2, rollout_program, hf_dir, samples, configs, str(out), backend="nccl", timeout=300)
-    got = torch.load(out, map_location="cpu", weights_only=False)
+    got = torch.load(out, map_location="cpu", weights_only=True)
     ref, grads = reference_params(hf_dir, samples)
     for label in ("one_micro", "many_micro"):
         for name, value in ref.items():
@@ -69,7 +69,7 @@ def test_resume_bitwise_two_gpus(tmp_path):
     run_ranks(
         2, resume_program, hf_dir, data, str(tmp_path), modes, str(out), backend="nccl", timeout=300
     )
-    got = torch.load(out, map_location="cpu", weights_only=False)
+    got = torch.load(out, map_location="cpu", weights_only=True)
     assert got["first"]["losses"] + got["resume"]["losses"] == got["straight"]["losses"]
     for name, value in got["straight"]["params"].items():
         assert torch.equal(value, got["resume"]["params"][name]), name

@@ -38,7 +38,7 @@ def test_sleep_wake_all_roles_matches_never_slept(tmp_path, monkeypatch):
     data = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(3))
     out = tmp_path / "out.pt"
     run_ranks(2, sleep_cycles_program, *dirs, data, str(out), "eager", backend="nccl", timeout=400)
-    res = torch.load(out, map_location="cpu", weights_only=False)
+    res = torch.load(out, map_location="cpu", weights_only=True)
     assert_sleep_cycles_match(res)
     for cycle in res["slept"]:
         memory = cycle["memory"]

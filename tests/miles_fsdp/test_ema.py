@@ -77,7 +77,7 @@ def test_backend_ema_two_ranks(tmp_path):
     hf_dir = str(save_tiny_model(tmp_path / "qwen3"))
     out = tmp_path / "out.pt"
     run_ranks(2, ema_program, hf_dir, str(tmp_path / "ckpt"), str(out), timeout=300)
-    res = torch.load(out, weights_only=False)
+    res = torch.load(out, weights_only=True)
     f = EMA_FLAGS
     # one update per rollout (1 optimizer step each) with the decay of the actor's step count
     expected = {n: v.double() for n, v in res["params"][0].items()}

@@ -57,7 +57,7 @@ def _run(tmp_path, temperatures, fused_modes):
     ]
     out = tmp_path / "out.pt"
     run_ranks(2, head_program, cases, samples, str(out), timeout=600)
-    got = torch.load(out, weights_only=False)
+    got = torch.load(out, weights_only=True)
     for label, hf_dir, temperature, _ in cases:
         ref_values, ref_grads = reference(hf_dir, samples, temperature)
         result = got[label]

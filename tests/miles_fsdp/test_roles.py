@@ -33,7 +33,7 @@ def test_reference_and_teacher_two_ranks(tmp_path):
         str(out),
         timeout=400,
     )
-    res = torch.load(out, weights_only=False)
+    res = torch.load(out, weights_only=True)
     mine = data[0::2]  # rank 0's rows
     expected = {
         "actor": dense_logits(hf_dir, mine),
@@ -164,7 +164,7 @@ def test_sleep_cycles_all_roles_match_never_slept_on_cpu(tmp_path):
     data = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(3))
     out = tmp_path / "out.pt"
     run_ranks(2, sleep_cycles_program, *dirs, data, str(out), timeout=500)
-    res = torch.load(out, weights_only=False)
+    res = torch.load(out, weights_only=True)
     assert_sleep_cycles_match(res)
     for cycle in res["slept"]:
         assert cycle["memory"]["must_move"] > 0

@@ -74,7 +74,7 @@ def test_train_matches_reference_on_two_ranks_any_micro_batching(tmp_path):
     }
     out = tmp_path / "out.pt"
     run_ranks(2, rollout_program, hf_dir, samples, configs, str(out), timeout=300)
-    got = torch.load(out, weights_only=False)
+    got = torch.load(out, weights_only=True)
     ref, grads = reference_params(hf_dir, samples)
     for label in configs:
         for name, value in ref.items():

@@ -12,14 +12,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from miles_core.args import ArgGroup, ArgumentError, flag
-from miles_core.args.checks import (
-    at_least,
-    exclusive,
-    greater_than,
-    option,
-    requires,
-    within,
-)
+from miles_core.args.checks import at_least, greater_than, option, requires, within
+
+from miles_launch.debug_args import DebugDataArgs
+from miles_launch.rollout_checks import check_stop_token_ids, rollout_control
 
 logger = logging.getLogger(__name__)
 
@@ -421,65 +417,6 @@ class RolloutArgs(ArgGroup):
             args.rollout_seed = args.seed
 
 
-def rollout_control(args: Any) -> None:
-    """The rollout-control flags, each against the others (custom generation, over-sampling,
-    stops, prompt length, seed)."""
-    from miles_launch.rollout.routed_experts import routing_replay_on
-
-    n = args.over_sampling_batch_size
-    if n is not None:
-        if not args.dynamic_filter:
-            raise ArgumentError(
-                "--over-sampling-batch-size requires --dynamic-filter (without a filter every "
-                "group is kept: nothing to over-sample for)"
-            )
-        if n < args.rollout_batch_size:
-            raise ArgumentError(
-                f"--over-sampling-batch-size {n} is smaller than --rollout-batch-size "
-                f"{args.rollout_batch_size}"
-            )
-    for token in args.rollout_stop_token_ids or []:
-        if token < 0:
-            raise ArgumentError(f"--rollout-stop-token-ids: {token} is not a token id")
-    at_least(args, "rollout_seed", 0)
-    path = args.custom_generate_function_path
-    if path is not None:
-        module, sep, func = path.partition(":") if ":" in path else path.rpartition(".")
-        if not (module and sep and func):
-            raise ArgumentError(
-                f"--custom-generate-function-path {path!r}: expected MODULE:FUNCTION or "
-                "MODULE.FUNCTION"
-            )
-        if routing_replay_on(args):
-            raise ArgumentError(
-                "--custom-generate-function-path cannot be used with "
-                "--use-rollout-routing-replay: a custom function's multi-turn samples carry "
-                "no routed experts"
-            )
-
-
-def check_stop_token_ids(args: Any) -> None:
-    """``--rollout-stop-token-ids`` within the vocabulary of ``--hf-checkpoint``'s config.json
-    (when it has one)."""
-    import json
-    from pathlib import Path
-
-    if not args.rollout_stop_token_ids or args.hf_checkpoint is None:
-        return
-    config = Path(args.hf_checkpoint) / "config.json"
-    if not config.is_file():
-        return
-    vocab = json.loads(config.read_text()).get("vocab_size")
-    if not isinstance(vocab, int):
-        return
-    for token in args.rollout_stop_token_ids:
-        if token >= vocab:
-            raise ArgumentError(
-                f"--rollout-stop-token-ids: {token} is outside the vocabulary of "
-                f"--hf-checkpoint ({vocab} tokens)"
-            )
-
-
 def eval_sets(args: Any) -> dict[str, str]:
     """``--eval-prompt-data NAME PATH ...`` as ``{name: path}`` (in the order given)."""
     values = args.eval_prompt_data or []
@@ -509,85 +446,6 @@ class OutputArgs(ArgGroup):
     use_wandb: bool = flag(False, help="Log the per-rollout metrics to Weights & Biases.")
     wandb_project: str = flag("miles", help="W&B project.")
     wandb_run_name: str | None = flag(None, help="W&B run name.")
-
-
-#: Flags that start or drive engines, refused with --load-debug-rollout-data (which has none).
-REPLAY_REFUSES = (
-    "colocate",
-    "rollout_num_gpus",
-    "sglang_router_ip",
-    "fully_async",
-    "eval_interval",
-    "offload_train",
-    "offload_rollout",
-)
-
-
-@dataclass
-class DebugDataArgs(ArgGroup):
-    title: ClassVar[str] = "debugging"
-
-    save_debug_rollout_data: str | None = flag(
-        None,
-        metavar="PATH",
-        help="Save each rollout's training data (the batch train receives) to PATH, with "
-        "{rollout_id} replaced by the rollout's id (e.g. /tmp/run/rollout_{rollout_id}.pt).",
-    )
-    load_debug_rollout_data: str | None = flag(
-        None,
-        metavar="PATH",
-        help="Train on the rollouts a --save-debug-rollout-data PATH run saved instead of "
-        "generating them: no engines start; each step is bitwise the saving run's.",
-    )
-
-    @classmethod
-    def validate(cls, args: Any) -> None:
-        from miles_launch.rollout.debug_data import DebugDataError, check_template
-
-        exclusive(args, "save_debug_rollout_data", "load_debug_rollout_data")
-        for dest in ("save_debug_rollout_data", "load_debug_rollout_data"):
-            template = getattr(args, dest)
-            if template is not None:
-                try:
-                    check_template(option(dest), template)
-                except DebugDataError as error:
-                    raise ArgumentError(str(error)) from None
-        save = args.save_debug_rollout_data
-        if save and args.num_rollout > 1 and "{rollout_id}" not in save:
-            raise ArgumentError(
-                f"--save-debug-rollout-data {save}: no {{rollout_id}} in the path, so each of "
-                f"the {args.num_rollout} rollouts would overwrite the last"
-            )
-        if args.load_debug_rollout_data:
-            for dest in REPLAY_REFUSES:
-                if dest in args.explicit_flags:
-                    raise ArgumentError(
-                        f"--load-debug-rollout-data replays saved rollouts without engines: "
-                        f"{option(dest)} cannot be used with it"
-                    )
-
-    @classmethod
-    def resolve_defaults(cls, args: Any) -> None:
-        if args.load_debug_rollout_data:
-            args.rollout_num_gpus = 0  # no engines (see miles_launch.replay)
-
-    @classmethod
-    def check_paths(cls, args: Any) -> None:
-        from miles_launch.rollout.debug_data import data_path
-
-        template = args.load_debug_rollout_data
-        if not template:
-            return
-        # A resumed run (--load) needs only the rollouts after its checkpoint: the last one is
-        # checked here, the others when they are trained.
-        ids = [args.num_rollout - 1] if args.load else range(args.num_rollout)
-        for rollout_id in ids:
-            path = data_path(template, rollout_id)
-            if not path.is_file():
-                raise ArgumentError(
-                    f"--load-debug-rollout-data {template}: {path} (rollout {rollout_id}) "
-                    "does not exist"
-                )
 
 
 def launch_groups() -> list[type[ArgGroup]]:

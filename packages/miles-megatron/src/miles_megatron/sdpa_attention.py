@@ -104,7 +104,7 @@ class SDPAttention(DotProductAttention):
     ) -> torch.Tensor:
         if not self._sdpa_supported(attention_bias, packed_seq_params):
             if self.cp_size > 1:
-                raise NotImplementedError(
+                raise RuntimeError(
                     "--context-parallel-size > 1 attends through SDPA only: no softmax offset, "
                     "sliding window, attention bias or packed-sequence params"
                 )

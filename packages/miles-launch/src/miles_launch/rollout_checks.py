@@ -1,0 +1,69 @@
+"""The rollout-control flags' cross-checks (``--over-sampling-batch-size``, ``--rollout-stop*``,
+``--rollout-max-prompt-len``, ``--rollout-seed``, ``--custom-generate-function-path``), run by
+:class:`miles_launch.args.RolloutArgs`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from miles_core.args import ArgumentError
+from miles_core.args.checks import at_least
+
+
+def rollout_control(args: Any) -> None:
+    """The rollout-control flags, each against the others (custom generation, over-sampling,
+    stops, prompt length, seed)."""
+    from miles_launch.rollout.routed_experts import routing_replay_on
+
+    n = args.over_sampling_batch_size
+    if n is not None:
+        if not args.dynamic_filter:
+            raise ArgumentError(
+                "--over-sampling-batch-size requires --dynamic-filter (without a filter every "
+                "group is kept: nothing to over-sample for)"
+            )
+        if n < args.rollout_batch_size:
+            raise ArgumentError(
+                f"--over-sampling-batch-size {n} is smaller than --rollout-batch-size "
+                f"{args.rollout_batch_size}"
+            )
+    for token in args.rollout_stop_token_ids or []:
+        if token < 0:
+            raise ArgumentError(f"--rollout-stop-token-ids: {token} is not a token id")
+    at_least(args, "rollout_seed", 0)
+    path = args.custom_generate_function_path
+    if path is not None:
+        module, sep, func = path.partition(":") if ":" in path else path.rpartition(".")
+        if not (module and sep and func):
+            raise ArgumentError(
+                f"--custom-generate-function-path {path!r}: expected MODULE:FUNCTION or "
+                "MODULE.FUNCTION"
+            )
+        if routing_replay_on(args):
+            raise ArgumentError(
+                "--custom-generate-function-path cannot be used with "
+                "--use-rollout-routing-replay: a custom function's multi-turn samples carry "
+                "no routed experts"
+            )
+
+
+def check_stop_token_ids(args: Any) -> None:
+    """``--rollout-stop-token-ids`` within the vocabulary of ``--hf-checkpoint``'s config.json
+    (when it has one)."""
+    import json
+    from pathlib import Path
+
+    if not args.rollout_stop_token_ids or args.hf_checkpoint is None:
+        return
+    config = Path(args.hf_checkpoint) / "config.json"
+    if not config.is_file():
+        return
+    vocab = json.loads(config.read_text()).get("vocab_size")
+    if not isinstance(vocab, int):
+        return
+    for token in args.rollout_stop_token_ids:
+        if token >= vocab:
+            raise ArgumentError(
+                f"--rollout-stop-token-ids: {token} is outside the vocabulary of "
+                f"--hf-checkpoint ({vocab} tokens)"
+            )

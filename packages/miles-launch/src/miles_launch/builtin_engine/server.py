@@ -30,7 +30,11 @@ from miles_launch.builtin_engine.safe_unpickle import UnsafePayloadError
 from miles_launch.builtin_engine.sampling import SamplingParams, SamplingParamsError
 from miles_launch.builtin_engine.scheduler import Request as GenRequest
 from miles_launch.builtin_engine.scheduler import Scheduler
-from miles_launch.builtin_engine.weight_checks import WeightUpdateError, parse_distributed_spec
+from miles_launch.builtin_engine.weight_checks import (
+    WeightUpdateError,
+    group_body_problem,
+    parse_distributed_spec,
+)
 from miles_launch.builtin_engine.weights import (
     WeightStore,
     decode_tensor_payload,
@@ -123,6 +127,8 @@ async def _json_body(request: Request) -> dict:
 
 
 def build_app(state: EngineState) -> FastAPI:
+    from miles_launch.builtin_engine.memory_routes import add_memory_routes
+
     app = FastAPI(title="miles built-in engine")
     sched = state.scheduler
 
@@ -266,30 +272,6 @@ def build_app(state: EngineState) -> FastAPI:
         )
         return info
 
-    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
-    async def get_weights_by_name(request: Request):
-        """SGLang's: the first ``truncate_size`` rows of the tensor of HF name ``name`` as
-        float32 lists (bf16 and fp16 values are exact in float32, so callers can compare bits)."""
-        body = await _json_body(request)
-        name, size = body.get("name"), body.get("truncate_size", 100)
-        if not isinstance(name, str):
-            return _error("get_weights_by_name: field name (a string) is required")
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            return _error(
-                f"get_weights_by_name: truncate_size must be a positive int, got {size!r}"
-            )
-
-        def read():
-            if state.weights.released:
-                raise ApiError("get_weights_by_name: weights are released")
-            tensor = state.weights.resolve(name)
-            if tensor is None:
-                raise ApiError(f"get_weights_by_name: no parameter named {name!r}")
-            rows = tensor.detach()[:size] if tensor.dim() else tensor.detach()
-            return rows.to(device="cpu", dtype=torch.float32).tolist()
-
-        return await control(read)
-
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request):
         body = await _json_body(request)
@@ -426,7 +408,7 @@ def build_app(state: EngineState) -> FastAPI:
             )
         name = body.get("group_name", "weight_update_group")
         backend = body.get("backend", "nccl")
-        problem = _group_body_problem(body, name, backend)
+        problem = group_body_problem(body, name, backend)
         if problem:
             return _error(f"init_weights_update_group: {problem}", success_field=True)
         if state.config.device == "cpu" and backend == "nccl":
@@ -499,68 +481,9 @@ def build_app(state: EngineState) -> FastAPI:
         return {"success": True, "message": f"destroyed {name}"}
 
     # ---- memory ---------------------------------------------------------------------------
-    def parse_tags(body: dict) -> set[str]:
-        tags = body.get("tags") or MEMORY_TAGS
-        if not isinstance(tags, (list, tuple)) or not all(isinstance(t, str) for t in tags):
-            raise ApiError(f"tags must be a list of strings, got {tags!r}")
-        tags = set(tags)
-        unknown = tags - set(MEMORY_TAGS)
-        if unknown:
-            raise ApiError(f"tags: unknown {sorted(unknown)}; known {list(MEMORY_TAGS)}")
-        return tags
-
-    @app.post("/release_memory_occupation")
-    async def release_memory_occupation(request: Request):
-        tags = parse_tags(await _json_body(request))
-
-        def release():
-            if not sched.fully_idle():
-                raise ApiError(
-                    "release_memory_occupation needs an idle server (requests are running)"
-                )
-            if "kv_cache" in tags:
-                sched.drop_kv_cache()
-            if "weights" in tags:
-                state.weights.release()
-                sched.weights_released = True
-
-        await control(release)
-        return {"success": True, "message": f"released {sorted(tags)}"}
-
-    @app.post("/resume_memory_occupation")
-    async def resume_memory_occupation(request: Request):
-        tags = parse_tags(await _json_body(request))
-
-        def resume():
-            if "weights" in tags:
-                state.weights.resume()
-                sched.weights_released = False
-
-        await control(resume)
-        return {"success": True, "message": f"resumed {sorted(tags)}"}
+    add_memory_routes(app, state, control)
 
     return app
-
-
-def _group_body_problem(body: dict, name, backend) -> str | None:
-    """What is wrong with an /init_weights_update_group body (None when it is well-formed)."""
-    if not isinstance(body["master_address"], str) or not body["master_address"]:
-        return "master_address must be a host name or address"
-    for key in ("master_port", "rank_offset", "world_size"):
-        if type(body[key]) is not int:
-            return f"{key} must be an int, got {body[key]!r}"
-    if not 0 < body["master_port"] < 65536:
-        return f"master_port must be in [1, 65535], got {body['master_port']}"
-    if not 0 < body["rank_offset"] < body["world_size"]:
-        return (
-            f"rank_offset must be in [1, world_size), got {body['rank_offset']} with world_size "
-            f"{body['world_size']} (rank 0 is the trainer)"
-        )
-    if not isinstance(name, str) or not name:
-        return "group_name must be a non-empty string"
-    if backend not in ("nccl", "gloo"):
-        return f"backend must be nccl or gloo, got {backend!r}"
-    return None
 
 
 def _memory(state: EngineState) -> dict:

@@ -150,3 +150,24 @@ def check_bucket_payload(payload) -> None:
             )
         if meta.start_idx % itemsize:
             raise WeightUpdateError(f"{where}: offset {meta.start_idx} not aligned to {itemsize}")
+
+
+def group_body_problem(body: dict, name, backend) -> str | None:
+    """What is wrong with an /init_weights_update_group body (None when it is well-formed)."""
+    if not isinstance(body["master_address"], str) or not body["master_address"]:
+        return "master_address must be a host name or address"
+    for key in ("master_port", "rank_offset", "world_size"):
+        if type(body[key]) is not int:
+            return f"{key} must be an int, got {body[key]!r}"
+    if not 0 < body["master_port"] < 65536:
+        return f"master_port must be in [1, 65535], got {body['master_port']}"
+    if not 0 < body["rank_offset"] < body["world_size"]:
+        return (
+            f"rank_offset must be in [1, world_size), got {body['rank_offset']} with world_size "
+            f"{body['world_size']} (rank 0 is the trainer)"
+        )
+    if not isinstance(name, str) or not name:
+        return "group_name must be a non-empty string"
+    if backend not in ("nccl", "gloo"):
+        return f"backend must be nccl or gloo, got {backend!r}"
+    return None

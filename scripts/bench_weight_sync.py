@@ -3,8 +3,9 @@ against a naive publish.
 
     python scripts/bench_weight_sync.py --shapes 1.7b 7b --json bench_weight_sync.json
 
-Needs 2 GPUs (``nvidia-h200-x2``): the IPC engine shares GPU 0 with the trainer (colocated), the
-broadcast engine sits on GPU 1 (NCCL needs one GPU per rank). Each shape is a Qwen3-shaped bf16
+``--modes`` picks the rows: ``ipc`` needs one GPU (the engine shares GPU 0 with the trainer,
+colocated); ``broadcast`` and ``p2p`` need 2 (the engine sits on GPU 1: NCCL needs one GPU per
+rank). ``--buffer-size`` takes several sizes (one row per mode and size). Each shape is a Qwen3-shaped bf16
 model with random weights, written once as a HF checkpoint that the built-in engine
 (``python -m miles_launch.builtin_engine --device cuda:N``) loads; the trainer's tensors live on GPU 0.
 
@@ -21,6 +22,8 @@ Rows (median of ``--repeats`` after one warm-up):
   p2p's own overhead, not its fan-in).
 * ``naive-ipc`` / ``naive-broadcast``: one HTTP call and one transfer per tensor. Targets:
   ``ipc`` and ``broadcast`` >= 10x faster.
+* ``fixed_round_s`` (a column of every mode's row): the same publisher sending one 4 KiB tensor,
+  the round's cost whatever the size (pause, HTTP calls, version, continue).
 
 disk-delta measures the filesystem and is not run here.
 Prints a table and writes JSON; asserts nothing.
@@ -48,10 +51,12 @@ import torch.multiprocessing as mp
 START = time.perf_counter()
 
 SHAPES = {
-    # Qwen3-1.7B and a 7B (Qwen2.5-7B-like) shape: hidden, layers, intermediate, heads, kv heads,
+    # Qwen3-1.7B, a 7B and a 14B (Qwen2.5-like) shape: hidden, layers, intermediate, heads, kv heads,
     # head dim, vocab.
     "1.7b": dict(hidden=2048, layers=28, inter=6144, heads=16, kv=8, head_dim=128, vocab=151936),
     "7b": dict(hidden=3584, layers=28, inter=18944, heads=28, kv=4, head_dim=128, vocab=152064),
+    # Qwen2.5-14B-like
+    "14b": dict(hidden=5120, layers=48, inter=13824, heads=40, kv=8, head_dim=128, vocab=152064),
 }
 
 
@@ -209,7 +214,7 @@ def naive_broadcast(group, weights: dict[str, torch.Tensor]) -> None:
             reply.result()
 
 
-def _p2p_rank(rank: int, world: int, port: int, path: str, url: str, args, queue) -> None:
+def _p2p_rank(rank: int, world: int, port: int, path: str, url: str, args, buffer, queue):
     """One p2p trainer rank: the checkpoint's tensors on GPU 0, its share of every publish."""
     from miles_sync.ranks import RankContext
     from miles_sync.weight_sync import SyncConfig, WeightPublisher
@@ -220,7 +225,7 @@ def _p2p_rank(rank: int, world: int, port: int, path: str, url: str, args, queue
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     weights = load_file(str(Path(path) / "model.safetensors"), device="cuda:0")
-    config = SyncConfig(mode="p2p", buffer_size=args.buffer_size, group_backend="nccl")
+    config = SyncConfig(mode="p2p", buffer_size=buffer, group_backend="nccl")
     publisher = WeightPublisher(config, RankContext.from_default_group())
     seconds = timed(lambda: publisher.update_weights(weights.items(), [url]), args.repeats)
     publisher.close()
@@ -230,7 +235,7 @@ def _p2p_rank(rank: int, world: int, port: int, path: str, url: str, args, queue
     dist.destroy_process_group()
 
 
-def p2p_publish(path: Path, url: str, args) -> float:
+def p2p_publish(path: Path, url: str, args, buffer: int) -> float:
     """Median p2p publish time over ``--p2p-ranks`` trainer processes (rank 0's clock)."""
     from miles_sync.engine_group import free_port
 
@@ -238,7 +243,9 @@ def p2p_publish(path: Path, url: str, args) -> float:
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [
-        ctx.Process(target=_p2p_rank, args=(r, args.p2p_ranks, port, str(path), url, args, queue))
+        ctx.Process(
+            target=_p2p_rank, args=(r, args.p2p_ranks, port, str(path), url, args, buffer, queue)
+        )
         for r in range(args.p2p_ranks)
     ]
     for proc in procs:
@@ -259,7 +266,15 @@ def say(message: str) -> None:
     print(f"bench_weight_sync [{time.perf_counter() - START:.0f}s]: {message}", flush=True)
 
 
+def fixed_round(publisher, url: str, repeats: int, weights: dict) -> float:
+    """The round's fixed cost: the same publisher sending one small tensor (the final norm)."""
+    tiny = [("model.norm.weight", weights["model.norm.weight"])]
+    return timed(lambda: publisher.update_weights(iter(tiny), [url]), repeats)
+
+
 def bench_shape(shape_name: str, args, root: Path) -> list[dict]:
+    import shutil
+
     from miles_core.engine import EngineClient
     from miles_sync.engine_group import form_engine_group, free_port
     from miles_sync.weight_sync import SyncConfig, WeightPublisher
@@ -269,22 +284,25 @@ def bench_shape(shape_name: str, args, root: Path) -> list[dict]:
     path, weights = write_checkpoint(shape_name, root)
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     rows = []
+    two_gpu = {"broadcast", "p2p"} & set(args.modes)
     say(f"{shape_name}: {nbytes / 2**30:.2f} GiB in {len(weights)} tensors; measuring the floors")
     ipc_floor = copy_floor(nbytes, args.repeats)
-    bcast_floor = broadcast_floor(nbytes, args.repeats)
-    say(f"{shape_name}: floors {ipc_floor:.4f} s (copy), {bcast_floor:.4f} s (broadcast)")
+    bcast_floor = broadcast_floor(nbytes, args.repeats) if two_gpu else None
+    say(f"{shape_name}: floors {ipc_floor:.4f} s (copy), {bcast_floor} s (broadcast)")
 
-    def row(mode, seconds, floor, naive=None, stats=None):
+    def row(mode, buffer, seconds, floor, naive=None, stats=None, fixed=None):
         stats = stats or {}
         rows.append(
             dict(
                 shape=shape_name,
                 mode=mode,
+                buffer_bytes=buffer,
                 gib=nbytes / 2**30,
                 seconds=seconds,
                 gib_per_s=nbytes / 2**30 / seconds,
                 floor_seconds=floor,
                 x_floor=seconds / floor if floor else None,
+                fixed_round_s=fixed,
                 naive_seconds=naive,
                 x_faster_than_naive=naive / seconds if naive else None,
                 buckets=stats.get("buckets"),
@@ -293,53 +311,94 @@ def bench_shape(shape_name: str, args, root: Path) -> list[dict]:
             )
         )
 
-    say(f"{shape_name}: starting two built-in engines (cuda:0 for IPC, cuda:1 for broadcast)")
-    ipc_engine = Engine(path, "cuda:0", free_port(), root)
-    bcast_engine = Engine(path, "cuda:1", free_port(), root)
+    engines = []
     try:
-        say(f"{shape_name}: ipc publish x{args.repeats}, then the naive per-tensor publish")
-        config = SyncConfig(mode="ipc", colocate=True, buffer_size=args.buffer_size)
-        publisher = WeightPublisher(config)
-        ipc = timed(
-            lambda: publisher.update_weights(weights.items(), [ipc_engine.url]), args.repeats
-        )
-        ipc_stats = publisher.last_stats
-        publisher.close()
-        naive = timed(lambda: naive_ipc(ipc_engine.url, weights), 1)
-        row("ipc", ipc, ipc_floor, naive, ipc_stats)
-        row("naive-ipc", naive, ipc_floor)
-
-        say(f"{shape_name}: broadcast publish x{args.repeats}, then the naive per-tensor publish")
-        config = SyncConfig(mode="broadcast", buffer_size=args.buffer_size, group_backend="nccl")
-        publisher = WeightPublisher(config)
-        run = lambda: publisher.update_weights(weights.items(), [bcast_engine.url])  # noqa: E731
-        bcast = timed(run, args.repeats)
-        bcast_stats = publisher.last_stats
-        publisher.close()
-        client = EngineClient(bcast_engine.url, timeout=600)
-        group = form_engine_group([client], group_name="naive", backend="nccl")
-        naive = timed(lambda: naive_broadcast(group, weights), 1)
-        group.close()
-        row("broadcast", bcast, bcast_floor, naive, bcast_stats)
-        row("naive-broadcast", naive, bcast_floor)
-        if args.p2p_ranks > 1:
-            say(
-                f"{shape_name}: p2p publish from {args.p2p_ranks} trainer processes x{args.repeats}"
-            )
-            try:
-                row("p2p", p2p_publish(path, bcast_engine.url, args), bcast_floor, naive)
-            except RuntimeError as error:  # report it, keep the other rows
-                say(f"{shape_name}: p2p row left out: {error}")
+        if "ipc" in args.modes:
+            say(f"{shape_name}: starting the built-in engine on cuda:0 (IPC, colocated)")
+            ipc_engine = Engine(path, "cuda:0", free_port(), root)
+            engines.append(ipc_engine)
+            for buffer in args.buffer_size:
+                say(f"{shape_name}: ipc publish x{args.repeats}, {buffer / 2**20:.0f} MiB buckets")
+                config = SyncConfig(mode="ipc", colocate=True, buffer_size=buffer)
+                publisher = WeightPublisher(config)
+                ipc = timed(
+                    lambda p=publisher: p.update_weights(weights.items(), [ipc_engine.url]),
+                    args.repeats,
+                )
+                ipc_stats = publisher.last_stats
+                fixed = fixed_round(publisher, ipc_engine.url, args.repeats, weights)
+                publisher.close()
+                row("ipc", buffer, ipc, ipc_floor, None, ipc_stats, fixed)
+            if args.naive:
+                say(f"{shape_name}: the naive per-tensor IPC publish")
+                naive = timed(lambda: naive_ipc(ipc_engine.url, weights), 1)
+                row("naive-ipc", None, naive, ipc_floor)
+                for r in rows:
+                    if r["mode"] == "ipc":
+                        r["naive_seconds"] = naive
+                        r["x_faster_than_naive"] = naive / r["seconds"]
+            ipc_engine.close()
+            engines.remove(ipc_engine)
+        if two_gpu:
+            say(f"{shape_name}: starting the built-in engine on cuda:1 (broadcast, p2p)")
+            bcast_engine = Engine(path, "cuda:1", free_port(), root)
+            engines.append(bcast_engine)
+        if "broadcast" in args.modes:
+            naive = None
+            if args.naive:
+                client = EngineClient(bcast_engine.url, timeout=600)
+                group = form_engine_group([client], group_name="naive", backend="nccl")
+                naive = timed(lambda: naive_broadcast(group, weights), 1)
+                group.close()
+                row("naive-broadcast", None, naive, bcast_floor)
+            for buffer in args.buffer_size:
+                say(
+                    f"{shape_name}: broadcast publish x{args.repeats}, "
+                    f"{buffer / 2**20:.0f} MiB buckets"
+                )
+                config = SyncConfig(mode="broadcast", buffer_size=buffer, group_backend="nccl")
+                publisher = WeightPublisher(config)
+                run = lambda p=publisher: p.update_weights(weights.items(), [bcast_engine.url])  # noqa: E731
+                bcast = timed(run, args.repeats)
+                bcast_stats = publisher.last_stats
+                fixed = fixed_round(publisher, bcast_engine.url, args.repeats, weights)
+                publisher.close()
+                row("broadcast", buffer, bcast, bcast_floor, naive, bcast_stats, fixed)
+        if "p2p" in args.modes and args.p2p_ranks > 1:
+            for buffer in args.buffer_size:
+                say(
+                    f"{shape_name}: p2p publish from {args.p2p_ranks} trainer processes "
+                    f"x{args.repeats}, {buffer / 2**20:.0f} MiB buckets"
+                )
+                try:
+                    seconds = p2p_publish(path, bcast_engine.url, args, buffer)
+                    row("p2p", buffer, seconds, bcast_floor)
+                except RuntimeError as error:  # report it, keep the other rows
+                    say(f"{shape_name}: p2p row left out: {error}")
     finally:
-        ipc_engine.close()
-        bcast_engine.close()
+        for engine in engines:
+            engine.close()
+        weights.clear()
+        torch.cuda.empty_cache()
+        shutil.rmtree(path, ignore_errors=True)  # a 14B checkpoint is ~30 GB of disk
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["1.7b", "7b"], choices=sorted(SHAPES))
-    parser.add_argument("--buffer-size", type=int, default=512 * 1024**2)
+    parser.add_argument(
+        "--buffer-size", type=int, nargs="+", default=[512 * 1024**2], help="bytes; several allowed"
+    )
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=["ipc", "broadcast", "p2p"],
+        choices=["ipc", "broadcast", "p2p"],
+    )
+    parser.add_argument(
+        "--no-naive", dest="naive", action="store_false", help="skip the per-tensor baselines"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--p2p-ranks", type=int, default=2, help="trainer processes (0: no p2p row)"
@@ -348,21 +407,26 @@ def main() -> None:
     parser.add_argument("--json", default="bench_weight_sync.json")
     parser.add_argument("--work-dir", default=None)
     args = parser.parse_args()
-    if torch.cuda.device_count() < 2:
-        sys.exit("bench_weight_sync needs 2 GPUs (IPC engine on GPU 0, broadcast engine on GPU 1)")
+    if {"broadcast", "p2p"} & set(args.modes) and torch.cuda.device_count() < 2:
+        sys.exit("bench_weight_sync: --modes broadcast/p2p need 2 GPUs (the engine on GPU 1)")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     root = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_weight_sync_"))
     rows = []
     for shape in args.shapes:
         rows += bench_shape(shape, args, root)
-    header = f"{'shape':6} {'mode':16} {'GiB':>7} {'s':>8} {'GiB/s':>8} {'floor s':>8} {'x floor':>8} {'x naive':>8}"
+    header = (
+        f"{'shape':6} {'mode':16} {'bucket':>7} {'GiB':>7} {'s':>8} {'GiB/s':>8} {'floor s':>8} "
+        f"{'x floor':>8} {'round s':>8} {'x naive':>8}"
+    )
     print(header)
     for r in rows:
         x_floor = f"{r['x_floor']:.2f}" if r["x_floor"] else "-"
         x_naive = f"{r['x_faster_than_naive']:.1f}" if r["x_faster_than_naive"] else "-"
+        bucket = f"{r['buffer_bytes'] / 2**20:.0f}M" if r["buffer_bytes"] else "-"
+        fixed = f"{r['fixed_round_s']:.4f}" if r["fixed_round_s"] is not None else "-"
         print(
-            f"{r['shape']:6} {r['mode']:16} {r['gib']:7.2f} {r['seconds']:8.3f} "
-            f"{r['gib_per_s']:8.1f} {r['floor_seconds']:8.4f} {x_floor:>8} {x_naive:>8}"
+            f"{r['shape']:6} {r['mode']:16} {bucket:>7} {r['gib']:7.2f} {r['seconds']:8.3f} "
+            f"{r['gib_per_s']:8.1f} {r['floor_seconds']:8.4f} {x_floor:>8} {fixed:>8} {x_naive:>8}"
         )
     print("where the time went (last repeat, trainer rank 0, ms):")
     for r in rows:
@@ -370,7 +434,10 @@ def main() -> None:
             parts = " ".join(f"{k} {v * 1e3:.1f}" for k, v in r["phases"].items())
             wait = r.get("delivery_wait_s")
             wait = f", of push waiting for the engine {wait * 1e3:.1f}" if wait is not None else ""
-            print(f"  {r['shape']} {r['mode']}: {r['buckets']} buckets; {parts}{wait}")
+            print(
+                f"  {r['shape']} {r['mode']} {r['buffer_bytes'] / 2**20:.0f} MiB: "
+                f"{r['buckets']} buckets; {parts}{wait}"
+            )
     Path(args.json).write_text(
         json.dumps({"rows": rows, "buffer_size": args.buffer_size}, indent=1)
     )

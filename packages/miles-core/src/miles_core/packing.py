@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from miles_core.batch import RolloutBatch
+from miles_core.varlen_attention import HF_ATTENTION_NAME
 
 PAD_MULTIPLE = 128
 
@@ -201,7 +202,8 @@ def packed_attention_kwargs(
     """Keyword arguments for a HF causal LM forward (with ``input_ids=packed.input_ids``) that
     keep attention inside each sample.
 
-    * ``flash_attention_2`` / ``flash_attention_3``: ``position_ids`` plus the varlen kwargs
+    * ``flash_attention_2`` / ``flash_attention_3`` and ``miles_varlen`` (torch's varlen flash
+      kernel, :mod:`miles_core.varlen_attention`): ``position_ids`` plus the varlen kwargs
       ``cu_seq_lens_q/k`` and ``max_length_q/k`` (no mask is materialised).
     * ``sdpa``: ``position_ids`` plus a boolean 4-D block-diagonal causal ``attention_mask``
       (:func:`block_causal_mask`; transformers passes 4-D masks through unchanged).
@@ -210,7 +212,7 @@ def packed_attention_kwargs(
     Always ``use_cache=False``. The mask costs ``T^2`` bytes; prefer flash attention on GPUs.
     """
     kwargs: dict = {"position_ids": packed.position_ids, "use_cache": False}
-    if attn_implementation in ("flash_attention_2", "flash_attention_3"):
+    if attn_implementation in ("flash_attention_2", "flash_attention_3", HF_ATTENTION_NAME):
         cu = packed.cu_seqlens.to(device=packed.position_ids.device, dtype=torch.int32)
         kwargs.update(
             cu_seq_lens_q=cu,
@@ -227,6 +229,6 @@ def packed_attention_kwargs(
     else:
         raise ValueError(
             f"packed sequences support attn_implementation flash_attention_2, flash_attention_3, "
-            f"sdpa or eager, got {attn_implementation!r}"
+            f"{HF_ATTENTION_NAME}, sdpa or eager, got {attn_implementation!r}"
         )
     return kwargs

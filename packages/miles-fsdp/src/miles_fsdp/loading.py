@@ -248,18 +248,20 @@ def fill_sharded_model(
             dist.broadcast(buffer, src=0)
 
 
-ATTN_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", "sdpa", "eager")
+ATTN_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", "varlen", "sdpa", "eager")
 
 
 def resolve_attn_implementation(requested: str | None) -> str:
-    """``--attn-implementation``: explicit values pass through; unset means flash_attention_2
-    when ``flash_attn`` imports and CUDA is present, else sdpa (with a one-line notice)."""
+    """``--attn-implementation`` as the name the HF model is built with: explicit values pass
+    through (``varlen`` becomes :data:`miles_fsdp.varlen_hf.HF_NAME`, registered now); unset means
+    flash_attention_2 when ``flash_attn`` imports on a GPU, else varlen where torch ships its
+    varlen kernel for this GPU, else sdpa (with a one-line notice)."""
     if requested:
         if requested not in ATTN_IMPLEMENTATIONS:
             raise ValueError(
                 f"--attn-implementation must be one of {ATTN_IMPLEMENTATIONS}, got {requested!r}"
             )
-        return requested
+        return _varlen_hf_name() if requested == "varlen" else requested
     if torch.cuda.is_available():
         try:
             import flash_attn  # noqa: F401
@@ -267,9 +269,24 @@ def resolve_attn_implementation(requested: str | None) -> str:
             return "flash_attention_2"
         except ImportError:
             pass
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print("miles-fsdp: flash_attn unavailable, using --attn-implementation sdpa", flush=True)
+        from miles_core.varlen_attention import kernel_available
+
+        if kernel_available("cuda"):
+            _say("miles-fsdp: flash_attn unavailable, using torch's varlen flash attention")
+            return _varlen_hf_name()
+    _say("miles-fsdp: flash_attn unavailable, using --attn-implementation sdpa")
     return "sdpa"
+
+
+def _varlen_hf_name() -> str:
+    from miles_fsdp.varlen_hf import HF_NAME  # registers it with transformers
+
+    return HF_NAME
+
+
+def _say(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
 
 
 def finish_lazy_init(model: nn.Module) -> None:

@@ -44,7 +44,8 @@ def draw_groups(
 
     With ``partial`` (``--partial-rollout``) a draw takes the carried groups first, and
     ``generate(items, carried, need)`` stops once ``need`` groups passed; the groups it cut
-    short are put back (``groups_carried``; ``groups_resumed``: those taken from the buffer).
+    short are put back (``groups_carried``; ``groups_resumed``: those taken from the buffer;
+    ``samples_continued``: kept samples that began in an earlier rollout).
     """
     group_filter = GroupFilter(dynamic_filter)
     kept: list[list[GeneratedSample]] = []
@@ -86,4 +87,5 @@ def draw_groups(
     if partial is not None:
         info["groups_resumed"] = resumed
         info["groups_carried"] = carried_out
+        info["samples_continued"] = sum(1 for g in kept for s in g if s.resumed_tokens)
     return kept, info

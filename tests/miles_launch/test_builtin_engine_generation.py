@@ -119,6 +119,15 @@ def test_input_token_logprobs_rescore_the_generated_tokens(engine, models):
         torch.testing.assert_close(rescored, want, rtol=0, atol=atol)
         torch.testing.assert_close(sampled, want, rtol=0, atol=atol)
         assert not torch.allclose(rescored, rescored.new_zeros(len(response)))
+    # SGLang's input log-probs are not temperature-scaled: the request's temperature is ignored
+    body = {"input_ids": prompts[0] + [5, 6, 7], "return_logprob": True, "logprob_start_len": 1}
+    entries = [
+        engine.post("/generate", {**body, "sampling_params": {"max_new_tokens": 1, **t}}).json()[
+            "meta_info"
+        ]["input_token_logprobs"]
+        for t in ({"temperature": 1.0}, {"temperature": 0.5})
+    ]
+    assert entries[0] == entries[1] and len(entries[0]) == len(prompts[0]) + 2
 
 
 def test_sampling_semantics(engine, models):

@@ -20,7 +20,7 @@ from miles_core import backends
 from miles_core.args import ArgumentError
 from miles_launch.job import LauncherState
 from miles_launch.rollout.draw import draw_groups
-from miles_launch.rollout.generate import Generator, SamplingConfig
+from miles_launch.rollout.generate import GeneratedSample, Generator, SamplingConfig
 from miles_launch.rollout.partial import PartialBuffer, unfinished
 from miles_launch.rollout.prompts import Prompt
 from miles_launch.rollout.rewards import RewardModel
@@ -72,6 +72,66 @@ def test_cli_partial_rollout_error_is_one_line_exit_2():
         pytest.skip("the FSDP backend is not installed")
     line = one_error_line(run_cli("train", "--train-backend", "fsdp", "--partial-rollout"))
     assert "--partial-rollout requires --over-sampling-batch-size" in line
+
+
+def _stand_in_groups(items, carried, need, cut):
+    """Engine stand-in: every group has a signal; the positions in ``cut`` come back with
+    sample 1 unfinished (2 tokens); a carried unfinished sample comes back finished with 3 more
+    tokens, a carried finished one as it was (the Generator's behaviour)."""
+    out = []
+    for prompt, position in items:
+        group = []
+        for k, reward in enumerate((0.0, 1.0)):
+            if position in carried and carried[position][k].finish_reason != "abort":
+                group.append(carried[position][k])  # finished before the cut: as it was
+                continue
+            before = carried[position][k].response_ids if position in carried else []
+            cut_short = position in cut and k == 1
+            ids = before + ([7, 7] if cut_short else [5, 5, 5])
+            finish = "abort" if cut_short else "stop"
+            group.append(GeneratedSample(prompt, position, ids, [-1.0] * len(ids), "", finish, 1))
+            group[-1].reward, group[-1].resumed_tokens = reward, len(before)
+        out.append(group)
+    return out
+
+
+def test_draw_takes_the_carried_groups_first_and_puts_the_cut_short_back():
+    prompts = [Prompt(i, str(i), None, (1,)) for i in range(20)]
+    buffer, state, calls = PartialBuffer(), LauncherState(0, 0), []
+
+    def draw(cut):
+        def generate(items, carried, need):
+            calls.append(([pos for _, pos in items], sorted(carried), need))
+            return _stand_in_groups(items, carried, need, cut)
+
+        return draw_groups(
+            state,
+            lambda start, count: [(prompts[start + j], start + j) for j in range(count)],
+            generate,
+            want=2,
+            max_draws=2,
+            dynamic_filter=True,
+            over_sampling=4,
+            partial=buffer,
+        )
+
+    kept, info = draw(cut={1, 3})
+    assert [g[0].position for g in kept] == [0, 2] and calls[-1] == ([0, 1, 2, 3], [], 2)
+    assert [pos for _, pos, _ in buffer.groups] == [1, 3] and state.data_position == 4
+    assert info["groups_carried"] == 2 and info["groups_resumed"] == 0
+    kept, info = draw(cut=set())
+    # the carried groups open the draw and count towards its 4; two fresh prompts follow
+    assert calls[-1] == ([1, 3, 4, 5], [1, 3], 2) and state.data_position == 6
+    assert [g[0].position for g in kept] == [1, 3] and buffer.groups == []
+    assert kept[0][1].response_ids == [7, 7, 5, 5, 5] and kept[0][1].resumed_tokens == 2
+    assert info == {
+        "groups_dropped": 0,
+        "draws": 1,
+        "groups_surplus": 2,
+        "groups_resumed": 2,
+        "groups_carried": 0,
+        "samples_continued": 2,
+    }
 
 
 # ---- two rollouts on the built-in engine ----------------------------------------------------

@@ -198,6 +198,9 @@ class Generator:
             return_routed_experts=self.routed_experts is not None,
             **rescore,
         )
+        meta = reply["meta_info"]
+        if self._aborting and (meta.get("finish_reason") or {}).get("type") == UNFINISHED:
+            meta.setdefault("output_token_logprobs", [])  # aborted before its first token
         turn = parse_reply(reply)
         out = GeneratedSample(
             prompt=prompt,
@@ -217,9 +220,7 @@ class Generator:
             )
             return out
         if prefix:
-            out.rollout_log_probs = (
-                rescored_prefix(reply["meta_info"], prefix, client.base_url) + turn.log_probs
-            )
+            out.rollout_log_probs = rescored_prefix(meta, prefix, client.base_url) + turn.log_probs
         if out.finish_reason == "abort":
             finish = reply["meta_info"].get("finish_reason") or {}
             raise EngineError(

@@ -11,6 +11,7 @@ carried tokens' included, equals a float64 forward pass of the *new* weights.
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 import torch
@@ -18,10 +19,11 @@ from engine_testing import EngineProcess, save_tokenizer, tiny_qwen3
 from launch_testing import one_error_line, parse, run_cli
 from miles_core import backends
 from miles_core.args import ArgumentError
+from miles_core.engine import EngineError
 from miles_launch.job import LauncherState
 from miles_launch.rollout.draw import draw_groups
 from miles_launch.rollout.generate import GeneratedSample, Generator, SamplingConfig
-from miles_launch.rollout.partial import PartialBuffer, unfinished
+from miles_launch.rollout.partial import PartialBuffer, rescored_prefix, unfinished
 from miles_launch.rollout.prompts import Prompt
 from miles_launch.rollout.rewards import RewardModel
 
@@ -132,6 +134,19 @@ def test_draw_takes_the_carried_groups_first_and_puts_the_cut_short_back():
         "groups_carried": 0,
         "samples_continued": 2,
     }
+
+
+def test_a_reply_that_does_not_rescore_the_carried_tokens_fails_naming_the_engine():
+    ok = {"input_token_logprobs": [[None, 9, None], [-0.5, 3, None], [-1.5, 4, None]]}
+    assert rescored_prefix(ok, [3, 4], "http://e:1") == [-0.5, -1.5]
+    for meta, word in (
+        ({}, "(none)"),
+        ({"input_token_logprobs": ok["input_token_logprobs"][1:]}, "(2 entries)"),
+        ({"input_token_logprobs": [[None, 9, None], [-0.5, 3, None], [-1.5, 5, None]]}, "other"),
+    ):
+        with pytest.raises(EngineError, match=re.escape(word)) as info:
+            rescored_prefix(meta, [3, 4], "http://e:1")
+        assert "http://e:1" in str(info.value)
 
 
 # ---- two rollouts on the built-in engine ----------------------------------------------------

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import time
 
 import pytest
@@ -79,6 +80,54 @@ def test_logprobs_equal_a_forward_pass(engine, models):
     n = len(prompt_ids)
     want = [logp[n - 1 + i, tok_id].item() for i, tok_id in enumerate(out["output_ids"])]
     assert max(abs(a - b) for (a, _, _), b in zip(lps, want)) < 1e-5
+
+
+def test_input_token_logprobs_rescore_the_generated_tokens(engine, models):
+    """SGLang's prompt log-probs (``logprob_start_len``): a sampled response sent back as input
+    gets, token for token, the log-probs the engine reported while generating it (same weights),
+    and both equal a float64 forward pass; the entry at the start position is ``None``."""
+    tok, model = models["tokenizer"], models["old"][1]
+    prompts = [tok.encode("the quick brown fox"), tok.encode("ab")]
+    params = {"max_new_tokens": 12, "temperature": 1.0, "sampling_seed": 7, "ignore_eos": True}
+    body = {"input_ids": prompts, "sampling_params": params, "return_logprob": True}
+    generated = engine.post("/generate", body).json()
+    reference = copy.deepcopy(model).double()
+    for prompt, gen in zip(prompts, generated):
+        response = gen["output_ids"]
+        start = len(prompt) - 1
+        scored = engine.post(
+            "/generate",
+            {
+                "input_ids": prompt + response,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                "return_logprob": True,
+                "logprob_start_len": start,
+            },
+        ).json()
+        entries = scored["meta_info"]["input_token_logprobs"]
+        assert [t for _, t, _ in entries] == (prompt + response)[start:]
+        assert entries[0][0] is None and all(text is None for _, _, text in entries)
+        rescored = torch.tensor([lp for lp, _, _ in entries[1:]], dtype=torch.float64)
+        sampled = torch.tensor(
+            [lp for lp, _, _ in gen["meta_info"]["output_token_logprobs"]], dtype=torch.float64
+        )
+        with torch.no_grad():
+            logits = reference(torch.tensor([prompt + response])).logits[0]
+        logp = torch.log_softmax(logits, dim=-1)
+        want = logp[start : start + len(response)].gather(1, torch.tensor(response)[:, None])[:, 0]
+        atol = 1e-5  # fp32 log-softmax of logits of magnitude ~10..50 (sharpened weights)
+        torch.testing.assert_close(rescored, want, rtol=0, atol=atol)
+        torch.testing.assert_close(sampled, want, rtol=0, atol=atol)
+        assert not torch.allclose(rescored, rescored.new_zeros(len(response)))
+    # SGLang's input log-probs are not temperature-scaled: the request's temperature is ignored
+    body = {"input_ids": prompts[0] + [5, 6, 7], "return_logprob": True, "logprob_start_len": 1}
+    entries = [
+        engine.post("/generate", {**body, "sampling_params": {"max_new_tokens": 1, **t}}).json()[
+            "meta_info"
+        ]["input_token_logprobs"]
+        for t in ({"temperature": 1.0}, {"temperature": 0.5})
+    ]
+    assert entries[0] == entries[1] and len(entries[0]) == len(prompts[0]) + 2
 
 
 def test_sampling_semantics(engine, models):
@@ -188,6 +237,8 @@ def test_admission_checks_answer_400_and_the_engine_keeps_serving(engine, models
         ({"text": "ab", "sampling_params": [{"n": 1}, {"n": 1}]}, "2 entries for 1 prompts"),
         ({"text": "ab", "rid": {"a": 1}}, "rid must be a string"),
         ({"text": "ab", "routed_experts_start_len": "x"}, "routed_experts_start_len"),
+        ({"text": "ab", "logprob_start_len": 2}, "logprob_start_len 2 is not below"),
+        ({"text": "ab", "logprob_start_len": -2}, "logprob_start_len must be -1 or"),
     ):
         r = engine.post("/generate", body, timeout=10)
         assert r.status_code == 400, (body, r.text)

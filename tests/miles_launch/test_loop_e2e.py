@@ -330,3 +330,29 @@ def test_calculator_example_with_rollout_control(material, tmp_path):
         assert "groups_surplus" in stats and stats["draws"] >= 1
         assert stats["num_samples"] == 8
     assert min(r["rollout"]["loss_token_fraction"] for r in runs) < 1.0  # a tool was called
+
+
+@pytest.mark.extended
+def test_partial_rollout_carries_groups_between_rollouts(material, tmp_path):
+    """``--partial-rollout`` through ``miles train``: what a rollout cuts short the next one
+    resumes first, every rollout is full, and continued samples train."""
+    metrics = tmp_path / "metrics.jsonl"
+    result = train(
+        material,
+        metrics,
+        "--num-rollout", "4",
+        "--rollout-batch-size", "2",
+        "--n-samples-per-prompt", "4",
+        "--rollout-max-response-len", "64",
+        "--dynamic-filter",
+        "--over-sampling-batch-size", "8",
+        "--partial-rollout",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    stats = [r["rollout"] for r in records(metrics)]
+    assert len(stats) == 4 and all(s["num_samples"] == 8 for s in stats)
+    assert stats[0]["groups_resumed"] == 0
+    for before, after in zip(stats, stats[1:]):
+        assert after["groups_resumed"] == before["groups_carried"]
+    assert sum(s["groups_carried"] for s in stats[:-1]) >= 1
+    assert sum(s["samples_continued"] for s in stats) >= 1

@@ -15,7 +15,7 @@ from miles_core.args import ArgGroup, ArgumentError, flag
 from miles_core.args.checks import at_least, greater_than, option, requires, within
 
 from miles_launch.debug_args import DebugDataArgs
-from miles_launch.rollout_checks import check_stop_token_ids, rollout_control
+from miles_launch.rollout_checks import check_stop_token_ids, partial_rollout, rollout_control
 
 logger = logging.getLogger(__name__)
 
@@ -274,6 +274,12 @@ class RolloutArgs(ArgGroup):
         help="Under --dynamic-filter: generate N prompt groups per draw (N >= "
         "--rollout-batch-size) and keep the first that pass; --fully-async keeps N in flight.",
     )
+    partial_rollout: bool = flag(
+        False,
+        help="Under --over-sampling-batch-size: once enough groups passed, abort the rest; their "
+        "unfinished samples continue in the next rollout, the carried tokens re-scored under "
+        "the new weights.",
+    )
     custom_generate_function_path: str | None = flag(
         None,
         metavar="MODULE:FUNC",
@@ -341,6 +347,7 @@ class RolloutArgs(ArgGroup):
         ):
             at_least(args, dest, 1)
         rollout_control(args)
+        partial_rollout(args)
         at_least(args, "eval_temperature", 0.0)
         if args.eval_top_p is not None and not 0.0 < args.eval_top_p <= 1.0:
             raise ArgumentError(f"--eval-top-p must be in (0, 1], got {args.eval_top_p}")

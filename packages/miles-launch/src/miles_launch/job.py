@@ -37,6 +37,7 @@ from miles_launch.placement import (
     prepare_ray_env,
 )
 from miles_launch.reporting import Reporter
+from miles_launch.rollout.partial import PartialBuffer
 from miles_launch.rollout.prompts import Prompt, PromptOrder, drop_long_prompts, load_prompts
 from miles_launch.rollout.rewards import RewardModel
 from miles_launch.trainer_group import TrainerGroup
@@ -111,6 +112,7 @@ class Job:
     state: LauncherState = field(default_factory=lambda: LauncherState(0, 0))
     started_ray: bool = False
     prompts_too_long: int = 0  # dropped by --rollout-max-prompt-len
+    partial: PartialBuffer = field(default_factory=PartialBuffer)  # --partial-rollout
 
     @classmethod
     def setup(cls, args: Any) -> Job:

@@ -85,7 +85,8 @@ def eval_sampling_config(args: Any) -> SamplingConfig:
 
 
 def make_generator(job: Job, check_alive: Callable[[str], Any]) -> Generator:
-    """The job's generator (engines, reward, routing replay, custom generate function)."""
+    """The job's generator (engines, reward, routing replay, custom generate function, and
+    under ``--partial-rollout`` the engines it aborts)."""
     path = job.args.custom_generate_function_path
     return Generator(
         job.engines.generation_urls,
@@ -95,6 +96,7 @@ def make_generator(job: Job, check_alive: Callable[[str], Any]) -> Generator:
         api_key=job.engines.api_key,
         custom_generate=load_generate_function(path) if path else None,
         tokenizer=job.tokenizer,
+        abort_urls=job.engines.urls if job.args.partial_rollout else None,
     )
 
 
@@ -104,16 +106,21 @@ def generate_groups(
     n: int,
     desc: str,
     cfg: SamplingConfig | None = None,
+    carried: dict[int, list[GeneratedSample]] | None = None,
+    need: int | None = None,
 ) -> list[list[GeneratedSample]]:
     """Generate and score ``n`` samples of each (prompt, position), with a progress bar
-    (``cfg``: the rollout's sampling unless given)."""
+    (``cfg``: the rollout's sampling unless given; ``carried``, ``need``: ``--partial-rollout``,
+    see :meth:`Generator.groups`)."""
     cfg = cfg or sampling_config(job.args)
 
     async def run() -> list[list[GeneratedSample]]:
         gen = make_generator(job, job.engines.acheck_alive)
         try:
             with job.reporter.progress(desc, len(items) * n) as bar:
-                return await gen.groups(items, n, cfg, on_sample=lambda: bar.update(1))
+                return await gen.groups(
+                    items, n, cfg, lambda: bar.update(1), carried=carried, need=need
+                )
         finally:
             await gen.aclose()
 
@@ -128,13 +135,19 @@ def collect_rollout(job: Job, rollout_id: int) -> tuple[list[list[GeneratedSampl
         lambda start, count: [
             (job.prompts[i], start + j) for j, i in enumerate(job.order.take(start, count))
         ],
-        lambda items: generate_groups(
-            job, items, args.n_samples_per_prompt, f"generate {rollout_id + 1}"
+        lambda items, carried=None, need=None: generate_groups(
+            job,
+            items,
+            args.n_samples_per_prompt,
+            f"generate {rollout_id + 1}",
+            carried=carried,
+            need=need,
         ),
         want=args.rollout_batch_size,
         max_draws=args.dynamic_filter_max_draws if args.dynamic_filter else 1,
         dynamic_filter=args.dynamic_filter,
         over_sampling=args.over_sampling_batch_size,
+        partial=job.partial if args.partial_rollout else None,
     )
     if args.rollout_max_prompt_len is not None:
         info["prompts_too_long"] = job.prompts_too_long

@@ -1,5 +1,6 @@
 """The rollout-control flags' cross-checks (``--over-sampling-batch-size``, ``--rollout-stop*``,
-``--rollout-max-prompt-len``, ``--rollout-seed``, ``--custom-generate-function-path``), run by
+``--rollout-max-prompt-len``, ``--rollout-seed``, ``--custom-generate-function-path``,
+``--partial-rollout``), run by
 :class:`miles_launch.args.RolloutArgs`."""
 
 from __future__ import annotations
@@ -45,6 +46,59 @@ def rollout_control(args: Any) -> None:
                 "--use-rollout-routing-replay: a custom function's multi-turn samples carry "
                 "no routed experts"
             )
+
+
+def partial_rollout(args: Any) -> None:
+    """``--partial-rollout`` against the others: it needs a draw that leaves groups running
+    (over-sampling), and refuses what would make a continued sample's record inconsistent."""
+    from miles_launch.rollout.routed_experts import routing_replay_on
+
+    if not args.partial_rollout:
+        return
+    refused = [
+        (
+            args.over_sampling_batch_size is None,
+            "requires --over-sampling-batch-size (with --dynamic-filter): without over-sampling "
+            "every drawn group is waited for and no sample is left unfinished",
+        ),
+        (
+            args.fully_async,
+            "cannot be used with --fully-async: its producer trains groups as they finish and "
+            "aborts nothing",
+        ),
+        (
+            args.custom_generate_function_path is not None,
+            "cannot be used with --custom-generate-function-path: a custom function's turns "
+            "cannot be cut short and continued",
+        ),
+        (
+            routing_replay_on(args),
+            "cannot be used with --use-rollout-routing-replay: a continued sample carries no "
+            "routed experts for its carried tokens",
+        ),
+        (
+            args.custom_rm_batch == "rollout",
+            "cannot be used with --custom-rm-batch rollout: a group must be scored as it "
+            "finishes to know when enough passed",
+        ),
+        (
+            bool(args.rollout_stop),
+            "cannot be used with --rollout-stop: a stop string spanning the carried tokens and "
+            "the continuation would not be seen (--rollout-stop-token-ids can)",
+        ),
+        (
+            args.rollout_temperature != 1.0,
+            f"requires --rollout-temperature 1 (got {args.rollout_temperature}): SGLang "
+            "re-scores the carried tokens without temperature, the generated ones with it",
+        ),
+        (
+            bool(getattr(args, "load_debug_rollout_data", None)),
+            "cannot be used with --load-debug-rollout-data: a replay generates nothing",
+        ),
+    ]
+    for bad, why in refused:
+        if bad:
+            raise ArgumentError(f"--partial-rollout {why}")
 
 
 def check_stop_token_ids(args: Any) -> None:

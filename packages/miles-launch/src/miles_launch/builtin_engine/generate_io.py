@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import uuid
 
 import torch
 
@@ -77,6 +78,48 @@ def check_admission(
                 )
 
 
+def request_ids(body: dict, count: int, single: bool) -> list[str]:
+    """One rid per prompt: the given list, or the given (or a fresh) rid, suffixed ``-i`` for a
+    batch."""
+    rid = body.get("rid") or uuid.uuid4().hex
+    if not (
+        isinstance(rid, str) or (isinstance(rid, list) and all(isinstance(r, str) for r in rid))
+    ):
+        raise GenerateInputError(
+            f"generate: rid must be a string or a list of strings, got {rid!r}"
+        )
+    rids = rid if isinstance(rid, list) else [rid if single else f"{rid}-{i}" for i in range(count)]
+    if len(rids) != count:
+        raise GenerateInputError(f"rid: {len(rids)} ids for {count} prompts")
+    return rids
+
+
+def logprob_start_len(body: dict, prompts: list[list[int]], params: list) -> int:
+    """``logprob_start_len`` (SGLang's: -1, the default, = output log-probs only; ``s >= 0``
+    also returns ``meta_info.input_token_logprobs`` for input tokens ``s ..``, the first entry's
+    log-prob ``None``). One int for every prompt, below each prompt's length; with
+    ``max_new_tokens`` 0 it is refused (the built-in engine runs no forward pass then)."""
+    start = body.get("logprob_start_len")
+    if start is None or start == -1:
+        return -1
+    if type(start) is not int or start < 0:
+        raise GenerateInputError(
+            f"generate: logprob_start_len must be -1 or an int >= 0, got {start!r}"
+        )
+    for i, ids in enumerate(prompts):
+        if start >= len(ids):
+            raise GenerateInputError(
+                f"generate: logprob_start_len {start} is not below the length of input {i} "
+                f"({len(ids)} tokens)"
+            )
+    if body.get("return_logprob") and any(p.max_new_tokens == 0 for p in params):
+        raise GenerateInputError(
+            "generate: logprob_start_len with max_new_tokens 0 is not supported by the built-in "
+            "engine"
+        )
+    return start
+
+
 def format_reply(req: Request, weight_version: str, latency: float, routed_start: int) -> dict:
     meta = {
         "id": req.rid,
@@ -91,6 +134,11 @@ def format_reply(req: Request, weight_version: str, latency: float, routed_start
         meta["output_token_logprobs"] = [
             [lp, tok, None] for lp, tok in zip(req.output_logprobs, req.output_ids)
         ]
+        if req.logprob_start_len >= 0:  # empty when the request ended before its prefill
+            inputs = req.prompt_ids[req.logprob_start_len :]
+            meta["input_token_logprobs"] = [
+                [lp, tok, None] for lp, tok in zip(req.input_logprobs or [], inputs)
+            ]
     if req.return_routed_experts and req.routed:
         routed = (
             torch.stack(req.routed[routed_start:])

@@ -56,6 +56,10 @@ class Request:
     on_done: Callable[[Request], None]
     return_logprob: bool = False
     return_routed_experts: bool = False
+    # SGLang's logprob_start_len: -1, or the first input position of ``input_logprobs``
+    logprob_start_len: int = -1
+    # log-probs of input tokens logprob_start_len.. (the first None), set by the prefill
+    input_logprobs: list[float | None] | None = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     finish_reason: dict | None = None
@@ -299,6 +303,11 @@ class Scheduler:
             for b, req in enumerate(todo):
                 if req.return_routed_experts:
                     req.routed.extend(routed[b, width - lengths[b] :].unbind(0))
+        for b, req in enumerate(todo):
+            if req.return_logprob and req.logprob_start_len >= 0 and req.input_logprobs is None:
+                req.input_logprobs = _input_logprobs(
+                    out.logits[b, width - lengths[b] :], req.prompt_ids, req.logprob_start_len
+                )
         self._append_tokens(todo, out.logits[:, -1])
         keep = [b for b, req in enumerate(todo) if not req.finished]
         if keep:
@@ -432,6 +441,17 @@ class Scheduler:
         req.finish_reason = reason
         req.text = text if text is not None else self._decode_text(req.output_ids, req.params)
         req.on_done(req)
+
+
+def _input_logprobs(logits: torch.Tensor, prompt_ids: list[int], start: int) -> list:
+    """SGLang's ``input_token_logprobs`` values from one row's prefill ``logits`` ``[seq, vocab]``
+    (its real positions): ``None`` for input token ``start``, then the log-prob of each later
+    input token given everything before it. Not temperature-scaled (SGLang scales only the
+    output tokens' log-probs)."""
+    n = len(prompt_ids)
+    logprobs = torch.log_softmax(logits[start : n - 1].float(), dim=-1)
+    targets = torch.tensor(prompt_ids[start + 1 : n], device=logits.device)
+    return [None, *logprobs.gather(1, targets[:, None])[:, 0].tolist()]
 
 
 def _pad_left(t: torch.Tensor, length: int) -> torch.Tensor:

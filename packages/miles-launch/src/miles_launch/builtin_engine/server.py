@@ -13,7 +13,6 @@ import hmac
 import json
 import logging
 import time
-import uuid
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -24,7 +23,9 @@ from miles_launch.builtin_engine.generate_io import (
     GenerateInputError,
     check_admission,
     format_reply,
+    logprob_start_len,
     parse_prompts,
+    request_ids,
 )
 from miles_launch.builtin_engine.safe_unpickle import UnsafePayloadError
 from miles_launch.builtin_engine.sampling import SamplingParams, SamplingParamsError
@@ -174,8 +175,6 @@ def build_app(state: EngineState) -> FastAPI:
         body = await _json_body(request)
         if body.get("stream"):
             return _error("generate: stream is not supported by the built-in engine")
-        if body.get("logprob_start_len", -1) not in (-1, None):
-            return _error("generate: only logprob_start_len -1 (output logprobs) is supported")
         prompts, single = parse_prompts(body, state.tokenizer)
         raw_params = body.get("sampling_params") or {}
         raw_list = raw_params if isinstance(raw_params, list) else [raw_params] * len(prompts)
@@ -199,18 +198,8 @@ def build_app(state: EngineState) -> FastAPI:
             return _error(
                 "return_routed_experts needs the server flag --enable-return-routed-experts"
             )
-        rid = body.get("rid") or uuid.uuid4().hex
-        if not (
-            isinstance(rid, str) or (isinstance(rid, list) and all(isinstance(r, str) for r in rid))
-        ):
-            return _error(f"generate: rid must be a string or a list of strings, got {rid!r}")
-        rids = (
-            rid
-            if isinstance(rid, list)
-            else [rid if single else f"{rid}-{i}" for i in range(len(prompts))]
-        )
-        if len(rids) != len(prompts):
-            return _error(f"rid: {len(rids)} ids for {len(prompts)} prompts")
+        rids = request_ids(body, len(prompts), single)
+        logprob_start = logprob_start_len(body, prompts, params)
         await state.gate.wait()
         loop = asyncio.get_running_loop()
         groups: list[list[tuple[GenRequest, asyncio.Future]]] = []
@@ -224,6 +213,7 @@ def build_app(state: EngineState) -> FastAPI:
                     params=p,
                     on_done=lambda req, fut=fut: loop.call_soon_threadsafe(_resolve, fut, req),
                     return_logprob=bool(body.get("return_logprob", False)),
+                    logprob_start_len=logprob_start,
                     return_routed_experts=want_routed,
                 )
                 group.append((req, fut))

@@ -2,7 +2,10 @@
 
 Every prompt drawn advances ``state.data_position``, kept or not, so a resumed run draws what
 an uninterrupted one would. Which groups are kept is :class:`~miles_launch.rollout.filtering.
-GroupFilter`'s decision (``--dynamic-filter``), shared with the asynchronous producer.
+GroupFilter`'s decision (``--dynamic-filter``), shared with the asynchronous producer. Under
+``--partial-rollout`` the groups carried from the previous rollout
+(:class:`~miles_launch.rollout.partial.PartialBuffer`) open the first draw, and the groups a draw
+cuts short go back to the buffer.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 from miles_launch.job import LauncherState
 from miles_launch.rollout.filtering import GroupFilter
 from miles_launch.rollout.generate import GeneratedSample
+from miles_launch.rollout.partial import PartialBuffer, unfinished
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +31,7 @@ def draw_groups(
     max_draws: int,
     dynamic_filter: bool,
     over_sampling: int | None = None,
+    partial: PartialBuffer | None = None,
 ) -> tuple[list[list[GeneratedSample]], dict]:
     """Draw prompt groups from the stream at ``state.data_position`` until ``want`` are kept.
 
@@ -36,18 +41,37 @@ def draw_groups(
     (``--over-sampling-batch-size``) of which the first passing ones in stream order are kept
     (the passing rest is counted in ``groups_surplus``). When nothing survived, the last draw
     is used unfiltered (its advantages are zero, the step is a no-op for the policy loss).
+
+    With ``partial`` (``--partial-rollout``) a draw takes the carried groups first, and
+    ``generate(items, carried, need)`` stops once ``need`` groups passed; the groups it cut
+    short are put back (``groups_carried``; ``groups_resumed``: those taken from the buffer;
+    ``samples_continued``: kept samples that began in an earlier rollout).
     """
     group_filter = GroupFilter(dynamic_filter)
     kept: list[list[GeneratedSample]] = []
     surplus = draws = 0
     last: list[list[GeneratedSample]] = []
+    resumed = carried_out = 0
     while len(kept) < want and draws < max_draws:
         count = max(want - len(kept), over_sampling or 0)
-        items = items_at(state.data_position, count)
-        state.data_position += count
         draws += 1
-        last = generate(items)
+        if partial is None:
+            items = items_at(state.data_position, count)
+            state.data_position += count
+            last = generate(items)
+        else:
+            taken = partial.take(count)
+            resumed += len(taken)
+            fresh = items_at(state.data_position, count - len(taken))
+            state.data_position += count - len(taken)
+            items = [(prompt, position) for prompt, position, _ in taken] + fresh
+            carried = {position: samples for _, position, samples in taken}
+            last = generate(items, carried, want - len(kept))
         for group in last:
+            if partial is not None and unfinished(group):
+                partial.put(group)
+                carried_out += 1
+                continue
             if not group_filter.keep(group):
                 continue
             if len(kept) < want:
@@ -56,8 +80,12 @@ def draw_groups(
                 surplus += 1
     if not kept:
         logger.warning("every group was filtered out; training on the last draw")
-        kept = last[:want]
+        kept = [group for group in last if not unfinished(group)][:want]
     info = {"groups_dropped": group_filter.dropped, "draws": draws}
     if over_sampling:
         info["groups_surplus"] = surplus
+    if partial is not None:
+        info["groups_resumed"] = resumed
+        info["groups_carried"] = carried_out
+        info["samples_continued"] = sum(1 for g in kept for s in g if s.resumed_tokens)
     return kept, info

@@ -13,6 +13,11 @@ sets ``return_routed_experts`` and the reply's routed experts travel with the sa
 are in flight every engine process is polled each second: an engine that dies raises
 :class:`~miles_launch.engine_launch.process.EngineDied` with its log tail instead of a bare
 connection error.
+
+Under ``--partial-rollout`` (:mod:`miles_launch.rollout.partial`) a draw stops once enough groups
+passed the filter: the engines' requests are aborted, the groups cut short come back with their
+unfinished samples (``finish_reason`` ``abort``, unrewarded), and the next rollout continues
+them from the carried tokens.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from miles_launch.rollout.custom_generate import (
     checked_samples,
     parse_reply,
 )
+from miles_launch.rollout.filtering import has_signal
+from miles_launch.rollout.partial import UNFINISHED, rescored_prefix, unfinished
 from miles_launch.rollout.prompts import Prompt
 from miles_launch.rollout.rewards import RewardInput, RewardModel
 from miles_launch.rollout.routed_experts import RoutedExpertsLayout, decode_sample_routed_experts
@@ -71,11 +78,14 @@ class GeneratedSample:
     reward_input: RewardInput | None = None  # what the reward function was given
     loss_mask: list[int] | None = None  # per response token (custom generation), None: all 1
     reward_given: bool = False  # the custom generate function set ``reward``
+    resumed_tokens: int = 0  # --partial-rollout: leading tokens carried and re-scored
 
 
-def sampling_seed(seed: int, position: int, k: int) -> int:
-    """The ``sampling_seed`` of sample ``k`` of the prompt at stream ``position``."""
-    return zlib.crc32(f"{seed}/{position}/{k}".encode()) & 0x7FFFFFFF
+def sampling_seed(seed: int, position: int, k: int, resumed_at: int = 0) -> int:
+    """The ``sampling_seed`` of sample ``k`` of the prompt at stream ``position`` (continued
+    after ``resumed_at`` carried tokens: another seed)."""
+    key = f"{seed}/{position}/{k}" + (f"/{resumed_at}" if resumed_at else "")
+    return zlib.crc32(key.encode()) & 0x7FFFFFFF
 
 
 class Generator:
@@ -91,6 +101,7 @@ class Generator:
         api_key: str | None = None,
         custom_generate: GenerateFunction | None = None,
         tokenizer: Any = None,
+        abort_urls: list[str] | None = None,
     ):
         self.clients = [
             AsyncEngineClient(url, api_key=api_key, timeout=timeout_s, retries=0) for url in urls
@@ -100,6 +111,12 @@ class Generator:
         self.routed_experts = routed_experts  # None: routing replay off
         self.custom_generate = custom_generate  # --custom-generate-function-path
         self.tokenizer = tokenizer  # handed to the custom generate function
+        # --partial-rollout: the engines whose requests are aborted (each engine, not a router)
+        self.abort_clients = [
+            AsyncEngineClient(url, api_key=api_key, timeout=60.0, retries=0)
+            for url in abort_urls or []
+        ]
+        self._aborting = False  # the draw is cut short: abort replies are partial samples
         self._next = 0
 
     def _client(self) -> AsyncEngineClient:
@@ -107,13 +124,15 @@ class Generator:
         self._next += 1
         return client
 
-    def sampling_params(self, cfg: SamplingConfig, position: int, k: int) -> dict[str, Any]:
+    def sampling_params(
+        self, cfg: SamplingConfig, position: int, k: int, resumed_at: int = 0
+    ) -> dict[str, Any]:
         params: dict[str, Any] = {
-            "max_new_tokens": cfg.max_new_tokens,
+            "max_new_tokens": cfg.max_new_tokens - resumed_at,
             "temperature": cfg.temperature,
             "top_p": cfg.top_p,
             "top_k": cfg.top_k,
-            "sampling_seed": sampling_seed(cfg.seed, position, k),
+            "sampling_seed": sampling_seed(cfg.seed, position, k, resumed_at),
         }
         if cfg.stop:
             params["stop"] = list(cfg.stop)
@@ -122,17 +141,29 @@ class Generator:
         return params
 
     async def sample(
-        self, prompt: Prompt, position: int, k: int, cfg: SamplingConfig
+        self,
+        prompt: Prompt,
+        position: int,
+        k: int,
+        cfg: SamplingConfig,
+        carried: GeneratedSample | None = None,
     ) -> list[GeneratedSample]:
         """Sample ``k`` of the prompt: one ``/generate`` request, or what the custom generate
-        function returns (one or more samples); rewarded when rewards are per sample."""
-        params = self.sampling_params(cfg, position, k)
+        function returns (one or more samples); rewarded when rewards are per sample.
+        ``carried``: the sample as a previous rollout left it (``--partial-rollout``): kept when
+        it had finished, else continued."""
+        if carried is not None and carried.finish_reason != UNFINISHED:
+            return [carried]
+        prefix = carried.response_ids if carried is not None else []
+        params = self.sampling_params(cfg, position, k, len(prefix))
         client = self._client()
         if self.custom_generate is not None:
             outs = await self._custom(client, prompt, position, k, params)
         else:
-            outs = [await self._one_request(client, prompt, position, params)]
+            outs = [await self._one_request(client, prompt, position, params, carried)]
         for out in outs:
+            if out.finish_reason == UNFINISHED:  # carried on, rewarded once finished
+                continue
             out.reward_input = RewardInput(
                 prompt=prompt.text,
                 response=out.response_text,
@@ -150,24 +181,46 @@ class Generator:
         return outs
 
     async def _one_request(
-        self, client: AsyncEngineClient, prompt: Prompt, position: int, params: dict[str, Any]
+        self,
+        client: AsyncEngineClient,
+        prompt: Prompt,
+        position: int,
+        params: dict[str, Any],
+        carried: GeneratedSample | None = None,
     ) -> GeneratedSample:
+        prefix = list(carried.response_ids) if carried is not None else []
+        # a continuation also re-scores the carried tokens (SGLang's prompt log-probs)
+        rescore = {"logprob_start_len": len(prompt.token_ids) - 1} if prefix else {}
         reply = await client.generate(
-            input_ids=list(prompt.token_ids),
+            input_ids=list(prompt.token_ids) + prefix,
             sampling_params=params,
             return_logprob=True,
             return_routed_experts=self.routed_experts is not None,
+            **rescore,
         )
+        meta = reply["meta_info"]
+        if self._aborting and (meta.get("finish_reason") or {}).get("type") == UNFINISHED:
+            meta.setdefault("output_token_logprobs", [])  # aborted before its first token
         turn = parse_reply(reply)
         out = GeneratedSample(
             prompt=prompt,
             position=position,
-            response_ids=turn.ids,
+            response_ids=prefix + turn.ids,
             rollout_log_probs=turn.log_probs,
-            response_text=turn.text,
+            response_text=(carried.response_text if prefix else "") + turn.text,
             finish_reason=turn.finish_reason,
             weight_version=turn.weight_version,
+            resumed_tokens=len(prefix),
         )
+        if out.finish_reason == UNFINISHED and self._aborting:
+            # cut short by the draw's abort: carried to the next rollout, which re-scores all
+            # of its tokens (the log-probs kept here, of older policies, are not trained on)
+            out.rollout_log_probs = (
+                list(carried.rollout_log_probs) + turn.log_probs if prefix else turn.log_probs
+            )
+            return out
+        if prefix:
+            out.rollout_log_probs = rescored_prefix(meta, prefix, client.base_url) + turn.log_probs
         if out.finish_reason == "abort":
             finish = reply["meta_info"].get("finish_reason") or {}
             raise EngineError(
@@ -229,15 +282,16 @@ class Generator:
         n: int,
         cfg: SamplingConfig,
         on_sample: Callable[[], None] | None = None,
+        carried: list[GeneratedSample] | None = None,
     ) -> list[GeneratedSample]:
         async def one(k: int) -> list[GeneratedSample]:
-            result = await self.sample(prompt, position, k, cfg)
+            result = await self.sample(prompt, position, k, cfg, carried[k] if carried else None)
             if on_sample is not None:
                 on_sample()
             return result
 
         samples = [s for out in await asyncio.gather(*(one(k) for k in range(n))) for s in out]
-        if self.reward.batch == "group":
+        if self.reward.batch == "group" and not unfinished(samples):
             await self.score(samples)
         return samples
 
@@ -247,14 +301,48 @@ class Generator:
         n: int,
         cfg: SamplingConfig,
         on_sample: Callable[[], None] | None = None,
+        *,
+        carried: dict[int, list[GeneratedSample]] | None = None,
+        need: int | None = None,
     ) -> list[list[GeneratedSample]]:
         """All groups of ``items`` ((prompt, position) pairs) concurrently, watched; under
-        ``--custom-rm-batch rollout`` scored together at the end."""
-        work = asyncio.gather(*(self.group(p, pos, n, cfg, on_sample) for p, pos in items))
-        groups = await self.watched(work)
+        ``--custom-rm-batch rollout`` scored together at the end. ``--partial-rollout``:
+        ``carried`` maps a position to its group as a previous rollout left it, and once
+        ``need`` groups finished with a learning signal the engines' requests are aborted (the
+        groups still running come back with unfinished samples)."""
+        carried = carried or {}
+        work = [self.group(p, pos, n, cfg, on_sample, carried.get(pos)) for p, pos in items]
+        if need is None:
+            groups = await self.watched(asyncio.gather(*work))
+        else:
+            groups = await self.watched(self._until(work, need))
         if self.reward.batch == "rollout":
             await self.score([s for g in groups for s in g])
         return groups
+
+    async def _until(self, work: list[Any], need: int) -> list[list[GeneratedSample]]:
+        """The groups of ``work`` in order; after the ``need``-th finished group with a learning
+        signal, every engine's requests are aborted and the rest come back as they stand."""
+        tasks = [asyncio.ensure_future(w) for w in work]
+        pending, passing = set(tasks), 0
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    group = task.result()
+                    if not unfinished(group) and has_signal([s.reward for s in group]):
+                        passing += 1
+                if passing >= need and pending and not self._aborting:
+                    self._aborting = True
+                    await asyncio.gather(
+                        *(c.abort_request(abort_all=True) for c in self.abort_clients)
+                    )
+            return [task.result() for task in tasks]
+        finally:
+            self._aborting = False
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def watched(self, work: Any) -> Any:
         """Await ``work`` while polling the engines; an engine death or a failed request
@@ -280,7 +368,7 @@ class Generator:
                 await asyncio.gather(task, return_exceptions=True)
 
     async def aclose(self) -> None:
-        for client in self.clients:
+        for client in self.clients + self.abort_clients:
             await client.aclose()
 
 

@@ -23,19 +23,17 @@ def metric_records(path: Path) -> list[dict]:
 
 def dcp_tensors(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     """The tensors of a torch.distributed.checkpoint directory (FSDP's ``model/``, megatron's
-    torch_dist ``iter_*``), by flattened name."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    torch_dist ``iter_*``), by flattened name: read straight from the checkpoint's metadata and
+    files (no pickled objects are loaded; non-tensor entries are left out)."""
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    out = checkpoint_dir.parent / (checkpoint_dir.parent.name + "_" + checkpoint_dir.name + ".pt")
-    dcp_to_torch_save(checkpoint_dir, out)
-    flat: dict[str, torch.Tensor] = {}
-
-    def walk(value, prefix):
-        if isinstance(value, torch.Tensor):
-            flat[prefix] = value
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                walk(item, f"{prefix}.{key}" if prefix else str(key))
-
-    walk(torch.load(out, weights_only=False), "")
+    reader = FileSystemReader(str(checkpoint_dir))
+    metadata = reader.read_metadata()
+    flat = {
+        name: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for name, meta in metadata.state_dict_metadata.items()
+        if isinstance(meta, TensorStorageMetadata)
+    }
+    load(flat, storage_reader=reader, no_dist=True)
     return flat

@@ -164,7 +164,7 @@ def test_eval_weights_ema_evaluates_hand_computed_ema_and_restores(tmp_path):
     hf_dir = save_tiny_model(tmp_path / "qwen3")
     out = tmp_path / "out.pt"
     run_ranks(2, eval_program, str(hf_dir), str(out), timeout=300)
-    ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
+    ranks = [torch.load(f"{out}.{r}", weights_only=True) for r in range(2)]
     f = EVAL_FLAGS
     params = ranks[0]["params"]  # full tensors: the same on both ranks
     ema = {n: v.double() for n, v in params[0].items()}

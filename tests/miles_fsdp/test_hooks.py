@@ -26,7 +26,7 @@ def test_custom_loss_hook_through_train_matches_float64(tmp_path, hook):
     teacher_dir = save_tiny_model(tmp_path / "teacher", seed=2)
     out = tmp_path / "out.pt"
     run_ranks(2, loss_hook_program, str(hf_dir), str(teacher_dir), str(out), hook, timeout=300)
-    ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
+    ranks = [torch.load(f"{out}.{r}", weights_only=True) for r in range(2)]
 
     actor, teacher = dense_model(hf_dir), dense_model(teacher_dir)
     temperature = HOOK_FLAGS["rollout_temperature"]

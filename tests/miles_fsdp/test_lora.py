@@ -139,7 +139,7 @@ def test_lora_actor_two_ranks(dirs, tmp_path):
         str(out),
         timeout=400,
     )
-    res = torch.load(out, weights_only=False)
+    res = torch.load(out, weights_only=True)
     logits, base_logits, grads, stepped, merged = oracle(hf_dir, adapter_dir, data)
 
     assert res["trainable"] == sorted(grads) and len(grads) == 2 * 3 * 2  # 2 layers x 3 targets

@@ -22,7 +22,7 @@ def test_streamed_optimizer_trains_and_resumes_bitwise(tmp_path):
     hf_dir = str(save_tiny_model(tmp_path / "qwen3"))
     out = tmp_path / "out.pt"
     run_ranks(2, streamed_program, hf_dir, make_samples(), str(tmp_path), str(out), timeout=300)
-    got = torch.load(out, weights_only=False)
+    got = torch.load(out, weights_only=True)
 
     memory, streamed, resumed = got["memory"]["params"], got["streamed"]["params"], got["resume"]
     assert resumed["start"] == 2

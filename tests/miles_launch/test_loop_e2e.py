@@ -24,6 +24,7 @@ import pytest
 import torch
 from miles_core import backends
 from miles_launch.demo import build_tiny_qwen3, demo_flags, write_demo_prompts
+from train_runs import dcp_tensors
 
 pytestmark = [
     pytest.mark.slow,
@@ -139,24 +140,6 @@ def test_lr_zero_gives_no_rise(tmp_path):
     assert last < first + 0.1, out
 
 
-def _dcp_model(path: Path) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = path.parent / (path.parent.name + ".pt")
-    dcp_to_torch_save(path, out)
-    return torch.load(out, weights_only=False)
-
-
-def _flatten(state, prefix=""):
-    if isinstance(state, torch.Tensor):
-        return {prefix: state}
-    out = {}
-    if isinstance(state, dict):
-        for key, value in state.items():
-            out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
-    return out
-
-
 @pytest.mark.extended
 def test_resume_matches_an_uninterrupted_run(material, tmp_path):
     """3 rollouts straight (saving at 2 and 3) vs a restart from that run's checkpoint at 2
@@ -181,13 +164,13 @@ def test_resume_matches_an_uninterrupted_run(material, tmp_path):
         "next_rollout_id": 2,
         "data_position": 8,
     }
-    wa = _flatten(_dcp_model(straight / "iter_0000003" / "model"))  # the last rollout's save
-    wb = _flatten(_dcp_model(resumed / "iter_0000003" / "model"))
+    wa = dcp_tensors(straight / "iter_0000003" / "model")  # the last rollout's save
+    wb = dcp_tensors(resumed / "iter_0000003" / "model")
     assert wa.keys() == wb.keys() and len(wa) > 0
     for name in wa:
         assert torch.equal(wa[name], wb[name]), name
     # and training moved the weights (the comparison is not between two untouched models)
-    w0 = _flatten(_dcp_model(straight / "iter_0000002" / "model"))
+    w0 = dcp_tensors(straight / "iter_0000002" / "model")
     assert any(not torch.equal(w0[n], wa[n]) for n in wa)
 
 

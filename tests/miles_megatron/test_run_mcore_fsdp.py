@@ -70,7 +70,7 @@ TINY_RUN = [
     "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "1", "--rollout-engine", "builtin",
     "--no-bf16", "--no-apply-chat-template", "--rm-type", "label-char-fraction",
     "--num-rollout", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
-    "--rollout-max-response-len", "8", "--lr", "1e-2",
+    "--rollout-max-response-len", "8", "--global-batch-size", "8", "--lr", "1e-2",
     "--save-interval", "1", "--no-progress",
 ]  # fmt: skip
 BACKEND_TINY_RUN = {

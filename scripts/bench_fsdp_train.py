@@ -48,8 +48,6 @@ def run_backend(hf_dir, shard, args, world):
         "--use-dynamic-batch-size",
         "--max-tokens-per-gpu",
         str(args.tokens_per_gpu),
-        "--global-batch-size",
-        str(len(shard) * world),
         "--num-steps-per-rollout",
         str(args.steps),
         "--advantage-estimator",

@@ -65,6 +65,31 @@ def adam_step_atol(
     return steps * (lr * sensitivity + ulp_atol(param.double().abs() + steps * lr))
 
 
+def adam_steps_atol(
+    steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    param: torch.Tensor,
+    *,
+    lr: float,
+    grad_rel_err: float = GRAD_REL_ERR,
+) -> torch.Tensor:
+    """Elementwise bound on ``|fp32 weight - reference weight|`` after several Adam(W) steps
+    whose gradients differ step to step (several optimizer steps per rollout).
+
+    ``steps`` holds, per step ``k``, the reference's gradient ``g_k``, its bias-corrected Adam
+    denominator ``d_k = sqrt(v_hat_k) + eps`` and update direction ``u_k = m_hat_k / d_k``.
+    ``m_hat`` and ``sqrt(v_hat)`` are weighted means (an L1 and an L2 one, weights summing to 1)
+    of the gradients so far, so a gradient error of at most ``dg`` moves each by at most ``dg``
+    and ``u_k`` by at most ``dg * (1 + |u_k|) / d_k``. Step ``k``'s gradient also carries the
+    weight differences of the steps before it: its ``dg`` is taken as ``(k + 1) *
+    grad_rel_err * max|g_k|``. Plus :func:`ulp_atol` for each update's own rounding.
+    """
+    atol = torch.zeros_like(param, dtype=torch.float64)
+    for k, (grad, denom, update) in enumerate(steps):
+        dg = (k + 1) * grad_rel_err * float(grad.double().abs().max())
+        atol += lr * dg * (1 + update.double().abs()) / denom.double()
+    return atol + len(steps) * ulp_atol(param.double().abs() + len(steps) * lr)
+
+
 def assert_within(got: torch.Tensor, want: torch.Tensor, atol: torch.Tensor, what: str) -> None:
     """``|got - want| <= atol`` element by element, reporting the worst element if not."""
     diff = (got.double() - want.double()).abs()

@@ -59,6 +59,11 @@ RULES = [
         ["--global-batch-size", "10", "--micro-batch-size", "4"],
         "--global-batch-size (10) must be a multiple of --micro-batch-size (4)",
     ),
+    (
+        ["--global-batch-size", "8"],
+        "--global-batch-size needs the launcher's --rollout-batch-size and "
+        "--n-samples-per-prompt to become optimizer steps; give --num-steps-per-rollout",
+    ),
     (["--gamma", "1.1"], "--gamma must be in [0.0, 1.0], got 1.1"),
     (["--lambd", "-0.1"], "--lambd must be in [0.0, 1.0], got -0.1"),
     (["--eps-clip", "0"], "--eps-clip must be > 0.0, got 0.0"),
@@ -247,8 +252,7 @@ VALID = [
     ["--use-kl-loss", "--kl-loss-coef", "0.01", "--ref-load", "/r", "--ref-mode", "ref"],
     ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096"],
     # micro-batches are formed by tokens then, so --micro-batch-size does not divide anything
-    ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "8", "--global-batch-size", "10"]
-    + ["--micro-batch-size", "4"],
+    ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "8", "--micro-batch-size", "4"],
     ["--use-ema", "--rollout-weights", "ema"],
     ["--use-ema", "--old-policy", "ema"],
     ["--teacher-load", "/t", "--custom-loss-function-path", "m:f"],

@@ -127,6 +127,68 @@ def test_split_steps():
     assert [i for s in steps for i in s.source_indices] == list(range(10))
     with pytest.raises(ValueError, match="--num-steps-per-rollout"):
         split_steps(_batch([3]), 0)
+    # a shard: the steps are the rollout's slices, by source index, not the shard's halves
+    shard = _batch(list(range(2, 12))).select([0, 1, 2, 7, 8, 9])
+    assert [list(s.source_indices) for s in split_steps(shard, 2)] == [[0, 1, 2], [7, 8, 9]]
+    assert [len(s) for s in split_steps(_batch([3, 4]), 3)] == [0, 1, 1]  # fewer than steps
+    with pytest.raises(ValueError, match="share samples"):
+        split_steps(_batch([3, 4, 5]).select([0, 1, 1]), 2)
+
+
+def _steps_worker(rank, world, port, out_dir):
+    from miles_core.partition import partition_for_dp
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=60),
+    )  # fmt: skip
+    try:
+        group = dist.new_group(backend="gloo")
+        rollout = RolloutBatch(
+            [
+                Sample(
+                    tokens=torch.zeros(n, dtype=torch.long),
+                    response_length=1,
+                    reward=0.0,
+                    group_index=i // 3,
+                )
+                for i, n in enumerate([9, 3, 5, 7, 2, 8, 4, 6, 3, 5, 9, 2])
+            ]
+        )
+        shard = partition_for_dp(rollout, world, keep_groups=True)[rank]
+        steps = {n: [list(s.source_indices) for s in split_steps(shard, n, group)] for n in (2, 3)}
+        try:  # every rank holding the whole rollout: not shards of one rollout
+            split_steps(rollout, 2, group)
+            shared = ""
+        except ValueError as error:
+            shared = str(error)
+        torch.save({"steps": steps, "shared": shared}, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_steps_are_the_rollouts_slices_at_any_dp_size(tmp_path):
+    """At DP 2 (groups of 3 balanced over the ranks by tokens), the union of the ranks' parts
+    of step k is the rollout's k-th slice, as at one rank; each rank's part keeps shard order."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_steps_worker, args=(r, 2, port, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        assert p.exitcode == 0
+    results = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
+    for n in (2, 3):
+        one_rank = [list(s.source_indices) for s in split_steps(_batch([2] * 12), n)]
+        for k, expected in enumerate(one_rank):
+            got = sorted(i for r in results for i in r["steps"][n][k])
+            assert got == expected, (n, k, results)
+    assert all("share samples" in r["shared"] for r in results)
 
 
 def _free_port():

@@ -85,6 +85,13 @@ def test_padding_rules():
     empty = pack_thd(batch.select([]))
     assert empty.num_tokens == 128 and empty.num_samples == 0 and empty.loss_mask.sum() == 0
     assert empty.cu_seqlens.tolist() == [0, 128]
+    # the batch's fields and optional values, zero: an empty micro-batch's loss reads them
+    assert sorted(empty.fields) == ["advantages", "rollout_log_probs"]
+    assert all(v.shape == (1, 128) and v.abs().sum() == 0 for v in empty.fields.values())
+    assert empty.routed_experts.shape == (128, 2, 2) and empty.routed_experts.abs().sum() == 0
+    # fields attached to an empty selection are named by it too
+    later = batch.select([]).with_fields(old_log_probs=[])
+    assert sorted(pack_thd(later).fields) == ["advantages", "old_log_probs", "rollout_log_probs"]
 
 
 def test_transformers_detects_the_same_segments():

@@ -101,3 +101,23 @@ def test_partition_for_dp_per_sample_equal_size():
     assert max(totals) - min(totals) <= max(lengths)
     with pytest.raises(ValueError, match="same number of prompt groups"):
         partition_for_dp(_batch(lengths, 3), 3, keep_groups=True, equal_size=True)
+
+
+def test_partition_for_dp_balances_each_optimizer_step():
+    """With ``num_steps`` each step's groups (by their first sample) are balanced on their own:
+    the tokens of step k on each rank differ by at most the heaviest group of that step."""
+    rng = random.Random(3)
+    lengths = [rng.randint(2, 500) for _ in range(48)]
+    batch = _batch(lengths, group_size=4)  # 12 groups; steps of 16 samples: 4 groups each
+    shards = partition_for_dp(batch, 2, keep_groups=True, num_steps=3)
+    assert sorted(i for s in shards for i in s.source_indices) == list(range(48))
+    for k in range(3):
+        step = range(16 * k, 16 * (k + 1))
+        loads = [sum(lengths[i] for i in s.source_indices if i in step) for s in shards]
+        heaviest = max(sum(lengths[i : i + 4]) for i in range(16 * k, 16 * (k + 1), 4))
+        assert abs(loads[0] - loads[1]) <= heaviest, (k, loads)
+    for shard in shards:  # groups whole
+        for g in set(shard.group_indices):
+            assert shard.group_indices.count(g) == 4
+    with pytest.raises(ValueError, match="the batch has 3 in optimizer step 0"):
+        partition_for_dp(_batch(lengths[:24], 4), 2, keep_groups=True, equal_size=True, num_steps=2)

@@ -182,3 +182,38 @@ def rollout_program(rank, world, hf_dir, samples, configs, out_file):
         backend.close()
     if rank == 0:
         torch.save(results, out_file)
+
+
+def step_slices_program(rank, world, hf_dir, runs, out_file):
+    """One rollout per run ``{label: (samples, flags)}``, each on a fresh backend at DP
+    ``world`` (the launcher's shards); the flags go through the launcher's parser too (so
+    ``--global-batch-size`` resolves). Rank 0 saves final weights and metrics."""
+    import tempfile
+
+    from miles_core.args import entry_point_groups, parse_args
+    from miles_core.batch import RolloutBatch
+    from miles_core.partition import partition_for_dp
+    from run_args import TEST_DEFAULTS, command_line
+
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        prompts = f"{tmp}/prompts.jsonl"
+        with open(prompts, "w") as f:
+            f.write('{"prompt": "1+1?", "label": "2"}\n')
+        for label, (samples, flags) in runs.items():
+            argv = command_line(**(TEST_DEFAULTS | flags | {"hf_checkpoint": hf_dir}))
+            argv += ["--prompt-data", prompts]
+            args = parse_args(argv, entry_point_groups("core", "fsdp", "launch"))
+            backend = FSDPBackend()
+            backend.init(args)
+            shards = partition_for_dp(RolloutBatch(samples), world, keep_groups=True)
+            metrics = backend.train(0, shards[rank])
+            results[label] = {
+                "params": full_params(backend.model),
+                "metrics": metrics,
+                "steps": backend.state.global_step,
+                "num_steps_per_rollout": args.num_steps_per_rollout,
+            }
+            backend.close()
+    if rank == 0:
+        torch.save(results, out_file)

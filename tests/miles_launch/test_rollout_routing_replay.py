@@ -247,7 +247,6 @@ def test_trainer_replays_the_launchers_samples(
             use_rollout_routing_replay=True,
             use_tis=True,
             advantage_estimator="grpo",
-            global_batch_size=len(batch),
         )
     )
     ctx = rollout_context(backend)

@@ -122,7 +122,10 @@ class RolloutBatch(Sequence[Sample]):
     """A validated, immutable list of samples.
 
     ``source_indices[k]`` is the index, in the batch this one was selected from, of sample ``k``
-    (``range(len)`` for a fresh batch).
+    (``range(len)`` for a fresh batch). ``template`` is the first sample, or for an empty
+    selection the first sample of the batch it was selected from (``None`` for a batch built
+    empty): an empty micro-batch still names the fields and optional values of its batch, so
+    its packed padding carries them (zero) like any other micro-batch.
     """
 
     def __init__(self, samples: Sequence[Sample], source_indices: Sequence[int] | None = None):
@@ -135,6 +138,7 @@ class RolloutBatch(Sequence[Sample]):
         if len(self.source_indices) != len(self.samples):
             raise BatchError("source_indices must have one entry per sample")
         self._check_consistent_fields()
+        self.template: Sample | None = self.samples[0] if self.samples else None
 
     def _check_consistent_fields(self) -> None:
         if not self.samples:
@@ -196,7 +200,7 @@ class RolloutBatch(Sequence[Sample]):
 
     @property
     def field_names(self) -> tuple[str, ...]:
-        return tuple(self.samples[0].fields) if self.samples else ()
+        return tuple(self.template.fields) if self.template is not None else ()
 
     def response_field(self, name: str) -> list[torch.Tensor]:
         """Per-sample response-aligned tensors of ``name``: an attached field, ``loss_mask``
@@ -215,11 +219,13 @@ class RolloutBatch(Sequence[Sample]):
     # Derived batches
     @classmethod
     def _validated(
-        cls, samples: tuple[Sample, ...], source_indices: tuple[int, ...]
+        cls, samples: tuple[Sample, ...], source_indices: tuple[int, ...], template: Sample | None
     ) -> RolloutBatch:
-        """A batch of samples taken from an already validated batch (no re-validation)."""
+        """A batch of samples taken from an already validated batch (no re-validation);
+        ``template``: that batch's (see the class docstring)."""
         batch = cls.__new__(cls)
         batch.samples, batch.source_indices = samples, source_indices
+        batch.template = samples[0] if samples else template
         return batch
 
     def select(self, indices: Sequence[int]) -> RolloutBatch:
@@ -228,6 +234,7 @@ class RolloutBatch(Sequence[Sample]):
         return RolloutBatch._validated(
             tuple(self.samples[i] for i in indices),
             tuple(self.source_indices[i] for i in indices),
+            self.template,
         )
 
     def with_fields(self, **fields: Sequence[torch.Tensor]) -> RolloutBatch:
@@ -242,7 +249,13 @@ class RolloutBatch(Sequence[Sample]):
             replace(s, fields={**s.fields, **{n: v[i] for n, v in fields.items()}})
             for i, s in enumerate(self.samples)
         ]
-        return RolloutBatch(samples, self.source_indices)
+        out = RolloutBatch(samples, self.source_indices)
+        if not samples and self.template is not None:  # the empty batch names the fields too
+            zero = torch.zeros(self.template.response_length)
+            out.template = replace(
+                self.template, fields={**self.template.fields, **dict.fromkeys(fields, zero)}
+            )
+        return out
 
 
 def group_members(group_indices: Sequence[int]) -> dict[int, list[int]]:

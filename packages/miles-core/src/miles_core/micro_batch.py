@@ -14,6 +14,7 @@ sequence for one rank, in either mode (``--use-dynamic-batch-size`` or ``--micro
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -131,14 +132,50 @@ def fixed_size_micro_batches(
     return chunks + [batch.select([]) for _ in range(num - len(chunks))]
 
 
-def split_steps(batch: RolloutBatch, num_steps: int) -> list[RolloutBatch]:
-    """Cut a rank's shard into ``num_steps`` consecutive optimizer steps
-    (``--num-steps-per-rollout``), sizes differing by at most one sample."""
+def rollout_indices(batch: RolloutBatch, group: dist.ProcessGroup | None = None) -> list[int]:
+    """The ``source_indices`` of every rank's shard of one rollout together, ascending: the
+    rollout's sample order (a collective over ``group`` when torch.distributed is initialized).
+
+    Raises ``ValueError`` when two shards hold the same sample: they are then not shards of one
+    rollout, and no step split would be the same as at one rank.
+    """
+    local = list(batch.source_indices)
+    gathered = [local]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, local, group=group)
+    indices = sorted(i for shard in gathered for i in shard)
+    if len(set(indices)) != len(indices):
+        raise ValueError(
+            "the data-parallel ranks' batches share samples (repeated source_indices): each "
+            "rank must get its own shard of the rollout (miles_core.partition.partition_for_dp)"
+        )
+    return indices
+
+
+def split_steps(
+    batch: RolloutBatch, num_steps: int, group: dist.ProcessGroup | None = None
+) -> list[RolloutBatch]:
+    """This rank's part of each of the rollout's ``num_steps`` optimizer steps
+    (``--num-steps-per-rollout``; a collective over the data-parallel ``group``).
+
+    The steps are cut from the whole rollout, not from this rank's shard: with ``N`` samples in
+    all (every shard of ``group`` together, in ``source_indices`` order, see
+    :func:`rollout_indices`), step ``k`` holds the samples at positions ``N*k//num_steps`` to
+    ``N*(k+1)//num_steps`` (sizes differing by at most one sample). Each step therefore trains
+    the same samples at any data-parallel size and partition; this rank's part of a step (its
+    samples in shard order) may be empty.
+    """
     if num_steps < 1:
         raise ValueError(f"--num-steps-per-rollout must be >= 1, got {num_steps}")
-    n = len(batch)
+    indices = rollout_indices(batch, group)
+    n = len(indices)
+    position = {src: p for p, src in enumerate(indices)}
     bounds = [n * k // num_steps for k in range(num_steps + 1)]
-    return [batch.select(range(bounds[k], bounds[k + 1])) for k in range(num_steps)]
+    members: list[list[int]] = [[] for _ in range(num_steps)]
+    for i, src in enumerate(batch.source_indices):
+        members[bisect.bisect_right(bounds, position[src]) - 1].append(i)
+    return [batch.select(m) for m in members]
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,7 @@ def pack_thd(
     Packs ``loss_mask``, ``rollout_log_probs`` / ``teacher_log_probs`` (when present) and every
     attached field into ``PackedBatch.fields`` (``loss_mask`` is its own attribute). An empty batch
     packs to ``pad_multiple`` padding tokens (a rank with nothing to do still runs the forward so
-    collectives line up).
+    collectives line up), with the fields of the batch it was selected from, all zero.
     """
     if pad_multiple < 1:
         raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
@@ -116,16 +116,17 @@ def pack_thd(
     targets = torch.zeros(total, dtype=torch.long)
     sample_ids = torch.full((total,), -1, dtype=torch.long)
     loss_mask = torch.zeros(total, dtype=torch.float32)
+    template = batch.template  # an empty micro-batch: its batch's first sample
     names = [
         n
         for n in ("rollout_log_probs", "teacher_log_probs")
-        if batch and getattr(batch[0], n) is not None
+        if template is not None and getattr(template, n) is not None
     ]
     names += list(batch.field_names)
     fields = {n: torch.zeros(total, dtype=torch.float32) for n in names}
     routed = None
-    if batch and batch[0].routed_experts is not None:
-        first = batch[0].routed_experts
+    if template is not None and template.routed_experts is not None:
+        first = template.routed_experts
         routed = torch.zeros((total, *first.shape[1:]), dtype=first.dtype)
 
     offset = 0

@@ -13,6 +13,7 @@ advantages) can be computed on one rank.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 from collections.abc import Sequence
@@ -70,6 +71,7 @@ def partition_for_dp(
     dp_size: int,
     keep_groups: bool = True,
     equal_size: bool = False,
+    num_steps: int = 1,
 ) -> list[RolloutBatch]:
     """Split ``batch`` into ``dp_size`` shards balancing total token counts (prompt + response).
 
@@ -77,24 +79,38 @@ def partition_for_dp(
     otherwise single samples are. With ``equal_size`` every shard gets the same number of units
     (then the number of units must be divisible by ``dp_size``). Shard ``r`` is for DP rank ``r``;
     its samples keep their original order and its ``source_indices`` point into ``batch``.
+
+    ``num_steps`` (``--num-steps-per-rollout``): the tokens are balanced per optimizer step.
+    Step ``k`` trains the batch's ``k``-th slice of samples
+    (:func:`~miles_core.micro_batch.split_steps`), so each unit is counted in the step of its
+    first sample and each step's units are partitioned on their own (with ``equal_size``, the
+    equal counts hold per step); a step then keeps every rank about equally busy. Any
+    assignment trains the same samples per step: this only balances the work.
     """
     if dp_size < 1:
         raise ValueError(f"partition_for_dp: dp_size must be >= 1, got {dp_size}")
+    if num_steps < 1:
+        raise ValueError(f"partition_for_dp: num_steps must be >= 1, got {num_steps}")
     lengths = batch.total_lengths
     if keep_groups:
         units = list(group_members(batch.group_indices).values())
     else:
         units = [[i] for i in range(len(batch))]
-    if equal_size and len(units) % dp_size != 0:
-        what = "prompt groups" if keep_groups else "samples"
-        raise ValueError(
-            f"cannot give each of {dp_size} data-parallel ranks the same number of {what}: "
-            f"the batch has {len(units)}"
-        )
-    unit_weights = [sum(lengths[i] for i in unit) for unit in units]
-    parts = karmarkar_karp(unit_weights, dp_size, equal_size=equal_size)
-    shards = []
-    for part in parts:
-        indices = sorted(i for u in part for i in units[u])
-        shards.append(batch.select(indices))
-    return shards
+    n = len(batch)
+    bounds = [n * k // num_steps for k in range(num_steps + 1)]
+    per_step: list[list[int]] = [[] for _ in range(num_steps)]
+    for u, unit in enumerate(units):
+        per_step[bisect.bisect_right(bounds, min(unit)) - 1].append(u)
+    what = "prompt groups" if keep_groups else "samples"
+    assigned: list[list[int]] = [[] for _ in range(dp_size)]
+    for k, step_units in enumerate(per_step):
+        if equal_size and len(step_units) % dp_size != 0:
+            where = f" in optimizer step {k}" if num_steps > 1 else ""
+            raise ValueError(
+                f"cannot give each of {dp_size} data-parallel ranks the same number of {what}: "
+                f"the batch has {len(step_units)}{where}"
+            )
+        weights = [sum(lengths[i] for i in units[u]) for u in step_units]
+        for rank, part in enumerate(karmarkar_karp(weights, dp_size, equal_size=equal_size)):
+            assigned[rank] += [step_units[j] for j in part]
+    return [batch.select(sorted(i for u in part for i in units[u])) for part in assigned]

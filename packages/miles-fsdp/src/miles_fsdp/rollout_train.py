@@ -14,8 +14,9 @@ here re-derives a formula. Flow of :func:`train_rollout` for this rank's shard:
    ``--loss-type sft_loss`` and the critic (``value_loss``) skip this step;
 3. advantages (``--advantage-estimator``, ``--normalize-advantages`` over all DP ranks; ``ppo``
    reads the critic's ``values`` field and adds ``returns``);
-4. ``--num-steps-per-rollout`` optimizer steps, each over its slice of the shard, with the
-   loss denominator of the whole step across DP ranks (see :mod:`miles_fsdp.train_step`), on
+4. ``--num-steps-per-rollout`` optimizer steps, step ``k`` over this rank's part of the
+   rollout's ``k``-th slice (:func:`~miles_core.micro_batch.split_steps`: the same samples at
+   any DP size), with the loss denominator of the whole step across DP ranks (see :mod:`miles_fsdp.train_step`), on
    the loss ``--loss-type`` names (:func:`_loss_of`).
 """
 
@@ -245,7 +246,7 @@ def train_rollout(ctx: RolloutContext, batch: RolloutBatch) -> tuple[dict[str, f
 
     results: list[StepResult] = []
     num_micro = 0
-    for index, step_batch in enumerate(split_steps(batch, num_steps)):
+    for index, step_batch in enumerate(split_steps(batch, num_steps, ctx.cpu_group)):
         if ctx.profiler is not None:
             ctx.profiler.before_step(ctx.global_step + index)
         denominator = loss_denominator(

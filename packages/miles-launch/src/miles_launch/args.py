@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal
 from miles_core.args import ArgGroup, ArgumentError, flag
 from miles_core.args.checks import at_least, greater_than, option, requires, within
 
+from miles_launch.batch_steps import resolve_steps_per_rollout
 from miles_launch.debug_args import DebugDataArgs
 from miles_launch.rollout_checks import check_stop_token_ids, partial_rollout, rollout_control
 
@@ -422,6 +423,7 @@ class RolloutArgs(ArgGroup):
     def resolve_defaults(cls, args: Any) -> None:
         if args.rollout_seed is None:
             args.rollout_seed = args.seed
+        resolve_steps_per_rollout(args)  # --global-batch-size -> --num-steps-per-rollout
 
 
 def eval_sets(args: Any) -> dict[str, str]:

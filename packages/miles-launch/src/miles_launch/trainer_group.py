@@ -183,6 +183,7 @@ class TrainerGroup:
                 )
             )
         self.layouts: list[Any] = []
+        self.num_steps = 1  # --num-steps-per-rollout, from init
         self.alive = True
 
     # ------------------------------------------------------------------ lock-step calls
@@ -226,12 +227,14 @@ class TrainerGroup:
             self.teardown()
             raise TrainerFailure(f"trainer ranks disagree on the next rollout id: {next_ids}")
         self.layouts = self.call("data_layout")
+        self.num_steps = args.num_steps_per_rollout
         return next_ids[0]
 
     def _shards(self, batch: RolloutBatch) -> list[RolloutBatch]:
         """``batch`` split by the data layouts (prompt groups kept whole, token counts
-        balanced): shard ``d`` for data-parallel rank ``d``."""
-        return partition_for_dp(batch, self.layouts[0].dp_size, keep_groups=True)
+        balanced per optimizer step): shard ``d`` for data-parallel rank ``d``."""
+        dp_size = self.layouts[0].dp_size
+        return partition_for_dp(batch, dp_size, keep_groups=True, num_steps=self.num_steps)
 
     def train(self, rollout_id: int, batch: RolloutBatch) -> list[dict[str, float]]:
         """Train every rank on its shard of ``batch`` (:meth:`_shards`)."""

@@ -165,7 +165,7 @@ def train_rollout(ctx: TrainContext, rollout_id: int, batch: RolloutBatch) -> di
         )
     batch = with_advantages(batch, args, ctx.dp_group_gloo)
     results = []
-    for step, step_batch in enumerate(split_steps(batch, num_steps)):
+    for step, step_batch in enumerate(split_steps(batch, num_steps, ctx.dp_group_gloo)):
         if ctx.before_train_step_hook is not None:
             ctx.before_train_step_hook(args, rollout_id, step, model, ctx.optimizer)
         results.append(optimizer_step(ctx, step_batch, config, detach_old))

@@ -23,10 +23,14 @@ class AlgorithmArgs(ArgGroup):
 
     global_batch_size: int | None = flag(
         None,
-        help="Samples per optimizer step (unset: one rollout's samples / --num-steps-per-rollout).",
+        help="Samples per optimizer step: sets --num-steps-per-rollout to --rollout-batch-size x "
+        "--n-samples-per-prompt / N (which N must divide) at argument time (unset: "
+        "--num-steps-per-rollout decides).",
     )
     num_steps_per_rollout: int = flag(
-        1, help="Optimizer steps per rollout: the rollout's samples are split into this many steps."
+        1,
+        help="Optimizer steps per rollout: the rollout's samples, in rollout order, are cut into "
+        "this many consecutive slices, one per step, whatever the data-parallel layout.",
     )
     micro_batch_size: int = flag(
         1, help="Samples per micro-batch when --use-dynamic-batch-size is off."
@@ -100,6 +104,11 @@ class AlgorithmArgs(ArgGroup):
             raise ArgumentError(
                 f"--global-batch-size ({args.global_batch_size}) must be a multiple of "
                 f"--micro-batch-size ({args.micro_batch_size})"
+            )
+        if args.global_batch_size is not None and not hasattr(args, "rollout_batch_size"):
+            raise ArgumentError(
+                "--global-batch-size needs the launcher's --rollout-batch-size and "
+                "--n-samples-per-prompt to become optimizer steps; give --num-steps-per-rollout"
             )
         if args.loss_type == "nft":
             raise ArgumentError(

@@ -118,7 +118,7 @@ def run_plain(hf_dir, shard, args, attn):
     for it in range(args.warmup + args.iters):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        steps = split_steps(shard, args.steps)
+        steps = split_steps(shard, args.steps, cpu_group)
         old = {}
         if args.steps > 1:
             with torch.no_grad():

@@ -29,8 +29,8 @@ nccl_ranks = functools.partial(spawn_ranks, timeout=600, shim=False, backend="nc
 
 
 def test_recompute_equals_no_recompute_with_less_activation_memory(tmp_path):
-    from megatron_ranks import RECOMPUTE_CASES, check_recompute, recompute_run
     from megatron_tiny_models import make_tiny_hf
+    from recompute_ranks import RECOMPUTE_CASES, check_recompute, recompute_run
 
     hf_dir = str(make_tiny_hf("qwen3", tmp_path / "hf"))
     (result,) = nccl_ranks(recompute_run, 1, hf_dir, RECOMPUTE_CASES)

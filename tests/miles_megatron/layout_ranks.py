@@ -87,10 +87,12 @@ def two_rank_cases(hf_dirs: dict[str, str]) -> list:
 def layouts_then_pipeline(
     rank: int, world: int, cases: list, rollouts: int, pipeline_hf: str, save: str
 ) -> dict:
-    """:func:`train_and_publish`, then megatron_ranks.pipeline_run, recompute_run and
-    custom_spec_run, in the same ranks: one spawn for test_layouts.py, test_pipeline.py,
+    """:func:`train_and_publish`, then megatron_ranks.pipeline_run, recompute_ranks.recompute_run
+    and custom_spec_ranks.custom_spec_run, in the same ranks: one spawn for test_layouts.py, test_pipeline.py,
     test_recompute.py and test_custom_spec.py (megatron's import dominates a spawn)."""
-    from megatron_ranks import RECOMPUTE_CASES, custom_spec_run, pipeline_run, recompute_run
+    from custom_spec_ranks import custom_spec_run
+    from megatron_ranks import pipeline_run
+    from recompute_ranks import RECOMPUTE_CASES, recompute_run
 
     return {
         "layouts": train_and_publish(rank, world, cases, rollouts),

@@ -244,7 +244,8 @@ def test_moe_grouped_gemm_is_refused_naming_what_is_missing(hf_dirs):
 
 
 def test_recompute_rules_are_argument_errors():
-    from megatron_ranks import RECOMPUTE_CASES, parse
+    from megatron_ranks import parse
+    from recompute_ranks import RECOMPUTE_CASES
 
     for argv in RECOMPUTE_CASES.values():  # what test_recompute.py trains
         parse(argv)

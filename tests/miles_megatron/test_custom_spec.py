@@ -8,7 +8,7 @@ master copy) and in the checkpoint, and the optimizer state resumes bit for bit 
 from __future__ import annotations
 
 import pytest
-from megatron_ranks import check_custom_spec
+from custom_spec_ranks import check_custom_spec
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ activation memory it saves is measured on a GPU (tests/gpu/test_megatron_recompu
 from __future__ import annotations
 
 import pytest
-from megatron_ranks import check_recompute
+from recompute_ranks import check_recompute
 
 
 @pytest.mark.slow

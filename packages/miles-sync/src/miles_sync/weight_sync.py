@@ -32,6 +32,7 @@ from miles_sync.ipc import IpcTransport
 from miles_sync.p2p import P2PTransport
 from miles_sync.publish import PublishRound
 from miles_sync.ranks import RankContext
+from miles_sync.readback import SentDigests, engine_dtype, verify_engines
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class SyncConfig:
     puller_timeout_s: float = 600.0
     engine_api_key: str | None = None
     engine_timeout_s: float = 600.0
+    verify: bool = False  # read every tensor back from each engine after the publish
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -94,6 +96,7 @@ class SyncConfig:
             delta_encoding=args.update_weight_delta_encoding,
             delta_checksum=args.update_weight_delta_checksum,
             engine_api_key=getattr(args, "sglang_api_key", None),
+            verify=getattr(args, "update_weight_verify", False),
         )
         values.update(overrides)
         return cls(**values)
@@ -171,12 +174,35 @@ class WeightPublisher:
         if self.ctx.is_source and previous is None:
             previous = self._first_version(clients)
         version = self.ctx.broadcast_object(None if previous is None else previous + 1)
+        dtypes, sent = {}, None
+        if self.config.verify and self.ctx.is_source:
+            dtypes = {c.base_url: engine_dtype(c) for c in clients}
+            sent = SentDigests(set(dtypes.values()))
+            source = sent.watch(source)
         try:
             stats = self._publish(source, clients, version)
         except BaseException:
             if self._transport is not None:
                 self._transport.reset()  # a failed group is re-made by the retry
             raise
+        if self.config.verify:
+            error = None
+            if sent is not None:
+                try:
+                    stats["verified"] = verify_engines(clients, dtypes, sent, version)
+                except PublishError as failure:
+                    error = str(failure)
+            error = self.ctx.broadcast_object(error)
+            if error is not None:
+                raise PublishError(error)
+            if sent is not None:
+                logger.info(
+                    "weight version %d verified: %d tensors on %d engines equal the trainer's "
+                    "bit for bit",
+                    version,
+                    len(sent.specs),
+                    len(clients),
+                )
         self.version = version
         stats.update(version=version, seconds=time.monotonic() - start)
         self.last_stats = stats

@@ -1,9 +1,11 @@
 """Test support shared by the ``miles train`` end-to-end tests of both backends: the rollout
-records of a ``--metrics-jsonl`` file and the tensors of a checkpoint directory."""
+records of a ``--metrics-jsonl`` file, the tensors of a checkpoint directory, and the
+``--update-weight-verify`` lines of a job's output."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -39,3 +41,17 @@ def dcp_tensors(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
 
     walk(torch.load(out, weights_only=False), "")
     return flat
+
+
+#: Rank 0's line after each publish checked with ``--update-weight-verify`` (miles_sync.readback).
+VERIFIED = re.compile(r"weight version (\d+) verified: (\d+) tensors on (\d+) engines")
+
+
+def assert_publishes_verified(output: str, versions: list[int], engines: int) -> None:
+    """A ``miles train ... --update-weight-verify`` job's output shows every publish of
+    ``versions`` read back from all ``engines`` engines, bit for bit, the same tensors each
+    time (the job fails on the first difference; this shows the check ran)."""
+    seen = {int(v): (int(t), int(e)) for v, t, e in VERIFIED.findall(output)}
+    assert sorted(seen) == versions, f"verified versions {sorted(seen)}, published {versions}"
+    assert {e for _, e in seen.values()} == {engines}, seen
+    assert len({t for t, _ in seen.values()}) == 1 and min(t for t, _ in seen.values()) > 0, seen

@@ -3,10 +3,13 @@
 The hosts are network namespaces of one Ray cluster (``netns_cluster``); the driver runs on
 host a. Each job checks what crosses a host: the engines serve on their host's address, the
 weight-update group's master is the publishing rank's host address (never loopback), the job
-runs with an engine API key, and a request from another host without the key is refused.
+runs with an engine API key, and a request from another host without the key is refused. Every
+job runs with ``--update-weight-verify``: after each publish, the first included, rank 0 reads
+every tensor back from each engine and the job fails unless they are the trainer's, bit for bit
+(``assert_publishes_verified`` shows that every publish was checked).
 
-The default suite runs one job (FSDP, ``broadcast``, 1 rollout); the rest of the matrix is
-``extended``.
+The default suite runs one job (FSDP, ``broadcast``, 1 rollout); the rest of the matrix (FSDP
+with two engines on two hosts in each group mode, and Megatron TP=2) is ``extended``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import pytest
 from miles_core import backends
 from miles_launch.demo import demo_flags
 from netns_cluster import NamespaceCluster
+from train_runs import assert_publishes_verified
 
 pytestmark = [
     pytest.mark.slow,
@@ -40,6 +44,7 @@ SMALL = [
     "--num-gpus-per-node", "2",
     "--engine-startup-timeout", "900",
     "--no-progress",
+    "--update-weight-verify",
 ]  # fmt: skip
 #: A request without the key, from another host: the status it gets (or "unreachable").
 PROBE = """
@@ -55,16 +60,17 @@ except OSError:
 
 
 def run_job(
-    cluster: NamespaceCluster, material, out: Path, *flags: str, probe_from=None
+    cluster: NamespaceCluster, material, out: Path, *flags: str, probe_from=None, base=demo_flags
 ) -> tuple[str, list[dict], list[str]]:
-    """``miles train`` on host a against the cluster; returns (output, metrics records, the
+    """``miles train`` on host a against the cluster (``base(hf, prompts, metrics)``: the
+    job's flags before :data:`SMALL` and ``flags``); returns (output, metrics records, the
     keyless probe's answers from ``probe_from``, taken while the engines run)."""
     hf, prompts = material
     metrics = out / "metrics.jsonl"
     log = out / "driver.log"
     cmd = [
         sys.executable, "-m", "miles_launch.train",
-        *demo_flags(hf, prompts, metrics), *SMALL,
+        *base(hf, prompts, metrics), *SMALL,
         "--ray-address", cluster.ray_address, *flags,
     ]  # fmt: skip
     answers: list[str] = []
@@ -121,6 +127,7 @@ def test_broadcast_one_rollout_across_hosts(cluster, material, tmp_path):
     assert [r["rollout_id"] for r in records] == [0]
     assert all(v >= 1 for v in records[0]["rollout"]["generated_with_versions"])
     check_addresses(cluster, text, [host_b.address])
+    assert_publishes_verified(text, [1, 2], engines=1)
     assert "generated a key for this job" in text
     assert answers == ["401"], answers
 
@@ -146,4 +153,42 @@ def test_two_engines_on_two_hosts(cluster, material, tmp_path, mode):
         assert sorted(k for k, _ in pullers) == ["0", "1"]
     else:
         check_addresses(cluster, text, [h.address for h in cluster.hosts[1:]])
+    assert_publishes_verified(text, [1, 2, 3], engines=2)
+    assert answers == ["401"], answers
+
+
+def megatron_flags(hf: Path, prompts: Path, metrics: Path) -> list[str]:
+    """The megatron backend at TP=2 on the two trainer ranks (CPU shim: conftest.py)."""
+    return [
+        "--train-backend", "megatron", "--hf-checkpoint", str(hf),
+        "--prompt-data", str(prompts), "--input-key", "prompt", "--label-key", "label",
+        "--rm-type", "label-char-fraction", "--rollout-engine", "builtin",
+        "--actor-num-nodes", "1", "--rollout-num-gpus", "1",
+        "--tensor-model-parallel-size", "2", "--sequence-parallel",
+        "--rollout-temperature", "1.0", "--advantage-estimator", "grpo",
+        "--micro-batch-size", "2", "--lr", "1e-2", "--weight-decay", "0.0", "--clip-grad", "1.0",
+        "--metrics-jsonl", str(metrics),
+    ]  # fmt: skip
+
+
+@pytest.mark.extended
+@pytest.mark.skipif("megatron" not in backends.available(), reason="megatron backend not installed")
+def test_megatron_tp2_across_hosts(cluster, material, tmp_path):
+    """Megatron TP=2 ranks on host a, one engine on host b, ``broadcast``, 2 rollouts: the
+    engine joins the group at host a's address, and every publish (the TP shards gathered into
+    HF tensors by the trainer) is read back from host b bit for bit."""
+    text, records, answers = run_job(
+        cluster,
+        material,
+        tmp_path,
+        "--num-rollout", "2",
+        "--update-weight-transfer-mode", "broadcast",
+        probe_from=cluster.hosts[2],
+        base=megatron_flags,
+    )  # fmt: skip
+    versions = [r["rollout"]["generated_with_versions"] for r in records]
+    assert [r["rollout_id"] for r in records] == [0, 1]
+    assert versions == [[1], [2]], versions
+    check_addresses(cluster, text, [cluster.hosts[1].address])
+    assert_publishes_verified(text, [1, 2, 3], engines=1)
     assert answers == ["401"], answers

@@ -75,7 +75,10 @@ def run_job(
     ]  # fmt: skip
     answers: list[str] = []
     with open(log, "wb") as sink:
-        driver = cluster.popen(cluster.head, cmd, stdout=sink, stderr=sink, cwd=ROOT)
+        # every line as the ranks print it: Ray's deduplication drops lines that differ only
+        # in their digits (the second "weight version N verified" within a few seconds)
+        env = {"RAY_DEDUP_LOGS": "0"}
+        driver = cluster.popen(cluster.head, cmd, stdout=sink, stderr=sink, cwd=ROOT, env_extra=env)
         deadline = time.monotonic() + 1500
         try:
             while driver.poll() is None and time.monotonic() < deadline:

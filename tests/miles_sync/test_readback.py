@@ -8,7 +8,7 @@ import pytest
 import torch
 from miles_core.engine import EngineClient
 from miles_sync.errors import PublishError
-from miles_sync.readback import SentDigests, engine_dtype, verify_engines
+from miles_sync.readback import SentDigests, engine_dtype, tensors_digest, verify_engines
 from miles_sync.weight_sync import SyncConfig, WeightPublisher
 from sync_testing import Engine, save_checkpoint, source, tiny_model, train_step
 
@@ -39,7 +39,11 @@ def test_verified_publish_and_a_one_ulp_difference_is_caught(engines):
     urls = [e.url for e in engines]
     version = publisher.update_weights(source(model), urls)
     count = len(list(source(model)))
-    assert publisher.last_stats["verified"] == {"tensors": count, "engines": 2}
+    assert publisher.last_stats["verified"] == {
+        "tensors": count,
+        "engines": 2,
+        "state": tensors_digest(source(model)),
+    }
     publisher.close()
 
     clients = [EngineClient(url) for url in urls]

@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 from miles_core import backends
 from miles_launch.demo import demo_flags
+from miles_sync.readback import tensors_digest
 from netns_cluster import NamespaceCluster
-from train_runs import assert_publishes_verified
+from train_runs import assert_publishes_verified, dcp_tensors
 
 pytestmark = [
     pytest.mark.slow,
@@ -100,6 +101,14 @@ def run_job(
     return text, records, answers
 
 
+def fsdp_saved_state(save: Path, rollouts: int) -> str:
+    """The state digest (as ``--update-weight-verify`` logs it) of the model the FSDP trainer
+    saved after its last rollout: the engines' weights, read back after the last publish, must
+    be these."""
+    saved = dcp_tensors(save / f"iter_{rollouts:07d}" / "model")  # names under "model."
+    return tensors_digest((name.removeprefix("model."), t) for name, t in saved.items())
+
+
 def check_addresses(cluster: NamespaceCluster, text: str, engine_hosts: list[str]) -> None:
     """Engines serve on their own hosts' addresses; each joined its weight-update groups at
     the trainer host's address."""
@@ -124,13 +133,15 @@ def test_broadcast_one_rollout_across_hosts(cluster, material, tmp_path):
         tmp_path,
         "--num-rollout", "1",
         "--update-weight-transfer-mode", "broadcast",
+        "--save", str(tmp_path / "ckpt"), "--save-interval", "1",
         probe_from=host_c,
     )  # fmt: skip
     print(f"multi-host broadcast job: {time.monotonic() - start:.0f} s")
     assert [r["rollout_id"] for r in records] == [0]
     assert all(v >= 1 for v in records[0]["rollout"]["generated_with_versions"])
     check_addresses(cluster, text, [host_b.address])
-    assert_publishes_verified(text, [1, 2], engines=1)
+    final = assert_publishes_verified(text, [1, 2], engines=1)
+    assert final == fsdp_saved_state(tmp_path / "ckpt", 1)
     assert "generated a key for this job" in text
     assert answers == ["401"], answers
 
@@ -143,6 +154,7 @@ def test_two_engines_on_two_hosts(cluster, material, tmp_path, mode):
     ``disk-delta`` runs one puller beside each engine, on its host (before, no puller ran and
     the first publish waited for them until its timeout)."""
     flags = ["--num-rollout", "2", "--rollout-num-gpus", "2", "--update-weight-transfer-mode", mode]
+    flags += ["--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
     if mode == "disk-delta":
         flags += ["--update-weight-disk-dir", str(tmp_path / "shared")]
     text, records, answers = run_job(
@@ -156,7 +168,8 @@ def test_two_engines_on_two_hosts(cluster, material, tmp_path, mode):
         assert sorted(k for k, _ in pullers) == ["0", "1"]
     else:
         check_addresses(cluster, text, [h.address for h in cluster.hosts[1:]])
-    assert_publishes_verified(text, [1, 2, 3], engines=2)
+    final = assert_publishes_verified(text, [1, 2, 3], engines=2)
+    assert final == fsdp_saved_state(tmp_path / "ckpt", 2)
     assert answers == ["401"], answers
 
 

@@ -6,7 +6,9 @@ xxh3-128 of its raw bytes, cast to each engine's dtype (the engine casts what it
 dtype it serves in: ``dtype`` of ``/get_server_info``, or the checkpoint's for ``auto``). After
 the round, :func:`verify_engines` reads each tensor with SGLang's ``/get_weights_by_name`` (all
 rows, as float32 values: exact for float32, bfloat16 and float16), casts it back to the engine's
-dtype and compares digests. No copy of the weights is kept, only their digests.
+dtype and compares digests. No copy of the weights is kept, only their digests. The check's
+result carries :func:`state_digest` of the tensors as sent, so a test can compare the published
+state with a checkpoint the trainer saved.
 
 The check reads the engines' tensors by HF name, so it needs engines that serve whole tensors
 under those names (the built-in engine; SGLang at tensor-parallel size 1). It costs one HTTP
@@ -34,6 +36,17 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     return xxhash.xxh3_128_hexdigest(raw)
 
 
+def state_digest(digests: dict[str, str]) -> str:
+    """One xxh3-128 over every ``name -> tensor digest`` pair, in name order."""
+    lines = "".join(f"{name} {digests[name]}\n" for name in sorted(digests))
+    return xxhash.xxh3_128_hexdigest(lines.encode())
+
+
+def tensors_digest(pairs: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """:func:`state_digest` of ``(name, tensor)`` pairs."""
+    return state_digest({name: tensor_digest(tensor) for name, tensor in pairs})
+
+
 def engine_dtype(client: EngineClient) -> torch.dtype | None:
     """The dtype the engine serves in (``None``: ``auto``, the dtype it is sent)."""
     name = str(client.get_server_info().get("dtype", "auto"))
@@ -53,6 +66,7 @@ class SentDigests:
     targets: set[torch.dtype | None]
     specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
     digests: dict[tuple[str, torch.dtype], str] = field(default_factory=dict)
+    as_sent: dict[str, str] = field(default_factory=dict)
 
     def watch(
         self, source: Iterable[tuple[str, torch.Tensor]]
@@ -64,6 +78,7 @@ class SentDigests:
 
     def record(self, name: str, tensor: torch.Tensor) -> None:
         self.specs[name] = (tuple(tensor.shape), tensor.dtype)
+        self.as_sent[name] = tensor_digest(tensor)
         for target in self.targets:
             dtype = tensor.dtype if target is None else target
             if dtype not in EXACT_IN_FLOAT32:
@@ -71,7 +86,8 @@ class SentDigests:
                     f"--update-weight-verify: {name} is {dtype}, which /get_weights_by_name "
                     "cannot return exactly (float32 values)"
                 )
-            self.digests[name, dtype] = tensor_digest(tensor.to(dtype))
+            cast = self.as_sent[name] if dtype == tensor.dtype else tensor_digest(tensor.to(dtype))
+            self.digests[name, dtype] = cast
 
 
 def read_back(client: EngineClient, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -87,7 +103,7 @@ def verify_engines(
     version: int,
 ) -> dict[str, int]:
     """Raise :class:`PublishError` naming the first engine and tensors that differ from what
-    was sent; else ``{"tensors": n, "engines": m}``."""
+    was sent; else ``{"tensors": n, "engines": m, "state": state_digest(as sent)}``."""
     if not sent.specs:
         raise PublishError(f"--update-weight-verify: weight version {version} sent no tensors")
     for client in clients:
@@ -110,4 +126,8 @@ def verify_engines(
                 f"(bit for bit) in {len(differ)} of {len(sent.specs)} tensors: "
                 f"{', '.join(differ[:5])}{' ...' if len(differ) > 5 else ''}"
             )
-    return {"tensors": len(sent.specs), "engines": len(clients)}
+    return {
+        "tensors": len(sent.specs),
+        "engines": len(clients),
+        "state": state_digest(sent.as_sent),
+    }

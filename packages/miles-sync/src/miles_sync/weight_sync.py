@@ -174,10 +174,8 @@ class WeightPublisher:
         if self.ctx.is_source and previous is None:
             previous = self._first_version(clients)
         version = self.ctx.broadcast_object(None if previous is None else previous + 1)
-        dtypes, sent = {}, None
-        if self.config.verify and self.ctx.is_source:
-            dtypes = {c.base_url: engine_dtype(c) for c in clients}
-            sent = SentDigests(set(dtypes.values()))
+        dtypes, sent = self._start_check(clients)
+        if sent is not None:
             source = sent.watch(source)
         try:
             stats = self._publish(source, clients, version)
@@ -189,26 +187,40 @@ class WeightPublisher:
             error = None
             if sent is not None:
                 try:
-                    stats["verified"] = verify_engines(clients, dtypes, sent, version)
+                    stats["verified"] = verified = verify_engines(clients, dtypes, sent, version)
+                    logger.info(
+                        "weight version %d verified: %d tensors on %d engines equal the "
+                        "trainer's bit for bit (state %s)",
+                        version, verified["tensors"], verified["engines"], verified["state"],
+                    )  # fmt: skip
                 except PublishError as failure:
                     error = str(failure)
             error = self.ctx.broadcast_object(error)
             if error is not None:
                 raise PublishError(error)
-            if sent is not None:
-                logger.info(
-                    "weight version %d verified: %d tensors on %d engines equal the trainer's "
-                    "bit for bit",
-                    version,
-                    len(sent.specs),
-                    len(clients),
-                )
         self.version = version
         stats.update(version=version, seconds=time.monotonic() - start)
         self.last_stats = stats
         if self.ctx.is_source:
             logger.info("published weight version %d: %s", version, stats)
         return version
+
+    def _start_check(self, clients: list[EngineClient]) -> tuple[dict, SentDigests | None]:
+        """``--update-weight-verify`` on rank 0: each engine's dtype, and the recorder of what
+        this publish sends (``{}, None`` elsewhere); a failure here fails the publish everywhere."""
+        if not self.config.verify:
+            return {}, None
+        dtypes, sent, error = {}, None, None
+        if self.ctx.is_source:
+            try:
+                dtypes = {c.base_url: engine_dtype(c) for c in clients}
+                sent = SentDigests(set(dtypes.values()))
+            except (EngineError, PublishError) as failure:
+                error = f"--update-weight-verify: {failure}"
+        error = self.ctx.broadcast_object(error)
+        if error is not None:
+            raise PublishError(error)
+        return dtypes, sent
 
     def _publish(self, source, clients: list[EngineClient], version: int) -> dict:
         ctx = self.ctx

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -109,6 +110,23 @@ def fsdp_saved_state(save: Path, rollouts: int) -> str:
     return tensors_digest((name.removeprefix("model."), t) for name, t in saved.items())
 
 
+def megatron_saved_state(save: Path, hf: Path, out: Path) -> str:
+    """The same for the megatron trainer's torch_dist checkpoint, converted to HF tensors by
+    ``miles_megatron.convert`` (offline, one process: not the publish path's gather)."""
+    from megatron_cli import megatron_cli_env
+    from safetensors.torch import load_file
+
+    cmd = [
+        sys.executable, "-m", "miles_megatron.convert", "torch-dist-to-hf",
+        "--load", str(save), "--hf-checkpoint", str(hf), "--save", str(out),
+    ]  # fmt: skip
+    run = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=megatron_cli_env()
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    return tensors_digest(load_file(out / "model.safetensors").items())
+
+
 def check_addresses(cluster: NamespaceCluster, text: str, engine_hosts: list[str]) -> None:
     """Engines serve on their own hosts' addresses; each joined its weight-update groups at
     the trainer host's address."""
@@ -191,14 +209,16 @@ def megatron_flags(hf: Path, prompts: Path, metrics: Path) -> list[str]:
 @pytest.mark.skipif("megatron" not in backends.available(), reason="megatron backend not installed")
 def test_megatron_tp2_across_hosts(cluster, material, tmp_path):
     """Megatron TP=2 ranks on host a, one engine on host b, ``broadcast``, 2 rollouts: the
-    engine joins the group at host a's address, and every publish (the TP shards gathered into
-    HF tensors by the trainer) is read back from host b bit for bit."""
+    engine joins the group at host a's address, every publish (the TP shards gathered into HF
+    tensors by the trainer) is read back from host b bit for bit, and the last one is the saved
+    checkpoint converted offline."""
     text, records, answers = run_job(
         cluster,
         material,
         tmp_path,
         "--num-rollout", "2",
         "--update-weight-transfer-mode", "broadcast",
+        "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
         probe_from=cluster.hosts[2],
         base=megatron_flags,
     )  # fmt: skip
@@ -206,5 +226,6 @@ def test_megatron_tp2_across_hosts(cluster, material, tmp_path):
     assert [r["rollout_id"] for r in records] == [0, 1]
     assert versions == [[1], [2]], versions
     check_addresses(cluster, text, [cluster.hosts[1].address])
-    assert_publishes_verified(text, [1, 2, 3], engines=1)
+    final = assert_publishes_verified(text, [1, 2, 3], engines=1)
+    assert final == megatron_saved_state(tmp_path / "ckpt", material[0], tmp_path / "final-hf")
     assert answers == ["401"], answers

@@ -10,7 +10,9 @@ the mode's transport moves the bytes. The engine set is compared with the previo
 groups are (re)made when it changed. Versions are integers counted by the publisher: each
 successful publish advances it by exactly one; a failed publish raises
 :class:`~miles_sync.errors.PublishError` on every rank and leaves the counter (and the trainer)
-as it was, so calling again retries the same version.
+as it was, so calling again retries the same version. With ``SyncConfig.verify``
+(``--update-weight-verify``) rank 0 then reads every tensor back from each engine and a
+difference fails the publish the same way (:mod:`miles_sync.readback`).
 """
 
 from __future__ import annotations

@@ -113,6 +113,7 @@ CALLS = {
         abort_all_requests=False,
     ),
     "update_weight_version": lambda c: c.update_weight_version("v3", abort_all_requests=False),
+    "get_weights_by_name": lambda c: c.get_weights_by_name("lm_head.weight", 4),
     "release_memory_occupation": lambda c: c.release_memory_occupation(["weights", "kv_cache"]),
     "resume_memory_occupation": lambda c: c.resume_memory_occupation(["weights"]),
 }

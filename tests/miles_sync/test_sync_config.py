@@ -13,6 +13,8 @@ def parse(*argv):
 
 def test_from_args_defaults_by_placement():
     assert SyncConfig.from_args(parse()).mode == "broadcast"
+    assert not SyncConfig.from_args(parse()).verify
+    assert SyncConfig.from_args(parse("--update-weight-verify")).verify
     colocated = SyncConfig.from_args(parse("--colocate"))
     assert colocated.mode == "ipc" and colocated.colocate
     cfg = SyncConfig.from_args(

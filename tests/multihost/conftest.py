@@ -3,13 +3,22 @@
 
 Host a (10.123.0.1) is the Ray head with 2 CPU slots (the trainer's); hosts b and c have 1
 slot each (one engine each). Where namespaces cannot be made (no root, no iproute2), every
-multi-host test skips with one line saying why.
+multi-host test skips with one line saying why. Every process of the hosts runs with the
+megatron CPU shim's ``PYTHONPATH`` (tests/miles_megatron/megatron_cli.py): Ray's workers inherit
+their node's environment, and the shim installs itself only in processes that import
+``miles_megatron``, so the FSDP jobs run as they would without it.
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 from netns_cluster import CannotMakeNamespaces, NamespaceCluster, probe
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "miles_megatron"))
+from megatron_cli import megatron_cli_env  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -19,7 +28,8 @@ def hosts():
         probe()
     except CannotMakeNamespaces as why:
         pytest.skip(f"multi-host tests need network namespaces: {why}")
-    made = NamespaceCluster([2, 1, 1]).make_network()
+    shim = {"PYTHONPATH": megatron_cli_env()["PYTHONPATH"]}
+    made = NamespaceCluster([2, 1, 1], env_extra=shim).make_network()
     try:
         yield made
     finally:

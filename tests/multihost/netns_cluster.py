@@ -73,10 +73,12 @@ class Host:
 
 @dataclass
 class NamespaceCluster:
-    """``cpus_per_host[i]`` CPU slots on host ``i``; host 0 is the Ray head."""
+    """``cpus_per_host[i]`` CPU slots on host ``i``; host 0 is the Ray head; ``env_extra``: set
+    for every process of every host (Ray's nodes too, so their workers inherit it)."""
 
     cpus_per_host: list[int]
     python: str = sys.executable
+    env_extra: dict[str, str] = field(default_factory=dict)
     hosts: list[Host] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -123,6 +125,7 @@ class NamespaceCluster:
             "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN": self.token,
             "PYTHONUNBUFFERED": "1",
+            **self.env_extra,
         }
 
     def _exec(self, host: Host, argv: list[str]) -> list[str]:

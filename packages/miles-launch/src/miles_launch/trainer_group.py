@@ -81,6 +81,10 @@ class TrainerRank:
             # The address this rank's weight-update groups advertise to the engines.
             **{NODE_IP_ENV: node_ip()},
         )
+        if getattr(args, "update_weight_verify", False):
+            # rank 0's "weight version N verified: ..." line of each publish reaches the driver
+            logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+            logging.getLogger("miles_sync.weight_sync").setLevel(logging.INFO)
         if self.use_gpu:
             torch.cuda.set_device(0)
         dist.init_process_group(

@@ -10,7 +10,9 @@ the mode's transport moves the bytes. The engine set is compared with the previo
 groups are (re)made when it changed. Versions are integers counted by the publisher: each
 successful publish advances it by exactly one; a failed publish raises
 :class:`~miles_sync.errors.PublishError` on every rank and leaves the counter (and the trainer)
-as it was, so calling again retries the same version.
+as it was, so calling again retries the same version. With ``SyncConfig.verify``
+(``--update-weight-verify``) rank 0 then reads every tensor back from each engine and a
+difference fails the publish the same way (:mod:`miles_sync.readback`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from miles_sync.ipc import IpcTransport
 from miles_sync.p2p import P2PTransport
 from miles_sync.publish import PublishRound
 from miles_sync.ranks import RankContext
+from miles_sync.readback import SentDigests, engine_dtype, verify_engines
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +61,7 @@ class SyncConfig:
     puller_timeout_s: float = 600.0
     engine_api_key: str | None = None
     engine_timeout_s: float = 600.0
+    verify: bool = False  # read every tensor back from each engine after the publish
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -94,6 +98,7 @@ class SyncConfig:
             delta_encoding=args.update_weight_delta_encoding,
             delta_checksum=args.update_weight_delta_checksum,
             engine_api_key=getattr(args, "sglang_api_key", None),
+            verify=getattr(args, "update_weight_verify", False),
         )
         values.update(overrides)
         return cls(**values)
@@ -171,18 +176,53 @@ class WeightPublisher:
         if self.ctx.is_source and previous is None:
             previous = self._first_version(clients)
         version = self.ctx.broadcast_object(None if previous is None else previous + 1)
+        dtypes, sent = self._start_check(clients)
+        if sent is not None:
+            source = sent.watch(source)
         try:
             stats = self._publish(source, clients, version)
         except BaseException:
             if self._transport is not None:
                 self._transport.reset()  # a failed group is re-made by the retry
             raise
+        if self.config.verify:
+            error = None
+            if sent is not None:
+                try:
+                    stats["verified"] = verified = verify_engines(clients, dtypes, sent, version)
+                    logger.info(
+                        "weight version %d verified: %d tensors on %d engines equal the "
+                        "trainer's bit for bit (state %s)",
+                        version, verified["tensors"], verified["engines"], verified["state"],
+                    )  # fmt: skip
+                except PublishError as failure:
+                    error = str(failure)
+            error = self.ctx.broadcast_object(error)
+            if error is not None:
+                raise PublishError(error)
         self.version = version
         stats.update(version=version, seconds=time.monotonic() - start)
         self.last_stats = stats
         if self.ctx.is_source:
             logger.info("published weight version %d: %s", version, stats)
         return version
+
+    def _start_check(self, clients: list[EngineClient]) -> tuple[dict, SentDigests | None]:
+        """``--update-weight-verify`` on rank 0: each engine's dtype, and the recorder of what
+        this publish sends (``{}, None`` elsewhere); a failure here fails the publish everywhere."""
+        if not self.config.verify:
+            return {}, None
+        dtypes, sent, error = {}, None, None
+        if self.ctx.is_source:
+            try:
+                dtypes = {c.base_url: engine_dtype(c) for c in clients}
+                sent = SentDigests(set(dtypes.values()))
+            except (EngineError, PublishError) as failure:
+                error = f"--update-weight-verify: {failure}"
+        error = self.ctx.broadcast_object(error)
+        if error is not None:
+            raise PublishError(error)
+        return dtypes, sent
 
     def _publish(self, source, clients: list[EngineClient], version: int) -> dict:
         ctx = self.ctx

@@ -317,6 +317,15 @@ class EngineEndpoints:
         )
         return self._call(call)
 
+    def get_weights_by_name(
+        self, name: str, truncate_size: int = 100, *, timeout: float | None = None
+    ) -> Any:
+        """``POST /get_weights_by_name {"name", "truncate_size"}``: the first
+        ``truncate_size`` rows of the tensor of HF name ``name``, as nested float lists."""
+        body = {"name": name, "truncate_size": truncate_size}
+        call = EngineCall("POST", "/get_weights_by_name", body, idempotent=True, timeout=timeout)
+        return self._call(call)
+
     # ------------------------------------------------------------------ memory
 
     def release_memory_occupation(

@@ -56,6 +56,13 @@ class SyncArgs(ArgGroup):
         "xxh3-128", help="disk-delta checksum of each new state."
     )
 
+    update_weight_verify: bool = flag(
+        False,
+        help="After each publish, read every published tensor back from each engine "
+        "(/get_weights_by_name) and fail the publish unless it equals the trainer's bit for bit. "
+        "A debugging check: one JSON reply of every tensor per engine.",
+    )
+
     @classmethod
     def validate(cls, args: Any) -> None:
         at_least(args, "update_weight_buffer_size", 1)

@@ -113,3 +113,45 @@ def straight_then_resumed(rank: int, world: int, hf_dir: str, root: str) -> dict
         "moved": any(not torch.equal(before[n], expected[n]) for n in expected),
         "metrics": (first, second, again),
     }
+
+
+def actor_beside_critic(rank: int, world: int, hf_dir: str, root: str) -> dict:
+    """What a trainer rank of ``miles train --use-critic`` does, in one process: the critic's
+    init, then the actor's (one megatron parallel state), the critic scores and trains, the
+    actor trains on the GAE advantages of those values; both save, sleep (the disk target: one
+    file each) and wake, and close."""
+    from backend_reference import samples
+    from megatron_ranks import parse
+    from miles_core.batch import RolloutBatch
+    from miles_megatron.backend import MegatronBackend
+
+    argv = critic_argv(hf_dir, world, "--save", f"{root}/ckpt")
+    argv += ["--offload-train", "--offload-train-target", "disk"]
+    argv += ["--offload-train-disk-dir", f"{root}/offload"]
+    args = parse(argv)
+    critic = MegatronBackend()
+    critic.init(args, "critic")
+    actor = MegatronBackend()
+    actor.init(args, "actor")
+    batch = RolloutBatch(samples()).with_fields(
+        values=critic.compute_values(RolloutBatch(samples()))
+    )
+    critic_metrics = critic.train(0, batch)
+    actor_metrics = actor.train(0, batch)
+    actor.save_model(0)
+    critic.save_model(0)
+    critic.sleep()
+    actor.sleep()
+    files = sorted(p for p in (critic.sleeper.disk_path, actor.sleeper.disk_path) if p)
+    critic.wake_up()
+    actor.wake_up()
+    again = critic.compute_values(RolloutBatch(samples()))
+    critic.close()
+    actor.close()
+    return {
+        "values": [v.tolist() for v in batch.response_field("values")],
+        "values_after": [v.tolist() for v in again],
+        "critic": critic_metrics,
+        "actor": actor_metrics,
+        "sleep_files": files,
+    }

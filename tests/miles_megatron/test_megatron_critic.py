@@ -8,6 +8,9 @@ reference written here: the HF model with its LM head replaced by ``Linear(hidde
   gradients of the value head and the final norm; TP=2 equals TP=1 to the same bounds;
 * a critic saved after one rollout and resumed trains the next rollout to the same parameters,
   bit for bit, as the straight run;
+* the critic beside the actor in one process (as on a trainer rank): one parallel state, the
+  actor's one-step loss is ``-(1/S) sum_i (1/n_i) sum_t A_it`` with ``A`` the float64 GAE
+  advantages of the critic's values, both save, sleep to their own files and wake;
 * the critic never publishes; PP, CP and EP > 1 are refused at argument time.
 """
 
@@ -20,6 +23,7 @@ from critic_ranks import (
     GRAD_NAMES,
     LAMBD,
     SEED,
+    actor_beside_critic,
     critic_argv,
     straight_then_resumed,
     values_and_grads,
@@ -50,17 +54,18 @@ def reference_critic(hf_dir: str) -> torch.nn.Module:
     return model
 
 
-def gae_returns(reward: float, values: list[float]) -> torch.Tensor:
+def gae(reward: float, values: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 GAE with the reward on the last token: delta_t = r_t + gamma V_{t+1} - V_t
-    (V_n = 0), A_t = delta_t + gamma lambd A_{t+1}; returns A + V."""
+    (V_n = 0), A_t = delta_t + gamma lambd A_{t+1}; (A, returns A + V)."""
     n = len(values)
     rewards = [0.0] * (n - 1) + [reward]
-    out, running = [0.0] * n, 0.0
+    adv, running = [0.0] * n, 0.0
     for t in reversed(range(n)):
         next_v = values[t + 1] if t + 1 < n else 0.0
         running = rewards[t] + GAMMA * next_v - values[t] + GAMMA * LAMBD * running
-        out[t] = running + values[t]
-    return torch.tensor(out, dtype=torch.float64)
+        adv[t] = running
+    adv_t = torch.tensor(adv, dtype=torch.float64)
+    return adv_t, adv_t + torch.tensor(values, dtype=torch.float64)
 
 
 def reference_step(hf_dir: str):
@@ -73,7 +78,7 @@ def reference_step(hf_dir: str):
         v = model(input_ids=s.tokens[None], use_cache=False).logits[0, :-1, 0]
         v = v[-s.response_length :]
         values.append(v.detach())
-        returns = gae_returns(s.reward, v.detach().tolist())
+        _, returns = gae(s.reward, v.detach().tolist())
         terms.append((0.5 * (v - returns).square()).mean())
     loss = sum(terms) / len(terms)
     loss.backward()
@@ -143,3 +148,20 @@ def test_unproven_critic_layouts_are_refused(hf_dir, flags):
         parse(critic_argv(hf_dir, 1, *flags))
     message = str(info.value)
     assert message.startswith("--use-critic with " + flags[0]) and "\n" not in message
+
+
+@pytest.mark.slow
+def test_actor_beside_critic_takes_its_gae_advantages(hf_dir, tmp_path):
+    from backend_reference import samples
+
+    results = spawn_ranks(actor_beside_critic, 2, hf_dir, str(tmp_path), timeout=600)
+    for r in results:
+        advantages = [gae(s.reward, v)[0] for s, v in zip(samples(), r["values"], strict=True)]
+        expected = -sum(float(a.mean()) for a in advantages) / len(advantages)
+        assert abs(r["actor"]["loss"] - expected) <= 1e-5 * max(1.0, abs(expected)), (r, expected)
+        assert r["critic"]["value_loss"] > 0
+        assert len(r["sleep_files"]) == 2 and len(set(r["sleep_files"])) == 2
+        assert r["values_after"] != r["values"]  # the critic's step moved its values
+    assert results[0]["values"] == results[1]["values"]
+    assert (tmp_path / "ckpt" / "iter_0000001").is_dir()
+    assert (tmp_path / "ckpt" / "critic" / "iter_0000001").is_dir()

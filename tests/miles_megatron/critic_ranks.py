@@ -118,8 +118,8 @@ def straight_then_resumed(rank: int, world: int, hf_dir: str, root: str) -> dict
 def actor_beside_critic(rank: int, world: int, hf_dir: str, root: str) -> dict:
     """What a trainer rank of ``miles train --use-critic`` does, in one process: the critic's
     init, then the actor's (one megatron parallel state), the critic scores and trains, the
-    actor trains on the GAE advantages of those values; both save, sleep (the disk target: one
-    file each) and wake, and close."""
+    actor trains on the GAE advantages of those values; both save (the critic asleep, as under
+    --colocate), sleep (the disk target: one file each) and wake, and close."""
     from backend_reference import samples
     from megatron_ranks import parse
     from miles_core.batch import RolloutBatch
@@ -139,8 +139,9 @@ def actor_beside_critic(rank: int, world: int, hf_dir: str, root: str) -> dict:
     critic_metrics = critic.train(0, batch)
     actor_metrics = actor.train(0, batch)
     actor.save_model(0)
-    critic.save_model(0)
     critic.sleep()
+    critic.save_model(0)  # asleep, as under --colocate: wakes for the save, sleeps again
+    asleep_after_save = critic.sleeper.asleep
     actor.sleep()
     files = sorted(p for p in (critic.sleeper.disk_path, actor.sleeper.disk_path) if p)
     critic.wake_up()
@@ -154,4 +155,5 @@ def actor_beside_critic(rank: int, world: int, hf_dir: str, root: str) -> dict:
         "critic": critic_metrics,
         "actor": actor_metrics,
         "sleep_files": files,
+        "asleep_after_save": asleep_after_save,
     }

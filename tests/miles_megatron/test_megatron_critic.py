@@ -161,6 +161,7 @@ def test_actor_beside_critic_takes_its_gae_advantages(hf_dir, tmp_path):
         assert abs(r["actor"]["loss"] - expected) <= 1e-5 * max(1.0, abs(expected)), (r, expected)
         assert r["critic"]["value_loss"] > 0
         assert len(r["sleep_files"]) == 2 and len(set(r["sleep_files"])) == 2
+        assert r["asleep_after_save"]
         assert r["values_after"] != r["values"]  # the critic's step moved its values
     assert results[0]["values"] == results[1]["values"]
     assert (tmp_path / "ckpt" / "iter_0000001").is_dir()

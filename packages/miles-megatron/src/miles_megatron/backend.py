@@ -427,8 +427,18 @@ class MegatronBackend(TrainBackend):
     def save_model(self, rollout_id: int, force_sync: bool = False) -> None:
         """Iteration ``rollout_id + 1``. Under ``--async-save`` (unless ``force_sync``) only the
         staging happens here and the tracker moves once the background write is done; the
-        previous async save is always finished first. ``force_sync``: durable on return."""
+        previous async save is always finished first. ``force_sync``: durable on return.
+        Asleep (the critic under ``--colocate`` sleeps between its phases): wakes, saves
+        synchronously (an async write would read the state after it sleeps again), sleeps."""
         from miles_megatron.checkpoint import finish_saves, save_checkpoint
+
+        if self.sleeper.asleep:
+            self.wake_up()
+            try:
+                self.save_model(rollout_id, force_sync=True)
+            finally:
+                self.sleep()
+            return
 
         if not self.args.save:
             raise ValueError(

@@ -101,7 +101,7 @@ def main() -> None:
     shard = partition_for_dp(_rollout(args, cfg.vocab_size, dp), dp, keep_groups=True)[
         rank // args.tp
     ]
-    argv = ["--hf-checkpoint", box[0], "--lr", "1e-6", "--critic-lr", "1e-6"]
+    argv = ["--hf-checkpoint", box[0], "--lr", "1e-6"]
     argv += ["--use-dynamic-batch-size", "--max-tokens-per-gpu", str(args.tokens_per_gpu)]
     argv += ["--num-steps-per-rollout", str(args.steps), "--tensor-model-parallel-size"]
     argv += [str(args.tp)] + (["--sequence-parallel"] if args.tp > 1 else [])
@@ -122,7 +122,9 @@ def main() -> None:
         record("grpo: actor train", _timed(lambda r=r: actor.train(r, shard))[1], r)
     peaks["grpo"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     actor.close()
-    ppo_args = parse_args([*argv, "--advantage-estimator", "ppo", "--use-critic"], groups)
+    ppo_args = parse_args(
+        [*argv, "--advantage-estimator", "ppo", "--use-critic"], groups
+    )  # critic lr = --lr
     critic, actor = MegatronBackend(), MegatronBackend()
     critic.init(ppo_args, "critic")
     actor.init(ppo_args, "actor")

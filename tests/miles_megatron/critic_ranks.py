@@ -55,11 +55,13 @@ def _params(backend) -> dict[str, torch.Tensor]:
 def values_and_grads(rank: int, world: int, hf_dir: str, tp: int, out_dir: str) -> None:
     """At ``tp``: the critic's values of the samples, one value-loss step's metrics and the
     gradients of :data:`GRAD_NAMES` (read from DDP's buffers after the step), saved to
-    ``out_dir/tp{tp}_rank{rank}.pt``; also what a publish does."""
+    ``out_dir/tp{tp}_rank{rank}.pt``; also what a publish does and which of the actor's
+    ``--custom-megatron-*`` hooks ran (none should)."""
     from backend_reference import samples
+    from megatron_ranks import HOOK_CALLS, HOOK_FLAGS
     from miles_megatron.sharding import unwrap
 
-    backend, next_id = _critic(critic_argv(hf_dir, tp))
+    backend, next_id = _critic(critic_argv(hf_dir, tp, *HOOK_FLAGS))  # the actor's hooks
     batch = _scored_batch(backend, samples())
     metrics = backend.train(0, batch)
     params = dict(unwrap(backend.model).named_parameters())
@@ -77,6 +79,7 @@ def values_and_grads(rank: int, world: int, hf_dir: str, tp: int, out_dir: str) 
         "grads": grads,
         "head_type": type(unwrap(backend.model).output_layer).__name__,
         "refusals": refusals,
+        "hook_calls": list(HOOK_CALLS),
     }
     backend.close()
     torch.save(out, f"{out_dir}/tp{tp}_rank{rank}.pt")

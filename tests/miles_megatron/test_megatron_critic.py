@@ -11,7 +11,8 @@ reference written here: the HF model with its LM head replaced by ``Linear(hidde
 * the critic beside the actor in one process (as on a trainer rank): one parallel state, the
   actor's one-step loss is ``-(1/S) sum_i (1/n_i) sum_t A_it`` with ``A`` the float64 GAE
   advantages of the critic's values, both save, sleep to their own files and wake;
-* the critic never publishes; PP, CP and EP > 1 are refused at argument time.
+* the critic never publishes and runs none of the actor's ``--custom-megatron-*`` hooks; PP,
+  CP and EP > 1 are refused at argument time.
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ def test_values_and_value_loss_gradient_match_float64_at_tp1_and_tp2(hf_dir, tmp
             assert_within(run["grads"][mname], want, grad_atol(want), f"{name} {mname}")
         assert len(run["refusals"]) == 2
         assert all("never publishes" in r for r in run["refusals"])
+        assert run["hook_calls"] == []  # the --custom-megatron-* hooks are the actor's
     assert max(float(v.abs().max()) for v in values) > 1e-2  # the head is not zero
     assert loss > 1e-2 and norm > 1e-2
     tp1, tp2 = runs["tp1_rank0"], runs["tp2_rank0"]

@@ -35,8 +35,9 @@ of :mod:`miles_megatron.value_head` in place of the output layer, built from the
 :func:`miles_core.args.groups.critic.critic_args` (``--critic-lr``, ``--critic-save`` /
 ``--critic-load``, ``--loss-type value_loss``): its own DDP buffers, optimizer, scheduler,
 checkpoint and sleeper, on the megatron parallel state it shares with the actor of the same
-rank (:func:`~miles_megatron.parallel.acquire_parallel`). :meth:`compute_values` scores a
-rollout; ``train`` fits the values to the GAE returns; it never publishes.
+rank (:func:`~miles_megatron.parallel.acquire_parallel`), without the actor's
+``--custom-megatron-*`` hooks. :meth:`compute_values` scores a rollout; ``train`` fits the
+values to the GAE returns; it never publishes.
 """
 
 from __future__ import annotations
@@ -223,7 +224,8 @@ class MegatronBackend(TrainBackend):
         return resolve_load(self.args.load, getattr(self.args, "ckpt_step", None))
 
     def _hook(self, dest: str):
-        path = getattr(self.args, dest, None)
+        """The ``--custom-megatron-*`` hook ``dest`` names; the actor's only (not the critic's)."""
+        path = getattr(self.args, dest, None) if self.role == "actor" else None
         return import_function(path, "--" + dest.replace("_", "-")) if path else None
 
     # ------------------------------------------------------------------ data

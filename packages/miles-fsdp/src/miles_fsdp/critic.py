@@ -4,7 +4,8 @@ The critic is built by the one build path (:func:`miles_fsdp.build.build_model`)
 ``--hf-checkpoint`` with ``tie_word_embeddings`` off and its LM head replaced by
 ``nn.Linear(hidden_size, 1)`` (the value head): on the meta skeleton before sharding
 (:func:`install_value_head`) and on rank 0's loaded model before its state is broadcast
-(:func:`value_head_fixup`, a seeded initialisation, so every run starts from the same critic).
+(:func:`value_head_fixup`, miles-core's seeded initialisation,
+:func:`miles_core.value_head.initial_value_head_weight`, so every run starts from the same critic).
 The model's forward then returns ``logits`` of shape ``[1, T, 1]``: position ``t`` holds the
 value of the state that predicts the token at ``t``, aligned as log-probs are
 (:mod:`miles_core.packing`), so :func:`~miles_core.packing.unpack_response` gives the value
@@ -17,10 +18,8 @@ import copy
 from typing import Any
 
 import torch
+from miles_core.value_head import initial_value_head_weight
 from torch import nn
-
-#: Standard deviation of the value head's initial weights (its bias starts at 0).
-VALUE_HEAD_INIT_STD = 0.02
 
 
 def critic_config(config: Any) -> Any:
@@ -55,10 +54,8 @@ def value_head_fixup(seed: int):
     def fixup(model: nn.Module, config: Any) -> None:
         install_value_head(model, config)
         head = model.get_output_embeddings()
-        g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
-            weight = torch.randn(head.weight.shape, generator=g, dtype=torch.float64)
-            head.weight.copy_(weight * VALUE_HEAD_INIT_STD)
+            head.weight.copy_(initial_value_head_weight(head.weight.shape[1], seed))
             head.bias.zero_()
 
     return fixup

@@ -14,11 +14,19 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from miles_core.args import ArgGroup, ArgumentError, flag
+from miles_core.args.checks import option as flag_option
 
 from miles_megatron.arch_args import (
     ArchitectureArgs,
     resolve_model_args,
     transformer_engine_available,
+)
+
+#: Parallel sizes the critic (--use-critic) is not proven at: its tests cover TP x DP.
+CRITIC_UNPROVEN = (
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
 )
 
 
@@ -67,10 +75,12 @@ class MegatronArgs(ArgGroup):
     @classmethod
     def validate(cls, args: Any) -> None:
         if getattr(args, "use_critic", False):
-            raise ArgumentError(
-                "--use-critic: the critic role (value head) is built by --train-backend fsdp "
-                "only, not by the Megatron backend"
-            )
+            for dest in CRITIC_UNPROVEN:
+                if getattr(args, dest, 1) > 1:
+                    raise ArgumentError(
+                        f"--use-critic with {flag_option(dest)} > 1 is not supported by the Megatron "
+                        "backend (its critic is proven at TP x DP)"
+                    )
         if not args.use_distributed_optimizer:
             raise ArgumentError(
                 "--no-use-distributed-optimizer: the Megatron backend always uses the "

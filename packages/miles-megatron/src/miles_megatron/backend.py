@@ -29,6 +29,15 @@ lora_base`` the reference is the actor with its LoRA adapters off.
 LoRA (``--use-lora``, :mod:`miles_megatron.lora`): adapters on the TP linears, base frozen
 and read from ``--hf-checkpoint``, adapter-only checkpoints, merged (or adapter-only) publish,
 :meth:`MegatronBackend.export_adapter` to a PEFT directory.
+
+Critic (``init(args, "critic")`` under ``--use-critic``): the actor's model with the value head
+of :mod:`miles_megatron.value_head` in place of the output layer, built from the namespace of
+:func:`miles_core.args.groups.critic.critic_args` (``--critic-lr``, ``--critic-save`` /
+``--critic-load``, ``--loss-type value_loss``): its own DDP buffers, optimizer, scheduler,
+checkpoint and sleeper, on the megatron parallel state it shares with the actor of the same
+rank (:func:`~miles_megatron.parallel.acquire_parallel`), without the actor's
+``--custom-megatron-*`` hooks. :meth:`compute_values` scores a rollout; ``train`` fits the
+values to the GAE returns; it never publishes.
 """
 
 from __future__ import annotations
@@ -51,7 +60,7 @@ from miles_megatron.fp32_params import restore_marked_dtypes
 from miles_megatron.hf_weights import HFCheckpoint, iter_hf_weights, load_hf_into_model
 from miles_megatron.model_config import build_gpt_model, import_function, transformer_config
 from miles_megatron.optimizer import build_optimizer, wrap_ddp
-from miles_megatron.parallel import destroy_parallel, initialize_parallel
+from miles_megatron.parallel import acquire_parallel, release_parallel
 from miles_megatron.publish_source import TO_ALL_MODES, model_weights
 from miles_megatron.reference_model import ReferenceModel, wants_reference
 from miles_megatron.sleep_wake import sleeper_from_args
@@ -89,13 +98,21 @@ class MegatronBackend(TrainBackend):
         self._async_saves: Any = None  # megatron-core AsyncCallsQueue under --async-save
         self.lora: Any = None  # miles_megatron.lora.actor.ActorLoRA under --use-lora
         self._checkpoint_names: list[str] | None = None  # what every publish must deliver
+        self.role = "actor"
 
     # ------------------------------------------------------------------ init
     def init(self, args: Any, role: str = "actor") -> int:
         if getattr(args, "kl_coef", 0.0) and not wants_reference(args):
             raise ArgumentError("megatron backend: --kl-coef needs a reference model (--ref-load)")
-        if role != "actor":
-            raise ArgumentError(f"the megatron backend trains role 'actor' only, not {role!r}")
+        if role not in ("actor", "critic"):
+            raise ArgumentError(
+                f"the megatron backend trains roles 'actor' and 'critic', not {role!r}"
+            )
+        if role == "critic":  # its own flags: --critic-lr, --critic-save, ..., value_loss
+            from miles_core.args.groups.critic import critic_args
+
+            args = critic_args(args)
+        self.role = role
         if args.use_lora and not args.hf_checkpoint:
             raise ArgumentError("--use-lora needs --hf-checkpoint (the frozen base weights)")
         if args.use_lora and args.pipeline_model_parallel_size > 1:
@@ -115,7 +132,7 @@ class MegatronBackend(TrainBackend):
         self.margs = resolve_model_args(args)
         self.bridge = bridge_for(self.margs.get("model_type") or "")
         phase("creating megatron's process groups")
-        initialize_parallel(args, self.margs)
+        acquire_parallel(args, self.margs)
         config = transformer_config(self.margs, args)
         phase(f"building the {self.margs.get('model_type') or 'GPT'} model")
         model = build_gpt_model(self.margs, args, config)
@@ -146,6 +163,10 @@ class MegatronBackend(TrainBackend):
             self.lora = ActorLoRA.attach(args, model, self.bridge, self.margs, extra)
         elif resumed is not None and "lora" in resumed.meta.extra:
             raise ArgumentError(f"--load {args.load}: a LoRA adapter checkpoint needs --use-lora")
+        if role == "critic":  # after the HF load (the LM head's weights are not the critic's)
+            from miles_megatron.value_head import install_value_head
+
+            install_value_head(model, args.seed)
         model = model.to(self.device)
         if config.bf16 or config.fp16:
             from megatron.core.transformer.module import Float16Module
@@ -155,7 +176,9 @@ class MegatronBackend(TrainBackend):
         phase("wrapping the model in DDP and building the optimizer")
         self.model = wrap_ddp(model, config, args)
         self.optimizer, self.scheduler = build_optimizer(self.model, args)
-        self.sleeper = sleeper_from_args(self.model, self.optimizer, args)
+        self.sleeper = sleeper_from_args(
+            self.model, self.optimizer, args, name="megatron" if role == "actor" else role
+        )
         next_rollout_id = 0
         if resumed is not None:
             from miles_megatron.checkpoint import load_checkpoint
@@ -201,7 +224,8 @@ class MegatronBackend(TrainBackend):
         return resolve_load(self.args.load, getattr(self.args, "ckpt_step", None))
 
     def _hook(self, dest: str):
-        path = getattr(self.args, dest, None)
+        """The ``--custom-megatron-*`` hook ``dest`` names; the actor's only (not the critic's)."""
+        path = getattr(self.args, dest, None) if self.role == "actor" else None
         return import_function(path, "--" + dest.replace("_", "-")) if path else None
 
     # ------------------------------------------------------------------ data
@@ -252,6 +276,21 @@ class MegatronBackend(TrainBackend):
         if self.reference is not None and interval and (rollout_id + 1) % interval == 0:
             self.reference.update_from(self.model)
         return metrics
+
+    def compute_values(self, batch: Any) -> list[torch.Tensor]:
+        """The critic's per-sample values ``V_t`` of this rank's shard (float32, CPU,
+        response-aligned), before this rollout's update, on every rank of the DP rank (the
+        launcher reads the data-consuming one's). Critic role only; collective."""
+        from miles_megatron.packed_forward import rollout_values
+        from miles_megatron.train_step import split_micro_batches
+
+        if self.role != "critic":
+            raise ValueError(f"compute_values: the {self.role} has no value head")
+        self.wake_up()
+        batch = self._share_with_model_parallel_peers(batch)
+        index = {src: i for i, src in enumerate(batch.source_indices)}
+        micro_batches = split_micro_batches(self._context(), batch)
+        return rollout_values(self.model, micro_batches, len(batch), index, self.device)
 
     @property
     def _lora_base_reference(self) -> bool:
@@ -329,6 +368,8 @@ class MegatronBackend(TrainBackend):
         transports) on every rank (:mod:`miles_megatron.publish_source`); their names are
         checked against ``--hf-checkpoint``'s. With ``--publish-lora-adapter``: the PEFT-named
         adapter factors (one stage: LoRA runs at PP = 1)."""
+        if self.role == "critic":
+            raise ValueError("publish_weights: the critic never publishes to the engines")
         if self.lora is not None and getattr(self.args, "publish_lora_adapter", False):
             return self.lora.adapter_weights()
         return model_weights(
@@ -362,6 +403,8 @@ class MegatronBackend(TrainBackend):
         from miles_sync.ranks import RankContext
         from miles_sync.weight_sync import SyncConfig, WeightPublisher
 
+        if self.role == "critic":
+            raise ValueError("update_weights: the critic never publishes to the engines")
         streams = (
             self.sleeper.can_read
             and self.lora is None
@@ -386,11 +429,25 @@ class MegatronBackend(TrainBackend):
     def save_model(self, rollout_id: int, force_sync: bool = False) -> None:
         """Iteration ``rollout_id + 1``. Under ``--async-save`` (unless ``force_sync``) only the
         staging happens here and the tracker moves once the background write is done; the
-        previous async save is always finished first. ``force_sync``: durable on return."""
+        previous async save is always finished first. ``force_sync``: durable on return.
+        Asleep (the critic under ``--colocate`` sleeps between its phases): wakes, saves
+        synchronously (an async write would read the state after it sleeps again), sleeps."""
         from miles_megatron.checkpoint import finish_saves, save_checkpoint
 
+        if self.sleeper.asleep:
+            self.wake_up()
+            try:
+                self.save_model(rollout_id, force_sync=True)
+            finally:
+                self.sleep()
+            return
+
         if not self.args.save:
-            raise ValueError("save_model needs --save")
+            raise ValueError(
+                "save_model needs --critic-save"
+                if self.role == "critic"
+                else "save_model needs --save"
+            )
         finish_saves(self._async_saves)
         save_checkpoint(
             self.args.save,
@@ -427,5 +484,5 @@ class MegatronBackend(TrainBackend):
             from miles_megatron.streamed_optimizer import close_streamed
 
             close_streamed(self.optimizer)
-        destroy_parallel()
+        release_parallel()
         self.model = self.optimizer = self.scheduler = None

@@ -15,6 +15,9 @@ every CP rank before it is cut into samples.
 
 The micro-batches go through megatron's schedule (:mod:`miles_megatron.schedule`); with PP > 1
 the last stage computes the log-probs and broadcasts them to the other stages.
+
+The critic's values (:func:`rollout_values`) take the same path with the value head's scores
+(:class:`~miles_megatron.value_head.ValueScores`).
 """
 
 from __future__ import annotations
@@ -26,9 +29,33 @@ from miles_core.packing import pack_thd, unpack_response
 from miles_megatron.context_parallel import PackedShard, row_pad_multiple
 from miles_megatron.output_head import ScoreHead
 from miles_megatron.schedule import broadcast_from_last_stage, run_schedule
+from miles_megatron.value_head import ValueScores
 
 
 @torch.no_grad()
+def _per_sample(
+    model: torch.nn.Module,
+    micro_batches: list[RolloutBatch],
+    num_samples: int,
+    source_index: dict[int, int],
+    head,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """Per-sample response-aligned first score of ``head`` (CPU float32), on every stage."""
+    out: list[torch.Tensor | None] = [None] * num_samples
+
+    def on_scores(index: int, shard: PackedShard, scores: torch.Tensor, *_: torch.Tensor) -> None:
+        full = shard.full
+        rows = unpack_response(full, shard.gather_row(scores))
+        for src, values in zip(full.source_indices, rows):
+            out[source_index[src]] = values.float().cpu()
+
+    multiple = row_pad_multiple()
+    packed = [pack_thd(mb, pad_multiple=multiple).to(device) for mb in micro_batches]
+    run_schedule(model, packed, head, on_scores, forward_only=True)
+    return broadcast_from_last_stage(out)  # type: ignore[return-value]
+
+
 def rollout_log_probs(
     model: torch.nn.Module,
     micro_batches: list[RolloutBatch],
@@ -41,15 +68,17 @@ def rollout_log_probs(
 ) -> list[torch.Tensor]:
     """Per-sample response log-probs (CPU float32) at ``temperature`` over ``micro_batches``,
     on every pipeline stage (``fused``: ``--fused-log-probs``)."""
-    out: list[torch.Tensor | None] = [None] * num_samples
-
-    def on_scores(index: int, shard: PackedShard, lp: torch.Tensor, _: torch.Tensor) -> None:
-        full = shard.full
-        for src, values in zip(full.source_indices, unpack_response(full, shard.gather_row(lp))):
-            out[source_index[src]] = values.float().cpu()
-
-    multiple = row_pad_multiple()
-    packed = [pack_thd(mb, pad_multiple=multiple).to(device) for mb in micro_batches]
     head = ScoreHead(vocab_size, temperature, fused, entropy_grad=False)
-    run_schedule(model, packed, head, on_scores, forward_only=True)
-    return broadcast_from_last_stage(out)  # type: ignore[return-value]
+    return _per_sample(model, micro_batches, num_samples, source_index, head, device)
+
+
+def rollout_values(
+    model: torch.nn.Module,
+    micro_batches: list[RolloutBatch],
+    num_samples: int,
+    source_index: dict[int, int],
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """Per-sample values ``V_t`` (CPU float32) of every response token's state: the critic
+    ``model``'s value head (:mod:`miles_megatron.value_head`)."""
+    return _per_sample(model, micro_batches, num_samples, source_index, ValueScores(), device)

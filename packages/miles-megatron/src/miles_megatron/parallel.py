@@ -2,6 +2,10 @@
 
 The process group (NCCL on GPUs, gloo on CPUs) is set up by the caller (the launcher's Ray
 actor or ``torchrun``); :func:`initialize_parallel` only carves megatron's groups out of it.
+
+megatron's parallel state is one per process: the actor and the critic (``--use-critic``) of a
+rank share it. :func:`acquire_parallel` joins the state a live backend built when the layout is
+the same (else refuses), :func:`release_parallel` destroys it when its last user lets go.
 """
 
 from __future__ import annotations
@@ -17,6 +21,16 @@ from miles_megatron.args import check_parallel_sizes
 #: :func:`destroy_parallel` (megatron's own ``destroy_model_parallel`` only forgets them, so every
 #: re-initialisation in one process would keep the old NCCL communicators and their buffers)
 _OWN_GROUPS: list = []
+#: backends using the current state (:func:`acquire_parallel` / :func:`release_parallel`)
+_USERS: list[tuple[int, ...]] = []
+
+_SIZE_FLAGS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+)
 
 
 def _registered_groups() -> list:
@@ -59,3 +73,37 @@ def destroy_parallel() -> None:
         if group in _registered_groups():
             dist.destroy_process_group(group)
     _OWN_GROUPS.clear()
+
+
+def _layout(args: Any) -> tuple[int, ...]:
+    return tuple(int(getattr(args, f) or 0) for f in _SIZE_FLAGS)
+
+
+def acquire_parallel(args: Any, model_args: dict | None = None) -> None:
+    """A backend's :func:`initialize_parallel`: the first user builds the state; a second
+    backend in the process (the critic beside the actor) joins it, with the same layout, and
+    reseeds megatron's RNG tracker as a first init would."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    layout = _layout(args)
+    if _USERS and ps.model_parallel_is_initialized():
+        if layout != _USERS[0]:
+            raise ValueError(
+                f"megatron parallel state: this process runs layout {_USERS[0]} "
+                f"({', '.join(_SIZE_FLAGS)}); a second backend asked for {layout}"
+            )
+        _USERS.append(layout)
+        tensor_parallel.model_parallel_cuda_manual_seed(getattr(args, "seed", 1234))
+        return
+    _USERS.clear()
+    initialize_parallel(args, model_args)
+    _USERS.append(layout)
+
+
+def release_parallel() -> None:
+    """A backend's close: the state is destroyed when no other backend uses it."""
+    if _USERS:
+        _USERS.pop()
+    if not _USERS:
+        destroy_parallel()

@@ -33,10 +33,12 @@ from miles_core.packing import PackedBatch
 
 from miles_megatron.context_parallel import PackedShard, shard_micro_batches
 from miles_megatron.output_head import ScoreHead
+from miles_megatron.value_head import ValueScores
 
-#: ``on_scores(index, shard, log_probs, entropy)`` -> this rank's share of the loss (training)
-#: or None.
-ScoresCallback = Callable[[int, PackedShard, torch.Tensor, torch.Tensor], torch.Tensor | None]
+#: ``on_scores(index, shard, *head.scores(...))`` -> this rank's share of the loss (training)
+#: or None: ``(log_probs, entropy)`` of :class:`ScoreHead`, ``(values,)`` of the critic's
+#: :class:`ValueScores`.
+ScoresCallback = Callable[..., torch.Tensor | None]
 
 
 def stage_forward(model: torch.nn.Module, shard: PackedShard) -> torch.Tensor:
@@ -50,7 +52,7 @@ def stage_forward(model: torch.nn.Module, shard: PackedShard) -> torch.Tensor:
 def run_schedule(
     model: torch.nn.Module,
     micro_batches: Sequence[PackedBatch],
-    head: ScoreHead,
+    head: ScoreHead | ValueScores,
     on_scores: ScoresCallback,
     forward_only: bool,
 ) -> None:

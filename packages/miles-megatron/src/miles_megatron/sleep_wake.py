@@ -101,8 +101,10 @@ class SleepWake:
         optimizer,
         target: OffloadTarget | None = None,
         rematerialize: bool = False,
+        name: str = "megatron",
     ) -> None:
         self.model = model
+        self.name = name  # the disk file's tag: one per role in a process (actor, critic)
         self.optimizer = optimizer
         self.target = target or OffloadTarget()
         if rematerialize and self.target.kind != "cpu":
@@ -124,7 +126,7 @@ class SleepWake:
     def store(self) -> PinnedStore | DiskStore:
         if self._store is None:
             disk = self.target.kind == "disk"
-            self._store = DiskStore(self.target, _rank(), "megatron") if disk else PinnedStore()
+            self._store = DiskStore(self.target, _rank(), self.name) if disk else PinnedStore()
         return self._store
 
     # -- what moves -------------------------------------------------------------------
@@ -340,13 +342,14 @@ class SleepWake:
             self._store = None
 
 
-def sleeper_from_args(model, optimizer, args) -> SleepWake:
+def sleeper_from_args(model, optimizer, args, name: str = "megatron") -> SleepWake:
     """``--offload-train-target`` / ``--offload-train-disk-*`` and
-    ``--rematerialize-param-from-master-weight`` (validated by miles-core's offload group)."""
+    ``--rematerialize-param-from-master-weight`` (validated by miles-core's offload group);
+    ``name`` tags the disk file (the critic's differs from the actor's)."""
     target = OffloadTarget(
         kind=getattr(args, "offload_train_target", "cpu"),
         disk_dir=getattr(args, "offload_train_disk_dir", None),
         chunk_mb=getattr(args, "offload_train_disk_chunk_mb", 256),
     )
     remat = bool(getattr(args, "rematerialize_param_from_master_weight", False))
-    return SleepWake(model, optimizer, target, rematerialize=remat)
+    return SleepWake(model, optimizer, target, rematerialize=remat, name=name)

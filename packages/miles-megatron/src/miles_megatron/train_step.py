@@ -14,6 +14,12 @@ broadcasts the metrics to the other stages.
 ``--kl-coef`` (KL in the reward, ``reinforce_plus_plus*`` / ``ppo`` estimators): the token
 rewards get ``-kl_coef * kl_t`` with ``kl_t = kl_estimate(old, ref, --kl-loss-type)`` from the
 policy's log-probs before the rollout's updates and the reference's (``--ref-load``).
+
+The critic (``--use-critic``, ``--loss-type value_loss``) takes the same steps with the value
+head's scores (:mod:`miles_megatron.value_head`) and miles-core's clipped value loss
+(:func:`~miles_core.losses.compute_value_loss`) against the GAE returns of its own ``values``
+(computed by :meth:`MegatronBackend.compute_values` before the update); it reads no old or
+reference log-probs.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import torch.distributed as dist
 from miles_core.advantages import with_advantages
 from miles_core.aggregation import loss_denominator
 from miles_core.batch import RolloutBatch
-from miles_core.losses import LossConfig, compute_policy_loss
+from miles_core.losses import LossConfig, compute_policy_loss, compute_value_loss
 from miles_core.micro_batch import MicroBatching, split_steps
 from miles_core.micro_batch import split_micro_batches as split_for_ranks
 from miles_core.packing import pack_thd
@@ -36,6 +42,7 @@ from miles_megatron.context_parallel import PackedShard, row_pad_multiple
 from miles_megatron.output_head import ScoreHead
 from miles_megatron.packed_forward import rollout_log_probs
 from miles_megatron.schedule import broadcast_from_last_stage, run_schedule
+from miles_megatron.value_head import ValueScores
 
 
 @dataclass
@@ -87,6 +94,29 @@ def optimizer_step(
     sums: dict[str, torch.Tensor] = {}
 
     entropy_grad = config.entropy_coef != 0.0
+    critic = getattr(ctx.args, "loss_type", "policy_loss") == "value_loss"
+
+    def add_metrics(loss: torch.Tensor, metrics: dict[str, torch.Tensor]) -> torch.Tensor:
+        for k, v in {"step_loss": loss, **metrics}.items():
+            v = v.detach().float().cpu()
+            sums[k] = sums[k] + v if k in sums else v
+        return loss * ctx.dp_size
+
+    def on_values(index: int, packed: PackedShard, values: torch.Tensor) -> torch.Tensor:
+        fields = packed.fields
+        return add_metrics(
+            *compute_value_loss(
+                values,
+                old_values=fields["values"],
+                returns=fields["returns"],
+                loss_mask=packed.loss_mask,
+                value_clip=config.value_clip,
+                denominator=denominator,
+                per_token_loss=config.calculate_per_token_loss,
+                sample_ids=packed.sample_ids,
+                num_samples=packed.num_samples,
+            )
+        )
 
     def on_scores(
         index: int, packed: PackedShard, log_probs: torch.Tensor, entropy: torch.Tensor
@@ -94,32 +124,33 @@ def optimizer_step(
         if not entropy_grad:
             entropy = entropy.detach()
         fields = packed.fields
-        loss, metrics = compute_policy_loss(
-            log_probs,
-            old_log_probs=log_probs.detach() if detach_old else fields["old_log_probs"],
-            advantages=fields["advantages"],
-            loss_mask=packed.loss_mask,
-            config=config,
-            denominator=denominator,
-            sample_ids=packed.sample_ids,
-            num_samples=packed.num_samples,
-            ref_log_probs=fields.get("ref_log_probs"),
-            rollout_log_probs=fields.get("rollout_log_probs"),
-            entropy=entropy,
-            sample_loss_tokens=packed.sample_loss_tokens,
+        return add_metrics(
+            *compute_policy_loss(
+                log_probs,
+                old_log_probs=log_probs.detach() if detach_old else fields["old_log_probs"],
+                advantages=fields["advantages"],
+                loss_mask=packed.loss_mask,
+                config=config,
+                denominator=denominator,
+                sample_ids=packed.sample_ids,
+                num_samples=packed.num_samples,
+                ref_log_probs=fields.get("ref_log_probs"),
+                rollout_log_probs=fields.get("rollout_log_probs"),
+                entropy=entropy,
+                sample_loss_tokens=packed.sample_loss_tokens,
+            )
         )
-        for k, v in {"step_loss": loss, **metrics}.items():
-            v = v.detach().float().cpu()
-            sums[k] = sums[k] + v if k in sums else v
-        return loss * ctx.dp_size
 
     multiple = row_pad_multiple()
     packed = [
         pack_thd(mb, pad_multiple=multiple).to(ctx.device)
         for mb in split_micro_batches(ctx, step_batch)
     ]
-    head = ScoreHead(ctx.vocab_size, config.temperature, ctx.args.fused_log_probs, entropy_grad)
-    run_schedule(model, packed, head, on_scores, forward_only=False)
+    if critic:
+        run_schedule(model, packed, ValueScores(), on_values, forward_only=False)
+    else:
+        head = ScoreHead(ctx.vocab_size, config.temperature, ctx.args.fused_log_probs, entropy_grad)
+        run_schedule(model, packed, head, on_scores, forward_only=False)
     finalize_model_grads([model])
     lr = ctx.optimizer.param_groups[0]["lr"]
     update_ok, grad_norm, _ = ctx.optimizer.step()
@@ -147,7 +178,8 @@ def train_rollout(ctx: TrainContext, rollout_id: int, batch: RolloutBatch) -> di
     model.train()
     num_steps = args.num_steps_per_rollout
     detach_old = num_steps == 1
-    if not detach_old or args.kl_coef != 0.0:
+    critic = getattr(args, "loss_type", "policy_loss") == "value_loss"
+    if not critic and (not detach_old or args.kl_coef != 0.0):
         if ctx.before_log_prob_hook is not None:
             ctx.before_log_prob_hook(args, model, batch)
         index = {src: i for i, src in enumerate(batch.source_indices)}

@@ -1,0 +1,170 @@
+"""The Megatron critic (``--use-critic``) on gloo ranks with real megatron-core, against a float64
+reference written here: the HF model with its LM head replaced by ``Linear(hidden, 1)`` (weights
+``0.02 * randn`` of a generator seeded with ``--seed``, bias 0: the documented initialisation).
+
+* values at TP=1 and at TP=2 with sequence parallelism equal the reference's per response token;
+  the critic's first step (``v_old = v``, so the loss is ``0.5 (v - R)^2`` sequence-mean with
+  ``R`` the float64 GAE returns of those values) has the reference's loss, grad norm and
+  gradients of the value head and the final norm; TP=2 equals TP=1 to the same bounds;
+* a critic saved after one rollout and resumed trains the next rollout to the same parameters,
+  bit for bit, as the straight run;
+* the critic beside the actor in one process (as on a trainer rank): one parallel state, the
+  actor's one-step loss is ``-(1/S) sum_i (1/n_i) sum_t A_it`` with ``A`` the float64 GAE
+  advantages of the critic's values, both save, sleep to their own files and wake;
+* the critic never publishes and runs none of the actor's ``--custom-megatron-*`` hooks; PP,
+  CP and EP > 1 are refused at argument time.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from critic_ranks import (
+    GAMMA,
+    GRAD_NAMES,
+    LAMBD,
+    SEED,
+    actor_beside_critic,
+    critic_argv,
+    straight_then_resumed,
+    values_and_grads,
+)
+from dist_ranks import spawn_ranks
+from megatron_tiny_models import make_tiny_hf
+from tolerances import GRAD_REL_ERR, assert_within, grad_atol
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return str(make_tiny_hf("qwen3", tmp_path_factory.mktemp("qwen3") / "hf"))
+
+
+def reference_critic(hf_dir: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float64, attn_implementation="eager"
+    )
+    hidden = model.config.hidden_size
+    head = torch.nn.Linear(hidden, 1, dtype=torch.float64)
+    g = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        head.weight.copy_(0.02 * torch.randn((1, hidden), generator=g, dtype=torch.float64))
+        head.bias.zero_()
+    model.lm_head = head
+    return model
+
+
+def gae(reward: float, values: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 GAE with the reward on the last token: delta_t = r_t + gamma V_{t+1} - V_t
+    (V_n = 0), A_t = delta_t + gamma lambd A_{t+1}; (A, returns A + V)."""
+    n = len(values)
+    rewards = [0.0] * (n - 1) + [reward]
+    adv, running = [0.0] * n, 0.0
+    for t in reversed(range(n)):
+        next_v = values[t + 1] if t + 1 < n else 0.0
+        running = rewards[t] + GAMMA * next_v - values[t] + GAMMA * LAMBD * running
+        adv[t] = running
+    adv_t = torch.tensor(adv, dtype=torch.float64)
+    return adv_t, adv_t + torch.tensor(values, dtype=torch.float64)
+
+
+def reference_step(hf_dir: str):
+    """(values, loss, grad norm, grads by HF name) of the critic's first step in float64."""
+    from backend_reference import samples
+
+    model = reference_critic(hf_dir)
+    values, terms = [], []
+    for s in samples():
+        v = model(input_ids=s.tokens[None], use_cache=False).logits[0, :-1, 0]
+        v = v[-s.response_length :]
+        values.append(v.detach())
+        _, returns = gae(s.reward, v.detach().tolist())
+        terms.append((0.5 * (v - returns).square()).mean())
+    loss = sum(terms) / len(terms)
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    norm = torch.sqrt(sum(g.square().sum() for g in grads.values()))
+    return values, loss.item(), norm.item(), grads
+
+
+@pytest.mark.slow
+@pytest.mark.numeric
+def test_values_and_value_loss_gradient_match_float64_at_tp1_and_tp2(hf_dir, tmp_path):
+    spawn_ranks(values_and_grads, 1, hf_dir, 1, str(tmp_path), timeout=400)
+    spawn_ranks(values_and_grads, 2, hf_dir, 2, str(tmp_path), timeout=500)
+    runs = {
+        name: torch.load(tmp_path / f"{name}.pt", weights_only=True)
+        for name in ("tp1_rank0", "tp2_rank0", "tp2_rank1")
+    }
+    values, loss, norm, grads = reference_step(hf_dir)
+    for name, run in runs.items():
+        assert run["next_id"] == 0 and run["head_type"] == "ValueHeadLinear", name
+        for i, v in enumerate(values):
+            assert run["values"][i].shape == v.shape
+            assert_within(run["values"][i], v, torch.full_like(v, 1e-5), f"{name} values {i}")
+        m = run["metrics"]
+        assert abs(m["loss"] - loss) <= 1e-5 * max(loss, 1.0), (name, m["loss"], loss)
+        assert abs(m["value_loss"] - loss) <= 1e-5 * max(loss, 1.0), name
+        assert m["value_clipfrac"] == 0.0  # v = v_old on the first step
+        assert abs(m["grad_norm"] - norm) <= 2 * GRAD_REL_ERR * norm, (name, m["grad_norm"], norm)
+        for mname, hname in GRAD_NAMES.items():
+            want = grads[hname].reshape(run["grads"][mname].shape)
+            assert_within(run["grads"][mname], want, grad_atol(want), f"{name} {mname}")
+        assert len(run["refusals"]) == 2
+        assert all("never publishes" in r for r in run["refusals"])
+        assert run["hook_calls"] == []  # the --custom-megatron-* hooks are the actor's
+    assert max(float(v.abs().max()) for v in values) > 1e-2  # the head is not zero
+    assert loss > 1e-2 and norm > 1e-2
+    tp1, tp2 = runs["tp1_rank0"], runs["tp2_rank0"]
+    for i in range(len(values)):  # TP=2 computes what TP=1 does (and both ranks agree)
+        assert_within(tp2["values"][i], tp1["values"][i], torch.full_like(values[i], 2e-5), "tp")
+        assert torch.equal(runs["tp2_rank1"]["values"][i], tp2["values"][i])
+
+
+@pytest.mark.slow
+def test_critic_save_and_resume_is_bitwise(hf_dir, tmp_path):
+    results = spawn_ranks(straight_then_resumed, 2, hf_dir, str(tmp_path), timeout=600)
+    for r in results:
+        assert r["next_id"] == 1 and r["loaded_exact"] and r["moved"]
+        assert r["resumed_exact"]
+        first, second, again = r["metrics"]
+        assert second == {**again, "tokens_per_s": second["tokens_per_s"]}
+        assert first["loss"] != second["loss"]
+    assert (tmp_path / "a" / "critic").is_dir() and (tmp_path / "b").exists() is False
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--pipeline-model-parallel-size", "2"],
+        ["--context-parallel-size", "2"],
+        ["--expert-model-parallel-size", "2"],
+    ],
+)
+def test_unproven_critic_layouts_are_refused(hf_dir, flags):
+    from megatron_ranks import parse
+    from miles_core.args import ArgumentError
+
+    with pytest.raises(ArgumentError) as info:
+        parse(critic_argv(hf_dir, 1, *flags))
+    message = str(info.value)
+    assert message.startswith("--use-critic with " + flags[0]) and "\n" not in message
+
+
+@pytest.mark.slow
+def test_actor_beside_critic_takes_its_gae_advantages(hf_dir, tmp_path):
+    from backend_reference import samples
+
+    results = spawn_ranks(actor_beside_critic, 2, hf_dir, str(tmp_path), timeout=600)
+    for r in results:
+        advantages = [gae(s.reward, v)[0] for s, v in zip(samples(), r["values"], strict=True)]
+        expected = -sum(float(a.mean()) for a in advantages) / len(advantages)
+        assert abs(r["actor"]["loss"] - expected) <= 1e-5 * max(1.0, abs(expected)), (r, expected)
+        assert r["critic"]["value_loss"] > 0
+        assert len(r["sleep_files"]) == 2 and len(set(r["sleep_files"])) == 2
+        assert r["asleep_after_save"]
+        assert r["values_after"] != r["values"]  # the critic's step moved its values
+    assert results[0]["values"] == results[1]["values"]
+    assert (tmp_path / "ckpt" / "iter_0000001").is_dir()
+    assert (tmp_path / "ckpt" / "critic" / "iter_0000001").is_dir()

@@ -1,9 +1,11 @@
-"""A sleeping Megatron trainer publishes without waking: 2 gloo ranks at TP=2, one rollout
-trained, ``update_weights`` to a real built-in engine awake and then after ``sleep()``; the
-engine serves the same bytes both times, the model is still asleep afterwards and no model or
-optimizer storage holds device memory (``--offload-train-target cpu`` and ``disk``).
-``extended``: the cpu target and PP=2, which wake for the publish and sleep again (same
-bytes, asleep afterwards)."""
+"""A sleeping Megatron trainer publishes without waking: 2 gloo ranks, one rollout trained,
+``update_weights`` to a real built-in engine awake and then after ``sleep()``; the engine serves
+the same bytes both times, the publish woke nothing (the sleeper's wake count is unchanged), the
+model is still asleep afterwards and no model or optimizer storage holds device memory.
+
+Default: the ``cpu`` target at TP=2 (each parameter read from the pinned arena). ``extended``:
+the ``disk`` target at TP=2, both targets at PP=2 (each stage reads its own layers asleep, rank 0
+sends both) and qwen3_moe at EP=2 (expert buffers read asleep, gathered over EP)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 
 def publish_awake_then_asleep(
-    rank: int, world: int, hf_dir: str, engine_url: str, flags: list[str], pp: int
+    rank: int, world: int, hf_dir: str, engine_url: str, flags: list[str], layout: dict
 ) -> dict:
     import httpx
     from backend_reference import samples
@@ -36,32 +38,37 @@ def publish_awake_then_asleep(
         return httpx.get(f"{engine_url}/weights_digest", timeout=60).json() if rank == 0 else None
 
     backend = MegatronBackend()
-    argv = ["--hf-checkpoint", hf_dir, *BOTH_BACKENDS_FLAGS, *layout_argv(tp=world // pp, pp=pp)]
+    argv = ["--hf-checkpoint", hf_dir, *BOTH_BACKENDS_FLAGS, *layout_argv(**layout)]
     backend.init(parse([*argv, "--offload-train", *flags]))
     backend.train(0, RolloutBatch(samples()))
     backend.update_weights([engine_url])
     out = {"awake": served()}
     backend.sleep()
+    wakes = backend.sleeper.wakes
     backend.update_weights([engine_url])
     out["asleep"] = served()
+    out["woke"] = backend.sleeper.wakes - wakes
     out["still_asleep"] = backend.sleeper.asleep
     out["device_bytes"] = backend.sleeper.device_bytes()
     backend.close()
     return out
 
 
-def run(tmp_path: Path, flags: list[str], pp: int = 1) -> list[dict]:
-    hf_dir = make_tiny_hf("qwen3", tmp_path / "hf")
+def run(tmp_path: Path, target: str, layout: dict, family: str = "qwen3") -> list[dict]:
+    hf_dir = make_tiny_hf(family, tmp_path / "hf")
     engine_dir = tmp_path / "engine_ckpt"
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).save_pretrained(engine_dir)
     save_tokenizer(engine_dir)
+    flags = ["--offload-train-target", target]
+    if target == "disk":
+        flags += ["--offload-train-disk-dir", str(tmp_path / "offload")]
     engine = Engine(engine_dir, timeout=300)  # a loaded machine starts it slowly
     try:
         before = engine.digests()
         results = spawn_ranks(
-            publish_awake_then_asleep, 2, str(hf_dir), engine.url, flags, pp, timeout=500
+            publish_awake_then_asleep, 2, str(hf_dir), engine.url, flags, layout, timeout=500
         )
     finally:
         engine.close()
@@ -69,22 +76,25 @@ def run(tmp_path: Path, flags: list[str], pp: int = 1) -> list[dict]:
     assert awake != before  # the trained weights arrived
     assert results[0]["asleep"] == awake
     for r in results:
+        assert r["woke"] == 0, "the publish woke the trainer"
         assert r["still_asleep"] and r["device_bytes"] == 0
     return results
 
 
-def test_asleep_publish_tp2_disk(tmp_path):
-    run(tmp_path, ["--offload-train-target", "disk", "--offload-train-disk-dir", str(tmp_path)])
+def test_asleep_publish_tp2_cpu(tmp_path):
+    run(tmp_path, "cpu", {"tp": 2})
 
 
 @pytest.mark.extended
 @pytest.mark.parametrize(
-    "flags, pp",
+    "target, layout, family",
     [
-        (["--offload-train-target", "cpu"], 1),
-        (["--offload-train-target", "cpu"], 2),
+        ("disk", {"tp": 2}, "qwen3"),
+        ("cpu", {"pp": 2}, "qwen3"),
+        ("disk", {"pp": 2}, "qwen3"),
+        ("cpu", {"ep": 2}, "qwen3_moe"),
     ],
-    ids=["cpu", "cpu-pp2"],
+    ids=["disk-tp2", "cpu-pp2", "disk-pp2", "cpu-ep2-moe"],
 )
-def test_asleep_publish(tmp_path, flags, pp):
-    run(tmp_path, flags, pp)
+def test_asleep_publish(tmp_path, target, layout, family):
+    run(tmp_path, target, layout, family)

@@ -353,21 +353,16 @@ class MegatronBackend(TrainBackend):
         ``broadcast`` and ``disk-delta``, every rank for ``ipc`` and ``p2p``).
 
         A sleeping model publishes asleep (:meth:`~miles_megatron.sleep_wake.SleepWake.read`:
-        each parameter from its file, the optimizer state left there) with the ``disk`` target
-        at PP = 1, the layout proven bit-identical to an awake publish. Every other sleeping
-        layout (the ``cpu`` target, PP > 1, ``--use-lora``,
-        ``--rematerialize-param-from-master-weight``) wakes for the publish and sleeps again.
+        each parameter from its host copy or file, moved to the device, TP-merged and sent
+        stage by stage as awake; the optimizer state stays on the target), with the ``cpu`` and
+        ``disk`` targets at every TP/PP/EP layout. Two sleeping cases wake for the publish and
+        sleep again: ``--use-lora`` (the factors are read whole) and
+        ``--rematerialize-param-from-master-weight`` (no 16-bit copy exists while asleep).
         """
-        from megatron.core import parallel_state as ps
         from miles_sync.ranks import RankContext
         from miles_sync.weight_sync import SyncConfig, WeightPublisher
 
-        streams = (
-            self.sleeper.can_read
-            and self.lora is None
-            and self.sleeper.target.kind == "disk"
-            and ps.get_pipeline_model_parallel_world_size() == 1
-        )
+        streams = self.sleeper.can_read and self.lora is None
         if self.sleeper.asleep and not streams:
             self.wake_up()
             try:

@@ -51,7 +51,7 @@ from miles_native import CopyEngine
 from miles_offload.disk_target import DiskStore
 from miles_offload.offload_target import OffloadTarget
 from miles_offload.pinned_store import PinnedStore
-from miles_offload.state_tensors import MovedTensor
+from miles_offload.state_tensors import MovedTensor, byte_window, from_window
 
 from miles_megatron.optimizer import distributed_optimizers
 
@@ -119,6 +119,7 @@ class SleepWake:
         #: frozen parameters: (parameter, retained host copy, bytes), filled at the first sleep
         self._frozen: list[tuple[torch.Tensor, torch.Tensor, int]] | None = None
         self.host_bytes_copied = 0
+        self.wakes = 0  # wake-ups that moved the state back (a publish asleep adds none)
 
     @property
     def store(self) -> PinnedStore | DiskStore:
@@ -259,6 +260,7 @@ class SleepWake:
             self._rebuild_params()
         self._moved, self._freed, self._views = [], [], []
         self.asleep = False
+        self.wakes += 1
 
     @property
     def can_read(self) -> bool:
@@ -282,11 +284,8 @@ class SleepWake:
         else:
             for (moved, _), view in zip(self._moved, self._views):
                 if moved._cdata == key:
-                    size = t.element_size()
-                    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-                    begin = t.storage_offset() * size
-                    raw = view[begin : begin + extent * size].to(self.device)
-                    return raw.view(t.dtype).as_strided(t.shape, t.stride(), 0)
+                    begin, nbytes = byte_window(t)
+                    return from_window(view[begin : begin + nbytes], t, self.device)
         raise ValueError("SleepWake.read: the tensor's bytes are not held while asleep")
 
     def _rebuild_params(self) -> None:

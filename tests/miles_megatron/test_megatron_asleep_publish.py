@@ -13,14 +13,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS / "miles_sync"))
 
+from colocated_testing import engine_checkpoint, with_engine  # noqa: E402
 from dist_ranks import spawn_ranks  # noqa: E402
 from megatron_tiny_models import make_tiny_hf  # noqa: E402
-from sync_testing import Engine, save_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -56,22 +55,16 @@ def publish_awake_then_asleep(
 
 def run(tmp_path: Path, target: str, layout: dict, family: str = "qwen3") -> list[dict]:
     hf_dir = make_tiny_hf(family, tmp_path / "hf")
-    engine_dir = tmp_path / "engine_ckpt"
-    from transformers import AutoModelForCausalLM
-
-    AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).save_pretrained(engine_dir)
-    save_tokenizer(engine_dir)
+    engine_dir = engine_checkpoint(hf_dir, tmp_path / "engine_ckpt")
     flags = ["--offload-train-target", target]
     if target == "disk":
         flags += ["--offload-train-disk-dir", str(tmp_path / "offload")]
-    engine = Engine(engine_dir, timeout=300)  # a loaded machine starts it slowly
-    try:
-        before = engine.digests()
-        results = spawn_ranks(
-            publish_awake_then_asleep, 2, str(hf_dir), engine.url, flags, layout, timeout=500
-        )
-    finally:
-        engine.close()
+
+    def publish(engine):
+        args = (str(hf_dir), engine.url, flags, layout)
+        return engine.digests(), spawn_ranks(publish_awake_then_asleep, 2, *args, timeout=500)
+
+    before, results = with_engine(engine_dir, publish)
     awake = results[0]["awake"]
     assert awake != before  # the trained weights arrived
     assert results[0]["asleep"] == awake

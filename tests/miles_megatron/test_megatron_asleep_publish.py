@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS / "miles_sync"))
@@ -91,3 +92,51 @@ def test_asleep_publish_tp2_cpu(tmp_path):
 )
 def test_asleep_publish(tmp_path, target, layout, family):
     run(tmp_path, target, layout, family)
+
+
+def remat_source_awake_then_asleep(rank: int, world: int, hf_dir: str, layout: dict) -> dict:
+    """bf16 under ``--rematerialize-param-from-master-weight``: the publish source's tensors
+    (every stage's, on every rank) awake and asleep, where each bucket is rebuilt from the
+    fp32 masters on the host."""
+    from backend_reference import samples
+    from megatron_ranks import BOTH_BACKENDS_FLAGS, layout_argv, parse
+    from miles_core.batch import RolloutBatch
+    from miles_megatron.backend import MegatronBackend
+
+    backend = MegatronBackend()
+    flags = ["--bf16", "--colocate", "--rematerialize-param-from-master-weight"]
+    argv = ["--hf-checkpoint", hf_dir, *BOTH_BACKENDS_FLAGS, *layout_argv(**layout), *flags]
+    backend.init(parse(argv))
+    backend.train(0, RolloutBatch(samples()))
+    awake = [(n, t.clone()) for n, t in backend.publish_weights(to_all=True)]
+    backend.sleep()
+    wakes = backend.sleeper.wakes
+    asleep = [(n, t.clone()) for n, t in backend.publish_weights(to_all=True)]
+    backend.sleeper.drop_reads()
+    out = {
+        "names_equal": [n for n, _ in awake] == [n for n, _ in asleep],
+        "dtypes": sorted({str(t.dtype) for _, t in awake}),
+        "differ": [n for (n, a), (_, b) in zip(awake, asleep) if not torch.equal(a, b)],
+        "woke": backend.sleeper.wakes - wakes,
+        "still_asleep": backend.sleeper.asleep,
+        "device_bytes": backend.sleeper.device_bytes(),
+    }
+    backend.close()
+    return out
+
+
+def check_remat(tmp_path: Path, layout: dict) -> None:
+    hf_dir = str(make_tiny_hf("qwen3", tmp_path / "hf"))
+    for r in spawn_ranks(remat_source_awake_then_asleep, 2, hf_dir, layout, timeout=400):
+        assert r["names_equal"] and r["dtypes"] == ["torch.bfloat16"], r
+        assert r["differ"] == [], r
+        assert r["woke"] == 0 and r["still_asleep"] and r["device_bytes"] == 0, r
+
+
+def test_remat_asleep_source_dp2(tmp_path):
+    check_remat(tmp_path, {})
+
+
+@pytest.mark.extended
+def test_remat_asleep_source_tp2(tmp_path):
+    check_remat(tmp_path, {"tp": 2})

@@ -355,15 +355,15 @@ class MegatronBackend(TrainBackend):
         A sleeping model publishes asleep (:meth:`~miles_megatron.sleep_wake.SleepWake.read`:
         each parameter from its host copy or file, moved to the device, TP-merged and sent
         stage by stage as awake; the optimizer state stays on the target), with the ``cpu`` and
-        ``disk`` targets at every TP/PP/EP layout. Two sleeping cases wake for the publish and
-        sleep again: ``--use-lora`` (the factors are read whole) and
-        ``--rematerialize-param-from-master-weight`` (no 16-bit copy exists while asleep).
+        ``disk`` targets at every TP/PP/EP layout; under
+        ``--rematerialize-param-from-master-weight`` each DDP bucket is rebuilt from the fp32
+        masters on the host, one at a time. ``--use-lora`` (the factors are read whole) wakes
+        for the publish and sleeps again.
         """
         from miles_sync.ranks import RankContext
         from miles_sync.weight_sync import SyncConfig, WeightPublisher
 
-        streams = self.sleeper.can_read and self.lora is None
-        if self.sleeper.asleep and not streams:
+        if self.sleeper.asleep and self.lora is not None:
             self.wake_up()
             try:
                 self.update_weights(engines)
@@ -375,7 +375,10 @@ class MegatronBackend(TrainBackend):
                 SyncConfig.from_args(self.args), RankContext.from_default_group()
             )
         to_all = self._publisher.config.mode in TO_ALL_MODES
-        self._publisher.update_weights(self.publish_weights(to_all), list(engines))
+        try:
+            self._publisher.update_weights(self.publish_weights(to_all), list(engines))
+        finally:
+            self.sleeper.drop_reads()
 
     # ------------------------------------------------------------------ checkpoints
     def save_model(self, rollout_id: int, force_sync: bool = False) -> None:

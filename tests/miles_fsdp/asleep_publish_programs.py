@@ -113,99 +113,30 @@ def model_resident_bytes(backend: FSDPBackend) -> int:
     return total
 
 
-class Recorder:
-    """Observes the cycle that :class:`miles_launch.loop.ColocatedCycle` drives: the trainer
-    and engines it is given forward every call to the real backend and the real engine (rank 0
-    talks to the engine), and each step appends what is where."""
+def residency(backend: FSDPBackend):
+    """The FSDP trainer's :class:`colocated_testing.Residency`."""
+    from colocated_testing import Residency
 
-    def __init__(self, rank: int, backend: FSDPBackend, engine_url: str) -> None:
-        from miles_core.engine import EngineClient
-
-        self.rank, self.backend, self.url = rank, backend, engine_url
-        self.client = EngineClient(engine_url)
-        self.log: list[dict] = []
-
-    def snapshot(self, step: str, **extra) -> None:
-        import httpx
-
-        engine = None
-        if self.rank == 0:
-            engine = httpx.get(f"{self.url}/memory_state", timeout=60).json()
-        self.log.append(
-            {
-                "step": step,
-                "asleep": self.backend.asleep,
-                "model_on_device": model_resident_bytes(self.backend),
-                "optimizer_on_device": optimizer_state_resident_bytes(self.backend)
-                if self.backend.mover is not None
-                else -1,
-                "engine": engine,
-                **extra,
-            }
-        )
-
-    # the trainer the cycle sleeps and wakes
-    def sleep(self) -> None:
-        was = self.backend.asleep
-        self.backend.sleep()
-        self.snapshot("trainer.sleep", moved=not was and self.backend.asleep)
-
-    def wake_up(self) -> None:
-        was = self.backend.asleep
-        self.backend.wake_up()
-        self.snapshot("trainer.wake_up", moved=was and not self.backend.asleep)
-
-    # the engines the cycle releases and resumes
-    def release_memory(self, tags) -> None:
-        if self.rank == 0:
-            self.client.release_memory_occupation(list(tags))
-        dist.barrier()
-        self.snapshot("engines.release", tags=list(tags))
-
-    def resume_memory(self, tags) -> None:
-        if self.rank == 0:
-            self.client.resume_memory_occupation(list(tags))
-        dist.barrier()
-        self.snapshot("engines.resume", tags=list(tags))
-
-    def publish(self) -> None:
-        self.snapshot("publish.start")
-        last = self.backend.mover.last if self.backend.mover is not None else None
-        self.backend.update_weights([self.url])
-        woke = self.backend.mover is not None and self.backend.mover.last is not last
-        self.snapshot("publish.end", woke=woke)
+    return Residency(
+        asleep=lambda: backend.asleep,
+        model_on_device=lambda: model_resident_bytes(backend),
+        optimizer_on_device=lambda: (
+            optimizer_state_resident_bytes(backend) if backend.mover is not None else -1
+        ),
+        wakes=lambda: backend.mover.wakes if backend.mover is not None else 0,
+    )
 
 
 def cycle_program(rank, world, hf_dir, engine_url, flags, out_file):
-    """Two rollouts of the colocated cycle (:class:`miles_launch.loop.ColocatedCycle`'s own
-    steps) around the real backend and engine; every rank's step log to ``out_file``."""
-    from miles_launch.loop import ColocatedCycle
+    """The colocated cycle (:func:`colocated_testing.drive_cycle`) around the real backend."""
+    from colocated_testing import drive_cycle
 
     flags = json.loads(flags)
     backend = FSDPBackend()
     args = make_args(hf_checkpoint=hf_dir, **flags)
     backend.init(args)
-    rec = Recorder(rank, backend, engine_url)
     try:
-        cycle = ColocatedCycle(args, [rec], rec)
-        cycle.first_publish(rec.publish)
-        for rollout_id in range(2):
-            if rank == 0:  # generation fills the engine's KV cache
-                params = {"max_new_tokens": 3, "temperature": 0}
-                rec.client.generate(input_ids=[1, 2, 3], sampling_params=params)
-            dist.barrier()
-            rec.snapshot("generated")
-
-            def train(rollout_id=rollout_id):
-                metrics = backend.train(rollout_id, rollout(rollout_id))
-                rec.snapshot("trained")
-                return metrics
-
-            cycle.after_generation(train, lambda: False, rec.publish)
-        gathered = [None] * world
-        dist.all_gather_object(gathered, rec.log)
-        if rank == 0:
-            with open(out_file, "w") as f:
-                json.dump(gathered, f)
+        train = lambda rollout_id: backend.train(rollout_id, rollout(rollout_id))  # noqa: E731
+        drive_cycle(rank, world, backend, args, residency(backend), engine_url, train, out_file)
     finally:
         backend.close()

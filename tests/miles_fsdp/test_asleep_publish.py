@@ -16,7 +16,8 @@ from spawn import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "miles_sync"))
 
-from sync_testing import Engine, save_checkpoint, tiny_model  # noqa: E402
+from colocated_testing import with_engine  # noqa: E402
+from sync_testing import save_checkpoint, tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +40,6 @@ CASES = {
 
 def run(tmp_path: Path, target: str, case: str) -> list[dict]:
     checkpoint = save_checkpoint(tiny_model(0), tmp_path / "ckpt")
-    engine = Engine(checkpoint, timeout=300)  # a loaded machine starts it slowly
     flags = {
         "lr": 1e-2,
         "advantage_estimator": "grpo",
@@ -50,11 +50,18 @@ def run(tmp_path: Path, target: str, case: str) -> list[dict]:
         **CASES[case],
     }
     out = tmp_path / "out.json"
-    try:
-        args = (str(checkpoint), engine.url, json.dumps(flags), str(out))
-        run_ranks(2, publish_program, *args, timeout=300)
-    finally:
-        engine.close()
+    with_engine(
+        checkpoint,
+        lambda engine: run_ranks(
+            2,
+            publish_program,
+            str(checkpoint),
+            engine.url,
+            json.dumps(flags),
+            str(out),
+            timeout=300,
+        ),
+    )
     return json.loads(out.read_text())
 
 

@@ -394,24 +394,19 @@ class MegatronBackend(TrainBackend):
         ``broadcast`` and ``disk-delta``, every rank for ``ipc`` and ``p2p``).
 
         A sleeping model publishes asleep (:meth:`~miles_megatron.sleep_wake.SleepWake.read`:
-        each parameter from its file, the optimizer state left there) with the ``disk`` target
-        at PP = 1, the layout proven bit-identical to an awake publish. Every other sleeping
-        layout (the ``cpu`` target, PP > 1, ``--use-lora``,
-        ``--rematerialize-param-from-master-weight``) wakes for the publish and sleeps again.
+        each parameter from its host copy or file, moved to the device, TP-merged and sent
+        stage by stage as awake; the optimizer state stays on the target), with the ``cpu`` and
+        ``disk`` targets at every TP/PP/EP layout; under
+        ``--rematerialize-param-from-master-weight`` each DDP bucket is rebuilt from the fp32
+        masters on the host, one at a time. ``--use-lora`` (the factors are read whole) wakes
+        for the publish and sleeps again.
         """
-        from megatron.core import parallel_state as ps
         from miles_sync.ranks import RankContext
         from miles_sync.weight_sync import SyncConfig, WeightPublisher
 
         if self.role == "critic":
             raise ValueError("update_weights: the critic never publishes to the engines")
-        streams = (
-            self.sleeper.can_read
-            and self.lora is None
-            and self.sleeper.target.kind == "disk"
-            and ps.get_pipeline_model_parallel_world_size() == 1
-        )
-        if self.sleeper.asleep and not streams:
+        if self.sleeper.asleep and self.lora is not None:
             self.wake_up()
             try:
                 self.update_weights(engines)
@@ -423,7 +418,10 @@ class MegatronBackend(TrainBackend):
                 SyncConfig.from_args(self.args), RankContext.from_default_group()
             )
         to_all = self._publisher.config.mode in TO_ALL_MODES
-        self._publisher.update_weights(self.publish_weights(to_all), list(engines))
+        try:
+            self._publisher.update_weights(self.publish_weights(to_all), list(engines))
+        finally:
+            self.sleeper.drop_reads()
 
     # ------------------------------------------------------------------ checkpoints
     def save_model(self, rollout_id: int, force_sync: bool = False) -> None:

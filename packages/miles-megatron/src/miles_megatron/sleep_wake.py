@@ -38,8 +38,9 @@ While asleep, :meth:`SleepWake.read` gives one parameter's values on the device 
 a view of the arena slot (``cpu``) or a read of the file's window (``disk``), copied over. A
 publish from a sleeping trainer gathers its weights this way, tensor by tensor, and the
 optimizer state stays on the target. Under ``--rematerialize-param-from-master-weight`` the
-16-bit values exist nowhere while asleep: :attr:`SleepWake.can_read` is False and a publish
-wakes the model first.
+16-bit values exist nowhere while asleep: a read rebuilds the DDP bucket that holds the tensor
+on the device, as a wake does (each rank casts its fp32 master shards, read from the arena, and
+the bucket is all-gathered over its group), so the device holds one bucket at a time.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from miles_native import CopyEngine
 from miles_offload.disk_target import DiskStore
 from miles_offload.offload_target import OffloadTarget
 from miles_offload.pinned_store import PinnedStore
-from miles_offload.state_tensors import MovedTensor
+from miles_offload.state_tensors import MovedTensor, byte_window, from_window
 
 from miles_megatron.optimizer import distributed_optimizers
 
@@ -121,6 +122,8 @@ class SleepWake:
         #: frozen parameters: (parameter, retained host copy, bytes), filled at the first sleep
         self._frozen: list[tuple[torch.Tensor, torch.Tensor, int]] | None = None
         self.host_bytes_copied = 0
+        self.wakes = 0  # wake-ups that moved the state back (a publish asleep adds none)
+        self._bucket: tuple | None = None  # (DDP bucket, its rebuilt 16-bit values), remat
 
     @property
     def store(self) -> PinnedStore | DiskStore:
@@ -240,6 +243,7 @@ class SleepWake:
         """Re-grow every storage and bring its bytes back. Idempotent."""
         if not self.asleep:
             return
+        self._bucket = None
         stream = self._stream()
         if isinstance(self.store, DiskStore):
             self.store.wake(self.engine, stream)
@@ -261,11 +265,7 @@ class SleepWake:
             self._rebuild_params()
         self._moved, self._freed, self._views = [], [], []
         self.asleep = False
-
-    @property
-    def can_read(self) -> bool:
-        """Whether :meth:`read` can serve the parameters while asleep (not rematerialized)."""
-        return not self.rematerialize
+        self.wakes += 1
 
     @torch.no_grad()
     def read(self, t: torch.Tensor) -> torch.Tensor:
@@ -275,6 +275,10 @@ class SleepWake:
         if not self.asleep or t.numel() == 0 or storage.nbytes() > 0:
             return t
         key = storage._cdata
+        if self.rematerialize:
+            rebuilt = self._read_rematerialized(t)
+            if rebuilt is not None:
+                return rebuilt
         for param, host, _ in self._frozen or []:
             if param.untyped_storage()._cdata == key:
                 return host.as_strided(t.shape, t.stride(), t.storage_offset()).to(self.device)
@@ -284,12 +288,60 @@ class SleepWake:
         else:
             for (moved, _), view in zip(self._moved, self._views):
                 if moved._cdata == key:
-                    size = t.element_size()
-                    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-                    begin = t.storage_offset() * size
-                    raw = view[begin : begin + extent * size].to(self.device)
-                    return raw.view(t.dtype).as_strided(t.shape, t.stride(), 0)
+                    begin, nbytes = byte_window(t)
+                    return from_window(view[begin : begin + nbytes], t, self.device)
         raise ValueError("SleepWake.read: the tensor's bytes are not held while asleep")
+
+    def _read_rematerialized(self, t: torch.Tensor) -> torch.Tensor | None:
+        """``t`` in a freed 16-bit parameter buffer: a view of its DDP bucket rebuilt on the
+        device as a wake rebuilds it (None when ``t`` is elsewhere)."""
+        key = t.untyped_storage()._cdata
+        for buffer in _buffers(self.model):
+            data = buffer.param_data
+            if data is None or data.dtype not in _HALF or data.untyped_storage()._cdata != key:
+                continue
+            index = t.storage_offset() - data.storage_offset()
+            for bucket in buffer.buckets:
+                if bucket.offset <= index < bucket.offset + bucket.param_data.numel():
+                    flat = self._rebuilt_bucket(buffer, bucket)
+                    return flat.as_strided(t.shape, t.stride(), index - bucket.offset)
+        return None
+
+    def _rebuilt_bucket(self, buffer, bucket) -> torch.Tensor:
+        """One bucket's 16-bit values: each rank casts its fp32 master shards (read from the
+        host) into its part, as ``_copy_main_params_to_model_params`` does, and the parts are
+        all-gathered over the bucket's group, as ``start_param_sync`` does. The last bucket is
+        kept (parameters are read bucket by bucket) until :meth:`drop_reads`."""
+        if self._bucket is not None and self._bucket[0] is bucket:
+            return self._bucket[1]
+        self._bucket = None
+        groups = self.model.bucket_groups + getattr(self.model, "expert_parallel_bucket_groups", [])
+        group = next(g for g in groups if any(b is bucket for b in g.buckets))
+        flat = torch.zeros(
+            bucket.param_data.numel(), dtype=bucket.param_data.dtype, device=self.device
+        )
+        for opt in distributed_optimizers(self.optimizer):
+            pairs = zip(opt.shard_fp32_from_float16_groups, opt.model_float16_groups)
+            for mains, params in pairs:
+                for main, param in zip(mains, params):
+                    gbuf, _, bucket_id = opt.model_param_gbuf_map[param]
+                    if opt.buffers[gbuf] is not buffer or bucket_id != bucket.bucket_id:
+                        continue
+                    world = opt._get_model_param_range_map(param)["gbuf_world_in_bucket"]
+                    flat[world.start : world.end].copy_(self.read(main).view(-1))
+        size = group.intra_distributed_optimizer_instance_size
+        rank = group.intra_distributed_optimizer_instance_rank
+        shard = flat.numel() // size
+        mine = flat[rank * shard : (rank + 1) * shard].clone()
+        torch.distributed.all_gather_into_tensor(
+            flat, mine, group=group.intra_distributed_optimizer_instance_group
+        )
+        self._bucket = (bucket, flat)
+        return flat
+
+    def drop_reads(self) -> None:
+        """Free what :meth:`read` keeps between calls (a rebuilt bucket); after a publish."""
+        self._bucket = None
 
     def _rebuild_params(self) -> None:
         """16-bit parameter buffers <- cast of the fp32 master shards, all-gathered over DP."""

@@ -154,6 +154,7 @@ class DeviceMover:
             self._groups.append(_Group(f"optimizer{i}", optimizer=opt))
         self.is_asleep = False
         self.last = MoveStats()
+        self.wakes = 0  # wake-ups that moved the state back (a publish asleep adds none)
         self._closed = False
 
     # -- what moves -------------------------------------------------------------------
@@ -268,6 +269,7 @@ class DeviceMover:
             self._rebind(group, values)
         clock.stop()
         self.is_asleep = False
+        self.wakes += 1
         stats.seconds = time.perf_counter() - start
         self.last = stats
         return stats

@@ -23,7 +23,7 @@ import torch
 from miles_native import CopyEngine, PinnedArena, open_file_streamer
 
 from miles_offload.offload_target import OffloadTarget
-from miles_offload.state_tensors import MovedTensor
+from miles_offload.state_tensors import MovedTensor, byte_window, from_window
 
 logger = logging.getLogger(__name__)
 
@@ -118,20 +118,15 @@ class DiskStore:
         """``t``'s values (``t`` asleep in this store, see :meth:`holds`) as a new tensor on
         ``device`` with ``t``'s shape, dtype and strides; the file is read, nothing is woken."""
         slot = self._index[t.untyped_storage()._cdata]
-        size = t.element_size()
-        extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else 0
-        begin = self._offsets[slot] + t.storage_offset() * size
-        nbytes = extent * size
+        offset, nbytes = byte_window(t)
+        begin = self._offsets[slot] + offset
         lo = begin // DIRECT_ALIGNMENT * DIRECT_ALIGNMENT
         hi = (begin + nbytes + DIRECT_ALIGNMENT - 1) // DIRECT_ALIGNMENT * DIRECT_ALIGNMENT
         if self._staging is None or self._staging.nbytes < hi - lo:
             self._staging = PinnedArena(hi - lo, pin=True)
         self.streamer.read(self._staging.ptr, hi - lo, lo)
         host = torch.frombuffer(self._staging, dtype=torch.uint8)[begin - lo : begin - lo + nbytes]
-        out = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        out.copy_(host)
-        flat = out.view(t.dtype)
-        return flat.as_strided(t.shape, t.stride(), 0)
+        return from_window(host, t, device)
 
     def sleep(self, entries: list[MovedTensor], engine: CopyEngine, after_stream: int) -> int:
         """Write (unless the file already holds these values) and free; returns bytes written."""

@@ -57,6 +57,21 @@ class MovedTensor:
         return new_source
 
 
+def byte_window(t: torch.Tensor) -> tuple[int, int]:
+    """``(first byte, byte count)`` of the part of ``t``'s storage that ``t`` spans."""
+    size = t.element_size()
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else 0
+    return t.storage_offset() * size, extent * size
+
+
+def from_window(window: torch.Tensor, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A new tensor on ``device`` with ``t``'s shape, dtype and strides whose values are
+    ``window`` (``uint8``, the bytes of ``t``'s :func:`byte_window`, wherever they are held)."""
+    out = torch.empty(window.numel(), dtype=torch.uint8, device=device)
+    out.copy_(window)
+    return out.view(t.dtype).as_strided(t.shape, t.stride(), 0)
+
+
 def tensor_device(t: torch.Tensor) -> torch.device:
     return t._local_tensor.device if isinstance(t, DTensor) else t.device
 

@@ -75,6 +75,7 @@ def custom_spec_run(rank: int, world: int, hf_dir: str, save: str) -> dict:
     resumed optimizer state equals the saved one."""
     from backend_reference import samples
     from miles_core.batch import RolloutBatch
+    from miles_core.partition import partition_for_dp
     from miles_megatron.backend import MegatronBackend
     from miles_megatron.optimizer import distributed_optimizers
     from torch.distributed.checkpoint import FileSystemReader
@@ -86,7 +87,8 @@ def custom_spec_run(rank: int, world: int, hf_dir: str, save: str) -> dict:
     named = list(backend.model.named_parameters())
     norms = {n: p for n, p in named if "input_layernorm" in n}
     before = {n: p.detach().clone() for n, p in norms.items()}
-    backend.train(0, RolloutBatch(samples()))
+    # each DP rank its own shard of the rollout, as the launcher gives it
+    backend.train(0, partition_for_dp(RolloutBatch(samples()), world)[rank])
     names = {p: n for n, p in named}
     groups: dict[str, list[str]] = {"fp32": [], "float16": []}
     for opt in distributed_optimizers(backend.optimizer):

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from miles_core.advantages import with_advantages
 from miles_core.aggregation import loss_denominator
 from miles_core.batch import RolloutBatch
-from miles_core.losses import LossConfig, compute_policy_loss, compute_value_loss
+from miles_core.losses import LossConfig, compute_policy_loss, compute_value_loss, sft_loss
 from miles_core.micro_batch import MicroBatching, split_steps
 from miles_core.micro_batch import split_micro_batches as split_for_ranks
 from miles_core.packing import pack_thd
@@ -93,8 +93,9 @@ def optimizer_step(
     ctx.optimizer.zero_grad()
     sums: dict[str, torch.Tensor] = {}
 
-    entropy_grad = config.entropy_coef != 0.0
-    critic = getattr(ctx.args, "loss_type", "policy_loss") == "value_loss"
+    loss_type = getattr(ctx.args, "loss_type", "policy_loss")
+    entropy_grad = config.entropy_coef != 0.0 and loss_type == "policy_loss"
+    critic = loss_type == "value_loss"
 
     def add_metrics(loss: torch.Tensor, metrics: dict[str, torch.Tensor]) -> torch.Tensor:
         for k, v in {"step_loss": loss, **metrics}.items():
@@ -121,6 +122,17 @@ def optimizer_step(
     def on_scores(
         index: int, packed: PackedShard, log_probs: torch.Tensor, entropy: torch.Tensor
     ) -> torch.Tensor:
+        if loss_type == "sft_loss":  # the responses' NLL under loss_mask
+            return add_metrics(
+                *sft_loss(
+                    log_probs,
+                    loss_mask=packed.loss_mask,
+                    denominator=denominator,
+                    per_token_loss=config.calculate_per_token_loss,
+                    sample_ids=packed.sample_ids,
+                    num_samples=packed.num_samples,
+                )
+            )
         if not entropy_grad:
             entropy = entropy.detach()
         fields = packed.fields
@@ -178,8 +190,9 @@ def train_rollout(ctx: TrainContext, rollout_id: int, batch: RolloutBatch) -> di
     model.train()
     num_steps = args.num_steps_per_rollout
     detach_old = num_steps == 1
-    critic = getattr(args, "loss_type", "policy_loss") == "value_loss"
-    if not critic and (not detach_old or args.kl_coef != 0.0):
+    # sft_loss and the critic's value_loss read no old or reference policy
+    policy = getattr(args, "loss_type", "policy_loss") == "policy_loss"
+    if policy and (not detach_old or args.kl_coef != 0.0):
         if ctx.before_log_prob_hook is not None:
             ctx.before_log_prob_hook(args, model, batch)
         index = {src: i for i, src in enumerate(batch.source_indices)}

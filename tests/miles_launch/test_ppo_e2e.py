@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 from miles_launch.demo import build_tiny_qwen3, write_demo_prompts
-from test_loop_e2e import SMALL, _dcp_model, _flatten, _rollout_lines, demo, records, train
+from test_loop_e2e import SMALL, _rollout_lines, demo, records, train
+from train_runs import dcp_tensors
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended]
 PPO = [
@@ -62,13 +63,13 @@ def test_resume_with_a_critic_matches_the_straight_run(material, tmp_path):
     assert "critic/value_loss" in ra[2]["train"]
     for role in ("", "critic/"):
         for part in ("model", "optimizer"):
-            wa = _flatten(_dcp_model(straight / f"{role}iter_0000003" / part))
-            wb = _flatten(_dcp_model(resumed / f"{role}iter_0000003" / part))
+            wa = dcp_tensors(straight / f"{role}iter_0000003" / part)
+            wb = dcp_tensors(resumed / f"{role}iter_0000003" / part)
             assert wa.keys() == wb.keys() and len(wa) > 0, (role, part)
             for name in wa:
                 assert torch.equal(wa[name], wb[name]), (role, part, name)
-        w0 = _flatten(_dcp_model(straight / f"{role}iter_0000002" / "model"))
-        w3 = _flatten(_dcp_model(straight / f"{role}iter_0000003" / "model"))
+        w0 = dcp_tensors(straight / f"{role}iter_0000002" / "model")
+        w3 = dcp_tensors(straight / f"{role}iter_0000003" / "model")
         assert any(not torch.equal(w0[n], w3[n]) for n in w3), role  # training moved it
     heads = [n for n in wa if "lm_head" in n]
     assert heads  # the critic checkpoint holds the value head

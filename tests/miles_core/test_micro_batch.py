@@ -157,12 +157,16 @@ def _steps_worker(rank, world, port, out_dir):
         )
         shard = partition_for_dp(rollout, world, keep_groups=True)[rank]
         steps = {n: [list(s.source_indices) for s in split_steps(shard, n, group)] for n in (2, 3)}
-        try:  # every rank holding the whole rollout: not shards of one rollout
-            split_steps(rollout, 2, group)
+        # every rank holding the whole rollout: replicas, each trains all of every step
+        replicated = [list(s.source_indices) for s in split_steps(rollout, 2, group)]
+        overlap = rollout.select(range(0, 6) if rank == 0 else range(3, 9))
+        try:  # shards that overlap without being equal: not shards of one rollout
+            split_steps(overlap, 2, group)
             shared = ""
         except ValueError as error:
             shared = str(error)
-        torch.save({"steps": steps, "shared": shared}, os.path.join(out_dir, f"{rank}.pt"))
+        out = {"steps": steps, "replicated": replicated, "shared": shared}
+        torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -182,13 +186,15 @@ def test_steps_are_the_rollouts_slices_at_any_dp_size(tmp_path):
         if p.is_alive():
             p.kill()
         assert p.exitcode == 0
-    results = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
+    results = [torch.load(tmp_path / f"{r}.pt", weights_only=True) for r in range(2)]
     for n in (2, 3):
         one_rank = [list(s.source_indices) for s in split_steps(_batch([2] * 12), n)]
         for k, expected in enumerate(one_rank):
             got = sorted(i for r in results for i in r["steps"][n][k])
             assert got == expected, (n, k, results)
     assert all("share samples" in r["shared"] for r in results)
+    whole = [list(s.source_indices) for s in split_steps(_batch([2] * 12), 2)]
+    assert all(r["replicated"] == whole for r in results)
 
 
 def _free_port():

@@ -136,7 +136,9 @@ def rollout_indices(batch: RolloutBatch, group: dist.ProcessGroup | None = None)
     """The ``source_indices`` of every rank's shard of one rollout together, ascending: the
     rollout's sample order (a collective over ``group`` when torch.distributed is initialized).
 
-    Raises ``ValueError`` when two shards hold the same sample: they are then not shards of one
+    Every rank holding the same batch (data-parallel replicas of one rollout, as some tools and
+    tests run them) is that batch: each rank then trains all of every step, as at one rank.
+    Raises ``ValueError`` when shards overlap otherwise: they are then not shards of one
     rollout, and no step split would be the same as at one rank.
     """
     local = list(batch.source_indices)
@@ -144,6 +146,8 @@ def rollout_indices(batch: RolloutBatch, group: dist.ProcessGroup | None = None)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         gathered = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, local, group=group)
+        if len(set(local)) == len(local) and all(shard == local for shard in gathered):
+            return sorted(local)  # replicas
     indices = sorted(i for shard in gathered for i in shard)
     if len(set(indices)) != len(indices):
         raise ValueError(

@@ -5,7 +5,8 @@ model is still asleep afterwards and no model or optimizer storage holds device 
 
 Default: the ``cpu`` target at TP=2 (each parameter read from the pinned arena). ``extended``:
 the ``disk`` target at TP=2, both targets at PP=2 (each stage reads its own layers asleep, rank 0
-sends both) and qwen3_moe at EP=2 (expert buffers read asleep, gathered over EP)."""
+sends both), qwen3_moe at EP=2 (expert buffers read asleep, gathered over EP) and the
+rematerialised-masters source at DP=2 and TP=2."""
 
 from __future__ import annotations
 
@@ -133,6 +134,7 @@ def check_remat(tmp_path: Path, layout: dict) -> None:
         assert r["woke"] == 0 and r["still_asleep"] and r["device_bytes"] == 0, r
 
 
+@pytest.mark.extended
 def test_remat_asleep_source_dp2(tmp_path):
     check_remat(tmp_path, {})
 

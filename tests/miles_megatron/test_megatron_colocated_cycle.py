@@ -6,8 +6,8 @@ optimizer state and the engine's weights and KV cache are, and asserts the order
 engines release everything -> trainer wakes -> train -> trainer sleeps -> engines resume weights
 only -> publish (trainer asleep, its model and optimizer state on the host, never woken) ->
 engines resume KV cache and graphs; one wake and one sleep of the trainer per rollout
-(:func:`colocated_testing.check_cycle`, shared with the FSDP test). ``cpu`` here, ``disk``
-extended."""
+(:func:`colocated_testing.check_cycle`, shared with the FSDP test). Both targets run under
+``extended``; the default suite has the FSDP cycle (tests/miles_fsdp/test_colocated_cycle.py)."""
 
 from __future__ import annotations
 
@@ -90,6 +90,7 @@ def run(tmp_path: Path, target: str) -> list[list[dict]]:
     return json.loads(out.read_text())
 
 
+@pytest.mark.extended
 def test_megatron_colocated_cycle_residency_cpu(tmp_path):
     check_cycle(run(tmp_path, "cpu"))
 

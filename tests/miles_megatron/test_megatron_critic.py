@@ -122,7 +122,7 @@ def test_values_and_value_loss_gradient_match_float64_at_tp1_and_tp2(hf_dir, tmp
         assert torch.equal(runs["tp2_rank1"]["values"][i], tp2["values"][i])
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_critic_save_and_resume_is_bitwise(hf_dir, tmp_path):
     results = spawn_ranks(straight_then_resumed, 2, hf_dir, str(tmp_path), timeout=600)
     for r in results:

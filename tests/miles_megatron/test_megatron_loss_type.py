@@ -1,6 +1,7 @@
 """``--loss-type sft_loss`` on the Megatron actor against float64: one step's loss is the
 responses' negative log-likelihood, sequence-mean (``-(1/S) sum_i (1/n_i) sum_t log pi``), and
-its gradients are that loss's; ``policy_loss`` on the same samples gives other gradients."""
+its gradients are that loss's (the policy loss of the same step is ~0: GRPO's advantages sum to
+zero in each group and the ratio is 1)."""
 
 from __future__ import annotations
 
@@ -36,9 +37,8 @@ def reference_sft(hf_dir: str):
 
 def test_sft_loss_step_matches_float64_nll(tmp_path):
     hf_dir = str(make_tiny_hf("qwen3", tmp_path / "hf"))
-    sft, policy = tmp_path / "sft.pt", tmp_path / "policy.pt"
+    sft = tmp_path / "sft.pt"
     spawn_ranks(one_step, 1, hf_dir, "sft_loss", str(sft), timeout=400)
-    spawn_ranks(one_step, 1, hf_dir, "policy_loss", str(policy), timeout=400)
     got = torch.load(sft, weights_only=True)
     loss, norm, grads = reference_sft(hf_dir)
     m = got["metrics"]
@@ -48,5 +48,4 @@ def test_sft_loss_step_matches_float64_nll(tmp_path):
         want = grads[hname]
         mine = got["grads"][mname][: want.shape[0]]  # megatron pads the vocabulary's rows
         assert_within(mine.reshape(want.shape), want, grad_atol(want), mname)
-    other = torch.load(policy, weights_only=True)["grads"]
-    assert any(not torch.allclose(other[n], got["grads"][n]) for n in GRAD_NAMES)
+    assert loss > 1.0  # an NLL over a 96-token vocabulary, far from a policy loss's ~0

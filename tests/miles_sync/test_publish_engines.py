@@ -296,6 +296,12 @@ def test_publish_during_generation(pause_mode, engines):
         "input_ids": PROMPTS[1],
         "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True},
     }
+    # everything the publish needs is made first: the request must still be running when the
+    # publish pauses (400 tokens take well under a second on an idle machine)
+    publisher = WeightPublisher(config("broadcast", pause_mode=pause_mode))
+    model = tiny_model(0)
+    publisher.update_weights(source(model), [engine.url])  # forms the weight-update group
+    train_step(model, 51)
     reply: dict = {}
     running = threading.Thread(
         target=lambda: reply.update(engine.http.post("/generate", json=body, timeout=300).json())
@@ -305,9 +311,6 @@ def test_publish_during_generation(pause_mode, engines):
     while engine.http.get("/get_server_info").json()["num_requests"] == 0:
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    publisher = WeightPublisher(config("broadcast", pause_mode=pause_mode))
-    model = tiny_model(0)
-    train_step(model, 51)
     version = publisher.update_weights(source(model), [engine.url])
     publisher.close()
     running.join(timeout=300)

@@ -3,8 +3,9 @@
 the same bytes both times, the publish woke nothing (the sleeper's wake count is unchanged), the
 model is still asleep afterwards and no model or optimizer storage holds device memory.
 
-Default: the ``cpu`` target at TP=2 (each parameter read from the pinned arena). ``extended``:
-the ``disk`` target at TP=2, both targets at PP=2 (each stage reads its own layers asleep, rank 0
+All under ``extended`` (the default suite has FSDP's, tests/miles_fsdp/test_asleep_publish.py):
+the ``cpu`` target at TP=2 (each parameter read from the pinned arena), the ``disk`` target at
+TP=2, both targets at PP=2 (each stage reads its own layers asleep, rank 0
 sends both), qwen3_moe at EP=2 (expert buffers read asleep, gathered over EP) and the
 rematerialised-masters source at DP=2 and TP=2."""
 
@@ -76,6 +77,7 @@ def run(tmp_path: Path, target: str, layout: dict, family: str = "qwen3") -> lis
     return results
 
 
+@pytest.mark.extended
 def test_asleep_publish_tp2_cpu(tmp_path):
     run(tmp_path, "cpu", {"tp": 2})
 

@@ -152,7 +152,7 @@ def test_unproven_critic_layouts_are_refused(hf_dir, flags):
     assert message.startswith("--use-critic with " + flags[0]) and "\n" not in message
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_actor_beside_critic_takes_its_gae_advantages(hf_dir, tmp_path):
     from backend_reference import samples
 

@@ -13,7 +13,7 @@ from tolerances import FP32_EPS, GRAD_REL_ERR
 VALUE_ATOL = 8 * FP32_EPS * 8
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.numeric
 def test_dp2_takes_the_steps_of_dp1(layout_hf_dirs):
     from cp_ranks import cp_argv, rl_layouts

@@ -177,8 +177,16 @@ def killing_source(model, engine: Engine, after: int):
 
 
 # p2p is left out: with one trainer rank it is broadcast's path (GroupTransport's reset and
-# re-form after a failure, push_buckets), and this test costs ~25 s per mode on the CI machine.
-@pytest.mark.parametrize("mode", ["broadcast", "ipc", "disk-delta"])
+# re-form after a failure, push_buckets), and this test costs ~25 s per mode on the CI machine:
+# broadcast in the default suite, the others extended.
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "broadcast",
+        pytest.param("ipc", marks=pytest.mark.extended),
+        pytest.param("disk-delta", marks=pytest.mark.extended),
+    ],
+)
 def test_engine_killed_mid_publish_then_retry(mode, engines, checkpoint, request):
     """The victim dies while its weights are being sent. In group modes it is the only target:
     an engine that survives a broken broadcast stays blocked in its receive until its own group

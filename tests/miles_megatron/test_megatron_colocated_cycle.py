@@ -6,8 +6,9 @@ optimizer state and the engine's weights and KV cache are, and asserts the order
 engines release everything -> trainer wakes -> train -> trainer sleeps -> engines resume weights
 only -> publish (trainer asleep, its model and optimizer state on the host, never woken) ->
 engines resume KV cache and graphs; one wake and one sleep of the trainer per rollout
-(:func:`colocated_testing.check_cycle`, shared with the FSDP test). Both targets run under
-``extended``; the default suite has the FSDP cycle (tests/miles_fsdp/test_colocated_cycle.py)."""
+(:func:`colocated_testing.check_cycle`, shared with the FSDP test). The ``cpu`` target, under
+``extended``; the default suite has the FSDP cycle (tests/miles_fsdp/test_colocated_cycle.py,
+``disk``)."""
 
 from __future__ import annotations
 
@@ -93,8 +94,3 @@ def run(tmp_path: Path, target: str) -> list[list[dict]]:
 @pytest.mark.extended
 def test_megatron_colocated_cycle_residency_cpu(tmp_path):
     check_cycle(run(tmp_path, "cpu"))
-
-
-@pytest.mark.extended
-def test_megatron_colocated_cycle_residency_disk(tmp_path):
-    check_cycle(run(tmp_path, "disk"))

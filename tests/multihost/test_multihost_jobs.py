@@ -165,7 +165,8 @@ def test_broadcast_one_rollout_across_hosts(cluster, material, tmp_path):
 
 
 @pytest.mark.extended
-@pytest.mark.parametrize("mode", ["broadcast", "p2p", "disk-delta"])
+# broadcast across hosts is the default suite's job (test_broadcast_one_rollout_across_hosts)
+@pytest.mark.parametrize("mode", ["p2p", "disk-delta"])
 def test_two_engines_on_two_hosts(cluster, material, tmp_path, mode):
     """Engines on hosts b and c, 2 rollouts: every publish reaches both hosts (one rising
     version per rollout); ``p2p`` groups are made by each trainer rank at host a's address;

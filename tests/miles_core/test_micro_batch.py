@@ -175,18 +175,7 @@ def _steps_worker(rank, world, port, out_dir):
 def test_steps_are_the_rollouts_slices_at_any_dp_size(tmp_path):
     """At DP 2 (groups of 3 balanced over the ranks by tokens), the union of the ranks' parts
     of step k is the rollout's k-th slice, as at one rank; each rank's part keeps shard order."""
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_steps_worker, args=(r, 2, port, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-        assert p.exitcode == 0
-    results = [torch.load(tmp_path / f"{r}.pt", weights_only=True) for r in range(2)]
+    results = _two_gloo_ranks(_steps_worker, tmp_path)
     for n in (2, 3):
         one_rank = [list(s.source_indices) for s in split_steps(_batch([2] * 12), n)]
         for k, expected in enumerate(one_rank):
@@ -195,6 +184,22 @@ def test_steps_are_the_rollouts_slices_at_any_dp_size(tmp_path):
     assert all("share samples" in r["shared"] for r in results)
     whole = [list(s.source_indices) for s in split_steps(_batch([2] * 12), 2)]
     assert all(r["replicated"] == whole for r in results)
+
+
+def _two_gloo_ranks(worker, tmp_path) -> list[dict]:
+    """Run ``worker(rank, 2, port, out_dir)`` on 2 spawned gloo ranks; each rank's saved dict."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=worker, args=(r, 2, port, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        assert p.exitcode == 0
+    return [torch.load(tmp_path / f"{r}.pt", weights_only=True) for r in range(2)]
 
 
 def _free_port():
@@ -234,18 +239,7 @@ def _agree_worker(rank, world, port, out_dir):
 
 @pytest.mark.slow
 def test_ranks_agree_on_the_maximum(tmp_path):
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_agree_worker, args=(r, 2, port, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-        assert p.exitcode == 0
-    results = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
+    results = _two_gloo_ranks(_agree_worker, tmp_path)
     assert [r["local"] for r in results] == [2, 5]
     assert all(r["num"] == 5 and len(r["sizes"]) == 5 for r in results)
     assert sorted(results[0]["sizes"]) == [0, 0, 100, 100, 100]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from critic_reference import attach_value_head
 from dense_reference import dense_model, response_log_probs
 from miles_core.batch import RolloutBatch
 from miles_fsdp.backend import FSDPBackend
@@ -28,15 +29,7 @@ def hf_dir(tmp_path_factory):
 def reference_critic(hf_dir) -> torch.nn.Module:
     """float64: the HF model, its LM head replaced by Linear(hidden, 1) with weights
     ``0.02 * randn(generator seeded with --seed)`` and bias 0 (the documented initialisation)."""
-    model = dense_model(hf_dir)
-    hidden = model.config.hidden_size
-    head = torch.nn.Linear(hidden, 1, dtype=torch.float64)
-    g = torch.Generator().manual_seed(SEED)
-    with torch.no_grad():
-        head.weight.copy_(0.02 * torch.randn((1, hidden), generator=g, dtype=torch.float64))
-        head.bias.zero_()
-    model.lm_head = head
-    return model
+    return attach_value_head(dense_model(hf_dir), SEED)
 
 
 def reference_values(model, sample) -> torch.Tensor:

@@ -29,6 +29,7 @@ from critic_ranks import (
     straight_then_resumed,
     values_and_grads,
 )
+from critic_reference import attach_value_head
 from dist_ranks import spawn_ranks
 from megatron_tiny_models import make_tiny_hf
 from tolerances import GRAD_REL_ERR, assert_within, grad_atol
@@ -45,14 +46,7 @@ def reference_critic(hf_dir: str) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(
         hf_dir, dtype=torch.float64, attn_implementation="eager"
     )
-    hidden = model.config.hidden_size
-    head = torch.nn.Linear(hidden, 1, dtype=torch.float64)
-    g = torch.Generator().manual_seed(SEED)
-    with torch.no_grad():
-        head.weight.copy_(0.02 * torch.randn((1, hidden), generator=g, dtype=torch.float64))
-        head.bias.zero_()
-    model.lm_head = head
-    return model
+    return attach_value_head(model, SEED)
 
 
 def gae(reward: float, values: list[float]) -> tuple[torch.Tensor, torch.Tensor]:

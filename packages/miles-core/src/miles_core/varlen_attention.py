@@ -15,6 +15,7 @@ miles-fsdp plugs it into transformers (``--attn-implementation varlen``,
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 HF_ATTENTION_NAME = "miles_varlen"
 
 
+@functools.cache
 def _torch_varlen():
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -37,9 +39,15 @@ def kernel_available(device: torch.device | str = "cuda") -> bool:
     return torch.device(device).type == "cuda" and _torch_varlen() is not None
 
 
+@functools.cache
+def _kernel_params() -> frozenset[str]:
+    """The keyword arguments this torch's ``varlen_attn`` takes (read once: it is called in
+    every layer of every forward)."""
+    return frozenset(inspect.signature(_torch_varlen()).parameters)
+
+
 def _flash(q, k, v, cu_seqlens, max_seqlen, scale):
-    varlen_attn = _torch_varlen()
-    params = inspect.signature(varlen_attn).parameters
+    params = _kernel_params()
     kwargs = {"scale": scale}
     if "window_size" in params:
         kwargs["window_size"] = (-1, 0)  # causal
@@ -51,7 +59,7 @@ def _flash(q, k, v, cu_seqlens, max_seqlen, scale):
         else:
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+    return _torch_varlen()(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
 
 
 def _per_sample(q, k, v, cu_seqlens, scale):

@@ -28,6 +28,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 import train_bench_model as bench  # noqa: E402  (same-directory module)
 
+PROFILES: dict[str, dict] = {}  # side -> bench.profile_rollout's summary (--profile)
+
 
 def say(message: str) -> None:
     if dist.get_rank() == 0:
@@ -66,6 +68,8 @@ def run_backend(hf_dir, shard, args, world):
         say(f"miles-fsdp: rollout {rollout + 1}/{total} {seconds:.3f} s")
 
     times = bench.time_train(backend, shard, args.warmup, args.iters, report=report)
+    if args.profile:
+        PROFILES["miles-fsdp"] = bench.profile_rollout(lambda: backend.train(total, shard))
     attn = backend.attn_implementation
     backend.close()
     return times, attn
@@ -114,10 +118,7 @@ def run_plain(hf_dir, shard, args, attn):
         logits = model(input_ids=packed.input_ids, **kwargs).logits
         return token_log_probs(logits, packed.targets), packed
 
-    times = []
-    for it in range(args.warmup + args.iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+    def one_rollout():
         steps = split_steps(shard, args.steps, cpu_group)
         old = {}
         if args.steps > 1:
@@ -136,12 +137,20 @@ def run_plain(hf_dir, shard, args, attn):
                 loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
+
+    times = []
+    for it in range(args.warmup + args.iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        one_rollout()
         torch.cuda.synchronize()
         if it >= args.warmup:
             times.append(time.perf_counter() - t0)
         say(
             f"plain loop: rollout {it + 1}/{args.warmup + args.iters} {time.perf_counter() - t0:.3f} s"
         )
+    if args.profile:
+        PROFILES["plain FSDP2 loop"] = bench.profile_rollout(one_rollout)
     return times
 
 
@@ -226,6 +235,8 @@ def main() -> None:
             )
         if ratio is not None:
             print(f"ratio miles-fsdp / plain: {ratio:.3f} (target >= 0.95)")
+        for side, prof in PROFILES.items():
+            bench.print_profile(side, prof)
         report = {
             "gpus": world,
             "device": torch.cuda.get_device_name(),
@@ -237,6 +248,7 @@ def main() -> None:
             "steps_per_rollout": args.steps,
             "results": rows,
             "ratio": ratio,
+            "profiles": PROFILES,
             "torch": torch.__version__,
         }
         with open(args.out, "w") as f:

@@ -36,6 +36,7 @@ import base64
 import datetime
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -114,6 +115,7 @@ class Engine:
         self.url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "miles_launch.builtin_engine", "--model-path", str(model_path)]
         cmd += ["--port", str(port), "--device", device, "--dtype", "bfloat16"]
+        cmd += ["--log-level", "debug"]  # per-bucket decode/load times (engine_bucket_ms)
         self.log = open(log_dir / f"engine-{port}.log", "w")  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 900
@@ -127,6 +129,22 @@ class Engine:
                 pass
             time.sleep(1)
         raise TimeoutError(f"engine on {device} not healthy; see {self.log.name}")
+
+    def log_offset(self) -> int:
+        return Path(self.log.name).stat().st_size
+
+    def bucket_ms(self, since: int) -> dict | None:
+        """Median decode / queued / load ms per ``/update_weights_from_tensor`` the engine
+        logged after byte ``since`` of its log (the engine's side of each bucket)."""
+        text = Path(self.log.name).read_bytes()[since:].decode(errors="replace")
+        found = re.findall(r"decode ([\d.]+) ms, queued ([\d.]+) ms, load ([\d.]+) ms", text)
+        if not found:
+            return None
+        cols = list(zip(*[[float(x) for x in f] for f in found]))
+        return {
+            "requests": len(found),
+            **{k: statistics.median(c) for k, c in zip(("decode", "queued", "load"), cols)},
+        }
 
     def close(self):
         self.proc.terminate()
@@ -321,14 +339,18 @@ def bench_shape(shape_name: str, args, root: Path) -> list[dict]:
                 say(f"{shape_name}: ipc publish x{args.repeats}, {buffer / 2**20:.0f} MiB buckets")
                 config = SyncConfig(mode="ipc", colocate=True, buffer_size=buffer)
                 publisher = WeightPublisher(config)
+                since = ipc_engine.log_offset()
                 ipc = timed(
                     lambda p=publisher: p.update_weights(weights.items(), [ipc_engine.url]),
                     args.repeats,
                 )
                 ipc_stats = publisher.last_stats
+                time.sleep(0.5)  # the engine's log lines of the last bucket
+                engine_ms = ipc_engine.bucket_ms(since)
                 fixed = fixed_round(publisher, ipc_engine.url, args.repeats, weights)
                 publisher.close()
                 row("ipc", buffer, ipc, ipc_floor, None, ipc_stats, fixed)
+                rows[-1]["engine_bucket_ms"] = engine_ms
             if args.naive:
                 say(f"{shape_name}: the naive per-tensor IPC publish")
                 naive = timed(lambda: naive_ipc(ipc_engine.url, weights), 1)
@@ -438,6 +460,12 @@ def main() -> None:
                 f"  {r['shape']} {r['mode']} {r['buffer_bytes'] / 2**20:.0f} MiB: "
                 f"{r['buckets']} buckets; {parts}{wait}"
             )
+            eng = r.get("engine_bucket_ms")
+            if eng:
+                print(
+                    f"    engine, median per bucket ({eng['requests']} requests): decode "
+                    f"{eng['decode']:.2f} ms, queued {eng['queued']:.2f} ms, load {eng['load']:.2f} ms"
+                )
     Path(args.json).write_text(
         json.dumps({"rows": rows, "buffer_size": args.buffer_size}, indent=1)
     )

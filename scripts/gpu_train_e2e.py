@@ -46,6 +46,10 @@ CASES: dict[str, tuple[str, list[str]]] = {
         "0.6b",
         ["--train-backend", "fsdp", "--colocate", "--offload-train-target", "disk"],
     ),
+    "fsdp-tiny-cpu-offload": (
+        "tiny",
+        ["--train-backend", "fsdp", "--colocate", "--fsdp-cpu-offload"],
+    ),
     "fsdp-0.6b-cpu-offload": (
         "0.6b",
         ["--train-backend", "fsdp", "--colocate", "--fsdp-cpu-offload"],

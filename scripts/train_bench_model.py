@@ -94,6 +94,12 @@ def add_timing_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gradient-checkpointing", action="store_true", help="recompute each layer in backward"
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed rollouts, profile one more of each side: where the GPU time goes "
+        "(kernel categories, idle time, host syncs)",
+    )
 
 
 def peak_tflops(args) -> float:
@@ -176,3 +182,94 @@ def time_train(backend, shard, warmup: int, iters: int, report=None) -> list[flo
         if report is not None:
             report(rollout, seconds)
     return times
+
+
+KERNEL_CATEGORIES = (  # first match wins; names are lower-cased
+    ("attention", ("flash", "fmha", "varlen", "attention", "sdpa")),
+    ("matmul", ("gemm", "cutlass", "nvjet", "sm90_", "cublas", "matmul")),
+    ("communication", ("nccl",)),
+    ("copy", ("memcpy", "memset", "copy_", "cat_", "chunk_cat", "split_with_sizes")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("reduction", ("reduce", "norm", "softmax", "logsumexp")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "index", "scatter", "gather")),
+)
+
+
+def kernel_category(name: str) -> str:
+    low = name.lower()
+    for category, keys in KERNEL_CATEGORIES:
+        if any(k in low for k in keys):
+            return category
+    return "other"
+
+
+def profile_rollout(run, top: int = 12) -> dict:
+    """Run ``run()`` once under torch.profiler: wall seconds, GPU busy seconds (the union of
+    kernel intervals), GPU time per kernel category, the top kernels, and the host-side calls
+    that block on the GPU (synchronize, blocking copies)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    intervals, by_category, by_kernel = [], {}, {}
+    syncs = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            start, end = ev.time_range.start, ev.time_range.end
+            if end <= start:
+                continue
+            intervals.append((start, end))
+            us = end - start
+            cat = kernel_category(ev.name)
+            by_category[cat] = by_category.get(cat, 0.0) + us
+            k = by_kernel.setdefault(ev.name[:90], [0, 0.0])
+            k[0] += 1
+            k[1] += us
+        elif ev.name in (
+            "cudaStreamSynchronize",
+            "cudaDeviceSynchronize",
+            "cudaEventSynchronize",
+            "cudaMemcpy",
+            "aten::item",
+            "aten::_local_scalar_dense",
+        ):
+            s = syncs.setdefault(ev.name, [0, 0.0])
+            s[0] += 1
+            s[1] += ev.cpu_time_total
+    intervals.sort()
+    busy, cur_start, cur_end = 0.0, None, None
+    for start, end in intervals:
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        busy += cur_end - cur_start
+    kernels = sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:top]
+    return {
+        "wall_s": wall,
+        "gpu_busy_s": busy / 1e6,
+        "gpu_idle_fraction": max(0.0, 1 - busy / 1e6 / wall),
+        "kernel_s_by_category": {k: v / 1e6 for k, v in sorted(by_category.items())},
+        "top_kernels": [{"name": n, "calls": c, "seconds": us / 1e6} for n, (c, us) in kernels],
+        "host_syncs": {n: {"calls": c, "cpu_s": us / 1e6} for n, (c, us) in syncs.items()},
+    }
+
+
+def print_profile(side: str, prof: dict) -> None:
+    print(
+        f"\nprofile of one rollout, {side}: wall {prof['wall_s']:.3f} s, GPU busy "
+        f"{prof['gpu_busy_s']:.3f} s (idle {prof['gpu_idle_fraction']:.1%})"
+    )
+    for cat, s in sorted(prof["kernel_s_by_category"].items(), key=lambda kv: -kv[1]):
+        print(f"  {cat:14s} {s:8.3f} s")
+    for k in prof["top_kernels"]:
+        print(f"  {k['seconds']:8.3f} s {k['calls']:6d}x  {k['name']}")
+    for name, s in prof["host_syncs"].items():
+        print(f"  host {name}: {s['calls']} calls, {s['cpu_s']:.3f} s")

@@ -363,6 +363,7 @@ def build_app(state: EngineState) -> FastAPI:
         body = await _json_body(request)
         check_window("update_weights_from_tensor")
         device_type = torch.device(state.config.device).type
+        t0 = time.perf_counter()
         try:
             named = await asyncio.to_thread(
                 decode_tensor_payload,
@@ -372,7 +373,27 @@ def build_app(state: EngineState) -> FastAPI:
             )
         except (UnsafePayloadError, WeightUpdateError, ValueError, RuntimeError, OSError) as exc:
             return _error(f"update_weights_from_tensor: {exc}", success_field=True)
-        return await apply_update(body, lambda: state.weights.load_named(named))
+        t1 = time.perf_counter()
+        loaded_at = []
+
+        def load():
+            started = time.perf_counter()
+            count = state.weights.load_named(named)
+            loaded_at.extend([started, time.perf_counter()])
+            return count
+
+        reply = await apply_update(body, load)
+        if loaded_at:
+            logger.debug(
+                "update_weights_from_tensor: %d tensors, %d bytes: decode %.2f ms, queued %.2f ms,"
+                " load %.2f ms",
+                len(named),
+                sum(t.numel() * t.element_size() for _, t in named),
+                (t1 - t0) * 1e3,
+                (loaded_at[0] - t1) * 1e3,
+                (loaded_at[1] - loaded_at[0]) * 1e3,
+            )
+        return reply
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):

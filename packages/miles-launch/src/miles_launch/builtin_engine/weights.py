@@ -63,6 +63,10 @@ class WeightStore:
         plan = plan_load(named_tensors, self.resolve)
         for target, tensor in plan:
             target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+        if self.device.type == "cuda":
+            # the reply tells the sender it may reuse the buffer it shared: every copy out of
+            # it must be done by then, not merely queued on this process's stream
+            torch.cuda.current_stream(self.device).synchronize()
         return len(plan)
 
     def load_from_disk(self, model_path: str) -> int:

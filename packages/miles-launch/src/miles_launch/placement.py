@@ -207,7 +207,10 @@ class Placement:
         self.infos = self._probe()
         misplaced = [i.index for i in self.infos if i.node_ip != self.nodes[i.index]]
         if misplaced:  # the node:<ip> pin makes this impossible; say so if it ever happens
-            raise RuntimeError(f"Ray placed bundles {misplaced} off their planned nodes")
+            raise RuntimeError(
+                f"Ray placed bundles {misplaced} off their planned nodes: "
+                + ", ".join(f"{i}: {self.infos[i].node_ip} not {self.nodes[i]}" for i in misplaced)
+            )
 
     def _probe(self) -> list[BundleInfo]:
         """Node and GPU ids of every bundle: from the placement-group table without GPUs,
@@ -217,22 +220,27 @@ class Placement:
 
         table = placement_group_table(self.group)
         node_of = table["bundles_to_node_id"]
+        # the node's address as the plan names it (Ray's NodeManagerAddress), not the address
+        # a process advertises (loopback on a local cluster, whatever Ray's node address is)
         ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
         if not self.layout.use_gpu:
             return [
                 BundleInfo(i, node_of[i], ips.get(node_of[i], ""), ())
                 for i in range(self.layout.num_bundles)
             ]
-        where = ray.remote(_where)
+        gpu_ids = ray.remote(_gpu_ids)
         found = ray.get(
             [
-                where.options(
+                gpu_ids.options(
                     num_cpus=0.01, num_gpus=0.01, scheduling_strategy=self.strategy(i)
                 ).remote()
                 for i in range(self.layout.num_bundles)
             ]
         )
-        return [BundleInfo(i, node_of[i], ip, tuple(gpus)) for i, (ip, gpus) in enumerate(found)]
+        return [
+            BundleInfo(i, node_of[i], ips.get(node_of[i], ""), tuple(gpus))
+            for i, gpus in enumerate(found)
+        ]
 
     def bundle(self, layout_index: int) -> int:
         """The placement-group bundle of a layout bundle (the same index: bundle ``i`` of the
@@ -287,11 +295,11 @@ def node_ip() -> str:
     return os.environ.get(NODE_IP_ENV) or ray.util.get_node_ip_address()
 
 
-def _where() -> tuple[str, list[int]]:
-    """Run inside a bundle: its node IP and the physical GPU ids Ray gave it."""
+def _gpu_ids() -> list[int]:
+    """Run inside a bundle: the physical GPU ids Ray gave it."""
     import ray
 
-    return node_ip(), [int(g) for g in ray.get_gpu_ids()]
+    return [int(g) for g in ray.get_gpu_ids()]
 
 
 def prepare_ray_env() -> None:

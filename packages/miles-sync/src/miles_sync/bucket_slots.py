@@ -61,6 +61,15 @@ class BucketSlots:
             self._ready[index % len(self._slots)] = event
         return flat, metadata
 
+    def synchronize(self, index: int) -> None:
+        """Block the host until bucket ``index`` is packed. A CUDA IPC receiver waits for the
+        handle's event only when it opens the handle; one that keeps the buffer open across
+        buckets (the built-in engine does, within a publish) does not, so an IPC sender makes
+        the bytes final before it hands the bucket over."""
+        event = self._ready[index % len(self._slots)]
+        if event is not None:
+            event.synchronize()
+
     def wait_ready(self, index: int) -> None:
         """Make the calling thread's current stream wait until bucket ``index`` is packed (a
         CUDA IPC receiver needs nothing: torch's IPC handle carries its own event)."""

@@ -106,6 +106,7 @@ class IpcTransport:
                         error = error or failure
                     waited += time.perf_counter() - since
                     pending = None
+                self._slots.synchronize(index)  # the bytes are final before any engine reads
                 entries = self.ctx.all_gather_object(entry)
                 if self.is_leader and error is None:
                     pending = pool.submit(

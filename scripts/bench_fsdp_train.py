@@ -70,6 +70,9 @@ def run_backend(hf_dir, shard, args, world):
     times = bench.time_train(backend, shard, args.warmup, args.iters, report=report)
     if args.profile:
         PROFILES["miles-fsdp"] = bench.profile_rollout(lambda: backend.train(total, shard))
+        PROFILES["miles-fsdp"]["sync_sites"] = bench.sync_sites(
+            lambda: backend.train(total + 1, shard)
+        )
     attn = backend.attn_implementation
     backend.close()
     return times, attn
@@ -100,6 +103,9 @@ def run_plain(hf_dir, shard, args, attn):
     ).to(device)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # from_pretrained returns the model in eval mode, where HF skips gradient checkpointing:
+    # the loop would then keep every activation and skip the recompute the backend pays for
+    model.train()
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
@@ -151,6 +157,7 @@ def run_plain(hf_dir, shard, args, attn):
         )
     if args.profile:
         PROFILES["plain FSDP2 loop"] = bench.profile_rollout(one_rollout)
+        PROFILES["plain FSDP2 loop"]["sync_sites"] = bench.sync_sites(one_rollout)
     return times
 
 

@@ -262,6 +262,39 @@ def profile_rollout(run, top: int = 12) -> dict:
     }
 
 
+def sync_sites(run, top: int = 12) -> list[dict]:
+    """Run ``run()`` once with CUDA sync debugging on: every operation that makes the host wait
+    for the GPU, counted by the innermost miles (or script) frame that called it."""
+    import traceback
+    import warnings
+
+    counts: dict[str, int] = {}
+
+    def note(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        site = f"{filename}:{lineno}"
+        for frame in reversed(traceback.extract_stack()[:-1]):
+            if "miles_" in frame.filename or "/scripts/" in frame.filename:
+                site = f"{frame.filename.split('/src/')[-1]}:{frame.lineno} {frame.name}"
+                break
+        counts[site] = counts.get(site, 0) + 1
+
+    saved = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = note
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = saved
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
+    return [{"site": site, "syncs": n} for site, n in ranked]
+
+
 def print_profile(side: str, prof: dict) -> None:
     print(
         f"\nprofile of one rollout, {side}: wall {prof['wall_s']:.3f} s, GPU busy "
@@ -273,3 +306,5 @@ def print_profile(side: str, prof: dict) -> None:
         print(f"  {k['seconds']:8.3f} s {k['calls']:6d}x  {k['name']}")
     for name, s in prof["host_syncs"].items():
         print(f"  host {name}: {s['calls']} calls, {s['cpu_s']:.3f} s")
+    for site in prof.get("sync_sites", []):
+        print(f"  sync {site['syncs']:5d}x  {site['site']}")

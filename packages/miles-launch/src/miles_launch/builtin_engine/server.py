@@ -390,6 +390,8 @@ def build_app(state: EngineState) -> FastAPI:
         except (UnsafePayloadError, WeightUpdateError, ValueError, RuntimeError, OSError) as exc:
             return _error(f"update_weights_from_tensor: {exc}", success_field=True)
         t1 = time.perf_counter()
+        kept = {t.untyped_storage().data_ptr() for t in state.open_buckets}
+        reused = bool(named) and named[0][1].untyped_storage().data_ptr() in kept
         loaded_at = []
 
         def load():
@@ -406,12 +408,13 @@ def build_app(state: EngineState) -> FastAPI:
         if loaded_at:
             logger.debug(
                 "update_weights_from_tensor: %d tensors, %d bytes: decode %.2f ms, queued %.2f ms,"
-                " load %.2f ms",
+                " load %.2f ms (mapping %s)",
                 len(named),
                 sum(t.numel() * t.element_size() for _, t in named),
                 (t1 - t0) * 1e3,
                 (loaded_at[0] - t1) * 1e3,
                 (loaded_at[1] - loaded_at[0]) * 1e3,
+                "reused" if reused else "opened",
             )
         return reply
 

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.slow
 
 LORA = ["--use-lora", "--lora-rank", "4", "--lora-alpha", "8"]
 LORA += ["--lora-target-modules", "q_proj", "v_proj", "gate_proj", "down_proj"]
+LORA += ["--num-steps-per-rollout", "1"]  # one optimizer step: Adam state exists
 
 
 def _bytes(stream) -> list[tuple[str, str, tuple, bytes]]:
@@ -41,8 +42,9 @@ def _bytes(stream) -> list[tuple[str, str, tuple, bytes]]:
 
 
 def lora_publish_awake_then_asleep(
-    rank: int, world: int, hf_dir: str, engine_url: str, flags: list[str]
+    rank: int, world: int, hf_dir: str, engine_url: str | None, flags: list[str]
 ) -> dict:
+    """Without ``engine_url`` the publish is the ``to_all`` source drained on every rank."""
     import httpx
     from backend_reference import samples
     from megatron_ranks import BOTH_BACKENDS_FLAGS, layout_argv, parse
@@ -51,7 +53,19 @@ def lora_publish_awake_then_asleep(
     from miles_megatron.sleep_wake import _optimizer_tensors
 
     def served():
-        return httpx.get(f"{engine_url}/weights_digest", timeout=60).json() if rank == 0 else None
+        if rank != 0 or engine_url is None:
+            return None
+        return httpx.get(f"{engine_url}/weights_digest", timeout=60).json()
+
+    def update_weights():
+        if engine_url is not None:
+            backend.update_weights([engine_url])
+            return
+        try:
+            for _ in backend.publish_weights(to_all=True):
+                pass
+        finally:
+            backend.sleeper.drop_reads()
 
     def sources():
         """(merged source, adapter source), as bytes, on every rank."""
@@ -72,7 +86,7 @@ def lora_publish_awake_then_asleep(
     backend.init(parse([*argv, "--offload-train", *flags]))
     backend.train(0, RolloutBatch(samples()))
     out = {"optimizer_bytes_awake": optimizer_device_bytes()}
-    backend.update_weights([engine_url])
+    update_weights()
     out["awake"] = served()
     awake_merged, awake_adapter = sources()
 
@@ -97,7 +111,7 @@ def lora_publish_awake_then_asleep(
     backend.sleeper.wake_up = recorded(sleeper_wake, "sleeper.wake_up")
     backend.publish_weights = watched
     wakes = backend.sleeper.wakes
-    backend.update_weights([engine_url])
+    update_weights()
     out["asleep"] = served()
     del backend.publish_weights
     out["wake_calls"] = calls
@@ -112,6 +126,7 @@ def lora_publish_awake_then_asleep(
         return out
     asleep_merged, asleep_adapter = sources()
     out["merged_names"] = [n for n, *_ in awake_merged]
+    out["dtypes"] = sorted({d for _, d, *_ in awake_merged})
     out["adapter_names"] = [n for n, *_ in awake_adapter]
     out["merged_equal"] = awake_merged == asleep_merged
     out["adapter_equal"] = awake_adapter == asleep_adapter
@@ -136,6 +151,10 @@ def run(tmp_path: Path, target: str) -> None:
     awake = results[0]["awake"]
     assert awake != before  # the merged, trained weights arrived
     assert results[0]["asleep"] == awake
+    check(results)
+
+
+def check(results: list[dict]) -> None:
     for r in results:
         assert r["optimizer_bytes_awake"] > 0  # there is optimizer state that must stay away
         assert r["wake_calls"] == [] and r["woke"] == 0, "the publish woke the trainer"
@@ -155,3 +174,15 @@ def test_lora_asleep_publish_tp2_cpu(tmp_path):
 @pytest.mark.extended
 def test_lora_asleep_publish_tp2_disk(tmp_path):
     run(tmp_path, "disk")
+
+
+@pytest.mark.extended
+def test_lora_remat_asleep_source_tp2(tmp_path):
+    """bf16 under ``--rematerialize-param-from-master-weight``: the factors' bucket is rebuilt
+    from the host fp32 masters; compared at the source (a remat run is colocated and publishes
+    over ipc, which one built-in engine cannot take from two ranks)."""
+    hf_dir = str(make_tiny_hf("qwen3", tmp_path / "hf"))
+    flags = ["--bf16", "--colocate", "--rematerialize-param-from-master-weight"]
+    results = spawn_ranks(lora_publish_awake_then_asleep, 2, hf_dir, None, flags, timeout=300)
+    check(results)
+    assert all(r["dtypes"] == ["torch.bfloat16"] for r in results), results[0]["dtypes"]

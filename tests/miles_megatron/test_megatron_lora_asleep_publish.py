@@ -1,8 +1,8 @@
 """A sleeping Megatron LoRA actor publishes without waking (issue #24): 2 gloo ranks at TP=2,
 one rollout trained, then ``update_weights`` to a real built-in engine awake and after
 ``sleep()``. The engine serves the same bytes both times; the merged publish source and the
-``--publish-lora-adapter`` source (PEFT-named factors) asleep equal awake byte for byte; the
-trainer's ``wake_up`` (the backend's and the sleeper's) is never called, at every tensor of the
+``--publish-lora-adapter`` source (PEFT-named factors) asleep equal awake byte for byte, and so
+do ``export_adapter``'s files; the trainer's ``wake_up`` (the backend's and the sleeper's) is never called, at every tensor of the
 asleep publish the sleeper is asleep and no optimizer tensor holds device memory, and the model
 is still asleep with nothing on the device afterwards.
 
@@ -78,6 +78,12 @@ def lora_publish_awake_then_asleep(
             backend.sleeper.drop_reads()
         return merged, adapter
 
+    def exported(tag: str) -> dict[str, bytes]:
+        """``export_adapter``'s files (rank 0 writes; every rank reads after the barrier)."""
+        out_dir = Path(hf_dir).parent / f"export_{tag}"
+        backend.export_adapter(str(out_dir))
+        return {p.name: p.read_bytes() for p in sorted(out_dir.iterdir())}
+
     def optimizer_device_bytes() -> int:
         return sum(t.untyped_storage().nbytes() for t in _optimizer_tensors(backend.optimizer))
 
@@ -89,6 +95,7 @@ def lora_publish_awake_then_asleep(
     update_weights()
     out["awake"] = served()
     awake_merged, awake_adapter = sources()
+    awake_export = exported("awake")
 
     backend.sleep()
     calls: list[str] = []
@@ -114,7 +121,7 @@ def lora_publish_awake_then_asleep(
     update_weights()
     out["asleep"] = served()
     del backend.publish_weights
-    out["wake_calls"] = calls
+    out["wake_calls"] = calls  # also filled by the asleep sources and export below
     out["woke"] = backend.sleeper.wakes - wakes
     out["published"] = len(during)
     out["awake_during_publish"] = sum(not asleep for asleep, _ in during)
@@ -125,6 +132,10 @@ def lora_publish_awake_then_asleep(
         backend.close()
         return out
     asleep_merged, asleep_adapter = sources()
+    out["export_equal"] = exported("asleep") == awake_export and len(awake_export) > 1
+    out["woke"] = backend.sleeper.wakes - wakes
+    out["still_asleep"] = backend.sleeper.asleep
+    out["device_bytes"] = backend.sleeper.device_bytes()
     out["merged_names"] = [n for n, *_ in awake_merged]
     out["dtypes"] = sorted({d for _, d, *_ in awake_merged})
     out["adapter_names"] = [n for n, *_ in awake_adapter]
@@ -165,6 +176,7 @@ def check(results: list[dict]) -> None:
         assert any(n.endswith("lora_B.weight") for n in r["adapter_names"])
         assert r["merged_equal"], "merged publish source differs asleep"
         assert r["adapter_equal"], "--publish-lora-adapter source differs asleep"
+        assert r["export_equal"], "export_adapter asleep wrote other files"
 
 
 def test_lora_asleep_publish_tp2_cpu(tmp_path):

@@ -357,10 +357,15 @@ class MegatronBackend(TrainBackend):
         collective over the stage's TP/EP groups; :meth:`publish_weights` joins the stages).
 
         Under ``--use-lora``: the base with ``(alpha / r) B A`` merged in, in the base's dtype.
+        Asleep, the base and the factors are read from their host copies or files.
         """
-        read = self.sleeper.read if self.sleeper.asleep else None
+        read = self._asleep_read()
         base = iter_hf_weights(self.model, self.bridge, self.margs, read=read)
-        return self.lora.merged(base) if self.lora is not None else base
+        return self.lora.merged(base, read) if self.lora is not None else base
+
+    def _asleep_read(self):
+        """:meth:`~miles_megatron.sleep_wake.SleepWake.read` while asleep, else None."""
+        return self.sleeper.read if self.sleeper.asleep else None
 
     def publish_weights(self, to_all: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """What :meth:`update_weights` sends (collective on every rank): every stage's
@@ -371,7 +376,7 @@ class MegatronBackend(TrainBackend):
         if self.role == "critic":
             raise ValueError("publish_weights: the critic never publishes to the engines")
         if self.lora is not None and getattr(self.args, "publish_lora_adapter", False):
-            return self.lora.adapter_weights()
+            return self.lora.adapter_weights(self._asleep_read())
         return model_weights(
             self.hf_weights,
             self.device,
@@ -381,10 +386,14 @@ class MegatronBackend(TrainBackend):
         )
 
     def export_adapter(self, out_dir: str) -> None:
-        """Write the actor's adapter as a PEFT directory (collective; rank 0 writes)."""
+        """Write the actor's adapter as a PEFT directory (collective; rank 0 writes); asleep,
+        the factors are read from their host copies or files."""
         if self.lora is None:
             raise ValueError("export_adapter needs --use-lora")
-        self.lora.export(out_dir)
+        try:
+            self.lora.export(out_dir, self._asleep_read())
+        finally:
+            self.sleeper.drop_reads()
 
     def update_weights(self, engines: Sequence[Any]) -> None:
         """Publish the HF-named weights to ``engines`` through miles-sync (every rank calls).
@@ -398,21 +407,16 @@ class MegatronBackend(TrainBackend):
         stage by stage as awake; the optimizer state stays on the target), with the ``cpu`` and
         ``disk`` targets at every TP/PP/EP layout; under
         ``--rematerialize-param-from-master-weight`` each DDP bucket is rebuilt from the fp32
-        masters on the host, one at a time. ``--use-lora`` (the factors are read whole) wakes
-        for the publish and sleeps again.
+        masters on the host, one at a time. ``--use-lora`` publishes asleep too: the frozen
+        base from its retained pinned host copy, a tensor at a time, and the adapter factors
+        (in the DDP buffers) from the target, gathered over TP/EP and merged on the fly
+        exactly as awake (``--publish-lora-adapter``: the factors alone); nothing wakes.
         """
         from miles_sync.ranks import RankContext
         from miles_sync.weight_sync import SyncConfig, WeightPublisher
 
         if self.role == "critic":
             raise ValueError("update_weights: the critic never publishes to the engines")
-        if self.sleeper.asleep and self.lora is not None:
-            self.wake_up()
-            try:
-                self.update_weights(engines)
-            finally:
-                self.sleep()
-            return
         if self._publisher is None:
             self._publisher = WeightPublisher(
                 SyncConfig.from_args(self.args), RankContext.from_default_group()

@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,8 @@ from miles_megatron.lora.layers import LoRAConfig, init_fresh, inject_lora
 from miles_megatron.lora.weights import gather_factors, load_factors, merge_into_hf
 
 META_KEY = "lora"
+
+Reader = Callable[[torch.Tensor], torch.Tensor] | None
 
 
 class ActorLoRA:
@@ -113,24 +115,26 @@ class ActorLoRA:
         return saved
 
     # ---------------------------------------------------------------- weights
-    def factors(self) -> dict[str, dict[str, torch.Tensor]]:
+    # ``read`` (here and below): each local factor's values on the device, for a sleeping
+    # model (:meth:`~miles_megatron.sleep_wake.SleepWake.read`); None: the parameters.
+    def factors(self, read: Reader = None) -> dict[str, dict[str, torch.Tensor]]:
         """Full factors by HF module (collective over TP/EP)."""
-        return gather_factors(self.injected, self.num_experts)
+        return gather_factors(self.injected, self.num_experts, read)
 
     def merged(
-        self, hf_weights: Iterable[tuple[str, torch.Tensor]]
+        self, hf_weights: Iterable[tuple[str, torch.Tensor]], read: Reader = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The base's HF weights with ``(alpha / r) B A`` merged in (collective)."""
-        yield from merge_into_hf(hf_weights, self.factors(), self.config.scale)
+        yield from merge_into_hf(hf_weights, self.factors(read), self.config.scale)
 
-    def adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def adapter_weights(self, read: Reader = None) -> Iterator[tuple[str, torch.Tensor]]:
         """PEFT-named full factors (``base_model.model.<module>.lora_A.weight``; collective)."""
-        yield from self.peft_adapter().peft_tensors().items()
+        yield from self.peft_adapter(read).peft_tensors().items()
 
-    def peft_adapter(self) -> PeftAdapter:
+    def peft_adapter(self, read: Reader = None) -> PeftAdapter:
         """The adapter with its full factors (collective); its ``target_modules`` are the
         module-name suffixes it covers, which is how PEFT records a resolved ``all-linear``."""
-        factors = self.factors()
+        factors = self.factors(read)
         return PeftAdapter(
             rank=self.config.rank,
             alpha=self.config.alpha,
@@ -140,9 +144,9 @@ class ActorLoRA:
             base_model=self.base_model,
         )
 
-    def export(self, out_dir: str | Path) -> Path:
+    def export(self, out_dir: str | Path, read: Reader = None) -> Path:
         """Write the adapter as a PEFT directory from global rank 0 (collective)."""
-        adapter = self.peft_adapter()
+        adapter = self.peft_adapter(read)
         if not dist.is_initialized() or dist.get_rank() == 0:
             write_peft_adapter(out_dir, adapter)
         if dist.is_initialized():

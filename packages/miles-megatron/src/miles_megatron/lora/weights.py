@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -28,14 +28,24 @@ def _ep_group(targets: list[tuple[LinearTarget, LoRAAdapter]]):
 
 
 def gather_factors(
-    injected: list[tuple[LinearTarget, LoRAAdapter]], num_experts: int | None = None
+    injected: list[tuple[LinearTarget, LoRAAdapter]],
+    num_experts: int | None = None,
+    read: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Factors:
-    """Full factors in HF module names (collective: every TP/EP rank of the stage calls)."""
+    """Full factors in HF module names (collective: every TP/EP rank of the stage calls).
+
+    ``read``: each local factor's values on the device (a sleeping model's
+    :meth:`~miles_megatron.sleep_wake.SleepWake.read`: the factors live in the DDP buffers,
+    whose storage is freed while asleep); default the parameter itself.
+    """
     ep_group, ep_size, _ = _ep_group(injected)
+    local = read or (lambda t: t)
     out: Factors = {}
     for target, adapter in injected:
         for short in adapter.modules_on:
-            full = {f: adapter.full_of(f, getattr(adapter, f)[short]) for f in FACTORS}
+            full = {
+                f: adapter.full_of(f, local(getattr(adapter, f)[short].detach())) for f in FACTORS
+            }
             if target.expert is None or ep_size == 1:
                 out[adapter.hf_names[short]] = full
                 continue

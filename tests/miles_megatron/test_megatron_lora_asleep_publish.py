@@ -2,12 +2,13 @@
 one rollout trained, then ``update_weights`` to a real built-in engine awake and after
 ``sleep()``. The engine serves the same bytes both times; the merged publish source and the
 ``--publish-lora-adapter`` source (PEFT-named factors) asleep equal awake byte for byte, and so
-do ``export_adapter``'s files; the trainer's ``wake_up`` (the backend's and the sleeper's) is never called, at every tensor of the
-asleep publish the sleeper is asleep and no optimizer tensor holds device memory, and the model
+do ``export_adapter``'s files; the trainer's ``wake_up`` (the backend's and the sleeper's) is
+never called, at every tensor of the asleep publish the sleeper is asleep and no optimizer tensor holds device memory, and the model
 is still asleep with nothing on the device afterwards.
 
-The ``cpu`` target (base from its retained pinned copy, factors from the arena) runs in the
-default suite; the ``disk`` target (factors read from the file) under ``extended``."""
+The ``cpu`` target (base from its retained pinned copy, factors from the arena) and the ``disk``
+target (factors read from the file) run under ``extended``: the default suite's asleep publish
+is FSDP's."""
 
 from __future__ import annotations
 
@@ -179,6 +180,7 @@ def check(results: list[dict]) -> None:
         assert r["export_equal"], "export_adapter asleep wrote other files"
 
 
+@pytest.mark.extended  # the default suite's asleep publish is FSDP's (its time budget)
 def test_lora_asleep_publish_tp2_cpu(tmp_path):
     run(tmp_path, "cpu")
 

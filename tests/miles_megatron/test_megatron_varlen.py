@@ -8,8 +8,9 @@ path (``sdpa``).
   (2 gloo ranks). The same comparison with the boundaries dropped (one segment: cu_seqlens
   ``[0, T]``) differs by orders of magnitude more: the check can fail.
 * Backend level: one ``MegatronBackend.train`` step (fp32, the backend has no float64 mode)
-  under varlen and under sdpa gives the same loss and grad norm to fp32 rounding; with the
-  boundaries dropped in the varlen run they differ well beyond it.
+  under varlen, under varlen with full recompute, and under sdpa gives the same loss and grad
+  norm to fp32 rounding; with the boundaries dropped in the varlen runs they differ well
+  beyond it.
 * Argument time: values Megatron cannot honour, and varlen with CP > 1, are one-line errors.
 """
 
@@ -63,11 +64,13 @@ def _close(a: float, b: float, rel: float) -> bool:
 @pytest.mark.slow
 def test_one_train_step_varlen_equals_masked(hf_dir):
     (result,) = spawn_ranks(one_step, 1, hf_dir, 1, False, timeout=300)
-    for key in ("loss", "grad_norm"):
-        assert _close(result["varlen"][key], result["sdpa"][key], GRAD_REL_ERR), result
+    for run in ("varlen", "varlen_recompute"):
+        for key in ("loss", "grad_norm"):
+            assert _close(result[run][key], result["sdpa"][key], GRAD_REL_ERR), result
     (wrong,) = spawn_ranks(one_step, 1, hf_dir, 1, True, timeout=300)
     assert wrong["sdpa"] == result["sdpa"]  # the masked run is untouched by the patch
-    assert not _close(wrong["varlen"]["grad_norm"], wrong["sdpa"]["grad_norm"], 1e-3), wrong
+    for run in ("varlen", "varlen_recompute"):
+        assert not _close(wrong[run]["grad_norm"], wrong["sdpa"]["grad_norm"], 1e-3), wrong
 
 
 @pytest.mark.parametrize(

@@ -75,9 +75,22 @@ def varlen_vs_masked(rank: int, world: int, hf_dir: str, tp: int) -> dict:
     return out
 
 
+#: (label, --attn-implementation, more flags) of :func:`one_step`'s runs; the last recomputes
+#: every layer in the backward (the boundaries must survive megatron's checkpointing)
+RUNS = (
+    ("sdpa", "sdpa", []),
+    ("varlen", "varlen", []),
+    (
+        "varlen_recompute",
+        "varlen",
+        ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+        + ["--recompute-num-layers", "1"],
+    ),
+)
+
+
 def one_step(rank: int, world: int, hf_dir: str, tp: int, drop_boundaries: bool) -> dict:
-    """One MegatronBackend.train step (fp32) under each --attn-implementation: loss and grad
-    norm. ``drop_boundaries``: the varlen run's rows carry no sample boundaries (one segment
+    """One MegatronBackend.train step (fp32) of each of :data:`RUNS`: loss and grad norm. ``drop_boundaries``: the varlen run's rows carry no sample boundaries (one segment
     each), the wrong cu_seqlens the test must notice."""
     from megatron_ranks import layout_argv, parse
     from miles_core.batch import RolloutBatch
@@ -94,17 +107,86 @@ def one_step(rank: int, world: int, hf_dir: str, tp: int, drop_boundaries: bool)
         schedule.varlen_mask = one_segment
     out = {}
     try:
-        for implementation in ("sdpa", "varlen"):
+        for label, implementation, extra in RUNS:
             argv = ["--hf-checkpoint", hf_dir, "--lr", "1e-3", "--weight-decay", "0"]
             argv += ["--advantage-estimator", "grpo", "--micro-batch-size", "5"]
-            argv += ["--entropy-coef", "0.01", *layout_argv(tp=tp)]
+            argv += ["--entropy-coef", "0.01", *layout_argv(tp=tp), *extra]
             argv += ["--attn-implementation", implementation]
             backend = MegatronBackend()
             backend.init(parse(argv))
             batch = RolloutBatch(packed_samples()) if backend.data_layout().consumes_data else None
             metrics = backend.train(0, batch)
-            out[implementation] = {k: float(metrics[k]) for k in ("loss", "grad_norm")}
+            out[label] = {k: float(metrics[k]) for k in ("loss", "grad_norm")}
             backend.close()
     finally:
         schedule.varlen_mask = real_mask
     return out
+
+
+def gpu_varlen_vs_masked(rank: int, world: int) -> dict:
+    """On a GPU in bf16 (tests/gpu): ``SDPAttention`` at Qwen3-4B's attention shape (32 heads,
+    8 groups, head dim 128) on one packed row of 16k tokens, under the varlen boundaries and
+    under the block mask: outputs and input gradients must agree to bf16 rounding; returns how
+    often the flash varlen kernel ran (once: the varlen call)."""
+    import miles_core.varlen_attention as va
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from miles_megatron.packed_attention import block_mask, varlen_mask
+    from miles_megatron.sdpa_attention import SDPAttention
+
+    ps.initialize_model_parallel()
+    heads, groups, dim = 32, 8, 128
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=heads * dim,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=dim,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+    )
+    module = SDPAttention(
+        config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self"
+    ).cuda()
+    lengths = [2048, 512, 4096, 1, 3000, 6727]
+    total = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32).cuda()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    q, k, v = (
+        randn(total, 1, heads, dim),
+        randn(total, 1, groups, dim),
+        randn(total, 1, groups, dim),
+    )
+    grad = randn(total, 1, heads * dim)
+    flash_calls = []
+    original = va._flash
+
+    def counted(*args, **kwargs):
+        flash_calls.append(1)
+        return original(*args, **kwargs)
+
+    va._flash = counted
+    results = {}
+    try:
+        for name, mask in (
+            ("varlen", varlen_mask(cu, max(lengths))),
+            ("masked", block_mask(cu, total)),
+        ):
+            inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = module(*inputs, mask)
+            out.backward(grad)
+            results[name] = (out.detach(), [t.grad for t in inputs])
+    finally:
+        va._flash = original
+    (out, grads), (ref, ref_grads) = results["varlen"], results["masked"]
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    for mine, theirs in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=5e-2, atol=5e-2)
+    return {"flash_calls": len(flash_calls), "max_diff": (out - ref).abs().max().item()}

@@ -11,7 +11,11 @@ path (``sdpa``).
   under varlen, under varlen with full recompute, and under sdpa gives the same loss and grad
   norm to fp32 rounding; with the boundaries dropped in the varlen runs they differ well
   beyond it.
-* Argument time: values Megatron cannot honour, and varlen with CP > 1, are one-line errors.
+* Argument time: values Megatron cannot honour, and varlen with CP > 1, are one-line errors
+  (exit 2). Build time: the default (varlen on a GPU with the kernel, else sdpa; sdpa with CP,
+  attention dropout or a foreign core attention) and the refusals of an explicit varlen.
+* The boundaries' carrier (``varlen_mask``) is a view of cu_seqlens that reads back exactly, and
+  the fallback block mask equals miles-core's ``block_causal_mask``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import math
 import re
 
 import pytest
+import torch
 from dist_ranks import spawn_ranks
 from megatron_tiny_models import make_tiny_hf
 from tolerances import GRAD_REL_ERR
@@ -101,3 +106,70 @@ def test_attn_implementation_values_megatron_honours():
     assert parse([]).attn_implementation is None
     for value in ("varlen", "sdpa"):
         assert parse(["--attn-implementation", value]).attn_implementation == value
+
+
+def test_varlen_mask_round_trips_and_block_mask_is_the_packed_rows():
+    import torch
+    from miles_core.batch import RolloutBatch
+    from miles_core.packing import block_causal_mask, pack_thd
+    from miles_megatron.packed_attention import block_mask, read_varlen_mask, varlen_mask
+    from varlen_ranks import packed_samples
+
+    packed = pack_thd(RolloutBatch(packed_samples()))
+    mask = varlen_mask(packed.cu_seqlens, packed.max_seqlen)
+    assert mask.dtype == torch.int32 and mask.shape == (
+        6 + 1,
+        packed.max_seqlen,
+    )  # 5 samples, padding
+    assert mask.untyped_storage().nbytes() == packed.cu_seqlens.numel() * 4  # a view
+    cu, max_seqlen = read_varlen_mask(mask)
+    assert torch.equal(cu, packed.cu_seqlens) and max_seqlen == packed.max_seqlen
+    assert read_varlen_mask(torch.zeros(1, 1, 4, 4, dtype=torch.bool)) is None
+    assert torch.equal(block_mask(cu, packed.num_tokens), ~block_causal_mask(packed))
+
+
+class _Config:
+    context_parallel_size = 1
+    attention_dropout = 0.0
+
+
+class _ForeignLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.core_attention = torch.nn.Identity()
+
+
+@pytest.mark.parametrize(
+    ("requested", "gpu", "config", "model", "expected"),
+    [
+        (None, False, {}, torch.nn.Module(), "sdpa"),  # no varlen kernel on a CPU
+        (None, True, {}, torch.nn.Module(), "varlen"),
+        (None, True, {"attention_dropout": 0.1}, torch.nn.Module(), "sdpa"),
+        (None, True, {"context_parallel_size": 2}, torch.nn.Module(), "sdpa"),
+        (None, True, {}, _ForeignLayer(), "sdpa"),
+        ("sdpa", True, {}, torch.nn.Module(), "sdpa"),
+        ("varlen", False, {}, torch.nn.Module(), "varlen"),  # per-sample SDPA on a CPU
+        ("varlen", True, {"attention_dropout": 0.1}, torch.nn.Module(), "attention dropout"),
+        ("varlen", True, {}, _ForeignLayer(), r"\['Identity'\] is not SDPAttention \(--spec\)"),
+    ],
+)
+def test_attn_implementation_resolution(monkeypatch, requested, gpu, config, model, expected):
+    from types import SimpleNamespace
+
+    from miles_core.args import ArgumentError
+    from miles_megatron import packed_attention as pa
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    monkeypatch.setattr("miles_core.varlen_attention.kernel_available", lambda device: gpu)
+    cfg = _Config()
+    cfg.__dict__.update(config)
+    args = SimpleNamespace(attn_implementation=requested)
+    if expected in pa.ATTN_IMPLEMENTATIONS:
+        assert pa.resolve_attn_implementation(args, cfg, model) == expected
+        wrapped = torch.nn.Module()
+        wrapped.module = torch.nn.Module()
+        wrapped.module.config = cfg
+        assert pa.attn_implementation_of(wrapped) == expected  # through a wrapper
+    else:
+        with pytest.raises(ArgumentError, match=f"--attn-implementation varlen: .*{expected}"):
+            pa.resolve_attn_implementation(args, cfg, model)

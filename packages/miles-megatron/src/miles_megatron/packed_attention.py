@@ -25,11 +25,14 @@ model is built). The choice is stored on the model's ``TransformerConfig``
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from miles_core.args import ArgumentError
+
+logger = logging.getLogger(__name__)
 
 #: the values the Megatron backend honours
 ATTN_IMPLEMENTATIONS = ("varlen", "sdpa")
@@ -137,4 +140,4 @@ def block_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 
 def _say(message: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(message, flush=True)
+        logger.info(message)

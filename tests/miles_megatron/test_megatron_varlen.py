@@ -93,8 +93,10 @@ def test_attn_implementation_refused_at_argument_time(extra, message, capsys):
     from miles_core.args import core_groups, parse_args_or_exit
     from miles_megatron.args import megatron_groups
 
+    groups = [*core_groups(), *megatron_groups()]  # imports megatron-core (its warnings)
+    capsys.readouterr()
     with pytest.raises(SystemExit) as exit_:
-        parse_args_or_exit(extra, [*core_groups(), *megatron_groups()])
+        parse_args_or_exit(extra, groups)
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1, err
     assert re.search(message, err), err

@@ -78,6 +78,14 @@ def test_one_train_step_varlen_equals_masked(hf_dir):
         assert not _close(wrong[run]["grad_norm"], wrong["sdpa"]["grad_norm"], 1e-3), wrong
 
 
+@pytest.mark.slow
+def test_one_train_step_varlen_equals_masked_at_pp2(hf_dir):
+    """Both stages of the 1F1B schedule get the row's boundaries (the last one reports)."""
+    for result in spawn_ranks(one_step, 2, hf_dir, 1, False, 2, timeout=300):
+        for key in ("loss", "grad_norm"):
+            assert _close(result["varlen"][key], result["sdpa"][key], GRAD_REL_ERR), result
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

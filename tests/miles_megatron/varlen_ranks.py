@@ -89,9 +89,12 @@ RUNS = (
 )
 
 
-def one_step(rank: int, world: int, hf_dir: str, tp: int, drop_boundaries: bool) -> dict:
-    """One MegatronBackend.train step (fp32) of each of :data:`RUNS`: loss and grad norm. ``drop_boundaries``: the varlen run's rows carry no sample boundaries (one segment
-    each), the wrong cu_seqlens the test must notice."""
+def one_step(
+    rank: int, world: int, hf_dir: str, tp: int, drop_boundaries: bool, pp: int = 1
+) -> dict:
+    """One MegatronBackend.train step (fp32) of each of :data:`RUNS` (at ``pp`` > 1 the first
+    two) at TP = ``tp``: loss and grad norm. ``drop_boundaries``: the varlen runs' rows carry no
+    sample boundaries (one segment each), the wrong cu_seqlens the test must notice."""
     from megatron_ranks import layout_argv, parse
     from miles_core.batch import RolloutBatch
     from miles_megatron import schedule
@@ -107,10 +110,10 @@ def one_step(rank: int, world: int, hf_dir: str, tp: int, drop_boundaries: bool)
         schedule.varlen_mask = one_segment
     out = {}
     try:
-        for label, implementation, extra in RUNS:
+        for label, implementation, extra in RUNS if pp == 1 else RUNS[:2]:
             argv = ["--hf-checkpoint", hf_dir, "--lr", "1e-3", "--weight-decay", "0"]
             argv += ["--advantage-estimator", "grpo", "--micro-batch-size", "5"]
-            argv += ["--entropy-coef", "0.01", *layout_argv(tp=tp), *extra]
+            argv += ["--entropy-coef", "0.01", *layout_argv(tp=tp, pp=pp), *extra]
             argv += ["--attn-implementation", implementation]
             backend = MegatronBackend()
             backend.init(parse(argv))

@@ -9,8 +9,8 @@ path (``sdpa``).
   ``[0, T]``) differs by orders of magnitude more: the check can fail.
 * Backend level: one ``MegatronBackend.train`` step (fp32, the backend has no float64 mode)
   under varlen, under varlen with full recompute, and under sdpa gives the same loss and grad
-  norm to fp32 rounding; with the boundaries dropped in the varlen runs they differ well
-  beyond it.
+  norm to fp32 rounding, also at PP=2 (2 gloo ranks); with the boundaries dropped in the
+  varlen runs they differ well beyond it.
 * Argument time: values Megatron cannot honour, and varlen with CP > 1, are one-line errors
   (exit 2). Build time: the default (varlen on a GPU with the kernel, else sdpa; sdpa with CP,
   attention dropout or a foreign core attention) and the refusals of an explicit varlen.

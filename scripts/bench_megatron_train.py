@@ -8,8 +8,11 @@ in memory through its bridge) on the same synthetic rollouts (``--tokens-per-gpu
 per optimizer step, THD-packed by miles-core), bf16 with fp32 master weights and reduction.
 Reported per backend: tokens/s per GPU, MFU (``6 N + 6 L h d s`` FLOPs per token against
 ``--peak-tflops``), peak memory. Prints a table and writes JSON; asserts nothing about speed.
-Megatron runs its local (non-TransformerEngine) spec; its attention is torch's SDPA with a
-boolean block-causal mask (``T^2`` bytes per micro-batch, the scores are not stored).
+Megatron runs its local (non-TransformerEngine) spec. ``--attn-implementation varlen|sdpa``
+goes to both backends (unset: each backend's default, varlen on a GPU whose torch ships the
+varlen kernel): varlen attends each packed sample with itself through torch's varlen flash
+kernel, sdpa runs SDPA with a boolean block-causal mask (``T^2`` bytes per micro-batch). Each
+backend's line says which it resolved to and how many attention calls ran each kernel.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import logging
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -30,7 +34,50 @@ sys.path.insert(0, str(Path(__file__).parent))
 import train_bench_model as bench  # noqa: E402  (same-directory module)
 
 
-def run(name: str, hf_dir: str, shard, args, world: int) -> list[float]:
+class KernelCounter:
+    """Counts the attention calls that reached each kernel, by wrapping their entry points
+    (miles-core's varlen paths; Megatron's masked SDPA and megatron's own forward)."""
+
+    def __init__(self) -> None:
+        import miles_core.varlen_attention as va
+
+        self.counts: Counter[str] = Counter()
+        self._undo: list[tuple[object, str, object]] = []
+        self._wrap(va, "_flash", "varlen flash kernel")
+        self._wrap(va, "_per_sample", "varlen per-sample SDPA")
+        try:
+            import miles_megatron.sdpa_attention as sa
+            from megatron.core.transformer.dot_product_attention import DotProductAttention
+        except ImportError:
+            return
+        self._wrap(sa, "sdpa_attend", "masked SDPA")
+        self._wrap(DotProductAttention, "forward", "megatron DotProductAttention")
+
+    def _wrap(self, owner: object, attr: str, label: str) -> None:
+        original = getattr(owner, attr)
+
+        def counted(*args, **kwargs):
+            self.counts[label] += 1
+            return original(*args, **kwargs)
+
+        self._undo.append((owner, attr, original))
+        setattr(owner, attr, counted)
+
+    def close(self) -> str:
+        for owner, attr, original in reversed(self._undo):
+            setattr(owner, attr, original)
+        return ", ".join(f"{k} {v}" for k, v in sorted(self.counts.items())) or "none counted"
+
+
+def resolved_attention(name: str, backend) -> str:
+    if name == "megatron":
+        from miles_megatron.packed_attention import attn_implementation_of
+
+        return attn_implementation_of(backend.model)
+    return str(backend.attn_implementation)
+
+
+def run(name: str, hf_dir: str, shard, args, world: int) -> tuple[list[float], dict]:
     from miles_core.args import core_groups, parse_args
     from miles_core.backends import load
 
@@ -38,6 +85,8 @@ def run(name: str, hf_dir: str, shard, args, world: int) -> list[float]:
     argv = ["--hf-checkpoint", hf_dir, "--bf16", "--lr", "1e-6", "--advantage-estimator", "grpo"]
     argv += ["--use-dynamic-batch-size", "--max-tokens-per-gpu", str(args.tokens_per_gpu)]
     argv += ["--num-steps-per-rollout", str(args.steps)]
+    if args.attn_implementation:
+        argv += ["--attn-implementation", args.attn_implementation]
     if name == "megatron":
         argv += ["--tensor-model-parallel-size", str(args.tp)]
         argv += ["--sequence-parallel"] if args.tp > 1 else []
@@ -50,15 +99,21 @@ def run(name: str, hf_dir: str, shard, args, world: int) -> list[float]:
     start = time.perf_counter()
     backend = cls()
     backend.init(parse_args(argv, [*core_groups(), *cls.arg_groups()]))
-    say(f"{name}: ready after {time.perf_counter() - start:.1f} s; training")
+    attention = resolved_attention(name, backend)
+    say(f"{name}: ready after {time.perf_counter() - start:.1f} s; attention {attention}; training")
     shard = shard if backend.data_layout().consumes_data else None
 
     def report(rollout: int, seconds: float) -> None:
         say(f"{name}: rollout {rollout + 1}/{args.warmup + args.iters} {seconds:.3f} s")
 
-    times = bench.time_train(backend, shard, args.warmup, args.iters, report=report)
+    counter = KernelCounter()
+    try:
+        times = bench.time_train(backend, shard, args.warmup, args.iters, report=report)
+    finally:
+        kernels = counter.close()
+    say(f"{name}: attention {attention}; calls per kernel: {kernels}")
     backend.close()
-    return times
+    return times, {"attn_implementation": attention, "attention_kernels": kernels}
 
 
 def say(message: str) -> None:
@@ -70,6 +125,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default="megatron,fsdp")
     parser.add_argument("--tp", type=int, default=1, help="megatron tensor-parallel size")
+    parser.add_argument(
+        "--attn-implementation",
+        choices=("varlen", "sdpa"),
+        default=None,
+        help="attention of packed rows, for both backends (unset: each backend's default)",
+    )
     bench.add_timing_flags(parser)
     parser.add_argument("--out", default="bench_megatron_train.json")
     parser.add_argument(
@@ -99,7 +160,7 @@ def main() -> None:
         dp_rank = rank // args.tp if name == "megatron" else rank
         shard = partition_for_dp(rollout, dp, keep_groups=True)[dp_rank]
         torch.cuda.reset_peak_memory_stats()
-        times = run(name, hf_dir, shard, args, world)
+        times, attention = run(name, hf_dir, shard, args, world)
         tokens = rollout.total_tokens / world  # per GPU
         seconds = statistics.median(times)
         mean_len = rollout.total_tokens / len(rollout)
@@ -109,13 +170,18 @@ def main() -> None:
             "mfu": mfu,
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
             "seconds_per_rollout": seconds,
+            **attention,
         }
     if rank == 0:
-        print(f"{'backend':10s} {'tok/s/GPU':>10s} {'MFU':>6s} {'peak GiB':>9s}  (world {world})")
+        print(
+            f"{'backend':10s} {'tok/s/GPU':>10s} {'MFU':>6s} {'peak GiB':>9s} attention"
+            f"  (world {world})"
+        )
         for name, r in results.items():
             print(
                 f"{name:10s} {r['tokens_per_s_per_gpu']:10.0f} {r['mfu']:6.1%} "
-                f"{r['peak_memory_gib']:9.1f}"
+                f"{r['peak_memory_gib']:9.1f} {r['attn_implementation']} "
+                f"({r['attention_kernels']})"
             )
         Path(args.out).write_text(
             json.dumps(

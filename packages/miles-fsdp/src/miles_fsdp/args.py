@@ -49,14 +49,6 @@ class FSDPArgs(ArgGroup):
     gradient_checkpointing: bool = flag(
         False, help="Recompute activations in backward (HF gradient checkpointing, non-reentrant)."
     )
-    attn_implementation: (
-        Literal["flash_attention_2", "flash_attention_3", "varlen", "sdpa", "eager"] | None
-    ) = flag(
-        None,
-        help="transformers attention backend; varlen is torch's own varlen flash kernel over the "
-        "packed rows, no mask (unset: flash_attention_2 when flash_attn imports on a GPU, else "
-        "varlen on a GPU whose torch ships it, else sdpa).",
-    )
     keep_fp32_master: bool = flag(
         True,
         help="Keep fp32 master weights and optimizer state (--no-keep-fp32-master holds them in "

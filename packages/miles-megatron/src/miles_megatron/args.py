@@ -21,6 +21,7 @@ from miles_megatron.arch_args import (
     resolve_model_args,
     transformer_engine_available,
 )
+from miles_megatron.packed_attention import check_attn_implementation
 
 #: Parallel sizes the critic (--use-critic) is not proven at: its tests cover TP x DP.
 CRITIC_UNPROVEN = (
@@ -116,6 +117,7 @@ class MegatronArgs(ArgGroup):
                 stacklevel=2,
             )
         check_context_parallel_flags(args)
+        check_attn_implementation(args)
         check_memory_flags(args)
         world = world_size_of(args)
         check_parallel_sizes(args, world, model_args=None)

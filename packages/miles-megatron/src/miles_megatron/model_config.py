@@ -138,13 +138,16 @@ def build_gpt_model(margs: Mapping[str, Any], args: Any, config=None):
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     from miles_megatron import mcore_compat
+    from miles_megatron.packed_attention import resolve_attn_implementation
 
     mcore_compat.apply()
     config = config or transformer_config(margs, args)
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(margs, config, args),
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
         **gpt_model_kwargs(margs, args),
     )
+    resolve_attn_implementation(args, config, model)  # --attn-implementation, on the config
+    return model

@@ -7,7 +7,8 @@
 forwards, one-forward-one-backward, cool-down backwards), with hidden states sent between stages
 by megatron's P2P communicator (``variable_seq_lengths``: every micro-batch's padded length is
 exchanged first). Every stage runs the model on the same shard (the first stage embeds
-``input_ids``; all stages need the block-causal mask); only the last stage scores the shard's
+``input_ids``; all stages need the block-causal mask, or the row's boundaries under
+``--attn-implementation varlen``); only the last stage scores the shard's
 tokens (:class:`~miles_megatron.output_head.ScoreHead`: the fused head, or the logits on the
 dense path) and calls ``on_scores``.
 
@@ -33,6 +34,7 @@ from miles_core.packing import PackedBatch
 
 from miles_megatron.context_parallel import PackedShard, shard_micro_batches
 from miles_megatron.output_head import ScoreHead
+from miles_megatron.packed_attention import attn_implementation_of, varlen_mask
 from miles_megatron.value_head import ValueScores
 
 #: ``on_scores(index, shard, *head.scores(...))`` -> this rank's share of the loss (training)
@@ -44,8 +46,13 @@ ScoresCallback = Callable[..., torch.Tensor | None]
 def stage_forward(model: torch.nn.Module, shard: PackedShard) -> torch.Tensor:
     """This stage's output on a CP rank's shard of a packed row: hidden states, or on the last
     stage ``[1, T / cp, 2]`` scores inside :func:`~miles_megatron.output_head.scoring`, else
-    ``[1, T / cp, V_padded]`` logits (the vocabulary gathered over TP)."""
-    mask = ~shard.attention_mask()  # megatron masks where True
+    ``[1, T / cp, V_padded]`` logits (the vocabulary gathered over TP). The layers get the row's
+    block-causal mask, or under ``--attn-implementation varlen`` its sample boundaries
+    (:mod:`miles_megatron.packed_attention`)."""
+    if shard.cp_size == 1 and attn_implementation_of(model) == "varlen":
+        mask = varlen_mask(shard.full.cu_seqlens, shard.full.max_seqlen)  # boundaries, no mask
+    else:
+        mask = ~shard.attention_mask()  # megatron masks where True
     return model(shard.input_ids, shard.position_ids, attention_mask=mask)
 
 

@@ -14,6 +14,14 @@ shared without copies (``enable_gqa``). What SDPA cannot express falls back to m
 forward: a softmax offset (``--softmax-type off-by-one|learnable``), sliding-window layers, an
 attention bias, and packed-sequence params (the THD format of TransformerEngine).
 
+With ``--attn-implementation varlen`` the ``attention_mask`` argument carries the packed row's
+sample boundaries instead of a mask (:func:`miles_megatron.packed_attention.varlen_mask`) and
+the forward is :func:`miles_core.varlen_attention.varlen_causal_attention` (torch's varlen
+flash kernel on a GPU): the same function without the ``T x T`` mask or the masked-out blocks'
+work. Where varlen cannot serve a call (the fallback cases above, attention dropout in training,
+a batch of more than one row) the boundaries become the block mask and the call takes the
+masked path.
+
 At ``--context-parallel-size > 1`` the queries are this CP rank's shard of the row and the keys
 and values are all-gathered over the CP group first (:mod:`miles_megatron.context_parallel`:
 the mask's key columns follow the gathered order); megatron's own forward has no CP, so there
@@ -28,6 +36,9 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+from miles_core.varlen_attention import varlen_causal_attention
+
+from miles_megatron.packed_attention import block_mask, read_varlen_mask
 
 
 def sdpa_attend(
@@ -92,6 +103,19 @@ class SDPAttention(DotProductAttention):
             and self.scale_mask_softmax.window_size is None
         )
 
+    def _scale(self) -> float:
+        # megatron folds query-key layer scaling into the softmax (scale / coeff, then * coeff)
+        scale = self.softmax_scale
+        if self.config.apply_query_key_layer_scaling:
+            scale *= self.layer_number
+        return scale
+
+    def _varlen_forward(self, query, key, value, cu_seqlens, max_seqlen) -> torch.Tensor:
+        """One packed row ``[T, 1, heads, d]`` through the varlen kernel -> ``[T, 1, h * d]``."""
+        q, k, v = query[:, 0], key[:, 0], value[:, 0]  # [T, heads, d]
+        context = varlen_causal_attention(q, k, v, cu_seqlens, max_seqlen, self._scale())
+        return context.reshape(context.size(0), 1, self.hidden_size_per_partition)
+
     def forward(
         self,
         query: torch.Tensor,
@@ -102,6 +126,20 @@ class SDPAttention(DotProductAttention):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
+        dropout = self.attention_dropout.p if self.training else 0.0
+        varlen = read_varlen_mask(attention_mask)
+        if varlen is not None:
+            cu_seqlens, max_seqlen = varlen
+            if (
+                self._sdpa_supported(attention_bias, packed_seq_params)
+                and self.cp_size == 1
+                and not dropout
+                and query.size(1) == 1
+            ):
+                return self._varlen_forward(query, key, value, cu_seqlens, max_seqlen)
+            if self.cp_size > 1:
+                raise RuntimeError("--context-parallel-size > 1 attends through the masked path")
+            attention_mask = block_mask(cu_seqlens, query.size(0))
         if not self._sdpa_supported(attention_bias, packed_seq_params):
             if self.cp_size > 1:
                 raise RuntimeError(
@@ -111,13 +149,9 @@ class SDPAttention(DotProductAttention):
             return super().forward(
                 query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
             )
-        # megatron folds query-key layer scaling into the softmax (scale / coeff, then * coeff)
-        scale = self.softmax_scale
-        if self.config.apply_query_key_layer_scaling:
-            scale *= self.layer_number
+        scale = self._scale()
         mask = None if attention_mask is None else ~attention_mask.to(torch.bool)
         causal = mask is None and (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
-        dropout = self.attention_dropout.p if self.training else 0.0
         cp_group = None
         if self.cp_size > 1:
             from megatron.core import parallel_state as ps

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from miles_core.args.checks import at_least, requires
 from miles_core.args.flags import ArgGroup, ArgumentError, flag
@@ -19,6 +19,16 @@ class CheckpointArgs(ArgGroup):
         metavar="DIR",
         help="HuggingFace model directory (config, tokenizer, weights): the model the engines "
         "boot from, and the whole model input of the FSDP backend.",
+    )
+    attn_implementation: (
+        Literal["flash_attention_2", "flash_attention_3", "varlen", "sdpa", "eager"] | None
+    ) = flag(
+        None,
+        help="How packed rows attend. varlen: torch's varlen flash kernel over the samples' "
+        "boundaries, no mask; sdpa: SDPA with a block-diagonal causal mask. FSDP also takes "
+        "flash_attention_2/3 and eager (unset: flash_attention_2 when flash_attn imports on a "
+        "GPU, else varlen on a GPU whose torch ships it, else sdpa); Megatron takes varlen and "
+        "sdpa (unset: varlen on such a GPU, else sdpa).",
     )
     save: str | None = flag(None, metavar="DIR", help="Directory to write checkpoints into.")
     load: str | None = flag(

@@ -56,7 +56,7 @@ def test_varlen_equals_masked_in_float64_at_tp1(hf_dir):
     _check_model_level(result)
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # the default suite keeps TP=1 (its time budget)
 def test_varlen_equals_masked_in_float64_at_tp2(hf_dir):
     for result in spawn_ranks(varlen_vs_masked, 2, hf_dir, 2, timeout=300):
         _check_model_level(result)
@@ -66,7 +66,7 @@ def _close(a: float, b: float, rel: float) -> bool:
     return math.isclose(a, b, rel_tol=rel, abs_tol=rel)
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # the default suite keeps TP=1 (its time budget)
 def test_one_train_step_varlen_equals_masked(hf_dir):
     (result,) = spawn_ranks(one_step, 1, hf_dir, 1, False, timeout=300)
     for run in ("varlen", "varlen_recompute"):
@@ -78,7 +78,7 @@ def test_one_train_step_varlen_equals_masked(hf_dir):
         assert not _close(wrong[run]["grad_norm"], wrong["sdpa"]["grad_norm"], 1e-3), wrong
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # the default suite keeps TP=1 (its time budget)
 def test_one_train_step_varlen_equals_masked_at_pp2(hf_dir):
     """Both stages of the 1F1B schedule get the row's boundaries (the last one reports)."""
     for result in spawn_ranks(one_step, 2, hf_dir, 1, False, 2, timeout=300):

@@ -9,6 +9,7 @@ built-in engines and records their digests beside the materialised source's.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import torch
@@ -110,8 +111,9 @@ def wait_healthy(urls: list[str], timeout: float = 240.0) -> None:
 
 def publish_program(rank, world, even_dir, hf_dir, urls, out_file):
     """On ``even_dir`` (every tensor shards evenly): train, count the bytes written by the
-    materialised and the deferred source. On ``hf_dir`` (the engines' model): train, publish
-    over ipc (every rank leads its own engine) and, after another step, over broadcast."""
+    materialised and the deferred source. On ``hf_dir`` (the engines' model), a step before
+    each: publish over ipc (every rank leads its own engine), asleep over ipc (the reference
+    is the awake source's), and over broadcast."""
     flags = dict(lr=1e-2, advantage_estimator="grpo")
     backend = FSDPBackend()
     backend.init(make_args(hf_checkpoint=even_dir, **flags))
@@ -124,7 +126,15 @@ def publish_program(rank, world, even_dir, hf_dir, urls, out_file):
     finally:
         backend.close()
     backend = FSDPBackend()
-    backend.init(make_args(hf_checkpoint=hf_dir, **flags))
+    backend.init(
+        make_args(
+            hf_checkpoint=hf_dir,
+            offload_train=True,
+            offload_train_target="disk",
+            offload_train_disk_dir=str(Path(out_file).parent / "offload"),
+            **flags,
+        )
+    )
     try:
         backend.train(0, rollout(0))
         res["master_dtypes"] = sorted({str(p.dtype) for p in backend.model.parameters()})
@@ -132,6 +142,12 @@ def publish_program(rank, world, even_dir, hf_dir, urls, out_file):
         wait_healthy(urls)
         res["ipc"] = publish(backend, "ipc", urls) | {"reference": reference(backend)}
         backend.train(1, rollout(1))
+        awake = reference(backend)
+        backend.sleep()  # asleep, the deferred fills read each shard from its file
+        res["asleep_ipc"] = publish(backend, "ipc", urls) | {"reference": awake}
+        res["still_asleep"] = backend.asleep
+        backend.wake_up()
+        backend.train(2, rollout(2))
         res["broadcast"] = publish(backend, "broadcast", urls) | {"reference": reference(backend)}
         gathered = [None] * world
         dist.all_gather_object(gathered, res)

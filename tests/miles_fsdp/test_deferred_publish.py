@@ -5,9 +5,10 @@
 
 * Bits: an untied model whose MLP width (63) leaves two tensors per layer unevenly sharded
   (FSDP2 pads them: gathered as before, the rest deferred) publishes over ``ipc`` to two real
-  built-in engines (each rank leads its own, over CPU shared memory), then, after another step,
-  over ``broadcast``. Each engine serves exactly the materialised source's bytes (the path
-  before deferral), and the publisher's ``--update-weight-verify`` readback passes (it digests
+  built-in engines (each rank leads its own, over CPU shared memory); then, a step before each,
+  asleep over ``ipc`` (each shard read from its offload file as its bucket is packed) and awake
+  over ``broadcast``. Each engine serves exactly the awake materialised source's bytes (the
+  path before deferral), and the publisher's ``--update-weight-verify`` readback passes (it digests
   the deferred tensors' bytes in the bucket).
 * Copies: on a model whose tensors all shard evenly, a dispatch mode counts the bytes every op
   writes while the source is iterated and packed: the deferred source writes ``1 + 1/2`` bytes
@@ -67,14 +68,16 @@ def test_deferred_ipc_publish_serves_the_materialised_bytes(published):
     rank0 = published[0]
     assert rank0["master_dtypes"] == ["torch.float32"]
     assert 0 < rank0["published"]["deferred"] < len(rank0["ipc"]["reference"])  # and uneven ones
-    for mode in ("ipc", "broadcast"):
+    assert rank0["still_asleep"]
+    for mode in ("ipc", "asleep_ipc", "broadcast"):
         ref = rank0[mode]["reference"]
         assert "lm_head.weight" in ref
         assert {d[1] for d in ref.values()} == {"torch.bfloat16"}
         for engine in rank0[mode]["engines"]:
             assert {name: engine[name] for name in ref} == ref, mode
         assert rank0[mode]["verified"]["tensors"] == len(ref), mode
-    assert rank0["ipc"]["reference"] != rank0["broadcast"]["reference"]  # a step in between
+    steps = [rank0[mode]["reference"] for mode in ("ipc", "asleep_ipc", "broadcast")]
+    assert steps[0] != steps[1] != steps[2]  # a step in between
 
 
 def test_deferred_source_writes_each_published_byte_once(published):

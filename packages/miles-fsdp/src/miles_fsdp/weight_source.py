@@ -14,8 +14,9 @@ in lock step) yields the same pairs with most tensors deferred (:mod:`miles_sync
 a parameter sharded ``Shard(0)`` evenly over a 1-D mesh, which no param transform renames or
 reshapes, is filled straight into the bucket that carries it: its local shard is cast to the
 publish dtype (an elementwise cast commutes with the gather: the same bits) and all-gathered
-into the bucket's bytes (one rank: one cast-copy into the bucket). Other tensors (uneven
-shards, transformed names, LoRA, an asleep ``read``) are gathered as above.
+into the bucket's bytes (one rank: one cast-copy into the bucket). Asleep, the shard is
+``read`` onto the device when its bucket is packed. Other tensors (uneven shards, HSDP,
+transformed names, LoRA, CPU-offloaded parameters) are gathered as above.
 
 ``read`` (a sleeping trainer's :meth:`~miles_offload.device_mover.DeviceMover.read`) gives each
 local shard's values on the device from wherever they sleep, so a publish never wakes the
@@ -111,7 +112,7 @@ class WeightSource:
         """The pairs of ``iter(self)``, in its order, with every tensor that can be filled
         straight into a bucket deferred (see the module docstring). Their fills are collective:
         every rank must fill them in the order given."""
-        if self.lora_scale is not None or self.read is not None:
+        if self.lora_scale is not None:
             yield from self
             return
         for name, tensor in self._named_tensors():
@@ -132,8 +133,14 @@ class WeightSource:
         local = tensor.to_local()
         if local.shape != (tensor.shape[0] // mesh.size(), *tensor.shape[1:]):
             return None
-        if self.device is not None and tensor.device != self.device:
-            return None
+        if self.read is not None:  # asleep: the shard is read onto the device when filled
+            if self.device is None:
+                return None
+            device = self.device
+        elif self.device is not None and tensor.device != self.device:
+            return None  # a CPU-offloaded parameter: gathered as before
+        else:
+            device = local.device
         probe = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
         try:
             out = apply_param_transforms(self.adaptation, name, probe, self.config)
@@ -143,17 +150,24 @@ class WeightSource:
             return None
         dtype = self.tensor_dtypes.get(name, self.default_dtype)
         group = mesh.get_group() if mesh.size() > 1 else None
+        read = self.read
 
-        def fill(dest: torch.Tensor) -> None:
-            if dest.device != local.device:  # a bucket elsewhere: through a tensor here
-                dest.copy_(deferred.materialize())
-            elif group is None:
-                dest.copy_(local)  # one rank: one cast-copy into the bucket
-            elif dest.numel():
-                shard = local.detach().to(dtype).contiguous()
+        def gather_into(out: torch.Tensor, shard: torch.Tensor) -> None:
+            if group is None:
+                out.copy_(shard)  # one rank: one cast-copy into the bucket
+            elif out.numel():
+                shard = shard.detach().to(dtype).contiguous()
                 dist.all_gather_into_tensor(
-                    dest.view(-1).view(torch.uint8), shard.view(-1).view(torch.uint8), group=group
+                    out.view(-1).view(torch.uint8), shard.view(-1).view(torch.uint8), group=group
                 )
 
-        deferred = DeferredTensor(tensor.shape, dtype, local.device, fill)
-        return deferred
+        def fill(dest: torch.Tensor) -> None:
+            shard = read(local) if read is not None else local
+            if dest.device == shard.device:
+                gather_into(dest, shard)
+            else:  # a bucket elsewhere: through a tensor here
+                here = torch.empty(dest.shape, dtype=dtype, device=shard.device)
+                gather_into(here, shard)
+                dest.copy_(here)
+
+        return DeferredTensor(tensor.shape, dtype, device, fill)

@@ -111,7 +111,8 @@ class WeightSource:
     def deferred(self) -> Iterator[tuple[str, torch.Tensor | DeferredTensor]]:
         """The pairs of ``iter(self)``, in its order, with every tensor that can be filled
         straight into a bucket deferred (see the module docstring). Their fills are collective:
-        every rank must fill them in the order given."""
+        every rank must fill the same ones in the same order (as identical packing on every
+        rank does: miles-sync asks for them in ``ipc`` only)."""
         if self.lora_scale is not None:
             yield from self
             return

@@ -31,11 +31,19 @@ def _entry(
 
 
 def run_ranks(
-    world_size: int, fn: Callable, *args, timeout: float = 120.0, backend: str = "gloo"
+    world_size: int,
+    fn: Callable,
+    *args,
+    timeout: float = 120.0,
+    backend: str = "gloo",
+    shared_memory: bool = False,
 ) -> None:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` ranks; raise if any fails.
 
-    ``backend="nccl"`` pins rank ``r`` to GPU ``r`` (tests/gpu).
+    ``backend="nccl"`` pins rank ``r`` to GPU ``r`` (tests/gpu). ``shared_memory``: the ranks
+    share CPU tensors with another process (an ``ipc`` publish): their ``torch_shm_manager``
+    inherits the exit pipe that ``join`` waits on, so the exit codes are polled instead (a
+    failing rank's traceback is on stderr).
     """
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.start_processes(
@@ -48,6 +56,17 @@ def run_ranks(
         import time
 
         deadline = time.monotonic() + timeout
+        if shared_memory:
+            while any(p.exitcode is None for p in ctx.processes):
+                if time.monotonic() > deadline:
+                    for p in ctx.processes:
+                        p.kill()
+                    raise TimeoutError(f"{world_size}-rank run did not finish within {timeout}s")
+                time.sleep(0.2)
+            codes = [p.exitcode for p in ctx.processes]
+            if codes != [0] * world_size:
+                raise RuntimeError(f"{world_size}-rank run exited with {codes}")
+            return
         while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
             if time.monotonic() > deadline:
                 for p in ctx.processes:

@@ -9,6 +9,15 @@ embedding, as ``save_pretrained`` does. Collective: every rank iterates in lock 
 rank receives the full tensors. With LoRA (``lora_scale`` set) a wrapped linear's base weight and
 factors are gathered together and published merged, in the base checkpoint's names.
 
+:meth:`WeightSource.deferred` (what an ``ipc`` publish iterates, every rank packing every bucket
+in lock step) yields the same pairs with most tensors deferred (:mod:`miles_sync.deferred`):
+a parameter sharded ``Shard(0)`` evenly over a 1-D mesh, which no param transform renames or
+reshapes, is filled straight into the bucket that carries it: its local shard is cast to the
+publish dtype (an elementwise cast commutes with the gather: the same bits) and all-gathered
+into the bucket's bytes (one rank: one cast-copy into the bucket). Asleep, the shard is
+``read`` onto the device when its bucket is packed. Other tensors (uneven shards, HSDP,
+transformed names, LoRA, CPU-offloaded parameters) are gathered as above.
+
 ``read`` (a sleeping trainer's :meth:`~miles_offload.device_mover.DeviceMover.read`) gives each
 local shard's values on the device from wherever they sleep, so a publish never wakes the
 model: only the tensors of one gather group are on the device at a time. ``values`` replaces
@@ -23,8 +32,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from miles_sync.deferred import DeferredTensor
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from miles_fsdp.adaptations import Adaptation, apply_param_transforms
 from miles_fsdp.lora import continues_lora_module, merge_lora_tensors
@@ -96,3 +107,68 @@ class WeightSource:
             for out_name, out in apply_param_transforms(self.adaptation, name, full, self.config):
                 dtype = self.tensor_dtypes.get(out_name, self.default_dtype)
                 yield out_name, out.to(dtype).contiguous()
+
+    def deferred(self) -> Iterator[tuple[str, torch.Tensor | DeferredTensor]]:
+        """The pairs of ``iter(self)``, in its order, with every tensor that can be filled
+        straight into a bucket deferred (see the module docstring). Their fills are collective:
+        every rank must fill the same ones in the same order (as identical packing on every
+        rank does: miles-sync asks for them in ``ipc`` only)."""
+        if self.lora_scale is not None:
+            yield from self
+            return
+        for name, tensor in self._named_tensors():
+            deferred = self._deferred(name, tensor)
+            if deferred is not None:
+                yield name, deferred
+            else:
+                yield from self._emit([(name, tensor)])
+
+    def _deferred(self, name: str, tensor: torch.Tensor) -> DeferredTensor | None:
+        """``tensor`` (a DTensor sharded evenly on dim 0 of a 1-D mesh, published under its own
+        name and shape) as a deferred tensor in its publish dtype, else None."""
+        if not isinstance(tensor, DTensor) or tuple(tensor.placements) != (Shard(0),):
+            return None
+        mesh = tensor.device_mesh
+        if mesh.ndim != 1 or tensor.ndim == 0 or tensor.shape[0] % mesh.size():
+            return None  # HSDP, or FSDP2's padded last shards: gathered as before
+        local = tensor.to_local()
+        if local.shape != (tensor.shape[0] // mesh.size(), *tensor.shape[1:]):
+            return None
+        if self.read is not None:  # asleep: the shard is read onto the device when filled
+            if self.device is None:
+                return None
+            device = self.device
+        elif self.device is not None and tensor.device != self.device:
+            return None  # a CPU-offloaded parameter: gathered as before
+        else:
+            device = local.device
+        probe = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+        try:
+            out = apply_param_transforms(self.adaptation, name, probe, self.config)
+        except Exception:  # a transform that needs values: gathered as before
+            return None
+        if len(out) != 1 or out[0][0] != name or out[0][1] is not probe:
+            return None
+        dtype = self.tensor_dtypes.get(name, self.default_dtype)
+        group = mesh.get_group() if mesh.size() > 1 else None
+        read = self.read
+
+        def gather_into(out: torch.Tensor, shard: torch.Tensor) -> None:
+            if group is None:
+                out.copy_(shard)  # one rank: one cast-copy into the bucket
+            elif out.numel():
+                shard = shard.detach().to(dtype).contiguous()
+                dist.all_gather_into_tensor(
+                    out.view(-1).view(torch.uint8), shard.view(-1).view(torch.uint8), group=group
+                )
+
+        def fill(dest: torch.Tensor) -> None:
+            shard = read(local) if read is not None else local
+            if dest.device == shard.device:
+                gather_into(dest, shard)
+            else:  # a bucket elsewhere: through a tensor here
+                here = torch.empty(dest.shape, dtype=dtype, device=shard.device)
+                gather_into(here, shard)
+                dest.copy_(here)
+
+        return DeferredTensor(tensor.shape, dtype, device, fill)

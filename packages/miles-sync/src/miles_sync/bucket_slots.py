@@ -14,7 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from miles_sync.buckets import FlattenedTensorMetadata, aligned_order, bucket_layout
+from miles_sync.buckets import (
+    FlattenedTensorMetadata,
+    aligned_order,
+    bucket_layout,
+    write_entry,
+)
 
 
 class BucketSlots:
@@ -45,16 +50,14 @@ class BucketSlots:
     def pack(
         self, index: int, named: list[tuple[str, torch.Tensor]]
     ) -> tuple[torch.Tensor, list[FlattenedTensorMetadata]]:
-        """Copy ``named`` into slot ``index % count``; return the bucket (a view) and metadata
-        (in :func:`~miles_sync.buckets.aligned_order`, the order the receiver must be told)."""
+        """Copy ``named`` into slot ``index % count`` (a deferred tensor fills its range of the
+        slot itself, :mod:`miles_sync.deferred`); return the bucket (a view) and metadata (in
+        :func:`~miles_sync.buckets.aligned_order`, the order the receiver must be told)."""
         named = aligned_order(named)
         metadata, total = bucket_layout((name, t.shape, t.dtype) for name, t in named)
         flat = self._buffer(index % len(self._slots), total)[:total]
         for meta, (_, tensor) in zip(metadata, named):
-            if meta.numel:
-                flat[meta.start_idx : meta.end_idx].copy_(
-                    tensor.detach().contiguous().view(-1).view(torch.uint8), non_blocking=True
-                )
+            write_entry(flat, meta, tensor, non_blocking=True)
         if self.device.type == "cuda":  # no host wait: consumers wait for this event
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))

@@ -39,6 +39,8 @@ from multiprocessing.reduction import ForkingPickler
 
 import torch
 
+from miles_sync.deferred import DeferredTensor
+
 SGLANG_METADATA_MODULE = "sglang.srt.weight_sync.tensor_bucket"
 
 
@@ -96,8 +98,9 @@ def bucket_layout(
 def pack_bucket(
     named_tensors: list[tuple[str, torch.Tensor]],
 ) -> tuple[torch.Tensor, list[FlattenedTensorMetadata]]:
-    """Pack tensors (any dtypes, same device) into one dense 1-D uint8 tensor and its metadata,
-    in :func:`aligned_order` (the metadata's order, not necessarily ``named_tensors``')."""
+    """Pack tensors (any dtypes, same device; deferred tensors are filled in place) into one
+    dense 1-D uint8 tensor and its metadata, in :func:`aligned_order` (the metadata's order,
+    not necessarily ``named_tensors``')."""
     if not named_tensors:
         raise ValueError("cannot pack an empty bucket")
     devices = {tensor.device for _, tensor in named_tensors}
@@ -109,11 +112,20 @@ def pack_bucket(
     metadata, total = bucket_layout((name, t.shape, t.dtype) for name, t in named_tensors)
     flat = torch.empty(total, dtype=torch.uint8, device=devices.pop())
     for meta, (_, tensor) in zip(metadata, named_tensors):
-        if meta.numel:
-            flat[meta.start_idx : meta.end_idx].copy_(
-                tensor.detach().contiguous().view(-1).view(torch.uint8)
-            )
+        write_entry(flat, meta, tensor)
     return flat, metadata
+
+
+def write_entry(flat: torch.Tensor, meta: FlattenedTensorMetadata, tensor, non_blocking=False):
+    """Write ``tensor`` into its byte range of ``flat``: a copy, or a deferred tensor's fill of
+    that range viewed in its dtype and shape (:mod:`miles_sync.deferred`)."""
+    span = flat[meta.start_idx : meta.end_idx]
+    if isinstance(tensor, DeferredTensor):  # also an empty one: a recorder may wrap its fill
+        tensor.fill(span.view(meta.dtype).view(meta.shape))
+    elif meta.numel:
+        span.copy_(
+            tensor.detach().contiguous().view(-1).view(torch.uint8), non_blocking=non_blocking
+        )
 
 
 def unpack_bucket(flat: torch.Tensor, metadata: Iterable) -> list[tuple[str, torch.Tensor]]:

@@ -7,7 +7,9 @@ packs it into its own buffer and pickles it with torch's multiprocessing reducti
 of a shared-memory file (torch's ``file_system`` sharing strategy, set by this module on CPU).
 The leader gathers the ``g`` strings and posts one ``/update_weights_from_tensor`` with
 ``load_format: "flattened_bucket"``: one entry per engine TP rank, metadata under SGLang's class
-path. No weight bytes go over HTTP.
+path. No weight bytes go over HTTP. Every rank packs every bucket in lock step, so a source's
+deferred tensors (:mod:`miles_sync.deferred`, e.g. FSDP shards all-gathered) are filled straight
+into the rank's slot.
 
 Double buffering: bucket ``i`` is packed into slot ``i % 2`` while bucket ``i - 1`` loads. The
 leader waits for the load of bucket ``i - 1`` before the gather of bucket ``i``, and every rank

@@ -24,6 +24,7 @@ import torch
 import xxhash
 from miles_core.engine import EngineClient, EngineError
 
+from miles_sync.deferred import DeferredTensor
 from miles_sync.errors import PublishError
 
 #: Dtypes ``/get_weights_by_name``'s float32 values hold exactly.
@@ -71,8 +72,12 @@ class SentDigests:
     def watch(
         self, source: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """``source`` unchanged, recording each tensor as it passes."""
+        """``source`` unchanged, recording each tensor as it passes (a deferred tensor once it
+        filled its bucket range: the bytes sent)."""
         for name, tensor in source:
+            if isinstance(tensor, DeferredTensor):
+                yield name, tensor.then(lambda out, name=name: self.record(name, out))
+                continue
             self.record(name, tensor)
             yield name, tensor
 

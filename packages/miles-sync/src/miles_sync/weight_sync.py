@@ -28,6 +28,7 @@ from miles_core.args import ArgumentError
 from miles_core.engine import EngineClient, EngineError
 
 from miles_sync.broadcast import BroadcastTransport, GroupSettings
+from miles_sync.deferred import fill_source, materialized
 from miles_sync.disk_delta import DeltaWriter, DeltaWriterConfig, wait_for_pullers
 from miles_sync.errors import PublishError
 from miles_sync.ipc import IpcTransport
@@ -177,6 +178,9 @@ class WeightPublisher:
             previous = self._first_version(clients)
         version = self.ctx.broadcast_object(None if previous is None else previous + 1)
         dtypes, sent = self._start_check(clients)
+        # ipc: every rank packs every bucket in lock step, so a source's deferred tensors may be
+        # filled (all-gathered) straight into the bucket slots; elsewhere tensors are real.
+        source = fill_source(source) if self.config.mode == "ipc" else materialized(source)
         if sent is not None:
             source = sent.watch(source)
         try:

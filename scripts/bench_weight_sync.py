@@ -137,20 +137,14 @@ class Engine:
         """Median decode / queued / load ms per ``/update_weights_from_tensor`` the engine
         logged after byte ``since`` of its log (the engine's side of each bucket)."""
         text = Path(self.log.name).read_bytes()[since:].decode(errors="replace")
-        found = re.findall(
-            r"decode ([\d.]+) ms, queued ([\d.]+) ms, load ([\d.]+) ms \(mapping (\w+)\)", text
-        )
+        found = re.findall(r"decode ([\d.]+) ms, queued ([\d.]+) ms, load ([\d.]+) ms", text)
         if not found:
             return None
-        cols = list(zip(*[[float(x) for x in f[:3]] for f in found]))
-        out = {
+        cols = list(zip(*[[float(x) for x in f] for f in found]))
+        return {
             "requests": len(found),
             **{k: statistics.median(c) for k, c in zip(("decode", "queued", "load"), cols)},
         }
-        for how in ("opened", "reused"):  # decode with a fresh IPC mapping vs a kept one
-            ms = [float(f[0]) for f in found if f[3] == how]
-            out[f"decode_{how}"] = (len(ms), statistics.median(ms) if ms else None)
-        return out
 
     def close(self):
         self.proc.terminate()
@@ -472,10 +466,6 @@ def main() -> None:
                     f"    engine, median per bucket ({eng['requests']} requests): decode "
                     f"{eng['decode']:.2f} ms, queued {eng['queued']:.2f} ms, load {eng['load']:.2f} ms"
                 )
-                for how in ("opened", "reused"):
-                    n, ms = eng[f"decode_{how}"]
-                    if n:
-                        print(f"      decode, mapping {how}: {n} buckets, median {ms:.2f} ms")
     Path(args.json).write_text(
         json.dumps({"rows": rows, "buffer_size": args.buffer_size}, indent=1)
     )

@@ -66,9 +66,9 @@ class BucketSlots:
 
     def synchronize(self, index: int) -> None:
         """Block the host until bucket ``index`` is packed. A CUDA IPC receiver waits for the
-        handle's event only when it opens the handle; one that keeps the buffer open across
-        buckets (the built-in engine does, within a publish) does not, so an IPC sender makes
-        the bytes final before it hands the bucket over."""
+        handle's event only when it opens the handle; one that still holds the mapping from an
+        earlier bucket in the same buffer (torch keeps an opened handle while any tensor on it
+        lives) does not, so an IPC sender makes the bytes final before it hands a bucket over."""
         event = self._ready[index % len(self._slots)]
         if event is not None:
             event.synchronize()

@@ -62,7 +62,6 @@ def add_memory_routes(app: FastAPI, state: EngineState, control) -> None:
                 raise ApiError(
                     "release_memory_occupation needs an idle server (requests are running)"
                 )
-            state.open_buckets.clear()  # a sender's IPC buffers are not held past a release
             if "kv_cache" in tags:
                 sched.drop_kv_cache()
             if "weights" in tags:

@@ -91,10 +91,6 @@ class ApiError(Exception):
         self.status = status
 
 
-#: IPC buffers held open at most (a sender double-buffers; a TP group's would be per rank).
-OPEN_BUCKETS = 4
-
-
 @dataclass
 class EngineState:
     config: EngineConfig
@@ -109,18 +105,6 @@ class EngineState:
     update_window_used: bool = False
     update_window_open: bool = False
     gate: asyncio.Event | None = None  # set = /generate admits; cleared by pause_generation
-    # Buckets received over CUDA IPC in the publish under way, held so that the sender's next
-    # bucket in the same buffer finds its mapping open (torch reopens a handle, ~2-4 ms for a
-    # 0.5-2 GiB buffer, only once the last tensor on it is gone). Dropped when the publish
-    # ends (its last bucket carries flush_cache), on a failed load and on a memory release.
-    open_buckets: list = field(default_factory=list)
-
-    def keep_open(self, named: list) -> None:
-        if not named or named[0][1].device.type != "cuda":
-            return
-        ptr = named[0][1].untyped_storage().data_ptr()
-        kept = [t for t in self.open_buckets if t.untyped_storage().data_ptr() != ptr]
-        self.open_buckets = [*kept, named[0][1]][-OPEN_BUCKETS:]
 
 
 def _error(message: str, status: int = 400, success_field: bool = False) -> JSONResponse:
@@ -390,8 +374,6 @@ def build_app(state: EngineState) -> FastAPI:
         except (UnsafePayloadError, WeightUpdateError, ValueError, RuntimeError, OSError) as exc:
             return _error(f"update_weights_from_tensor: {exc}", success_field=True)
         t1 = time.perf_counter()
-        kept = {t.untyped_storage().data_ptr() for t in state.open_buckets}
-        reused = bool(named) and named[0][1].untyped_storage().data_ptr() in kept
         loaded_at = []
 
         def load():
@@ -401,20 +383,15 @@ def build_app(state: EngineState) -> FastAPI:
             return count
 
         reply = await apply_update(body, load)
-        if loaded_at and not body.get("flush_cache"):
-            state.keep_open(named)
-        else:  # the publish ended, or this load failed
-            state.open_buckets.clear()
         if loaded_at:
             logger.debug(
                 "update_weights_from_tensor: %d tensors, %d bytes: decode %.2f ms, queued %.2f ms,"
-                " load %.2f ms (mapping %s)",
+                " load %.2f ms",
                 len(named),
                 sum(t.numel() * t.element_size() for _, t in named),
                 (t1 - t0) * 1e3,
                 (loaded_at[0] - t1) * 1e3,
                 (loaded_at[1] - loaded_at[0]) * 1e3,
-                "reused" if reused else "opened",
             )
         return reply
 

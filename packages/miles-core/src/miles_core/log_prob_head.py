@@ -163,8 +163,13 @@ class _FusedLogProbs(torch.autograd.Function):
                 dz.sub_(p.mul_(g))
                 local_t = targets[a:b] - ctx.vocab_start
                 held = (local_t >= 0) & (local_t < vocab_local)
-                rows = torch.nonzero(held).squeeze(-1)
-                dz[rows, local_t[rows]] += g[rows, 0]
+                # rows whose target is another rank's add an exact zero at a clamped column
+                # (no nonzero(): it would make the host wait for the device)
+                dz.scatter_add_(
+                    1,
+                    local_t.clamp(0, vocab_local - 1).long().unsqueeze(-1),
+                    g * held.unsqueeze(-1).to(g.dtype),
+                )
             del p
             if temperature != 1.0:
                 dz.div_(temperature)

@@ -64,9 +64,11 @@ class PackedBatch:
     def response_slices(self) -> list[slice]:
         """For each sample, the packed positions that predict its response tokens."""
         out = []
-        for i, (length, resp) in enumerate(zip(self.total_lengths, self.response_lengths)):
-            start = int(self.cu_seqlens[i]) + length - resp - 1
+        offset = 0  # cu_seqlens[i], from the host-side lengths (no device read)
+        for length, resp in zip(self.total_lengths, self.response_lengths):
+            start = offset + length - resp - 1
             out.append(slice(start, start + resp))
+            offset += length
         return out
 
     def to(self, device: torch.device | str) -> PackedBatch:

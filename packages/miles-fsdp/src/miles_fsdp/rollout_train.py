@@ -126,8 +126,11 @@ def _per_sample(
     index = {src: i for i, src in enumerate(batch.source_indices)}
     for mb in micro_batches(ctx, batch):
         packed = pack_thd(mb).to(ctx.device)
-        for src, values in zip(mb.source_indices, unpack_response(packed, per_token(packed))):
-            out[index[src]] = values.float().cpu()
+        parts = unpack_response(packed, per_token(packed))
+        # one device-to-host copy per micro-batch, not one (and a host wait) per sample
+        host = torch.cat([p.float() for p in parts]).cpu() if parts else torch.empty(0)
+        for src, values in zip(mb.source_indices, host.split([p.numel() for p in parts])):
+            out[index[src]] = values.clone()  # its own storage, as each sample travels alone
     return out  # type: ignore[return-value]
 
 

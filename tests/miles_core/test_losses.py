@@ -360,3 +360,19 @@ def test_sequence_mean_split_across_ranks_with_given_sample_counts():
     assert (parts[0] + parts[1]).item() == pytest.approx(whole.item(), rel=1e-6)
     naive = [aggregate(values[h], mask[h], 3.0, False, ids[h], 3) for h in halves]
     assert (naive[0] + naive[1]).item() != pytest.approx(whole.item(), rel=1e-3)
+
+
+def test_segment_sum_drops_padding_and_keeps_an_empty_batch_in_the_graph():
+    # padding (id -1) at the front, the middle and the end; sample 0 receives exact zeros
+    values = torch.tensor([5.0, 1.0, -0.5, 7.0, 2.0, 3.0, 9.0], requires_grad=True)
+    ids = torch.tensor([-1, 0, 0, -1, 1, 2, -1])
+    sums = segment_sum(values, ids, 3)
+    assert sums.tolist() == [0.5, 2.0, 3.0]
+    sums.sum().backward()
+    assert values.grad.tolist() == [0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0]
+    # a rank's empty part of a step: no samples, only padding, and backward still runs
+    pad = torch.tensor([1.0, 2.0], requires_grad=True)
+    empty = segment_sum(pad, torch.tensor([-1, -1]), 0)
+    assert empty.shape == (0,)
+    empty.sum().backward()
+    assert pad.grad.tolist() == [0.0, 0.0]

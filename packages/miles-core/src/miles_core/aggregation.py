@@ -66,6 +66,8 @@ def segment_sum(values: torch.Tensor, sample_ids: torch.Tensor, num_samples: int
     ids = sample_ids.reshape(-1).to(values.device)
     keep = ids >= 0
     out = torch.zeros(num_samples, dtype=values.dtype, device=values.device)
+    if num_samples == 0:  # an empty micro-batch (a rank's part of a step): still in the graph
+        return out.index_add(0, ids[:0].long(), values[:0])
     # padding adds an exact zero to sample 0 instead of being selected out: a boolean index
     # would make the host wait for the device to learn how many positions it keeps
     zero = torch.zeros((), dtype=values.dtype, device=values.device)

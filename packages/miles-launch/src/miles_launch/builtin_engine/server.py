@@ -383,7 +383,7 @@ def build_app(state: EngineState) -> FastAPI:
             return count
 
         reply = await apply_update(body, load)
-        if loaded_at:
+        if loaded_at and logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "update_weights_from_tensor: %d tensors, %d bytes: decode %.2f ms, queued %.2f ms,"
                 " load %.2f ms",

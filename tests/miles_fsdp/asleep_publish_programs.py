@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import torch
-import torch.distributed as dist
 from miles_core.batch import RolloutBatch, Sample
 from miles_fsdp.backend import FSDPBackend
 from run_args import make_args
+from spawn import gather_to_file
 from torch.distributed.tensor import DTensor
 
 VOCAB = 48  # the tiny model's vocabulary (tests/miles_sync/sync_testing.py)
@@ -87,11 +87,7 @@ def publish_program(rank, world, hf_dir, engine_url, flags, out_file):
         backend.wake_up()
         backend.update_weights([engine_url], weights=weights)
         res["woken"] = engine_digests(engine_url) if rank == 0 else None
-        gathered = [None] * world
-        dist.all_gather_object(gathered, res)
-        if rank == 0:
-            with open(out_file, "w") as f:
-                json.dump(gathered, f)
+        gather_to_file(res, out_file)
     finally:
         backend.close()
 

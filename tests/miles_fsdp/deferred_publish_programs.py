@@ -8,7 +8,6 @@ built-in engines and records their digests beside the materialised source's.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import httpx
@@ -18,6 +17,7 @@ import xxhash
 from asleep_publish_programs import rollout
 from miles_fsdp.backend import FSDPBackend
 from run_args import make_args
+from spawn import gather_to_file
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -149,10 +149,6 @@ def publish_program(rank, world, even_dir, hf_dir, urls, out_file):
         backend.wake_up()
         backend.train(2, rollout(2))
         res["broadcast"] = publish(backend, "broadcast", urls) | {"reference": reference(backend)}
-        gathered = [None] * world
-        dist.all_gather_object(gathered, res)
-        if rank == 0:
-            with open(out_file, "w") as f:
-                json.dump(gathered, f)
+        gather_to_file(res, out_file)
     finally:
         backend.close()

@@ -80,3 +80,15 @@ def run_in_sequence(rank: int, world_size: int, calls: list[tuple[Callable, tupl
     tests that need the same ranks share one spawn (``run_ranks(n, run_in_sequence, calls)``)."""
     for fn, args in calls:
         fn(rank, world_size, *args)
+
+
+def gather_to_file(result, out_file: str) -> None:
+    """Collective: every rank's ``result`` (JSON-able), as a list in rank order, written to
+    ``out_file`` by rank 0 (what a spawned test program hands back to its test)."""
+    import json
+
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    if dist.get_rank() == 0:
+        with open(out_file, "w") as f:
+            json.dump(gathered, f)

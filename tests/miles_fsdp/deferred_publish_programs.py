@@ -8,6 +8,7 @@ built-in engines and records their digests beside the materialised source's.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import httpx
@@ -16,12 +17,14 @@ import torch.distributed as dist
 import xxhash
 from asleep_publish_programs import rollout
 from miles_fsdp.backend import FSDPBackend
+from miles_sync.deferred import DeferredTensor
 from run_args import make_args
 from spawn import gather_to_file
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 BUCKET = 4096  # many buckets; the largest tensor travels alone
+CHUNK = 300  # asleep reads of at most 300 bytes: 1-2 fp32 rows of every 2-D shard
 #: Ops that allocate, wait or wrap without writing a tensor's bytes.
 NOT_WRITES = ("empty", "empty_strided", "empty_like", "new_empty", "wait_tensor", "_wrap_tensor")
 
@@ -92,6 +95,29 @@ def publish(backend: FSDPBackend, mode: str, urls: list[str]) -> dict:
     return {"engines": engines, "verified": stats.get("verified")}
 
 
+def chunked_reads(backend: FSDPBackend, chunk: int) -> dict:
+    """Asleep: the deferred source with ``read_bytes=chunk``, materialised. Each deferred
+    tensor's reads (bytes of each) and the digests of every tensor."""
+    source = backend.weight_source(BUCKET)
+    current: list[list[int] | None] = [None]
+
+    def read(t: torch.Tensor, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        out = source.read(t, rows)
+        if current[0] is not None:
+            current[0].append(out.numel() * out.element_size())
+        return out
+
+    reads, digests = {}, {}
+    for name, tensor in dataclasses.replace(source, read=read, read_bytes=chunk).deferred():
+        if isinstance(tensor, DeferredTensor):
+            current[0] = reads[name] = []
+            tensor = tensor.materialize()
+            current[0] = None
+        raw = tensor.contiguous().view(-1).view(torch.uint8).numpy()
+        digests[name] = [xxhash.xxh3_128_hexdigest(raw), str(tensor.dtype), list(tensor.shape)]
+    return {"reads": reads, "digests": digests, "chunk": chunk}
+
+
 def wait_healthy(urls: list[str], timeout: float = 240.0) -> None:
     """Every rank: return once every engine answers ``/health``."""
     import time
@@ -144,6 +170,7 @@ def publish_program(rank, world, even_dir, hf_dir, urls, out_file):
         backend.train(1, rollout(1))
         awake = reference(backend)
         backend.sleep()  # asleep, the deferred fills read each shard from its file
+        res["asleep_chunked"] = chunked_reads(backend, CHUNK)
         res["asleep_ipc"] = publish(backend, "ipc", urls) | {"reference": awake}
         res["still_asleep"] = backend.asleep
         backend.wake_up()

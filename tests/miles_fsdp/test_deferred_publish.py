@@ -22,6 +22,7 @@ the deferred fill is one cast-copy into the bucket (1 byte written per byte, not
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -80,6 +81,19 @@ def test_deferred_ipc_publish_serves_the_materialised_bytes(published):
     assert steps[0] != steps[1] != steps[2]  # a step in between
 
 
+def test_asleep_deferred_fill_reads_row_chunks(published):
+    """``read_bytes`` bounds each asleep read of a deferred tensor; the rows, read and
+    gathered a chunk at a time into their places, give the awake source's bytes."""
+    rank0 = published[0]
+    chunked = rank0["asleep_chunked"]
+    assert chunked["digests"] == rank0["asleep_ipc"]["reference"]
+    reads = chunked["reads"]
+    assert reads and all(0 < n <= chunked["chunk"] for r in reads.values() for n in r)
+    embedding = reads["model.embed_tokens.weight"]
+    assert len(embedding) == 16  # the fp32 shard (32 rows of 32) read 2 rows at a time
+    assert sum(embedding) == 32 * 32 * 4
+
+
 def test_deferred_source_writes_each_published_byte_once(published):
     for r in published:
         old, new = r["materialized"], r["deferred"]
@@ -110,5 +124,34 @@ def test_one_rank_tied_deferred_publish(one_rank_group, tmp_path):
         new = written_bytes(source.deferred())
         assert new["written"] == new["published"] == old["published"]
         assert old["written"] >= 2 * old["published"]
+    finally:
+        backend.close()
+
+
+def test_one_rank_asleep_deferred_fill_reads_row_chunks(one_rank_group, tmp_path):
+    """Asleep in host memory (``cpu``), one rank: the deferred fills read ``read_bytes`` of
+    each shard at a time and cast it into its rows; the bytes are the awake source's."""
+    hf_dir = save_tiny_model(tmp_path / "m", qwen3_config(), dtype=torch.bfloat16)
+    backend = FSDPBackend()
+    backend.init(make_args(hf_checkpoint=str(hf_dir), offload_train=True))
+    try:
+        awake = list(backend.weight_source(gather_bytes=1))
+        backend.sleep()
+        source = backend.weight_source(gather_bytes=1)
+        reads = []
+
+        def read(t, rows=None):
+            out = source.read(t, rows)
+            reads.append(out.numel() * out.element_size())
+            return out
+
+        chunked = dataclasses.replace(source, read=read, read_bytes=3 * 32 * 4)  # 3 fp32 rows
+        asleep = list(materialized(chunked.deferred()))
+        assert backend.asleep
+        assert [n for n, _ in asleep] == [n for n, _ in awake]
+        for (name, a), (_, b) in zip(awake, asleep):
+            assert b.dtype == torch.bfloat16 and torch.equal(a, b), name
+        assert reads and max(reads) == 3 * 32 * 4  # the embedding's 64 rows: 3 at a time
+        assert len(reads) > 100
     finally:
         backend.close()

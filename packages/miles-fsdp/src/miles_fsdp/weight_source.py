@@ -15,11 +15,12 @@ a parameter sharded ``Shard(0)`` evenly over a 1-D mesh, which no param transfor
 reshapes, is filled straight into the bucket that carries it: its local shard is cast to the
 publish dtype (an elementwise cast commutes with the gather: the same bits) and all-gathered
 into the bucket's bytes (one rank: one cast-copy into the bucket). Asleep, the shard is
-``read`` onto the device when its bucket is packed. Other tensors (uneven shards, HSDP,
+``read`` onto the device when its bucket is packed, ``read_bytes`` of it at a time (an fp32
+embedding is never on the device whole before its cast). Other tensors (uneven shards, HSDP,
 transformed names, LoRA, CPU-offloaded parameters) are gathered as above.
 
 ``read`` (a sleeping trainer's :meth:`~miles_offload.device_mover.DeviceMover.read`) gives each
-local shard's values on the device from wherever they sleep, so a publish never wakes the
+local shard's values (or a row range of them) on the device from wherever they sleep, so a publish never wakes the
 model: only the tensors of one gather group are on the device at a time. ``values`` replaces
 named parameters by other tensors of the same sharding (the EMA's averages, read in place of
 the actor's values rather than swapped into them).
@@ -54,8 +55,9 @@ class WeightSource:
     gather_bytes: int = 256 << 20
     device: torch.device | None = None
     lora_scale: float | None = None  # alpha / r of the actor's adapter under --use-lora
-    read: Callable[[torch.Tensor], torch.Tensor] | None = None  # a local tensor -> on device
+    read: Callable[..., torch.Tensor] | None = None  # (local tensor[, rows]) -> on device
     values: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> tensor read instead
+    read_bytes: int = 64 << 20  # asleep, a deferred fill reads at most this much shard at once
 
     def _named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         skip: set[str] = set()
@@ -152,23 +154,44 @@ class WeightSource:
         dtype = self.tensor_dtypes.get(name, self.default_dtype)
         group = mesh.get_group() if mesh.size() > 1 else None
         read = self.read
+        rows = local.shape[0]
+        row_bytes = local.shape[1:].numel() * local.element_size()
+        step = rows if read is None else max(1, min(rows, self.read_bytes // max(1, row_bytes)))
 
-        def gather_into(out: torch.Tensor, shard: torch.Tensor) -> None:
-            if group is None:
-                out.copy_(shard)  # one rank: one cast-copy into the bucket
-            elif out.numel():
-                shard = shard.detach().to(dtype).contiguous()
-                dist.all_gather_into_tensor(
-                    out.view(-1).view(torch.uint8), shard.view(-1).view(torch.uint8), group=group
-                )
+        def fill_rows(out: torch.Tensor) -> None:
+            """``out`` (on ``device``) filled ``step`` shard rows at a time: asleep, only that
+            many rows are on the device before their cast (an fp32 embedding is not read
+            whole); every rank runs the same steps, so the gathers stay in lock step."""
+            blocks = out.view(mesh.size(), rows, *out.shape[1:])
+            for begin in range(0, rows, step):
+                end = min(rows, begin + step)
+                if read is None:
+                    shard = local[begin:end]
+                else:  # asleep: the storage is elsewhere (or freed), so ``read`` slices
+                    shard = read(local, (begin, end))
+                if group is None:
+                    out[begin:end].copy_(shard)  # one rank: one cast-copy into the bucket
+                    continue
+                shard = shard.to(dtype).contiguous()
+                whole = step == rows
+                into = out
+                if not whole:
+                    into = out.new_empty((mesh.size(), end - begin, *out.shape[1:]))
+                if into.numel():
+                    dist.all_gather_into_tensor(
+                        into.view(-1).view(torch.uint8),
+                        shard.view(-1).view(torch.uint8),
+                        group=group,
+                    )
+                if not whole:
+                    blocks[:, begin:end].copy_(into)
 
         def fill(dest: torch.Tensor) -> None:
-            shard = read(local) if read is not None else local
-            if dest.device == shard.device:
-                gather_into(dest, shard)
+            if dest.device == device:
+                fill_rows(dest)
             else:  # a bucket elsewhere: through a tensor here
-                here = torch.empty(dest.shape, dtype=dtype, device=shard.device)
-                gather_into(here, shard)
+                here = torch.empty(dest.shape, dtype=dtype, device=device)
+                fill_rows(here)
                 dest.copy_(here)
 
         return DeferredTensor(tensor.shape, dtype, device, fill)

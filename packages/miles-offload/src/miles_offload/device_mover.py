@@ -275,19 +275,25 @@ class DeviceMover:
         return stats
 
     @torch.no_grad()
-    def read(self, t: torch.Tensor) -> torch.Tensor:
+    def read(self, t: torch.Tensor, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """``t`` (a plain tensor or a DTensor's local tensor held by one of the mover's
-        models or optimizers) with its values on the device, whether asleep or awake.
+        models or optimizers) with its values on the device, whether asleep or awake;
+        ``rows=(begin, end)``: only ``t[begin:end]``, and only those bytes are read.
 
         Awake, or a tensor that never moved: ``t`` itself (moved to the device if it is
         elsewhere). Asleep: a new device tensor read from the host copy or the disk file; the
-        mover stays asleep."""
+        mover stays asleep. A read from pinned host memory is queued on the current stream
+        without waiting for it: work queued after it sees the values (the host copy is only
+        written again by the next sleep, which waits for the current stream)."""
         self._check_open()
         if not self.is_asleep or t.numel() == 0 or t.untyped_storage().nbytes() > 0:
-            return t.to(self.device)
+            if rows is not None:
+                t = t[rows[0] : rows[1]]
+            pinned = self.device.type == "cuda" and t.device.type == "cpu" and t.is_pinned()
+            return t.to(self.device, non_blocking=pinned)
         for group in self._groups:
             if isinstance(group.store, DiskStore) and group.store.holds(t):
-                return group.store.read(t, self.device)
+                return group.store.read(t, self.device, rows)
         raise ValueError("DeviceMover.read: the tensor is not one this mover put to sleep")
 
     def _host_entries(self, group: _Group) -> list[MovedTensor]:

@@ -114,11 +114,22 @@ class DiskStore:
         """True when ``t``'s storage is one this store wrote."""
         return t.untyped_storage()._cdata in self._index
 
-    def read(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    def read(
+        self, t: torch.Tensor, device: torch.device, rows: tuple[int, int] | None = None
+    ) -> torch.Tensor:
         """``t``'s values (``t`` asleep in this store, see :meth:`holds`) as a new tensor on
-        ``device`` with ``t``'s shape, dtype and strides; the file is read, nothing is woken."""
+        ``device`` with ``t``'s shape, dtype and strides; the file is read, nothing is woken.
+        ``rows=(begin, end)``: ``t[begin:end]``'s values only (a tensor whose storage is freed
+        cannot be sliced itself)."""
         slot = self._index[t.untyped_storage()._cdata]
         offset, nbytes = byte_window(t)
+        if rows is not None:
+            begin, end = rows
+            offset += begin * t.stride(0) * t.element_size()
+            t = torch.empty_strided(
+                (end - begin, *t.shape[1:]), t.stride(), dtype=t.dtype, device="meta"
+            )
+            nbytes = byte_window(t)[1]
         begin = self._offsets[slot] + offset
         lo = begin // DIRECT_ALIGNMENT * DIRECT_ALIGNMENT
         hi = (begin + nbytes + DIRECT_ALIGNMENT - 1) // DIRECT_ALIGNMENT * DIRECT_ALIGNMENT

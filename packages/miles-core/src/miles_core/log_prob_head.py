@@ -74,7 +74,7 @@ def _chunk_logits(h: torch.Tensor, w: torch.Tensor, temperature: float) -> torch
 
 class _FusedLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, vocab_start, group, chunk):
+    def forward(ctx, hidden, weight, targets, temperature, vocab_start, group, chunk, entropy_grad):
         n = hidden.shape[0]
         vocab_local = weight.shape[0]
         dtype = _compute_dtype(hidden)
@@ -121,16 +121,19 @@ class _FusedLogProbs(torch.autograd.Function):
         ctx.vocab_start = vocab_start
         ctx.group = group
         ctx.chunk = chunk
+        ctx.entropy_grad = entropy_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(ent)
         ctx.set_materialize_grads(False)
         return lp, ent
 
     @staticmethod
     def backward(ctx, grad_lp, grad_ent):
         hidden, weight, targets, row_max, log_s, mean_z = ctx.saved_tensors
-        if grad_ent is not None and not bool(grad_ent.any()):
+        if not ctx.entropy_grad:
             grad_ent = None  # a metric-only entropy (its slot of a stacked output): no work
         if grad_lp is None and grad_ent is None:
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         temperature, group, chunk = ctx.temperature, ctx.group, ctx.chunk
         n = hidden.shape[0]
         vocab_local = weight.shape[0]
@@ -184,7 +187,7 @@ class _FusedLogProbs(torch.autograd.Function):
             _all_reduce(grad_h, group)
         if need_w:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def fused_log_probs(
@@ -197,13 +200,15 @@ def fused_log_probs(
     group: Any = None,
     chunk_tokens: int | None = None,
     chunk_bytes: int | None = None,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log_probs, entropy)``, float32 (float64 for float64 inputs) ``hidden.shape[:-1]``, of ``softmax(hidden @ weight.T /
     temperature)`` at ``targets``, chunk by chunk over tokens (module docstring).
 
     ``weight``: ``[V_local, H]``, this rank's vocabulary shard under ``group`` (tensor
     parallelism) or the whole output projection; ``vocab_size``: the real vocabulary (rows past
-    it are padding and take no probability).
+    it are padding and take no probability). Without ``entropy_grad`` the entropy is a metric:
+    it carries no gradient, and the backward computes none for it.
     """
     if temperature <= 0:
         raise ValueError(f"--rollout-temperature must be > 0 for log-probs, got {temperature}")
@@ -223,6 +228,7 @@ def fused_log_probs(
         vocab_start,
         group,
         chunk,
+        entropy_grad,
     )
     return lp.reshape(shape), ent.reshape(shape)
 

@@ -126,8 +126,10 @@ def is_streamed(optimizer: Any) -> bool:
     return isinstance(optimizer, StreamedAdamW)
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
-    """Clip the global gradient norm (over all shards) to ``max_norm``; return the pre-clip norm.
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip the global gradient norm (over all shards) to ``max_norm``; return the pre-clip norm
+    as a 0-d tensor where the gradients are (no host wait: the caller reads it with the step's
+    metrics).
 
     ``max_norm <= 0`` disables clipping; the norm is still computed and returned.
     """
@@ -137,4 +139,4 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     )
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
-    return float(norm)
+    return torch.as_tensor(norm).detach().float().reshape(())

@@ -71,16 +71,20 @@ def head_operands(head: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 @contextlib.contextmanager
-def scoring(model: nn.Module, targets: torch.Tensor, temperature: float) -> Iterator[None]:
+def scoring(
+    model: nn.Module, targets: torch.Tensor, temperature: float, entropy_grad: bool = True
+) -> Iterator[None]:
     """Within: ``model``'s output head returns ``[..., 2]`` (log-prob of ``targets``, entropy)
-    at ``temperature``, float32."""
+    at ``temperature``, float32; the entropy carries a gradient only with ``entropy_grad``."""
     head = model.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings to fuse")
 
     def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         hidden, weight = head_operands(head, x)
-        lp, ent = fused_log_probs(hidden, weight, targets.expand(x.shape[:-1]), temperature)
+        lp, ent = fused_log_probs(
+            hidden, weight, targets.expand(x.shape[:-1]), temperature, entropy_grad=entropy_grad
+        )
         return torch.stack([lp, ent], dim=-1)
 
     own = head.__dict__.get("forward")  # an instance-level forward installed by someone else

@@ -108,7 +108,8 @@ def packed_scores(
     hidden states (:mod:`miles_fsdp.output_head`), no ``[T, V]`` logits; otherwise from the
     materialised logits, the entropy without a graph unless ``entropy_grad``."""
     if ctx.args.fused_log_probs:
-        with scoring(ctx.model if model is None else model, packed.targets, temperature):
+        head_model = ctx.model if model is None else model
+        with scoring(head_model, packed.targets, temperature, entropy_grad):
             out = packed_logits(ctx, packed, model)
         return out[..., 0], out[..., 1]
     logits = packed_logits(ctx, packed, model)

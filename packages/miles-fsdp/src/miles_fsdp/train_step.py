@@ -11,6 +11,7 @@ reduced gradient is exactly ``dL/dw`` whatever the split.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,18 +36,22 @@ class StepResult:
     lr: float
 
 
-def all_reduce_sum(values: dict[str, torch.Tensor], group: Any = None) -> dict[str, float]:
-    """Sum scalar metrics over the data-parallel ranks (one collective for all of them)."""
-    if not values:
-        return {}
+def all_reduce_sum(
+    values: dict[str, torch.Tensor], group: Any = None, also: torch.Tensor | None = None
+) -> tuple[dict[str, float], float | None]:
+    """Sum scalar metrics over the data-parallel ranks (one collective for all of them) and
+    read them to the host together with ``also`` (a 0-d tensor read as it is): one host wait."""
     keys = sorted(values)
-    flat = torch.stack([values[k].detach().float().reshape(()) for k in keys])
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        device = flat.device
-        if dist.get_backend(group) == "nccl" and device.type != "cuda":
+    flat = torch.stack([values[k].detach().float().reshape(()) for k in keys]) if keys else None
+    if flat is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        if dist.get_backend(group) == "nccl" and flat.device.type != "cuda":
             flat = flat.cuda()
         dist.all_reduce(flat, group=group)
-    return dict(zip(keys, flat.cpu().tolist()))
+    parts = [] if flat is None else [flat]
+    if also is not None:
+        parts.append(also.detach().float().reshape(1).to(parts[0].device if parts else also.device))
+    host = torch.cat(parts).cpu().tolist() if parts else []
+    return dict(zip(keys, host)), (host[-1] if also is not None else None)
 
 
 def optimizer_step(
@@ -79,14 +84,15 @@ def optimizer_step(
             parts[k] = parts[k] + v.detach().float() if k in parts else v.detach().float()
     if loss_scaler is not None:
         loss_scaler.unscale_(model)
-    grad_norm = clip_grad_norm(model, clip_grad)
+    norm = clip_grad_norm(model, clip_grad)
+    # the metrics' all-reduce and the norm come to the host in one wait, before the step
+    reduced, grad_norm = all_reduce_sum({"step_loss": torch.as_tensor(total), **parts}, also=norm)
     lr = optimizer.param_groups[0]["lr"]
-    finite = bool(torch.isfinite(torch.tensor(grad_norm)))
+    finite = math.isfinite(grad_norm)
     if finite:
         optimizer.step()
     if loss_scaler is not None:
         loss_scaler.update(found_inf=not finite)
     scheduler.step()
-    reduced = all_reduce_sum({"step_loss": torch.as_tensor(total), **parts})
     loss = reduced.pop("step_loss")
     return StepResult(loss=loss, parts=reduced, grad_norm=grad_norm, lr=lr)

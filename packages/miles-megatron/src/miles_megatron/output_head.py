@@ -31,10 +31,15 @@ from miles_megatron.sharding import unwrap
 
 @contextlib.contextmanager
 def scoring(
-    model: torch.nn.Module, targets: torch.Tensor, temperature: float, vocab_size: int
+    model: torch.nn.Module,
+    targets: torch.Tensor,
+    temperature: float,
+    vocab_size: int,
+    entropy_grad: bool = True,
 ) -> Iterator[None]:
     """Within: the last stage's output layer returns ``[s, b, 2]`` (log-prob of ``targets``
-    ``[b, s]``, entropy) at ``temperature``, float32, over the real ``vocab_size``."""
+    ``[b, s]``, entropy) at ``temperature``, float32, over the real ``vocab_size``; the entropy
+    carries a gradient only with ``entropy_grad``."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
@@ -49,7 +54,13 @@ def scoring(
                 hidden, tensor_parallel_output_grad=False, group=group
             )
         lp, ent = fused_log_probs(
-            hidden, weight, targets.transpose(0, 1), temperature, vocab_size=vocab_size, group=group
+            hidden,
+            weight,
+            targets.transpose(0, 1),
+            temperature,
+            vocab_size=vocab_size,
+            group=group,
+            entropy_grad=entropy_grad,
         )
         return torch.stack([lp, ent], dim=-1), None
 
@@ -73,7 +84,9 @@ class ScoreHead:
 
     def context(self, model: torch.nn.Module, packed: PackedBatch, last_stage: bool):
         if self.fused and last_stage:
-            return scoring(model, packed.targets, self.temperature, self.vocab_size)
+            return scoring(
+                model, packed.targets, self.temperature, self.vocab_size, self.entropy_grad
+            )
         return contextlib.nullcontext()
 
     def scores(

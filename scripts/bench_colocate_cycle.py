@@ -6,12 +6,13 @@ after one step) under ``--offload-train-target cpu`` and ``disk``:
 - sleep and wake: seconds and bytes (model + optimizer state), against the floor of the same
   bytes: one contiguous device -> host copy (and back) of a buffer as large, measured in the
   same run (``disk``: plus the raw write/read of a file that large in ``--disk-dir``);
-- publish asleep: the weight source read from the host copies or file, gathered and packed
-  bucket by bucket into a ``--update-weight-buffer-size`` buffer (what the transport sends),
-  against publishing the same bytes from the awake trainer;
+- publish asleep: the weight source read from the host copies or file and packed bucket by
+  bucket into two ``--update-weight-buffer-size`` slots as an ``ipc`` publish packs them (its
+  deferred tensors filled straight into the slot), against publishing the same bytes from the
+  awake trainer;
 - the trainer's peak device memory during the asleep publish against the bucket size (CUDA:
-  ``max_memory_allocated`` above what the sleeping trainer holds; CPU: the largest gather group
-  the source held at once). Target on a GPU: <= 3 x the buffer size plus one bucket's gather.
+  ``max_memory_allocated`` above what the sleeping trainer holds; CPU: the slots' bytes).
+  Target on a GPU: <= 3 x the buffer size plus one bucket's gather.
 
 The whole cycle (sleep + publish asleep + wake) is set against its floor: the pinned copies of
 the bytes that must move (the state to the host and back, the published bytes to the device).
@@ -100,36 +101,27 @@ def build(ckpt: str, target: str, disk_dir: str, buffer: int):
 
 
 def publish_pass(backend, buffer: int) -> tuple[float, int, int]:
-    """Iterate the weight source and pack each tensor into a bucket of ``buffer`` bytes (the
-    transport's send buffer); returns (seconds, bytes, largest gather group held)."""
+    """Pack the weight source into buckets of ``buffer`` bytes as an ``ipc`` publish does (its
+    deferred tensors filled straight into two bucket slots, each bucket made final before the
+    next is packed, as before its handoff); returns (seconds, bytes, the slots' bytes)."""
+    from miles_sync.bucket_slots import BucketSlots
+    from miles_sync.buckets import plan_buckets_marked
+
     device = backend.device
-    bucket = torch.empty(buffer, dtype=torch.uint8, device=device)
+    slots = BucketSlots(device, buffer)
     source = backend.weight_source(buffer)
-    peak_group = 0
-    original = source._emit
-
-    def emit(group):
-        nonlocal peak_group
-        peak_group = max(peak_group, sum(t.numel() * t.element_size() for _, t in group))
-        yield from original(group)
-
-    source._emit = emit
-    total, fill = 0, 0
+    total = 0
 
     def run():
-        nonlocal total, fill
-        for _, tensor in source:
-            raw = tensor.contiguous().view(-1).view(torch.uint8)
-            n = raw.numel()
-            if fill + n > buffer:
-                fill = 0  # the transport sends the bucket and reuses it
-            if n <= buffer:
-                bucket[fill : fill + n].copy_(raw)
-                fill += n
-            total += n
+        nonlocal total
+        for index, (named, _) in enumerate(plan_buckets_marked(source.deferred(), buffer)):
+            flat, _ = slots.pack(index, named)
+            slots.synchronize(index)
+            total += flat.numel()
 
     seconds = _timed(run, device)
-    return seconds, total, peak_group
+    held = sum(t.numel() for t in slots._slots if t is not None)
+    return seconds, total, held
 
 
 def floor_copy(nbytes: int, device: torch.device, disk_dir: str | None) -> dict[str, float]:
@@ -170,11 +162,9 @@ def bench(target: str, ckpt: str, disk_dir: str, buffer: int, warmup_cycles: int
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
-        asleep_s, _, peak_group = publish_pass(backend, buffer)
+        asleep_s, _, slot_bytes = publish_pass(backend, buffer)
         peak = (
-            torch.cuda.max_memory_allocated(device) - base
-            if device.type == "cuda"
-            else buffer + peak_group
+            torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else slot_bytes
         )
         wake_s = _timed(backend.wake_up, device)
         floor = floor_copy(moved, device, disk_dir if target == "disk" else None)

@@ -13,6 +13,7 @@ sequence-mean; summing a metric over micro-batches and DP ranks gives the step v
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -281,3 +282,58 @@ def sft_loss(
     """Negative log-likelihood of the masked tokens: ``loss = agg(-log pi_t)``."""
     loss = aggregate(-log_probs, loss_mask, denominator, per_token_loss, sample_ids, num_samples)
     return loss, {"sft_loss": loss.detach()}
+
+
+def packed_value_loss(
+    values: torch.Tensor, packed: Any, config: LossConfig, denominator: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`compute_value_loss` of a packed micro-batch (a
+    :class:`~miles_core.packing.PackedBatch` or a context-parallel shard of one: its ``fields``
+    hold ``values`` and ``returns``)."""
+    return compute_value_loss(
+        values,
+        old_values=packed.fields["values"],
+        returns=packed.fields["returns"],
+        loss_mask=packed.loss_mask,
+        value_clip=config.value_clip,
+        denominator=denominator,
+        per_token_loss=config.calculate_per_token_loss,
+        sample_ids=packed.sample_ids,
+        num_samples=packed.num_samples,
+    )
+
+
+def packed_score_loss(
+    loss_type: str,
+    log_probs: torch.Tensor,
+    entropy: torch.Tensor,
+    packed: Any,
+    config: LossConfig,
+    denominator: float,
+    *,
+    detach_old: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The ``--loss-type`` loss (``sft_loss`` or ``policy_loss``) of a packed micro-batch from
+    its scores. ``detach_old``: the old log-probs are the current ones, detached (one step per
+    rollout); without ``entropy_grad`` the entropy is a metric."""
+    common = dict(
+        loss_mask=packed.loss_mask,
+        denominator=denominator,
+        sample_ids=packed.sample_ids,
+        num_samples=packed.num_samples,
+    )
+    if loss_type == "sft_loss":
+        return sft_loss(log_probs, per_token_loss=config.calculate_per_token_loss, **common)
+    fields = packed.fields
+    return compute_policy_loss(
+        log_probs,
+        old_log_probs=log_probs.detach() if detach_old else fields["old_log_probs"],
+        advantages=fields["advantages"],
+        config=config,
+        ref_log_probs=fields.get("ref_log_probs"),
+        rollout_log_probs=fields.get("rollout_log_probs"),
+        entropy=entropy if entropy_grad else entropy.detach(),
+        sample_loss_tokens=packed.sample_loss_tokens,
+        **common,
+    )

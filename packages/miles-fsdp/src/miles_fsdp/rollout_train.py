@@ -33,7 +33,7 @@ from miles_core.aggregation import loss_denominator
 from miles_core.args.groups.algorithm import kl_term_on
 from miles_core.batch import RolloutBatch
 from miles_core.log_prob_head import dense_log_probs
-from miles_core.losses import LossConfig, compute_policy_loss, compute_value_loss, sft_loss
+from miles_core.losses import LossConfig, packed_score_loss, packed_value_loss
 from miles_core.micro_batch import MicroBatching, split_micro_batches, split_steps
 from miles_core.packing import PackedBatch, pack_thd, packed_attention_kwargs, unpack_response
 from torch import nn
@@ -151,28 +151,18 @@ def critic_values(ctx: RolloutContext, batch: RolloutBatch) -> list[torch.Tensor
 def _loss_of(
     ctx: RolloutContext, config: LossConfig, denominator: float, detach_old: bool, loss_type: str
 ):
-    """The micro-batch loss of ``--loss-type``: ``value_loss`` (the critic:
-    :func:`compute_value_loss` of its values against the GAE returns), else through a
-    ``--custom-loss-function-path`` hook when one is set, else ``sft_loss`` (:func:`sft_loss`,
-    the responses' NLL under ``loss_mask``) or ``policy_loss`` (:func:`compute_policy_loss`)."""
+    """The micro-batch loss of ``--loss-type``: ``value_loss`` (the critic: its values against
+    the GAE returns, :func:`~miles_core.losses.packed_value_loss`), else through a
+    ``--custom-loss-function-path`` hook when one is set, else ``sft_loss`` or ``policy_loss``
+    (:func:`~miles_core.losses.packed_score_loss`, as the Megatron backend computes them)."""
     hook = ctx.hooks.loss if ctx.hooks is not None else None
     hook_wants_logits = hook is not None and ctx.hooks.loss_wants_logits
 
     def loss_of(model: nn.Module, mb: RolloutBatch):
         packed = pack_thd(mb).to(ctx.device)
-        fields = packed.fields
         if loss_type == "value_loss":  # the critic's head gives one value per token
-            loss, metrics = compute_value_loss(
-                values_of(packed_logits(ctx, packed)),
-                old_values=fields["values"],
-                returns=fields["returns"],
-                loss_mask=packed.loss_mask,
-                value_clip=config.value_clip,
-                denominator=denominator,
-                per_token_loss=config.calculate_per_token_loss,
-                sample_ids=packed.sample_ids,
-                num_samples=packed.num_samples,
-            )
+            values = values_of(packed_logits(ctx, packed))
+            loss, metrics = packed_value_loss(values, packed, config, denominator)
             return loss, {"loss": loss.detach(), **metrics}
         if hook_wants_logits:  # --custom-loss-function-path taking ``logits``: the dense path
             return hook(ctx.hooks.context, packed_logits(ctx, packed), packed, config, denominator)
@@ -181,32 +171,19 @@ def _loss_of(
         if hook is not None:  # a hook taking ``scores``: the lean path
             scores = TokenScores(log_probs, entropy)
             return hook(ctx.hooks.context, scores, packed, config, denominator)
-        if loss_type == "sft_loss":
-            loss, metrics = sft_loss(
-                log_probs,
-                loss_mask=packed.loss_mask,
-                denominator=denominator,
-                per_token_loss=config.calculate_per_token_loss,
-                sample_ids=packed.sample_ids,
-                num_samples=packed.num_samples,
-            )
-            return loss, {"loss": loss.detach(), **metrics}
-        if not entropy_grad:
-            entropy = entropy.detach()
-        return compute_policy_loss(
+        loss, metrics = packed_score_loss(
+            loss_type,
             log_probs,
-            old_log_probs=log_probs.detach() if detach_old else fields["old_log_probs"],
-            advantages=fields["advantages"],
-            loss_mask=packed.loss_mask,
-            config=config,
-            denominator=denominator,
-            sample_ids=packed.sample_ids,
-            num_samples=packed.num_samples,
-            ref_log_probs=fields.get("ref_log_probs"),
-            rollout_log_probs=fields.get("rollout_log_probs"),
-            entropy=entropy,
-            sample_loss_tokens=packed.sample_loss_tokens,
+            entropy,
+            packed,
+            config,
+            denominator,
+            detach_old=detach_old,
+            entropy_grad=entropy_grad,
         )
+        if loss_type == "sft_loss":
+            metrics = {"loss": loss.detach(), **metrics}
+        return loss, metrics
 
     return loss_of
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from miles_core.advantages import with_advantages
 from miles_core.aggregation import loss_denominator
 from miles_core.batch import RolloutBatch
-from miles_core.losses import LossConfig, compute_policy_loss, compute_value_loss, sft_loss
+from miles_core.losses import LossConfig, packed_score_loss, packed_value_loss
 from miles_core.micro_batch import MicroBatching, split_steps
 from miles_core.micro_batch import split_micro_batches as split_for_ranks
 from miles_core.packing import pack_thd
@@ -73,8 +73,8 @@ def split_micro_batches(ctx: TrainContext, batch: RolloutBatch) -> list[RolloutB
 def _sum_over_ranks(values: dict[str, torch.Tensor], group: Any) -> dict[str, float]:
     if not values:
         return {}
-    keys = sorted(values)
-    flat = torch.stack([values[k].detach().float().reshape(()).cpu() for k in keys])
+    keys = sorted(values)  # one device-to-host copy for all of them
+    flat = torch.stack([values[k].detach().float().reshape(()) for k in keys]).cpu()
     if dist.get_world_size(group) > 1:
         dist.all_reduce(flat, group=group)
     return dict(zip(keys, flat.tolist(), strict=True))
@@ -98,60 +98,28 @@ def optimizer_step(
     critic = loss_type == "value_loss"
 
     def add_metrics(loss: torch.Tensor, metrics: dict[str, torch.Tensor]) -> torch.Tensor:
-        for k, v in {"step_loss": loss, **metrics}.items():
-            v = v.detach().float().cpu()
+        for k, v in {"step_loss": loss, **metrics}.items():  # summed where they are
+            v = v.detach().float()
             sums[k] = sums[k] + v if k in sums else v
         return loss * ctx.dp_size
 
     def on_values(index: int, packed: PackedShard, values: torch.Tensor) -> torch.Tensor:
-        fields = packed.fields
-        return add_metrics(
-            *compute_value_loss(
-                values,
-                old_values=fields["values"],
-                returns=fields["returns"],
-                loss_mask=packed.loss_mask,
-                value_clip=config.value_clip,
-                denominator=denominator,
-                per_token_loss=config.calculate_per_token_loss,
-                sample_ids=packed.sample_ids,
-                num_samples=packed.num_samples,
-            )
-        )
+        return add_metrics(*packed_value_loss(values, packed, config, denominator))
 
     def on_scores(
         index: int, packed: PackedShard, log_probs: torch.Tensor, entropy: torch.Tensor
     ) -> torch.Tensor:
-        if loss_type == "sft_loss":  # the responses' NLL under loss_mask
-            return add_metrics(
-                *sft_loss(
-                    log_probs,
-                    loss_mask=packed.loss_mask,
-                    denominator=denominator,
-                    per_token_loss=config.calculate_per_token_loss,
-                    sample_ids=packed.sample_ids,
-                    num_samples=packed.num_samples,
-                )
-            )
-        if not entropy_grad:
-            entropy = entropy.detach()
-        fields = packed.fields
-        return add_metrics(
-            *compute_policy_loss(
-                log_probs,
-                old_log_probs=log_probs.detach() if detach_old else fields["old_log_probs"],
-                advantages=fields["advantages"],
-                loss_mask=packed.loss_mask,
-                config=config,
-                denominator=denominator,
-                sample_ids=packed.sample_ids,
-                num_samples=packed.num_samples,
-                ref_log_probs=fields.get("ref_log_probs"),
-                rollout_log_probs=fields.get("rollout_log_probs"),
-                entropy=entropy,
-                sample_loss_tokens=packed.sample_loss_tokens,
-            )
+        loss, metrics = packed_score_loss(
+            loss_type,
+            log_probs,
+            entropy,
+            packed,
+            config,
+            denominator,
+            detach_old=detach_old,
+            entropy_grad=entropy_grad,
         )
+        return add_metrics(loss, metrics)
 
     multiple = row_pad_multiple()
     packed = [

@@ -15,6 +15,7 @@ Bounds come from the arithmetic, not from a run:
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import os
 import socket
@@ -75,6 +76,27 @@ def test_float64_values_and_grads_equal_dense(temperature, chunk):
     for name, a, b in zip(("log_prob", "entropy", "grad_h", "grad_w"), got, ref):
         scale = max(1.0, b.abs().max().item())
         _close(a, b, F64_BOUND * scale, name)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_float64_log_prob_only_grads_equal_dense(temperature):
+    """``entropy_grad=False`` (the entropy a metric): no gradient flows from the entropy, and
+    the log-prob-only backward (computed in place) gives the dense path's gradients."""
+    hidden, weight, targets = _inputs()
+    g_lp = torch.randn(hidden.shape[0], generator=torch.Generator().manual_seed(5)).double()
+    zero = torch.zeros_like(g_lp)
+    ref = _grads(lambda h, w: _dense(h, w, targets, temperature), hidden, weight, g_lp, zero)
+    got = _grads(
+        lambda h, w: fused_log_probs(
+            h, w, targets, temperature, chunk_tokens=8, entropy_grad=False
+        ),
+        hidden,
+        weight,
+        g_lp,
+        g_lp,  # would change the gradients if the entropy carried one
+    )
+    for name, a, b in zip(("log_prob", "entropy", "grad_h", "grad_w"), got, ref):
+        _close(a, b, F64_BOUND * max(1.0, b.abs().max().item()), name)
 
 
 def test_tied_weight_grads_sum_both_uses_and_only_one_output_backpropagates():
@@ -165,15 +187,23 @@ def _tp_worker(rank, world, port, out):
             g = torch.Generator().manual_seed(5)
             g_lp = torch.randn(hidden.shape[0], generator=g, dtype=torch.float64)
             g_ent = torch.randn(hidden.shape[0], generator=g, dtype=torch.float64)
-            results[vocab_size] = _grads(
-                lambda h, w, v=vocab_size, t=targets: fused_log_probs(
-                    h, w, t, 0.8, vocab_size=v, group=dist.group.WORLD, chunk_tokens=6
-                ),
-                hidden,
-                shard,
-                g_lp,
-                g_ent,
-            )
+            for entropy_grad in (True, False):  # without: the log-prob-only backward
+                results[vocab_size, entropy_grad] = _grads(
+                    lambda h, w, v=vocab_size, t=targets, e=entropy_grad: fused_log_probs(
+                        h,
+                        w,
+                        t,
+                        0.8,
+                        vocab_size=v,
+                        group=dist.group.WORLD,
+                        chunk_tokens=6,
+                        entropy_grad=e,
+                    ),
+                    hidden,
+                    shard,
+                    g_lp,
+                    g_ent,
+                )
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -198,7 +228,7 @@ def test_tensor_parallel_vocab_shards_equal_dense(tmp_path):
     for p in procs:
         p.join(120)
         assert p.exitcode == 0
-    for vocab_size in TP_VOCAB_SIZES:
+    for vocab_size, entropy_grad in itertools.product(TP_VOCAB_SIZES, (True, False)):
         hidden, weight, targets = _inputs(v=64)
         targets = targets % vocab_size
         g = torch.Generator().manual_seed(5)
@@ -209,11 +239,11 @@ def test_tensor_parallel_vocab_shards_equal_dense(tmp_path):
             hidden,
             weight,
             g_lp,
-            g_ent,
+            g_ent if entropy_grad else torch.zeros_like(g_ent),
         )
         for rank in range(world):
-            lp, ent, gh, gw = torch.load(tmp_path / f"rank{rank}.pt")[vocab_size]
-            label = f"V={vocab_size} rank{rank}"
+            lp, ent, gh, gw = torch.load(tmp_path / f"rank{rank}.pt")[vocab_size, entropy_grad]
+            label = f"V={vocab_size} entropy_grad={entropy_grad} rank{rank}"
             for name, a, b in (
                 ("log_prob", lp, ref[0]),
                 ("entropy", ent, ref[1]),

@@ -141,11 +141,7 @@ class _FusedLogProbs(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = None
         if need_w:
-            acc = _compute_dtype(weight)
-            grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-            # 16-bit weights: each chunk's dW product runs on 16-bit operands (the tensor cores,
-            # as the dense path's autograd does) and is summed over chunks in float32
-            low = weight.dtype in (torch.bfloat16, torch.float16)
+            grad_w = torch.zeros(weight.shape, dtype=_compute_dtype(weight), device=weight.device)
         for a in range(0, n, chunk):
             b = min(a + chunk, n)
             if vocab_local == 0:  # an all-padding shard contributes nothing to dh
@@ -153,36 +149,36 @@ class _FusedLogProbs(torch.autograd.Function):
                     grad_h[a:b] = 0
                 continue
             z = _chunk_logits(hidden[a:b], weight, temperature)
-            z.sub_(row_max[a:b].unsqueeze(-1))  # z - m
-            p = (z - log_s[a:b].unsqueeze(-1)).exp_()  # softmax
-            dz = torch.zeros_like(z)
-            if grad_ent is not None:  # -g_H p (z - E[z])
-                dz.add_(
-                    z.sub_(mean_z[a:b].unsqueeze(-1)).mul_(p).mul_(-grad_ent[a:b].unsqueeze(-1))
-                )
+            local_t = targets[a:b] - ctx.vocab_start
+            held = (local_t >= 0) & (local_t < vocab_local)
+            # rows whose target is another rank's add an exact zero at a clamped column
+            # (no nonzero(): it would make the host wait for the device)
+            columns = local_t.clamp(0, vocab_local - 1).long().unsqueeze(-1)
+            if grad_ent is None:  # the common case: g (onehot - p) / T, in place in z
+                g = grad_lp[a:b].to(z.dtype) / temperature
+                dz = z.sub_((row_max[a:b] + log_s[a:b]).unsqueeze(-1)).exp_().mul_(-g.unsqueeze(-1))
+                dz.scatter_add_(1, columns, (g * held.to(g.dtype)).unsqueeze(-1))
+            else:
+                z.sub_(row_max[a:b].unsqueeze(-1))  # z - m
+                p = (z - log_s[a:b].unsqueeze(-1)).exp_()  # softmax
+                # -g_H p (z - E[z])
+                dz = z.sub_(mean_z[a:b].unsqueeze(-1)).mul_(p).mul_(-grad_ent[a:b].unsqueeze(-1))
+                if grad_lp is not None:  # g (onehot - p)
+                    g = grad_lp[a:b].to(dz.dtype).unsqueeze(-1)
+                    dz.sub_(p.mul_(g))
+                    dz.scatter_add_(1, columns, g * held.unsqueeze(-1).to(g.dtype))
+                del p
+                if temperature != 1.0:
+                    dz.div_(temperature)
             del z
-            if grad_lp is not None:  # g (onehot - p)
-                g = grad_lp[a:b].to(dz.dtype).unsqueeze(-1)
-                dz.sub_(p.mul_(g))
-                local_t = targets[a:b] - ctx.vocab_start
-                held = (local_t >= 0) & (local_t < vocab_local)
-                # rows whose target is another rank's add an exact zero at a clamped column
-                # (no nonzero(): it would make the host wait for the device)
-                dz.scatter_add_(
-                    1,
-                    local_t.clamp(0, vocab_local - 1).long().unsqueeze(-1),
-                    g * held.unsqueeze(-1).to(g.dtype),
-                )
-            del p
-            if temperature != 1.0:
-                dz.div_(temperature)
+            # one cast of the chunk serves both products: 16-bit weights multiply 16-bit operands
+            # (the tensor cores, as the dense path's autograd) and dW is summed in float32
+            operand = dz.to(weight.dtype)
             if need_h:
-                grad_h[a:b] = (dz.to(weight.dtype) @ weight).to(hidden.dtype)
-            if need_w and low:
-                grad_w.add_(dz.t().to(weight.dtype) @ hidden[a:b].to(weight.dtype))
-            elif need_w:
-                grad_w.add_(dz.t().to(acc) @ hidden[a:b].to(acc))
-            del dz
+                grad_h[a:b] = (operand @ weight).to(hidden.dtype)
+            if need_w:
+                grad_w.add_(operand.t() @ hidden[a:b].to(weight.dtype))
+            del dz, operand
         if need_h:
             _all_reduce(grad_h, group)
         if need_w:

@@ -20,10 +20,10 @@ embedding is never on the device whole before its cast). Other tensors (uneven s
 transformed names, LoRA, CPU-offloaded parameters) are gathered as above.
 
 ``read`` (a sleeping trainer's :meth:`~miles_offload.device_mover.DeviceMover.read`) gives each
-local shard's values (or a row range of them) on the device from wherever they sleep, so a publish never wakes the
-model: only the tensors of one gather group are on the device at a time. ``values`` replaces
-named parameters by other tensors of the same sharding (the EMA's averages, read in place of
-the actor's values rather than swapped into them).
+local shard's values (or a row range of them) on the device from wherever they sleep, so a
+publish never wakes the model: only the tensors of one gather group are on the device at a
+time. ``values`` replaces named parameters by other tensors of the same sharding (the EMA's
+averages, read in place of the actor's values rather than swapped into them).
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ class WeightSource:
         read = self.read
         rows = local.shape[0]
         row_bytes = local.shape[1:].numel() * local.element_size()
-        step = rows if read is None else max(1, min(rows, self.read_bytes // max(1, row_bytes)))
+        step = max(1, rows if read is None else min(rows, self.read_bytes // max(1, row_bytes)))
 
         def fill_rows(out: torch.Tensor) -> None:
             """``out`` (on ``device``) filled ``step`` shard rows at a time: asleep, only that

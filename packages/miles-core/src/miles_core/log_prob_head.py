@@ -66,9 +66,9 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def _chunk_logits(h: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
-    z = (h @ w.t()).to(_compute_dtype(h))
+    z = (h @ w.t()).to(_compute_dtype(h))  # a new tensor either way
     if temperature != 1.0:
-        z = z / temperature
+        z.div_(temperature)
     return z
 
 

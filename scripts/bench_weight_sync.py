@@ -36,7 +36,6 @@ import base64
 import datetime
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -136,15 +135,9 @@ class Engine:
     def bucket_ms(self, since: int) -> dict | None:
         """Median decode / queued / load ms per ``/update_weights_from_tensor`` the engine
         logged after byte ``since`` of its log (the engine's side of each bucket)."""
-        text = Path(self.log.name).read_bytes()[since:].decode(errors="replace")
-        found = re.findall(r"decode ([\d.]+) ms, queued ([\d.]+) ms, load ([\d.]+) ms", text)
-        if not found:
-            return None
-        cols = list(zip(*[[float(x) for x in f] for f in found]))
-        return {
-            "requests": len(found),
-            **{k: statistics.median(c) for k, c in zip(("decode", "queued", "load"), cols)},
-        }
+        from miles_launch.builtin_engine.weight_routes import bucket_timings
+
+        return bucket_timings(Path(self.log.name).read_bytes()[since:].decode(errors="replace"))
 
     def close(self):
         self.proc.terminate()

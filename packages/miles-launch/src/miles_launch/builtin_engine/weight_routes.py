@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import statistics
 import time
 
 import torch
@@ -28,6 +30,24 @@ from miles_launch.builtin_engine.weights import (
 )
 
 logger = logging.getLogger(__name__)
+
+#: The debug line each ``/update_weights_from_tensor`` logs: its tensors, bytes, and the
+#: milliseconds it spent decoding, waiting for the scheduler and loading.
+BUCKET_TIMING = (
+    "update_weights_from_tensor: %d tensors, %d bytes: decode %.2f ms, queued %.2f ms, load %.2f ms"
+)
+_BUCKET_TIMING_RE = re.compile(r"decode ([\d.]+) ms, queued ([\d.]+) ms, load ([\d.]+) ms")
+
+
+def bucket_timings(log_text: str) -> dict | None:
+    """The median decode / queued / load milliseconds of the :data:`BUCKET_TIMING` lines in an
+    engine's log (``--log-level debug``), with their count as ``requests``; None without any."""
+    found = _BUCKET_TIMING_RE.findall(log_text)
+    if not found:
+        return None
+    columns = list(zip(*[[float(x) for x in f] for f in found]))
+    medians = {k: statistics.median(c) for k, c in zip(("decode", "queued", "load"), columns)}
+    return {"requests": len(found), **medians}
 
 
 def add_weight_routes(app: FastAPI, state: EngineState, control) -> None:
@@ -101,8 +121,7 @@ def add_weight_routes(app: FastAPI, state: EngineState, control) -> None:
         reply = await apply_update(body, load)
         if loaded_at and logger.isEnabledFor(logging.DEBUG):
             logger.debug(
-                "update_weights_from_tensor: %d tensors, %d bytes: decode %.2f ms, queued %.2f ms,"
-                " load %.2f ms",
+                BUCKET_TIMING,
                 len(named),
                 sum(t.numel() * t.element_size() for _, t in named),
                 (t1 - t0) * 1e3,

@@ -303,6 +303,12 @@ def packed_value_loss(
     )
 
 
+def entropy_needs_grad(loss_type: str, config: LossConfig) -> bool:
+    """Whether the entropy enters the loss (``policy_loss`` with ``--entropy-coef`` set); else it
+    is a metric, and the log-prob head computes no gradient for it."""
+    return loss_type == "policy_loss" and config.entropy_coef != 0.0
+
+
 def packed_score_loss(
     loss_type: str,
     log_probs: torch.Tensor,
@@ -312,11 +318,10 @@ def packed_score_loss(
     denominator: float,
     *,
     detach_old: bool,
-    entropy_grad: bool,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The ``--loss-type`` loss (``sft_loss`` or ``policy_loss``) of a packed micro-batch from
     its scores. ``detach_old``: the old log-probs are the current ones, detached (one step per
-    rollout); without ``entropy_grad`` the entropy is a metric."""
+    rollout). The entropy is detached unless :func:`entropy_needs_grad`."""
     common = dict(
         loss_mask=packed.loss_mask,
         denominator=denominator,
@@ -333,7 +338,7 @@ def packed_score_loss(
         config=config,
         ref_log_probs=fields.get("ref_log_probs"),
         rollout_log_probs=fields.get("rollout_log_probs"),
-        entropy=entropy if entropy_grad else entropy.detach(),
+        entropy=entropy if entropy_needs_grad(loss_type, config) else entropy.detach(),
         sample_loss_tokens=packed.sample_loss_tokens,
         **common,
     )

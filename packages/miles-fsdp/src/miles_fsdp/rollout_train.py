@@ -33,7 +33,12 @@ from miles_core.aggregation import loss_denominator
 from miles_core.args.groups.algorithm import kl_term_on
 from miles_core.batch import RolloutBatch
 from miles_core.log_prob_head import dense_log_probs
-from miles_core.losses import LossConfig, packed_score_loss, packed_value_loss
+from miles_core.losses import (
+    LossConfig,
+    entropy_needs_grad,
+    packed_score_loss,
+    packed_value_loss,
+)
 from miles_core.micro_batch import MicroBatching, split_micro_batches, split_steps
 from miles_core.packing import PackedBatch, pack_thd, packed_attention_kwargs, unpack_response
 from torch import nn
@@ -166,7 +171,7 @@ def _loss_of(
             return loss, {"loss": loss.detach(), **metrics}
         if hook_wants_logits:  # --custom-loss-function-path taking ``logits``: the dense path
             return hook(ctx.hooks.context, packed_logits(ctx, packed), packed, config, denominator)
-        entropy_grad = config.entropy_coef != 0.0 and loss_type == "policy_loss"
+        entropy_grad = entropy_needs_grad(loss_type, config)
         log_probs, entropy = packed_scores(ctx, packed, config.temperature, None, entropy_grad)
         if hook is not None:  # a hook taking ``scores``: the lean path
             scores = TokenScores(log_probs, entropy)
@@ -179,7 +184,6 @@ def _loss_of(
             config,
             denominator,
             detach_old=detach_old,
-            entropy_grad=entropy_grad,
         )
         if loss_type == "sft_loss":
             metrics = {"loss": loss.detach(), **metrics}

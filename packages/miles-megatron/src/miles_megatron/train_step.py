@@ -33,7 +33,12 @@ import torch.distributed as dist
 from miles_core.advantages import with_advantages
 from miles_core.aggregation import loss_denominator
 from miles_core.batch import RolloutBatch
-from miles_core.losses import LossConfig, packed_score_loss, packed_value_loss
+from miles_core.losses import (
+    LossConfig,
+    entropy_needs_grad,
+    packed_score_loss,
+    packed_value_loss,
+)
 from miles_core.micro_batch import MicroBatching, split_steps
 from miles_core.micro_batch import split_micro_batches as split_for_ranks
 from miles_core.packing import pack_thd
@@ -94,7 +99,7 @@ def optimizer_step(
     sums: dict[str, torch.Tensor] = {}
 
     loss_type = getattr(ctx.args, "loss_type", "policy_loss")
-    entropy_grad = config.entropy_coef != 0.0 and loss_type == "policy_loss"
+    entropy_grad = entropy_needs_grad(loss_type, config)
     critic = loss_type == "value_loss"
 
     def add_metrics(loss: torch.Tensor, metrics: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -117,7 +122,6 @@ def optimizer_step(
             config,
             denominator,
             detach_old=detach_old,
-            entropy_grad=entropy_grad,
         )
         return add_metrics(loss, metrics)
 

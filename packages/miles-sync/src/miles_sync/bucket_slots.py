@@ -37,6 +37,12 @@ class BucketSlots:
         self._slots: list[torch.Tensor | None] = [None] * count
         self._ready: list[torch.cuda.Event | None] = [None] * count
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes the slots' buffers hold now (each at least ``capacity`` once used; a slot that
+        took a tensor larger than that keeps its size)."""
+        return sum(buf.numel() for buf in self._slots if buf is not None)
+
     def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
         buf = self._slots[slot]
         if buf is None or buf.numel() < nbytes:

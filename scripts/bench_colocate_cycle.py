@@ -123,13 +123,24 @@ def publish_pass(backend, buffer: int) -> tuple[float, int, int]:
     return seconds, total, slots.held_bytes
 
 
+#: the floor's copies move at most this many bytes and are scaled to the state's size: a pinned
+#: copy's rate is flat well below this, and a second pinned buffer as large as the trainer's
+#: state would not fit the host beside its arena at the larger shapes
+FLOOR_MAX_BYTES = 4 << 30
+
+
 def floor_copy(nbytes: int, device: torch.device, disk_dir: str | None) -> dict[str, float]:
-    """One contiguous copy of ``nbytes`` each way (and the file write/read for disk)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    """One contiguous copy of ``nbytes`` each way (and the file write/read for disk), timed on at
+    most ``FLOOR_MAX_BYTES`` and scaled to ``nbytes``."""
+    size = min(nbytes, FLOOR_MAX_BYTES)
+    scale = nbytes / size
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    src.zero_()  # first touch of both buffers' pages, outside the timing
+    host.copy_(src)
     out = {
-        "to_host_s": _timed(lambda: host.copy_(src, non_blocking=True), device),
-        "to_device_s": _timed(lambda: src.copy_(host, non_blocking=True), device),
+        "to_host_s": scale * _timed(lambda: host.copy_(src, non_blocking=True), device),
+        "to_device_s": scale * _timed(lambda: src.copy_(host, non_blocking=True), device),
     }
     if disk_dir is not None:
         path = os.path.join(disk_dir, "floor.bin")
@@ -139,16 +150,18 @@ def floor_copy(nbytes: int, device: torch.device, disk_dir: str | None) -> dict[
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        out["write_s"] = time.perf_counter() - t
+        out["write_s"] = scale * (time.perf_counter() - t)
         t = time.perf_counter()
         with open(path, "rb") as f:
             f.read()
-        out["read_s"] = time.perf_counter() - t
+        out["read_s"] = scale * (time.perf_counter() - t)
         os.remove(path)
     return out
 
 
-def bench(target: str, ckpt: str, disk_dir: str, buffer: int, warmup_cycles: int) -> dict:
+def bench(
+    target: str, ckpt: str, disk_dir: str, buffer: int, warmup_cycles: int, profile: bool
+) -> dict:
     backend = build(ckpt, target, disk_dir, buffer)
     device = backend.device
     try:
@@ -165,6 +178,12 @@ def bench(target: str, ckpt: str, disk_dir: str, buffer: int, warmup_cycles: int
         peak = (
             torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else slot_bytes
         )
+        prof = None
+        if profile and device.type == "cuda":  # one more asleep publish, under the profiler
+            import train_bench_model
+
+            prof = train_bench_model.profile_rollout(lambda: publish_pass(backend, buffer))
+            prof["sync_sites"] = train_bench_model.sync_sites(lambda: publish_pass(backend, buffer))
         wake_s = _timed(backend.wake_up, device)
         floor = floor_copy(moved, device, disk_dir if target == "disk" else None)
     finally:
@@ -194,6 +213,7 @@ def bench(target: str, ckpt: str, disk_dir: str, buffer: int, warmup_cycles: int
         "cycle_x_floor": cycle / cycle_floor,
         "peak_publish_bytes": peak,
         "peak_over_buffer": peak / buffer,
+        "asleep_publish_profile": prof,
     }
 
 
@@ -217,6 +237,12 @@ def main() -> None:
         help="sleep/wake cycles before the measured one (a job's first sleep also allocates "
         "the pinned host arena; every later rollout reuses it)",
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="on a GPU: run one more asleep publish under torch.profiler and print where its "
+        "time goes (copies, casts, host waits by call site)",
+    )
     parser.add_argument("--json", default=None)
     opts = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -233,7 +259,7 @@ def main() -> None:
         disk_dir = opts.disk_dir or os.path.join(tmp, "offload")
         os.makedirs(disk_dir, exist_ok=True)
         for target in opts.targets:
-            rows.append(bench(target, ckpt, disk_dir, buffer, opts.warmup_cycles))
+            rows.append(bench(target, ckpt, disk_dir, buffer, opts.warmup_cycles, opts.profile))
     dist.destroy_process_group()
     head = (
         "target  moved GB  sleep s (floor)   wake s (floor)    publish awake s  asleep s  "
@@ -248,6 +274,13 @@ def main() -> None:
             f"{r['publish_awake_s']:15.3f}  {r['publish_asleep_s']:8.3f}  "
             f"{r['peak_over_buffer']:11.2f}  {r['cycle_s']:.3f} ({r['cycle_x_floor']:.2f}x)"
         )
+    for r in rows:
+        if r["asleep_publish_profile"] is not None:
+            import train_bench_model
+
+            train_bench_model.print_profile(
+                f"asleep publish, {r['target']} target", r["asleep_publish_profile"]
+            )
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 
@@ -13,6 +14,9 @@ import torch.multiprocessing as mp
 def _entry(
     rank: int, world_size: int, init_file: str, backend: str, fn: Callable, args: tuple
 ) -> None:
+    import faulthandler
+
+    faulthandler.enable()  # a rank killed by a signal prints its Python stack to stderr
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["LOCAL_RANK"] = str(rank)
     import torch
@@ -28,6 +32,15 @@ def _entry(
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # Leave without the interpreter's teardown. After FSDP2 ran on a gloo mesh, the group's
+    # worker threads outlive destroy_process_group (torch keeps the group once a device mesh
+    # used it), and a worker that drops its last finished work while the interpreter finalises
+    # needs the GIL for that work's tensors: the thread exits inside a destructor and the rank
+    # aborts ("terminate called without an active exception", SIGABRT) after its work was
+    # done, about one spawn in 30.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(

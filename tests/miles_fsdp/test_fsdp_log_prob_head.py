@@ -43,7 +43,9 @@ def reference(hf_dir, samples, temperature):
     return values, {name: p.grad for name, p in model.named_parameters()}
 
 
-def _run(tmp_path, temperatures, fused_modes):
+def _run(tmp_path, modes):
+    """``modes``: (temperature, fused) pairs, each run on the tied and the untied model in one
+    spawn of two ranks."""
     samples = sample_data.make_samples(6, group_size=2)
     dirs = {
         "untied": str(save_tiny_model(tmp_path / "untied")),
@@ -52,8 +54,7 @@ def _run(tmp_path, temperatures, fused_modes):
     cases = [
         (f"{tie}@T{t}:{'fused' if f else 'dense'}", d, t, f)
         for tie, d in dirs.items()
-        for t in temperatures
-        for f in fused_modes
+        for t, f in modes
     ]
     out = tmp_path / "out.pt"
     run_ranks(2, head_program, cases, samples, str(out), timeout=600)
@@ -75,13 +76,12 @@ def _run(tmp_path, temperatures, fused_modes):
 @pytest.mark.slow
 def test_fused_head_matches_float64_on_two_fsdp_ranks(tmp_path):
     """Temperature 0.7, tied and untied (one spawn)."""
-    _run(tmp_path, [0.7], [True])
+    _run(tmp_path, [(0.7, True)])
 
 
 @pytest.mark.extended
 def test_fused_and_dense_heads_at_temperature_one_and_dense_at_07(tmp_path):
-    _run(tmp_path, [1.0], [True, False])
-    _run(tmp_path / "dense", [0.7], [False])
+    _run(tmp_path, [(1.0, True), (1.0, False), (0.7, False)])
 
 
 def test_lora_on_lm_head_is_one_projection_of_concatenated_operands():

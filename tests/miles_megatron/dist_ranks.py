@@ -35,6 +35,9 @@ def _entry(
     shim: bool,
     backend: str,
 ) -> None:
+    import faulthandler
+
+    faulthandler.enable()  # a rank killed by a signal prints its Python stack to stderr
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),

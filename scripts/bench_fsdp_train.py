@@ -37,31 +37,14 @@ def say(message: str) -> None:
 
 
 def run_backend(hf_dir, shard, args, world):
-    from miles_core.args import core_groups, parse_args
-    from miles_fsdp.args import fsdp_groups
-    from miles_fsdp.backend import FSDPBackend
-
-    argv = [
-        "--hf-checkpoint",
+    extra = ["--attn-implementation", args.attn] if args.attn else []
+    backend = bench.fsdp_backend(
         hf_dir,
-        "--bf16",
-        "--lr",
-        "1e-6",
-        "--use-dynamic-batch-size",
-        "--max-tokens-per-gpu",
-        str(args.tokens_per_gpu),
-        "--num-steps-per-rollout",
-        str(args.steps),
-        "--advantage-estimator",
-        "grpo",
-    ]
-    if args.attn:
-        argv += ["--attn-implementation", args.attn]
-    if args.gradient_checkpointing:
-        argv += ["--gradient-checkpointing"]
-    argv += args.backend_flags.split()
-    backend = FSDPBackend()
-    backend.init(parse_args(argv, [*core_groups(), *fsdp_groups()]))
+        args.tokens_per_gpu,
+        args.steps,
+        args.gradient_checkpointing,
+        [*extra, *args.backend_flags.split()],
+    )
     total = args.warmup + args.iters
 
     def report(rollout: int, seconds: float) -> None:

@@ -38,32 +38,17 @@ def say(message: str) -> None:
 def probe(hf_dir: str, head: str, args, report: dict, write) -> None:
     """Climb the ladder with one backend using ``head`` until a rung runs out of memory or
     ``--deadline`` passes; rung results go into ``report[head]``."""
-    from miles_core.args import core_groups, parse_args
     from miles_core.partition import partition_for_dp
-    from miles_fsdp.args import fsdp_groups
-    from miles_fsdp.backend import FSDPBackend
 
-    argv = [
-        "--hf-checkpoint",
-        hf_dir,
-        "--bf16",
-        "--lr",
-        "1e-6",
-        "--use-dynamic-batch-size",
-        "--max-tokens-per-gpu",
-        str(10 * max(args.ladder)),  # one micro-batch per rollout, whatever its size
-        "--num-steps-per-rollout",
-        "1",
-        "--advantage-estimator",
-        "grpo",
-        "--fused-log-probs" if head == "fused" else "--no-fused-log-probs",
-    ]
-    if args.gradient_checkpointing:
-        argv.append("--gradient-checkpointing")
     rungs = report[head] = {"rungs": [], "largest_fit": None, "first_oom": None}
     t0 = time.perf_counter()
-    backend = FSDPBackend()
-    backend.init(parse_args(argv, [*core_groups(), *fsdp_groups()]))
+    backend = bench.fsdp_backend(
+        hf_dir,
+        10 * max(args.ladder),  # one micro-batch per rollout, whatever its size
+        1,
+        args.gradient_checkpointing,
+        ["--fused-log-probs" if head == "fused" else "--no-fused-log-probs"],
+    )
     rungs["state_gb"] = torch.cuda.memory_allocated() / 2**30
     say(
         f"{head} head: backend ready in {time.perf_counter() - t0:.1f} s, "

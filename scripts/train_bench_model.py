@@ -167,6 +167,41 @@ def flops_per_token(cfg, seq_len: float) -> float:
     return 6 * n_params + attention
 
 
+def fsdp_backend(
+    hf_dir: str,
+    max_tokens_per_gpu: int,
+    steps: int,
+    gradient_checkpointing: bool,
+    extra: list[str] | None = None,
+):
+    """An initialised ``FSDPBackend`` on ``hf_dir`` as the benchmarks train it: bf16, lr 1e-6,
+    GRPO, dynamic micro-batches of ``max_tokens_per_gpu``, ``steps`` optimizer steps per rollout,
+    then ``extra`` flags."""
+    from miles_core.args import core_groups, parse_args
+    from miles_fsdp.args import fsdp_groups
+    from miles_fsdp.backend import FSDPBackend
+
+    argv = [
+        "--hf-checkpoint",
+        hf_dir,
+        "--bf16",
+        "--lr",
+        "1e-6",
+        "--use-dynamic-batch-size",
+        "--max-tokens-per-gpu",
+        str(max_tokens_per_gpu),
+        "--num-steps-per-rollout",
+        str(steps),
+        "--advantage-estimator",
+        "grpo",
+    ]
+    if gradient_checkpointing:
+        argv.append("--gradient-checkpointing")
+    backend = FSDPBackend()
+    backend.init(parse_args([*argv, *(extra or [])], [*core_groups(), *fsdp_groups()]))
+    return backend
+
+
 def time_train(backend, shard, warmup: int, iters: int, report=None) -> list[float]:
     """Seconds of each ``backend.train`` call after ``warmup`` untimed ones (CUDA-synchronised);
     ``report(rollout, seconds)``, when given, hears of every call."""

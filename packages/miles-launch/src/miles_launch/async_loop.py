@@ -41,7 +41,7 @@ from miles_launch.loop import (
 )
 from miles_launch.reporting import rank0_metrics
 from miles_launch.rollout.filtering import GroupFilter, groups_in_flight
-from miles_launch.rollout.generate import GeneratedSample, to_rollout_batch
+from miles_launch.rollout.generate import GeneratedSample, all_or_cancel, to_rollout_batch
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,9 @@ class Producer:
                     self.out.put(group)
 
         try:
-            work = asyncio.gather(*(one_group() for _ in range(groups_in_flight(args))))
+            work = asyncio.ensure_future(
+                all_or_cancel(one_group() for _ in range(groups_in_flight(args)))
+            )
             watcher = asyncio.ensure_future(self._watch())
             done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
             for task in (work, watcher):

@@ -333,7 +333,7 @@ def publish(job: Job, weights: str | None = None) -> None:
     try:
         job.trainer.update_weights(job.engines.urls, weights)
     except TrainerFailure:
-        job.engines.check_alive("while receiving weights")
+        job.engines.explain_failure("while receiving weights")
         raise
 
 

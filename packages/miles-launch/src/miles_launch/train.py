@@ -79,6 +79,10 @@ def run(args: Any) -> list[dict]:
             records = run_sync(job)
         failed = False
         return records
+    except EngineError:
+        # a request that failed outside the watched phases: an engine's death explains it
+        job.engines.explain_failure("during the run")
+        raise
     finally:
         job.teardown(failed=failed)
 

@@ -205,6 +205,17 @@ class EngineSet:
         for proc in self.all_processes():
             self._raise_if_dead(proc, when)
 
+    def explain_failure(self, when: str, grace_s: float = 15.0) -> None:
+        """After a failed request: raise :class:`EngineDied` if an engine (or the router) has
+        exited or exits within ``grace_s`` (a killed engine drops its connections a moment
+        before its exit status can be read, longer on a busy host); else return."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            self.check_alive(when)
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.25)
+
     async def acheck_alive(self, when: str) -> None:
         """:meth:`check_alive` for asyncio code (awaits the host actors)."""
         for proc in self.all_processes():

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +46,25 @@ from miles_launch.rollout.rewards import RewardInput, RewardModel
 from miles_launch.rollout.routed_experts import RoutedExpertsLayout, decode_sample_routed_experts
 
 WATCH_INTERVAL_S = 1.0
-DEATH_GRACE_POLLS = 10
+#: How long a failed request waits for an engine's death to become visible (a killed engine
+#: drops its connections a moment before its exit status can be read, longer on a busy host).
+DEATH_GRACE_S = 15.0
+
+
+async def all_or_cancel(aws: Iterable[Awaitable[Any]]) -> list[Any]:
+    """``asyncio.gather``'s results, except that the first failure cancels the others and
+    waits for them before it is raised: no request outlives the call. (With a plain gather the
+    siblings of a request that failed because an engine died go on, fail in turn, and asyncio
+    prints each one's traceback as "Task exception was never retrieved" after the run's one
+    error line.)"""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 @dataclass(frozen=True)
@@ -290,7 +308,7 @@ class Generator:
                 on_sample()
             return result
 
-        samples = [s for out in await asyncio.gather(*(one(k) for k in range(n))) for s in out]
+        samples = [s for out in await all_or_cancel(one(k) for k in range(n)) for s in out]
         if self.reward.batch == "group" and not unfinished(samples):
             await self.score(samples)
         return samples
@@ -313,7 +331,7 @@ class Generator:
         carried = carried or {}
         work = [self.group(p, pos, n, cfg, on_sample, carried.get(pos)) for p, pos in items]
         if need is None:
-            groups = await self.watched(asyncio.gather(*work))
+            groups = await self.watched(all_or_cancel(work))
         else:
             groups = await self.watched(self._until(work, need))
         if self.reward.batch == "rollout":
@@ -355,11 +373,11 @@ class Generator:
                     try:
                         return task.result()
                     except EngineError:
-                        # A killed engine drops its connections a moment before its exit
-                        # status can be read: look for a death for a few seconds.
-                        for _ in range(DEATH_GRACE_POLLS):
+                        # Explained by an engine's death if one shows within the grace
+                        deadline = time.monotonic() + DEATH_GRACE_S
+                        while time.monotonic() < deadline:
                             await self.check_alive("during generation")
-                            await asyncio.sleep(WATCH_INTERVAL_S / 2)
+                            await asyncio.sleep(WATCH_INTERVAL_S / 4)
                         raise
                 await self.check_alive("during generation")
         finally:

@@ -51,10 +51,12 @@ def _xdist_group(item) -> str | None:
 
 
 def pytest_xdist_auto_num_workers(config):
-    """``-n auto``: one worker per core, at most 4 (each holds torch and the test models);
-    ``MILES_TEST_WORKERS`` overrides, 0 runs everything in this process."""
+    """``-n auto``: one worker per core, at most 4 (each holds torch and the test models), none
+    on a GPU node; ``MILES_TEST_WORKERS`` overrides, 0 runs everything in this process."""
     if "MILES_TEST_WORKERS" in os.environ:
         return int(os.environ["MILES_TEST_WORKERS"])
+    if torch.cuda.is_available():
+        return 0  # tests/gpu: one test at a time owns the devices
     return max(1, min(os.cpu_count() or 1, 4))
 
 

@@ -192,6 +192,14 @@ def long_request(engine: EngineProcess, n=150, rid=None) -> dict:
     return engine.post("/generate", body).json()
 
 
+def wait_controls(engine: EngineProcess, count=1, timeout=30) -> None:
+    """Wait until ``count`` control operations (a weight update...) wait in the scheduler."""
+    deadline = time.monotonic() + timeout
+    while engine.client.get("/get_server_info").json()["num_controls"] < count:
+        assert time.monotonic() < deadline, "the control operation never reached the scheduler"
+        time.sleep(0.01)
+
+
 def wait_running(engine: EngineProcess, count=1, timeout=30) -> None:
     """Wait until the engine runs ``count`` requests."""
     deadline = time.monotonic() + timeout

@@ -18,6 +18,7 @@ from engine_testing import (
     long_request,
     reference,
     serialize,
+    wait_controls,
     wait_running,
 )
 from miles_sync.buckets import aligned_order, dumps_sglang_wire, pack_bucket, to_sglang_metadata
@@ -195,7 +196,7 @@ def test_weight_update_waits_for_inflight_requests(engine, models):
         update = pool.submit(
             engine.post, "/update_weights_from_disk", {"model_path": str(models["new"][0])}
         )
-        time.sleep(0.3)
+        wait_controls(engine)  # the update waits for the running request
         late = pool.submit(generate, engine, ("ab",), 4)
         assert update.result(timeout=60).status_code == 200
         assert (

@@ -251,11 +251,14 @@ def test_engine_killed_mid_generation_is_a_clear_error(material, tmp_path):
     reader = threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True)
     reader.start()
     try:
+        ready = False
         for line in proc.stdout:
             if line.startswith("engines ready"):
+                ready = True
                 break
+        assert ready, f"the run ended before its engines were ready: {err_tail(stderr)}"
         pids = _engine_pids(str(hf))
-        assert len(pids) == 1, pids
+        assert len(pids) == 1, (pids, err_tail(stderr))
         # Kill it once its generation is under way (a state, not a delay: on any machine the
         # kill lands while /generate requests are in flight)
         assert _wait_for_requests(pids[0], deadline=time.monotonic() + 120), err_tail(stderr)

@@ -331,11 +331,30 @@ def init_ray(layout: Layout, address: str | None) -> None:
         import torch
 
         num_gpus = torch.cuda.device_count()
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        try:
+            _start_local_ray(env, layout.num_bundles + 1, num_gpus)
+            return
+        except Exception as error:
+            # Ray gives its raylet a fixed 30 s to register; on a busy host that can pass
+            if "timed out during startup" not in str(error) or attempt == RAY_START_ATTEMPTS:
+                raise
+            logger.warning("local Ray did not start in time (a busy host?); trying again")
+            ray.shutdown()
+
+
+#: How many times a local Ray cluster is started before its startup time-out is an error.
+RAY_START_ATTEMPTS = 3
+
+
+def _start_local_ray(env: dict, num_cpus: int, num_gpus: int) -> None:
+    import ray
+
     ray.init(
         # A local cluster lives on loopback: Ray, the engines and the trainer's process group
         # all bind 127.0.0.1, never the machine's external address.
         _node_ip_address="127.0.0.1",
-        num_cpus=layout.num_bundles + 1,
+        num_cpus=num_cpus,
         num_gpus=num_gpus,
         include_dashboard=False,
         object_store_memory=256 * 1024**2,

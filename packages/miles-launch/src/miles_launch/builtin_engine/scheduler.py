@@ -151,6 +151,12 @@ class Scheduler:
         with self._cv:
             return len(self._running) + len(self._waiting)
 
+    def num_controls(self) -> int:
+        """Control operations (weight updates, memory moves, aborts) queued for the next gap
+        between steps; one that waits for the running requests to finish counts until it ran."""
+        with self._cv:
+            return len(self._controls)
+
     # ---- operations run on the scheduler thread (wrap them with run_control) -----------
     def abort(self, rid_prefix: str = "", abort_all: bool = False, message: str = "aborted") -> int:
         """Finish waiting and running requests whose rid starts with ``rid_prefix``."""

@@ -247,6 +247,7 @@ def build_app(state: EngineState) -> FastAPI:
             weight_version=state.weight_version,
             memory=_memory(state),
             num_requests=sched.num_requests(),
+            num_controls=sched.num_controls(),
             paused=sched.paused,
         )
         return info

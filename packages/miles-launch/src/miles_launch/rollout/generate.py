@@ -54,9 +54,8 @@ DEATH_GRACE_S = 15.0
 async def all_or_cancel(aws: Iterable[Awaitable[Any]]) -> list[Any]:
     """``asyncio.gather``'s results, except that the first failure cancels the others and
     waits for them before it is raised: no request outlives the call. (With a plain gather the
-    siblings of a request that failed because an engine died go on, fail in turn, and asyncio
-    prints each one's traceback as "Task exception was never retrieved" after the run's one
-    error line.)"""
+    siblings of a request that failed because an engine died went on against the surviving
+    engines while the run reported its error and tore down.)"""
     tasks = [asyncio.ensure_future(a) for a in aws]
     try:
         return list(await asyncio.gather(*tasks))

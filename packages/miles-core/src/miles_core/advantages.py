@@ -2,18 +2,28 @@
 
 Everything here works on response-aligned per-sample tensors (element ``t`` is response token
 ``t``). Notation: sample ``i`` has reward ``R_i``, response length ``n``, loss mask ``m_t``,
-prompt group ``g(i)``; ``kl_t`` is a per-token KL estimate (``--kl-coef`` puts ``-kl_coef * m_t *
+prompt group ``g(i)``; ``kl_t`` is a per-token KL estimate (``--kl-coef`` puts ``-kl_coef *
 kl_t`` into the token rewards of ``reinforce_plus_plus*`` and ``ppo``).
+
+Per-token returns follow the loss mask. A response with tool output or other untrained tokens
+(``m_t = 0``) is, for the policy, the sequence of its *trained* tokens ``t_0 < ... < t_{k-1}``
+(the positions with ``m_t = 1``): the environment's tokens between two trained tokens are part
+of the transition, not actions. Token rewards, critic values, discounting and GAE are taken over
+that subsequence only, the reward ``R_i`` sits on the last trained token ``t_{k-1}``, and the
+advantage (and return) of an untrained token is 0. A sample with no trained token has advantage
+0 everywhere. (Without holes in the mask this is the ordinary per-response recursion.)
 
 * ``grpo`` / ``gspo``: ``A_t = (R_i - mean_g) / (std_g + 1e-6)`` for every token, with the mean
   and the (unbiased) standard deviation over the sample's prompt group; a single-sample group
   has std 0 and advantage 0.
-* ``reinforce_plus_plus``: token rewards ``r_t = -kl_coef * m_t * kl_t + R_i * [t = n - 1]``,
-  ``A_t = G_t = sum_{s >= t} gamma^(s - t) r_s`` (discounted return to the end of the response).
+* ``reinforce_plus_plus``: token rewards ``r_j = -kl_coef * kl_{t_j} + R_i * [j = k - 1]``,
+  ``A_{t_j} = G_j = sum_{l >= j} gamma^(l - j) r_l`` (discounted return to the end of the
+  response, counting trained tokens only).
 * ``reinforce_plus_plus_baseline``: as above with ``R_i - mean_g`` in place of ``R_i``.
-* ``ppo``: generalised advantage estimation with critic values ``V_t`` (``V_n = 0``):
-  ``delta_t = r_t + gamma V_{t+1} - V_t``, ``A_t = delta_t + gamma lambd A_{t+1}``, and returns
-  ``A_t + V_t`` for the value loss.
+* ``ppo``: generalised advantage estimation (Schulman et al. 2016, eq. 16) with critic values
+  ``V_j = V_{t_j}`` (``V_k = 0``): ``delta_j = r_j + gamma V_{j+1} - V_j``, ``A_j = delta_j +
+  gamma lambd A_{j+1}``, and returns ``A_j + V_j`` for the value loss. The critic's values at
+  untrained tokens (which the masked value loss never trains) are never read.
 
 ``--normalize-advantages`` then whitens the advantages over all loss tokens of the step on all
 DP ranks (:func:`normalize_advantages`).
@@ -96,7 +106,8 @@ def compute_advantages(
     kl: Sequence[torch.Tensor] | None = None,
     values: Sequence[torch.Tensor] | None = None,
 ) -> Advantages:
-    """Advantages of every sample of ``batch`` with ``estimator`` (``--advantage-estimator``).
+    """Advantages of every sample of ``batch`` with ``estimator`` (``--advantage-estimator``),
+    per-token returns over each sample's trained tokens (see the module docstring).
 
     ``batch`` must hold whole prompt groups for ``grpo``, ``gspo`` and
     ``reinforce_plus_plus_baseline``. ``kl`` (per-sample, response-aligned, e.g.
@@ -120,30 +131,33 @@ def compute_advantages(
 
     if kl_coef != 0.0 and kl is None:
         raise ValueError("--kl-coef needs per-token KL estimates (reference log-probs)")
+    if estimator == "ppo" and values is None:
+        raise ValueError(
+            "--advantage-estimator ppo needs critic values for every sample (--use-critic)"
+        )
     if estimator == "reinforce_plus_plus_baseline":
         final = group_normalized_rewards(batch.rewards, batch.group_indices, scale_by_std=False)
     else:
         final = batch.rewards
-    token_rewards = []
+    advantages, returns = [], []
     for i, s in enumerate(batch):
-        r = torch.zeros(s.response_length, dtype=torch.float32)
-        if kl_coef != 0.0:
-            r = r - kl_coef * masks[i] * kl[i].to(torch.float32)
-        r[-1] += float(final[i])
-        token_rewards.append(r)
-
-    if estimator == "ppo":
-        if values is None:
-            raise ValueError(
-                "--advantage-estimator ppo needs critic values for every sample (--use-critic)"
-            )
-        pairs = [
-            generalized_advantages(r, v.detach().to(torch.float32), gamma, lambd)
-            for r, v in zip(token_rewards, values)
-        ]
-        return Advantages([a for a, _ in pairs], [ret for _, ret in pairs])
-    adv = [discounted_returns(r, gamma) for r in token_rewards]
-    return Advantages(adv, [a.clone() for a in adv])
+        trained = masks[i].nonzero().flatten()
+        adv = torch.zeros(s.response_length, dtype=torch.float32)
+        ret = torch.zeros(s.response_length, dtype=torch.float32)
+        if trained.numel():
+            r = torch.zeros(trained.numel(), dtype=torch.float32)
+            if kl_coef != 0.0:
+                r = r - kl_coef * kl[i].to(torch.float32)[trained]
+            r[-1] += float(final[i])
+            if estimator == "ppo":
+                v = values[i].detach().to(torch.float32)[trained]
+                a, g = generalized_advantages(r, v, gamma, lambd)
+            else:
+                a = g = discounted_returns(r, gamma)
+            adv[trained], ret[trained] = a, g
+        advantages.append(adv)
+        returns.append(ret)
+    return Advantages(advantages, returns)
 
 
 def normalize_advantages(

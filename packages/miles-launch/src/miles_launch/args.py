@@ -8,6 +8,7 @@ tri-states are resolved by miles-core's offload group. ``--tensorboard-dir`` is 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -324,6 +325,18 @@ class RolloutArgs(ArgGroup):
         metavar="N",
         help="Most tokens per evaluation response (unset: --rollout-max-response-len).",
     )
+    skip_eval_before_train: bool = flag(
+        False,
+        help="Do not evaluate before the first rollout (by default a run that starts at "
+        "rollout 0 with --eval-prompt-data evaluates the initial weights first).",
+    )
+    pass_threshold: float = flag(
+        1.0,
+        metavar="F",
+        help="A sample passes (pass@k of eval sets and training rollouts) when its reward is at "
+        "least F. The default 1.0 is the maximum of the built-in rewards; for a custom or "
+        "remote reward set your task's pass criterion.",
+    )
     fully_async: bool = flag(
         False,
         help="Keep generating while the trainer steps (disaggregated only); weights are "
@@ -388,6 +401,11 @@ class RolloutArgs(ArgGroup):
                 f"--custom-rm-path {args.custom_rm_path!r}: expected MODULE:FUNCTION"
             )
         requires(args, "eval_interval", "eval_prompt_data")
+        requires(args, "skip_eval_before_train", "eval_prompt_data")
+        if not math.isfinite(args.pass_threshold):
+            raise ArgumentError(
+                f"--pass-threshold must be a finite number, got {args.pass_threshold}"
+            )
         requires(args, "eval_prompt_data", "eval_interval")
         eval_weights = getattr(args, "eval_weights", "actor")
         if args.fully_async and eval_weights != getattr(args, "rollout_weights", "actor"):

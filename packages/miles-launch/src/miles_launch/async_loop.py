@@ -32,6 +32,7 @@ from miles_core.save_trigger import SaveTrigger
 from miles_launch.job import Job
 from miles_launch.loop import (
     add_eval,
+    eval_before_training,
     make_generator,
     publish,
     rollout_stats,
@@ -169,6 +170,7 @@ def run_async(job: Job) -> list[dict[str, Any]]:
     publish(job)
     version = int(engines.weight_versions()[0])
     job.reporter.print(f"engines ready, weight version {version} (fully async)")
+    eval_before_training(job)
     producer = Producer(job)
     producer.start()
     records = []
@@ -201,7 +203,7 @@ def run_async(job: Job) -> list[dict[str, Any]]:
                 publish(job)
                 version = int(engines.weight_versions()[0])
             times["update"] = time.monotonic() - t
-            stats = rollout_stats(groups)
+            stats = rollout_stats(groups, args.pass_threshold)
             stats.update(
                 staleness_mean=sum(staleness) / max(len(staleness), 1),
                 staleness_max=max(staleness, default=0),

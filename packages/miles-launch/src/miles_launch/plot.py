@@ -3,7 +3,8 @@
 Reads ``RUN_DIR/metrics.jsonl`` (``--metrics-jsonl`` of the run; ``--metrics FILE`` for another
 name) and writes ``RUN_DIR/run.png`` (``--output PNG``), five panels over the rollout id:
 
-* reward: mean, with the min..max band, and each eval set's ``reward_mean``;
+* reward: mean, with the min..max band, and each eval set's ``reward_mean`` (the evaluation
+  before training at rollout -1);
 * KL: the train metrics ``ppo_kl`` and ``kl_loss`` (those present);
 * entropy: the train metric ``entropy``;
 * response length: ``response_len_mean``;
@@ -63,7 +64,7 @@ def _plot_lines(ax: Any, records: list[dict], lines: list[tuple[str, str, str]])
         xs, ys = _series(records, section, key)
         if xs:
             # a metric of some rollouts only (eval time): points, no line across the gaps
-            style = "-" if len(xs) == len(records) else "none"
+            style = "-" if len(xs) >= sum(r["rollout_id"] >= 0 for r in records) else "none"
             ax.plot(xs, ys, marker="o", markersize=3, linestyle=style, label=label)
             drawn = True
     if drawn:
@@ -159,5 +160,6 @@ def main(argv: list[str]) -> None:
     except PlotError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
-    write_run_plot(records, ns.output, title=f"{ns.run_dir}: {len(records)} rollouts")
+    rollouts = sum(r["rollout_id"] >= 0 for r in records)  # rollout -1: the eval before training
+    write_run_plot(records, ns.output, title=f"{ns.run_dir}: {rollouts} rollouts")
     print(f"miles plot: wrote {ns.output}")

@@ -75,6 +75,12 @@ RULES = [
         "--kl-coef > 0 (KL in the reward) and --use-kl-loss are mutually exclusive",
     ),
     (["--kl-loss-coef", "-1"], "--kl-loss-coef must be >= 0.0, got -1.0"),
+    (
+        ["--advantage-estimator", "gspo", "--calculate-per-token-loss"],
+        "--advantage-estimator gspo cannot be used with --calculate-per-token-loss: GSPO's "
+        "objective is a mean over sequences (Zheng et al. 2025, eq. 5); a token mean would "
+        "weight each sequence by its length",
+    ),
     (["--entropy-coef", "-1"], "--entropy-coef must be >= 0.0, got -1.0"),
     (["--tis-clip", "0"], "--tis-clip must be > 0.0, got 0.0"),
     (["--tis-clip-low", "3"], "--tis-clip-low (3.0) must be < --tis-clip (2.0)"),

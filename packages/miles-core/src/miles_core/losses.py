@@ -67,6 +67,10 @@ class LossConfig:
             )
         if self.temperature <= 0:
             raise ValueError(f"--rollout-temperature must be > 0, got {self.temperature}")
+        if self.advantage_estimator == "gspo" and self.calculate_per_token_loss:
+            from miles_core.args.groups.algorithm import GSPO_PER_TOKEN
+
+            raise ValueError(GSPO_PER_TOKEN)
 
     @property
     def clip_high(self) -> float:

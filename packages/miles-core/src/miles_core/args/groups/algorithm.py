@@ -17,6 +17,14 @@ def kl_term_on(args: Any) -> bool:
     return bool(args.use_kl_loss) or args.kl_coef > 0
 
 
+#: GSPO's objective is a mean over sequences; the token mean would weight them by length.
+GSPO_PER_TOKEN = (
+    "--advantage-estimator gspo cannot be used with --calculate-per-token-loss: GSPO's "
+    "objective is a mean over sequences (Zheng et al. 2025, eq. 5); a token mean would weight "
+    "each sequence by its length"
+)
+
+
 @dataclass
 class AlgorithmArgs(ArgGroup):
     title: ClassVar[str] = "batch and algorithm"
@@ -133,6 +141,8 @@ class AlgorithmArgs(ArgGroup):
             raise ArgumentError(
                 "--kl-coef > 0 (KL in the reward) and --use-kl-loss are mutually exclusive"
             )
+        if args.advantage_estimator == "gspo" and args.calculate_per_token_loss:
+            raise ArgumentError(GSPO_PER_TOKEN)
         greater_than(args, "tis_clip", 0.0)
         at_least(args, "tis_clip_low", 0.0)
         if args.tis_clip_low >= args.tis_clip:

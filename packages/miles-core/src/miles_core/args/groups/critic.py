@@ -69,8 +69,9 @@ class CriticArgs(ArgGroup):
         at_least(args, "critic_lr_warmup_iters", 0)
         if args.use_critic and args.kl_coef > 0:
             raise ArgumentError(
-                "--use-critic with --kl-coef > 0 (KL in the reward) is not supported: "
-                "use --use-kl-loss for a KL term"
+                "--use-critic with --kl-coef > 0 (KL in the reward) is not supported: the critic "
+                "trains on its returns before the actor computes the policy's and the "
+                "reference's log-probs that KL needs; use --use-kl-loss for a KL term"
             )
         if args.use_critic and args.loss_type != "policy_loss":
             raise ArgumentError(

@@ -247,3 +247,25 @@ def test_normalize_advantages():
             assert y == pytest.approx(want, rel=1e-5, abs=1e-6)
     empty = normalize_advantages(adv, [torch.zeros(n) for n in lengths])
     assert all(torch.equal(a, e) for a, e in zip(adv, empty))
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "dr_grpo"])
+def test_rloo_and_dr_grpo(estimator):
+    """rloo: R_i minus the mean of the other samples of its group (Ahmadian et al. 2024, eq. 5);
+    dr_grpo: R_i minus the group mean, no std (Liu et al. 2025, eq. 3). Float64 references."""
+    rewards, groups, lengths = _groups_case(3)
+    batch = _batch(rewards, groups, lengths)
+    out = compute_advantages(batch, estimator)
+    for i in range(len(batch)):
+        others = [rewards[j] for j in range(len(rewards)) if groups[j] == groups[i] and j != i]
+        if estimator == "rloo":
+            want = rewards[i] - sum(others) / len(others) if others else 0.0
+        else:
+            want = rewards[i] - _ref_group_stats(rewards, groups, i)[0]
+        torch.testing.assert_close(
+            out.advantages[i].double(), torch.full((lengths[i],), want, dtype=torch.float64)
+        )
+    assert groups.count(groups[8]) == 1 and out.advantages[8].abs().max() == 0  # alone
+    assert len({rewards[j] for j in range(len(rewards)) if groups[j] == groups[0]}) > 1
+    with pytest.raises(ValueError, match="--kl-coef"):
+        compute_advantages(batch, estimator, kl_coef=0.1, kl=[torch.zeros(n) for n in lengths])

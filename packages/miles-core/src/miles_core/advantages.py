@@ -16,6 +16,12 @@ advantage (and return) of an untrained token is 0. A sample with no trained toke
 * ``grpo`` / ``gspo``: ``A_t = (R_i - mean_g) / (std_g + 1e-6)`` for every token, with the mean
   and the (unbiased) standard deviation over the sample's prompt group; a single-sample group
   has std 0 and advantage 0.
+* ``dr_grpo`` (Liu et al. 2025, "Understanding R1-Zero-Like Training", eq. 3): ``A_t = R_i -
+  mean_g`` (no division by the std); its loss sums each response's tokens without dividing by
+  the response length (:mod:`miles_core.aggregation`, ``token sum``).
+* ``rloo`` (Ahmadian et al. 2024, "Back to Basics", eq. 5; Kool et al. 2019): ``A_t = R_i -
+  (1 / (k - 1)) sum_{j != i} R_j``, the leave-one-out baseline over the ``k`` samples of the
+  prompt group; 0 for a single-sample group.
 * ``reinforce_plus_plus``: token rewards ``r_j = -kl_coef * kl_{t_j} + R_i * [j = k - 1]``,
   ``A_{t_j} = G_j = sum_{l >= j} gamma^(l - j) r_l`` (discounted return to the end of the
   response, counting trained tokens only).
@@ -41,7 +47,17 @@ from miles_core.aggregation import all_reduce_host
 from miles_core.batch import RolloutBatch, group_members
 
 GROUP_STD_EPS = 1e-6
-ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+ESTIMATORS = (
+    "grpo",
+    "gspo",
+    "dr_grpo",
+    "rloo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "ppo",
+)
+#: Estimators whose advantage is one value per sample from its prompt group's rewards.
+GROUP_ESTIMATORS = ("grpo", "gspo", "dr_grpo", "rloo")
 
 
 @dataclass
@@ -68,6 +84,19 @@ def group_normalized_rewards(
             centered = centered / (std + GROUP_STD_EPS)
         out[members] = centered
     return out
+
+
+def leave_one_out_rewards(rewards: torch.Tensor, group_indices: Sequence[int]) -> torch.Tensor:
+    """``R_i - (1 / (k - 1)) sum_{j != i} R_j`` over each prompt group of ``k`` samples (0 for
+    a single-sample group)."""
+    rewards = rewards.to(torch.float64)
+    out = torch.zeros_like(rewards)
+    for members in group_members(group_indices).values():
+        k = len(members)
+        if k > 1:
+            r = rewards[members]
+            out[members] = r - (r.sum() - r) / (k - 1)
+    return out.to(torch.float32)
 
 
 def discounted_returns(token_rewards: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -109,7 +138,7 @@ def compute_advantages(
     """Advantages of every sample of ``batch`` with ``estimator`` (``--advantage-estimator``),
     per-token returns over each sample's trained tokens (see the module docstring).
 
-    ``batch`` must hold whole prompt groups for ``grpo``, ``gspo`` and
+    ``batch`` must hold whole prompt groups for ``grpo``, ``gspo``, ``dr_grpo``, ``rloo`` and
     ``reinforce_plus_plus_baseline``. ``kl`` (per-sample, response-aligned, e.g.
     ``kl_estimate(old_log_probs, ref_log_probs, "k1")``) is needed when ``kl_coef`` != 0;
     ``values`` (per-sample critic values, response-aligned) for ``ppo``.
@@ -119,13 +148,17 @@ def compute_advantages(
             f"--advantage-estimator must be one of {', '.join(ESTIMATORS)}, got {estimator!r}"
         )
     masks = [s.mask for s in batch]
-    if estimator in ("grpo", "gspo"):
+    if estimator in GROUP_ESTIMATORS:
         if kl_coef != 0.0:
             raise ValueError(
                 f"--kl-coef (KL in the reward) is not used by --advantage-estimator {estimator}; "
                 "use --use-kl-loss with --kl-loss-coef"
             )
-        scores = group_normalized_rewards(batch.rewards, batch.group_indices)
+        if estimator == "rloo":
+            scores = leave_one_out_rewards(batch.rewards, batch.group_indices)
+        else:
+            scale = estimator != "dr_grpo"
+            scores = group_normalized_rewards(batch.rewards, batch.group_indices, scale)
         adv = [torch.full((s.response_length,), float(scores[i])) for i, s in enumerate(batch)]
         return Advantages(adv, [a.clone() for a in adv])
 

@@ -17,12 +17,33 @@ def kl_term_on(args: Any) -> bool:
     return bool(args.use_kl_loss) or args.kl_coef > 0
 
 
-#: GSPO's objective is a mean over sequences; the token mean would weight them by length.
-GSPO_PER_TOKEN = (
-    "--advantage-estimator gspo cannot be used with --calculate-per-token-loss: GSPO's "
-    "objective is a mean over sequences (Zheng et al. 2025, eq. 5); a token mean would weight "
-    "each sequence by its length"
-)
+def policy_loss_conflict(cfg: Any) -> str | None:
+    """The one-line reason the estimator, ``--policy-loss`` and the aggregation flags of
+    ``cfg`` (parsed flags or a :class:`~miles_core.losses.LossConfig`) do not define a loss
+    together, or None."""
+    estimator = cfg.advantage_estimator
+    per_token = cfg.calculate_per_token_loss
+    if estimator == "gspo" and per_token:
+        return (
+            "--advantage-estimator gspo cannot be used with --calculate-per-token-loss: GSPO's "
+            "objective is a mean over sequences (Zheng et al. 2025, eq. 5); a token mean would "
+            "weight each sequence by its length"
+        )
+    if estimator == "dr_grpo" and per_token:
+        return (
+            "--advantage-estimator dr_grpo cannot be used with --calculate-per-token-loss: "
+            "Dr. GRPO sums each response's tokens and averages over the responses (Liu et al. "
+            "2025, eq. 3)"
+        )
+    if getattr(cfg, "policy_loss", "ppo") == "cispo":
+        if estimator == "gspo":
+            return (
+                "--policy-loss cispo cannot be used with --advantage-estimator gspo: CISPO "
+                "clips token-level importance weights, GSPO's ratio is a sequence's"
+            )
+        if cfg.eps_clip_c is not None:
+            return "--eps-clip-c (dual clip) is PPO's: --policy-loss cispo does not use it"
+    return None
 
 
 @dataclass
@@ -56,8 +77,23 @@ class AlgorithmArgs(ArgGroup):
         "critic's (--use-critic).",
     )
     advantage_estimator: Literal[
-        "grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"
-    ] = flag("grpo", help="Advantage estimator (ppo needs a critic's values).")
+        "grpo",
+        "gspo",
+        "dr_grpo",
+        "rloo",
+        "reinforce_plus_plus",
+        "reinforce_plus_plus_baseline",
+        "ppo",
+    ] = flag(
+        "grpo",
+        help="Advantage estimator (docs/rl-math.md gives each formula; ppo needs a critic's "
+        "values).",
+    )
+    policy_loss: Literal["ppo", "cispo"] = flag(
+        "ppo",
+        help="The policy objective: ppo (clipped ratio surrogate) or cispo (clipped, detached "
+        "importance weight times the log-prob: every token keeps its gradient).",
+    )
     normalize_advantages: bool = flag(
         False, help="Whiten advantages over the response tokens of all DP ranks."
     )
@@ -141,8 +177,14 @@ class AlgorithmArgs(ArgGroup):
             raise ArgumentError(
                 "--kl-coef > 0 (KL in the reward) and --use-kl-loss are mutually exclusive"
             )
-        if args.advantage_estimator == "gspo" and args.calculate_per_token_loss:
-            raise ArgumentError(GSPO_PER_TOKEN)
+        conflict = policy_loss_conflict(args)
+        if conflict:
+            raise ArgumentError(conflict)
+        if args.policy_loss != "ppo" and args.loss_type != "policy_loss":
+            raise ArgumentError(
+                f"--policy-loss {args.policy_loss} shapes --loss-type policy_loss, not "
+                f"{args.loss_type}"
+            )
         greater_than(args, "tis_clip", 0.0)
         at_least(args, "tis_clip_low", 0.0)
         if args.tis_clip_low >= args.tis_clip:

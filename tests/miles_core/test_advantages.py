@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import random
 import statistics
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +15,9 @@ from miles_core.advantages import (
     discounted_returns,
     generalized_advantages,
     normalize_advantages,
+    with_advantages,
 )
+from miles_core.args import ArgumentError, core_groups, parse_args
 from miles_core.batch import RolloutBatch, Sample
 
 pytestmark = pytest.mark.numeric
@@ -269,3 +273,52 @@ def test_rloo_and_dr_grpo(estimator):
     assert len({rewards[j] for j in range(len(rewards)) if groups[j] == groups[0]}) > 1
     with pytest.raises(ValueError, match="--kl-coef"):
         compute_advantages(batch, estimator, kl_coef=0.1, kl=[torch.zeros(n) for n in lengths])
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "estimators"
+
+
+def _flags(**over):
+    base = dict(
+        advantage_estimator="grpo", gamma=1.0, lambd=1.0, kl_coef=0.0, kl_loss_type="k1",
+        normalize_advantages=False, custom_advantage_function_path=None,
+    )  # fmt: skip
+    return SimpleNamespace(**(base | over))
+
+
+def wrong_length(args, batch):
+    return [torch.zeros(s.response_length + 1) for s in batch]
+
+
+def plain_list(args, batch):
+    return [torch.ones(s.response_length) for s in batch]
+
+
+def test_custom_advantage_function(monkeypatch):
+    """--custom-advantage-function-path hooks:length_penalized (the example) replaces the
+    estimator: GRPO's score minus 1e-3 per trained token, against float64; its output is
+    checked (one tensor per sample, one value per response token; Advantages under ppo)."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    rewards, groups, lengths = _groups_case(4)
+    batch = _batch(rewards, groups, lengths)
+    out = with_advantages(
+        batch, _flags(custom_advantage_function_path="hooks:length_penalized"), None
+    )
+    for i, s in enumerate(out):
+        mean, std = _ref_group_stats(rewards, groups, i)
+        want = (rewards[i] - mean) / (std + 1e-6) - 1e-3 * sum(s.loss_mask.tolist())
+        torch.testing.assert_close(
+            s.fields["advantages"].double(), torch.full((lengths[i],), want, dtype=torch.float64)
+        )
+    name = __name__
+    with pytest.raises(ValueError, match=r"advantages of sample 0 is \(\d+,\), expected"):
+        with_advantages(batch, _flags(custom_advantage_function_path=f"{name}:wrong_length"), None)
+    ppo = _flags(advantage_estimator="ppo", custom_advantage_function_path=f"{name}:plain_list")
+    with pytest.raises(ValueError, match="must return Advantages"):
+        with_advantages(batch, ppo, None)
+    with pytest.raises(ArgumentError, match="cannot import no_such_module"):
+        parse_args(["--custom-advantage-function-path", "no_such_module:f"],
+                   core_groups())  # fmt: skip
+    with pytest.raises(ArgumentError, match="--custom-advantage-function-path with --kl-coef"):
+        parse_args(["--custom-advantage-function-path", f"{name}:plain_list", "--kl-coef", "0.1",
+                    "--ref-load", "/r"], core_groups())  # fmt: skip

@@ -44,3 +44,8 @@ def shaped_quarters(inp) -> float:
     """A shaped reward: samples 0, 1, 2, 3 of each prompt (cyclically) earn 1.0, 0.5, 0.0, 0.5
     (partial credit, e.g. for calling a tool); only the first reaches the maximum."""
     return (1.0, 0.5, 0.0, 0.5)[inp.sample_index % 4]
+
+
+def group_size(args, group) -> int:
+    """A --dynamic-sampling-filter-path that returns a number, not True or False."""
+    return len(group)

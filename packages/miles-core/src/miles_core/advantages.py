@@ -31,6 +31,10 @@ advantage (and return) of an untrained token is 0. A sample with no trained toke
   gamma lambd A_{j+1}``, and returns ``A_j + V_j`` for the value loss. The critic's values at
   untrained tokens (which the masked value loss never trains) are never read.
 
+``--custom-advantage-function-path MODULE:FUNC`` replaces the estimator's advantages with
+``FUNC(args, batch)`` (:func:`custom_advantages`); ``--advantage-estimator`` still picks the
+loss's form (GSPO's ratio, Dr. GRPO's aggregation) and whether a critic runs.
+
 ``--normalize-advantages`` then whitens the advantages over all loss tokens of the step on all
 DP ranks (:func:`normalize_advantages`).
 """
@@ -193,6 +197,45 @@ def compute_advantages(
     return Advantages(advantages, returns)
 
 
+CUSTOM_FLAG = "--custom-advantage-function-path"
+
+
+def custom_advantages(fn, args, batch: RolloutBatch, values_needed: bool) -> Advantages:
+    """``fn(args, batch)`` (``--custom-advantage-function-path``) checked: a list of one
+    response-aligned tensor per sample of ``batch`` (this rank's shard, whole prompt groups,
+    with the fields attached so far: ``old_log_probs``, ``ref_log_probs``, ``values``...), or
+    an :class:`Advantages` (its ``returns`` are the critic's value targets; required when
+    ``values_needed``, i.e. under ``ppo``). Masked-out tokens' values are ignored by the loss."""
+    out = fn(args, batch)
+    if isinstance(out, Advantages):
+        adv, ret = out.advantages, out.returns
+    elif values_needed:
+        raise ValueError(
+            f"{CUSTOM_FLAG}: under --advantage-estimator ppo the function must return "
+            "Advantages(advantages, returns) (the critic's value targets)"
+        )
+    else:
+        adv = ret = out
+    for name, tensors in (("advantages", adv), ("returns", ret)):
+        if not isinstance(tensors, (list, tuple)) or len(tensors) != len(batch):
+            raise ValueError(
+                f"{CUSTOM_FLAG}: expected {name} as a list of {len(batch)} tensors (one per "
+                f"sample), got {type(tensors).__name__}"
+                + (f" of {len(tensors)}" if isinstance(tensors, (list, tuple)) else "")
+            )
+        for i, (t, s) in enumerate(zip(tensors, batch)):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (s.response_length,):
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"{CUSTOM_FLAG}: {name} of sample {i} is {shape}, expected "
+                    f"({s.response_length},) (one value per response token)"
+                )
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{CUSTOM_FLAG}: {name} of sample {i} contains NaN or inf")
+    as_float = [t.detach().to(torch.float32) for t in adv]
+    return Advantages(as_float, [t.detach().to(torch.float32) for t in ret])
+
+
 def normalize_advantages(
     advantages: Sequence[torch.Tensor],
     loss_masks: Sequence[torch.Tensor],
@@ -222,7 +265,7 @@ def normalize_advantages(
 
 def with_advantages(batch: RolloutBatch, args, group: dist.ProcessGroup | None) -> RolloutBatch:
     """``batch`` with its ``advantages`` field, as the flags ask: ``--advantage-estimator``
-    (``--gamma``, ``--lambd``), ``--kl-coef``'s reward KL (``--kl-loss-type``; needs the batch's
+    (``--gamma``, ``--lambd``) or ``--custom-advantage-function-path``, ``--kl-coef``'s reward KL (``--kl-loss-type``; needs the batch's
     ``old_log_probs`` and ``ref_log_probs``) and ``--normalize-advantages`` (statistics over
     the data-parallel ``group``). What every backend does once per rollout.
 
@@ -230,18 +273,23 @@ def with_advantages(batch: RolloutBatch, args, group: dist.ProcessGroup | None) 
     launcher before the actor and the critic train) and adds a ``returns`` field, the critic's
     value-loss target, from the advantages before normalization."""
     from miles_core.kl import reward_kl
+    from miles_core.user_functions import load_function
 
     ppo = args.advantage_estimator == "ppo"
     values = batch.response_field("values") if ppo and "values" in batch.field_names else None
-    adv = compute_advantages(
-        batch,
-        args.advantage_estimator,
-        gamma=args.gamma,
-        lambd=args.lambd,
-        kl_coef=args.kl_coef,
-        kl=reward_kl(batch, args.kl_loss_type) if args.kl_coef != 0.0 else None,
-        values=values,
-    )
+    custom = getattr(args, "custom_advantage_function_path", None)
+    if custom:
+        adv = custom_advantages(load_function(custom, CUSTOM_FLAG), args, batch, ppo)
+    else:
+        adv = compute_advantages(
+            batch,
+            args.advantage_estimator,
+            gamma=args.gamma,
+            lambd=args.lambd,
+            kl_coef=args.kl_coef,
+            kl=reward_kl(batch, args.kl_loss_type) if args.kl_coef != 0.0 else None,
+            values=values,
+        )
     advantages = adv.advantages
     if args.normalize_advantages:
         advantages = normalize_advantages(advantages, [s.mask for s in batch], group=group)

@@ -267,6 +267,12 @@ class RolloutArgs(ArgGroup):
         help="Drop prompt groups whose rewards are all equal (no learning signal) and draw "
         "more prompts until the rollout is full.",
     )
+    dynamic_sampling_filter_path: str | None = flag(
+        None,
+        metavar="MODULE:FUNC",
+        help="Under --dynamic-filter: keep a finished prompt group when FUNC(args, group) "
+        "returns True (in place of 'its rewards are not all equal').",
+    )
     dynamic_filter_max_draws: int = flag(
         4, metavar="N", help="Most prompt batches drawn per rollout under --dynamic-filter."
     )
@@ -402,6 +408,7 @@ class RolloutArgs(ArgGroup):
             )
         requires(args, "eval_interval", "eval_prompt_data")
         requires(args, "skip_eval_before_train", "eval_prompt_data")
+        requires(args, "dynamic_sampling_filter_path", "dynamic_filter")
         if not math.isfinite(args.pass_threshold):
             raise ArgumentError(
                 f"--pass-threshold must be a finite number, got {args.pass_threshold}"
@@ -432,6 +439,10 @@ class RolloutArgs(ArgGroup):
         if routing_replay_on(args) and args.hf_checkpoint is not None:  # a MoE config
             read_layout(str(args.hf_checkpoint))
         check_stop_token_ids(args)
+        if args.dynamic_sampling_filter_path:
+            from miles_core.user_functions import load_function
+
+            load_function(args.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
         if args.custom_generate_function_path:
             from miles_launch.rollout.custom_generate import load_generate_function
 

@@ -41,7 +41,7 @@ from miles_launch.loop import (
     save_point,
 )
 from miles_launch.reporting import rank0_metrics
-from miles_launch.rollout.filtering import GroupFilter, groups_in_flight
+from miles_launch.rollout.filtering import group_filter, groups_in_flight
 from miles_launch.rollout.generate import GeneratedSample, to_rollout_batch
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class Producer:
         self.lock = threading.Lock()
         self.request_intervals: list[tuple[float, float]] = []
         self.in_flight_since: dict[int, float] = {}
-        self.group_filter = GroupFilter(job.args.dynamic_filter)
+        self.group_filter = group_filter(job.args)
         self.thread = threading.Thread(target=self._run, name="miles-producer", daemon=True)
 
     def start(self) -> None:

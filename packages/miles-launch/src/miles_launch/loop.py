@@ -43,6 +43,7 @@ from miles_launch.rollout.custom_generate import load_generate_function
 from miles_launch.rollout.debug_data import save_rollout_data
 from miles_launch.rollout.draw import draw_groups
 from miles_launch.rollout.evaluation import eval_metrics, pass_at_ks
+from miles_launch.rollout.filtering import group_filter
 from miles_launch.rollout.generate import (
     GeneratedSample,
     Generator,
@@ -98,6 +99,7 @@ def make_generator(job: Job, check_alive: Callable[[str], Any]) -> Generator:
         custom_generate=load_generate_function(path) if path else None,
         tokenizer=job.tokenizer,
         abort_urls=job.engines.urls if job.args.partial_rollout else None,
+        passes=group_filter(job.args).passes,
     )
 
 
@@ -146,7 +148,7 @@ def collect_rollout(job: Job, rollout_id: int) -> tuple[list[list[GeneratedSampl
         ),
         want=args.rollout_batch_size,
         max_draws=args.dynamic_filter_max_draws if args.dynamic_filter else 1,
-        dynamic_filter=args.dynamic_filter,
+        dynamic_filter=group_filter(args),
         over_sampling=args.over_sampling_batch_size,
         partial=job.partial if args.partial_rollout else None,
     )

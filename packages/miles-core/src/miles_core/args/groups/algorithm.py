@@ -94,6 +94,13 @@ class AlgorithmArgs(ArgGroup):
         help="The policy objective: ppo (clipped ratio surrogate) or cispo (clipped, detached "
         "importance weight times the log-prob: every token keeps its gradient).",
     )
+    custom_advantage_function_path: str | None = flag(
+        None,
+        metavar="MODULE:FUNC",
+        help="Advantages from FUNC(args, batch) -> one tensor per sample (or "
+        "miles_core.advantages.Advantages with returns, required under ppo) in place of the "
+        "estimator's; --advantage-estimator still picks the loss's form.",
+    )
     normalize_advantages: bool = flag(
         False, help="Whiten advantages over the response tokens of all DP ranks."
     )
@@ -192,3 +199,16 @@ class AlgorithmArgs(ArgGroup):
                 f"--tis-clip-low ({args.tis_clip_low}) must be < --tis-clip ({args.tis_clip})"
             )
         greater_than(args, "rollout_temperature", 0.0)
+        if args.custom_advantage_function_path and args.kl_coef > 0:
+            raise ArgumentError(
+                "--custom-advantage-function-path with --kl-coef > 0: the function computes the "
+                "advantages, so --kl-coef would go unused; put a KL penalty in the function or "
+                "use --use-kl-loss"
+            )
+
+    @classmethod
+    def check_paths(cls, args: Any) -> None:
+        if args.custom_advantage_function_path:
+            from miles_core.user_functions import load_function
+
+            load_function(args.custom_advantage_function_path, "--custom-advantage-function-path")

@@ -255,8 +255,8 @@ def test_normalize_advantages():
 
 @pytest.mark.parametrize("estimator", ["rloo", "dr_grpo"])
 def test_rloo_and_dr_grpo(estimator):
-    """rloo: R_i minus the mean of the other samples of its group (Ahmadian et al. 2024, eq. 5);
-    dr_grpo: R_i minus the group mean, no std (Liu et al. 2025, eq. 3). Float64 references."""
+    """rloo: R_i minus the mean of the other samples of its group (Ahmadian et al. 2024);
+    dr_grpo: R_i minus the group mean, no std (Liu et al. 2025). Float64 references."""
     rewards, groups, lengths = _groups_case(3)
     batch = _batch(rewards, groups, lengths)
     out = compute_advantages(batch, estimator)

@@ -78,13 +78,13 @@ RULES = [
     (
         ["--advantage-estimator", "gspo", "--calculate-per-token-loss"],
         "--advantage-estimator gspo cannot be used with --calculate-per-token-loss: GSPO's "
-        "objective is a mean over sequences (Zheng et al. 2025, eq. 5); a token mean would "
+        "objective is a mean over sequences (Zheng et al. 2025, arXiv:2507.18071); a token mean would "
         "weight each sequence by its length",
     ),
     (
         ["--advantage-estimator", "dr_grpo", "--calculate-per-token-loss"],
         "--advantage-estimator dr_grpo cannot be used with --calculate-per-token-loss: Dr. GRPO "
-        "sums each response's tokens and averages over the responses (Liu et al. 2025, eq. 3)",
+        "sums each response's tokens and averages over the responses (Liu et al. 2025, arXiv:2503.20783)",
     ),
     (
         ["--policy-loss", "cispo", "--eps-clip-c", "3"],

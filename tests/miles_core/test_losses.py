@@ -276,7 +276,7 @@ def test_compute_policy_loss_matches_reference(estimator, per_token):
 
 @pytest.mark.parametrize("per_token", [True, False])
 def test_cispo_loss_and_gradient(per_token):
-    """CISPO (MiniMax-M1, eq. 4-5): loss -sg[clip(r, 1 - e_lo, 1 + e_hi)] A log pi, so the
+    """CISPO (MiniMax-M1): loss -sg[clip(r, 1 - e_lo, 1 + e_hi)] A log pi, so the
     gradient of each token is -clip(r) A (never zero where the ratio is clipped)."""
     lengths = [5, 2, 7, 1]
     ids, lp, old, _, _, adv, _, mask = _policy_case(11, lengths)
@@ -318,7 +318,7 @@ def test_cispo_loss_and_gradient(per_token):
 
 
 def test_dr_grpo_loss_sums_tokens_over_the_sample_count():
-    """Dr. GRPO (Liu et al. 2025, eq. 3): (1/S) sum_i sum_t m_t pg_t, no 1/|o_i|; the metrics
+    """Dr. GRPO (Liu et al. 2025): (1/S) sum_i sum_t m_t pg_t, no 1/|o_i|; the metrics
     stay means (sequence means over the same S)."""
     lengths = [5, 2, 7, 1]
     ids, lp, old, _, _, adv, ent, mask = _policy_case(12, lengths)

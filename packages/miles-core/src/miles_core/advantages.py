@@ -19,7 +19,7 @@ advantage (and return) of an untrained token is 0. A sample with no trained toke
 * ``dr_grpo`` (Liu et al. 2025, "Understanding R1-Zero-Like Training", eq. 3): ``A_t = R_i -
   mean_g`` (no division by the std); its loss sums each response's tokens without dividing by
   the response length (:mod:`miles_core.aggregation`, ``token sum``).
-* ``rloo`` (Ahmadian et al. 2024, "Back to Basics", eq. 5; Kool et al. 2019): ``A_t = R_i -
+* ``rloo`` (Ahmadian et al. 2024, "Back to Basics", arXiv:2402.14740; Kool et al. 2019): ``A_t = R_i -
   (1 / (k - 1)) sum_{j != i} R_j``, the leave-one-out baseline over the ``k`` samples of the
   prompt group; 0 for a single-sample group.
 * ``reinforce_plus_plus``: token rewards ``r_j = -kl_coef * kl_{t_j} + R_i * [j = k - 1]``,

@@ -178,7 +178,7 @@ def cispo_loss(
     eps_clip: float,
     eps_clip_high: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """CISPO's per-token loss (MiniMax-M1, Chen et al. 2025, eq. 4-5): the importance weight
+    """CISPO's per-token loss (MiniMax-M1, arXiv:2506.13585): the importance weight
     is clipped and detached, never the token's gradient::
 
         loss = -sg[clamp(r, 1 - e_lo, 1 + e_hi)] * A * log pi,   r = exp(clamp(log_ratio, +-20))

@@ -26,14 +26,14 @@ def policy_loss_conflict(cfg: Any) -> str | None:
     if estimator == "gspo" and per_token:
         return (
             "--advantage-estimator gspo cannot be used with --calculate-per-token-loss: GSPO's "
-            "objective is a mean over sequences (Zheng et al. 2025, eq. 5); a token mean would "
+            "objective is a mean over sequences (Zheng et al. 2025, arXiv:2507.18071); a token mean would "
             "weight each sequence by its length"
         )
     if estimator == "dr_grpo" and per_token:
         return (
             "--advantage-estimator dr_grpo cannot be used with --calculate-per-token-loss: "
             "Dr. GRPO sums each response's tokens and averages over the responses (Liu et al. "
-            "2025, eq. 3)"
+            "2025, arXiv:2503.20783)"
         )
     if getattr(cfg, "policy_loss", "ppo") == "cispo":
         if estimator == "gspo":

@@ -16,12 +16,12 @@ advantage (and return) of an untrained token is 0. A sample with no trained toke
 * ``grpo`` / ``gspo``: ``A_t = (R_i - mean_g) / (std_g + 1e-6)`` for every token, with the mean
   and the (unbiased) standard deviation over the sample's prompt group; a single-sample group
   has std 0 and advantage 0.
-* ``dr_grpo`` (Liu et al. 2025, "Understanding R1-Zero-Like Training", eq. 3): ``A_t = R_i -
-  mean_g`` (no division by the std); its loss sums each response's tokens without dividing by
-  the response length (:mod:`miles_core.aggregation`, ``token sum``).
-* ``rloo`` (Ahmadian et al. 2024, "Back to Basics", arXiv:2402.14740; Kool et al. 2019): ``A_t = R_i -
-  (1 / (k - 1)) sum_{j != i} R_j``, the leave-one-out baseline over the ``k`` samples of the
-  prompt group; 0 for a single-sample group.
+* ``dr_grpo`` (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv:2503.20783):
+  ``A_t = R_i - mean_g`` (no division by the std); its loss sums each response's tokens
+  without dividing by the response length (:attr:`~miles_core.losses.LossConfig.token_sum`).
+* ``rloo`` (Ahmadian et al. 2024, "Back to Basics", arXiv:2402.14740): ``A_t = R_i - (1 / (k -
+  1)) sum_{j != i} R_j``, the leave-one-out baseline over the ``k`` samples of the prompt
+  group; 0 for a single-sample group.
 * ``reinforce_plus_plus``: token rewards ``r_j = -kl_coef * kl_{t_j} + R_i * [j = k - 1]``,
   ``A_{t_j} = G_j = sum_{l >= j} gamma^(l - j) r_l`` (discounted return to the end of the
   response, counting trained tokens only).

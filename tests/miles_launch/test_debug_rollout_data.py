@@ -207,6 +207,7 @@ def without_engine_flags(flags: list[str]) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.extended
+@pytest.mark.timeout(1800)  # two jobs
 @pytest.mark.skipif("fsdp" not in backends.available(), reason="the FSDP backend is not installed")
 def test_fsdp_replay_without_engines_equals_the_live_run(tmp_path):
     """2 rollouts of PPO with a critic live (2 gloo FSDP ranks, 1 built-in engine) saving their

@@ -52,8 +52,9 @@ def main() -> None:
         print(f"demo: miles train failed with exit status {code}", file=sys.stderr)
         sys.exit(code)
 
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    records = [r for r in records if "rollout_id" in r]
+    everything = [json.loads(line) for line in metrics.read_text().splitlines()]
+    everything = [r for r in everything if "rollout_id" in r]
+    records = [r for r in everything if r["rollout_id"] >= 0]  # -1: the eval before training
     rewards = [r["rollout"]["reward_mean"] for r in records]
     for r in records:
         print(
@@ -70,7 +71,7 @@ def main() -> None:
             file=sys.stderr,
         )
         sys.exit(1)
-    write_run_plot(records, out / "run.png", title=f"demo: {len(records)} rollouts")
+    write_run_plot(everything, out / "run.png", title=f"demo: {len(records)} rollouts")
     print(f"demo: picture at {out / 'run.png'} (miles plot {out} draws it again)")
     first = sum(rewards[:3]) / len(rewards[:3])
     last = sum(rewards[-3:]) / len(rewards[-3:])

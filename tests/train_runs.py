@@ -16,10 +16,12 @@ NOT_THE_STEP = ("tokens_per_s", "peak_memory_gb")
 
 def metric_records(path: Path) -> list[dict]:
     """The rollout records of a ``--metrics-jsonl`` file, their train metrics without
-    :data:`NOT_THE_STEP`."""
-    out = [r for r in map(json.loads, path.read_text().splitlines()) if "rollout_id" in r]
+    :data:`NOT_THE_STEP` (the actor's and the critic's, ``critic/<name>``)."""
+    out = [r for r in map(json.loads, path.read_text().splitlines()) if "rollout" in r]
     for r in out:
-        r["train"] = {k: v for k, v in r["train"].items() if k not in NOT_THE_STEP}
+        r["train"] = {
+            k: v for k, v in r["train"].items() if k.removeprefix("critic/") not in NOT_THE_STEP
+        }
     return out
 
 

@@ -75,6 +75,30 @@ RULES = [
         "--kl-coef > 0 (KL in the reward) and --use-kl-loss are mutually exclusive",
     ),
     (["--kl-loss-coef", "-1"], "--kl-loss-coef must be >= 0.0, got -1.0"),
+    (
+        ["--advantage-estimator", "gspo", "--calculate-per-token-loss"],
+        "--advantage-estimator gspo cannot be used with --calculate-per-token-loss: GSPO's "
+        "objective is a mean over sequences (Zheng et al. 2025, arXiv:2507.18071); a token mean would "
+        "weight each sequence by its length",
+    ),
+    (
+        ["--advantage-estimator", "dr_grpo", "--calculate-per-token-loss"],
+        "--advantage-estimator dr_grpo cannot be used with --calculate-per-token-loss: Dr. GRPO "
+        "sums each response's tokens and averages over the responses (Liu et al. 2025, arXiv:2503.20783)",
+    ),
+    (
+        ["--policy-loss", "cispo", "--eps-clip-c", "3"],
+        "--eps-clip-c (dual clip) is PPO's: --policy-loss cispo does not use it",
+    ),
+    (
+        ["--policy-loss", "cispo", "--advantage-estimator", "gspo"],
+        "--policy-loss cispo cannot be used with --advantage-estimator gspo: CISPO clips "
+        "token-level importance weights, GSPO's ratio is a sequence's",
+    ),
+    (
+        ["--policy-loss", "cispo", "--loss-type", "sft_loss"],
+        "--policy-loss cispo shapes --loss-type policy_loss, not sft_loss",
+    ),
     (["--entropy-coef", "-1"], "--entropy-coef must be >= 0.0, got -1.0"),
     (["--tis-clip", "0"], "--tis-clip must be > 0.0, got 0.0"),
     (["--tis-clip-low", "3"], "--tis-clip-low (3.0) must be < --tis-clip (2.0)"),

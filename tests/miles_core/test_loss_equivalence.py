@@ -36,8 +36,8 @@ CONFIGS = {
         eps_clip_c=3.0, use_tis=True, tis_clip=1.5, tis_clip_low=0.5, use_kl_loss=True,
         kl_loss_coef=0.1, kl_loss_type="low_var_kl", entropy_coef=0.01, temperature=0.8,
     ),
-    "gspo_token_mean": dict(
-        advantage_estimator="gspo", calculate_per_token_loss=True, eps_clip=0.1, use_kl_loss=True,
+    "gspo_seq_mean": dict(
+        advantage_estimator="gspo", calculate_per_token_loss=False, eps_clip=0.1, use_kl_loss=True,
         kl_loss_coef=0.05, kl_loss_type="k2", entropy_coef=0.0,
     ),
     "rpp_baseline_token_mean": dict(

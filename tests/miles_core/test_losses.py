@@ -12,6 +12,7 @@ from miles_core.kl import kl_estimate
 from miles_core.log_probs import entropy_from_logits, token_log_probs
 from miles_core.losses import (
     LossConfig,
+    cispo_loss,
     compute_policy_loss,
     compute_value_loss,
     gspo_log_ratio,
@@ -209,8 +210,9 @@ def _policy_case(seed, lengths):
     return ids, lp, old, ref, roll, adv, ent, mask
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "gspo"])
-@pytest.mark.parametrize("per_token", [True, False])
+@pytest.mark.parametrize(
+    ("estimator", "per_token"), [("grpo", True), ("grpo", False), ("gspo", False)]
+)  # gspo with a token mean is refused (test_loss_config_from_args_and_validation)
 def test_compute_policy_loss_matches_reference(estimator, per_token):
     lengths = [5, 2, 7, 1]
     ids, lp, old, ref, roll, adv, ent, mask = _policy_case(6, lengths)
@@ -272,6 +274,73 @@ def test_compute_policy_loss_matches_reference(estimator, per_token):
     assert ent.grad is not None and ent.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("per_token", [True, False])
+def test_cispo_loss_and_gradient(per_token):
+    """CISPO (MiniMax-M1): loss -sg[clip(r, 1 - e_lo, 1 + e_hi)] A log pi, so the
+    gradient of each token is -clip(r) A (never zero where the ratio is clipped)."""
+    lengths = [5, 2, 7, 1]
+    ids, lp, old, _, _, adv, _, mask = _policy_case(11, lengths)
+    lo, hi = 0.2, 0.28
+    cfg = LossConfig(policy_loss="cispo", eps_clip=lo, eps_clip_high=hi,
+                     calculate_per_token_loss=per_token)  # fmt: skip
+    loss, metrics = compute_policy_loss(
+        lp, old_log_probs=old, advantages=adv, loss_mask=mask, config=cfg, denominator=9.0,
+        sample_ids=ids, num_samples=len(lengths),
+    )  # fmt: skip
+    # float64 reference: the clipped weight is a number, the log-prob the variable
+    x = lp.detach().clone().requires_grad_(True)
+    weights, clipped = [], []
+    for a, b in zip(x.tolist(), old.double().tolist()):
+        r = math.exp(min(max(a - b, -20.0), 20.0))
+        weights.append(min(max(r, 1 - lo), 1 + hi))
+        clipped.append(float(weights[-1] != r))
+    w = torch.tensor(weights, dtype=torch.float64)
+    pg = -w * adv.double() * x
+    m = mask.double()
+    if per_token:
+        want = (pg * m).sum() / 9.0
+    else:
+        want = sum((pg[ids == s] * m[ids == s]).sum() / max(m[ids == s].sum(), 1)
+                   for s in range(len(lengths))) / 9.0  # fmt: skip
+    want.backward()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+    loss.backward()
+    torch.testing.assert_close(lp.grad, x.grad, rtol=1e-6, atol=1e-9)
+    frac = ref_aggregate(torch.tensor(clipped), m, ids, per_token, 9.0)
+    assert 0 < sum(c * mk for c, mk in zip(clipped, m.tolist()))  # some ratios were clipped
+    assert metrics["pg_clipfrac"].item() == pytest.approx(frac, rel=1e-6)
+    assert (lp.grad[mask.bool()] != 0).all()  # clipped tokens keep their gradient
+    with pytest.raises(ValueError, match="--policy-loss cispo cannot be used with"):
+        LossConfig(policy_loss="cispo", advantage_estimator="gspo")
+    with pytest.raises(ValueError, match="--eps-clip-c"):
+        LossConfig(policy_loss="cispo", eps_clip_c=3.0)
+    assert cispo_loss(torch.zeros(1), torch.zeros(1), torch.ones(1), 0.2)[0].item() == 0.0
+
+
+def test_dr_grpo_loss_sums_tokens_over_the_sample_count():
+    """Dr. GRPO (Liu et al. 2025): (1/S) sum_i sum_t m_t pg_t, no 1/|o_i|; the metrics
+    stay means (sequence means over the same S)."""
+    lengths = [5, 2, 7, 1]
+    ids, lp, old, _, _, adv, ent, mask = _policy_case(12, lengths)
+    cfg = LossConfig(advantage_estimator="dr_grpo", eps_clip=0.2, entropy_coef=0.01)
+    S = float(len(lengths))
+    loss, metrics = compute_policy_loss(
+        lp, old_log_probs=old, advantages=adv, loss_mask=mask, config=cfg, denominator=S,
+        sample_ids=ids, num_samples=len(lengths), entropy=ent,
+    )  # fmt: skip
+    lp64, m = lp.detach(), mask.double()
+    pg = ref_ppo(lp64 - old.double(), adv.double(), 0.2, 0.2, None)
+    want = ((pg - 0.01 * ent.detach()) * m).sum().item() / S
+    assert loss.item() == pytest.approx(want, rel=1e-6)
+    assert metrics["pg_loss"].item() == pytest.approx((pg * m).sum().item() / S, rel=1e-6)
+    ent_mean = ref_aggregate(ent.detach(), m, ids, False, S)
+    assert metrics["entropy"].item() == pytest.approx(ent_mean, rel=1e-6)
+    seq_mean = ref_aggregate(pg, m, ids, False, S)
+    assert abs(seq_mean - metrics["pg_loss"].item()) > 1e-3  # not the sequence mean
+    with pytest.raises(ValueError, match="dr_grpo cannot be used with --calculate-per-token"):
+        LossConfig(advantage_estimator="dr_grpo", calculate_per_token_loss=True)
+
+
 def test_policy_loss_on_policy_equals_minus_mean_advantage():
     """With old == current log-probs, the ratio is 1 and the loss is -agg(A)."""
     ids = _segments([3, 4])
@@ -321,16 +390,20 @@ def test_sft_loss():
 
 def test_loss_config_from_args_and_validation():
     args = SimpleNamespace(
-        advantage_estimator="gspo", eps_clip=0.1, eps_clip_high=None, use_tis=True,
-        tis_clip=3.0, rollout_temperature=0.8, calculate_per_token_loss=True, unrelated=1,
+        advantage_estimator="reinforce_plus_plus", eps_clip=0.1, eps_clip_high=None,
+        use_tis=True, tis_clip=3.0, rollout_temperature=0.8, calculate_per_token_loss=True,
+        unrelated=1,
     )  # fmt: skip
     cfg = LossConfig.from_args(args)
-    assert cfg.advantage_estimator == "gspo" and cfg.temperature == 0.8 and cfg.clip_high == 0.1
+    assert cfg.advantage_estimator == "reinforce_plus_plus"
+    assert cfg.temperature == 0.8 and cfg.clip_high == 0.1
     assert cfg.tis_clip == 3.0 and cfg.calculate_per_token_loss
     with pytest.raises(ValueError, match="--use-kl-loss and --kl-coef"):
         LossConfig(use_kl_loss=True, kl_coef=0.1)
     with pytest.raises(ValueError, match="--eps-clip-c"):
         LossConfig(eps_clip_c=0.5)
+    with pytest.raises(ValueError, match="gspo cannot be used with --calculate-per-token-loss"):
+        LossConfig(advantage_estimator="gspo", calculate_per_token_loss=True)
     with pytest.raises(ValueError, match="--advantage-estimator"):
         LossConfig(advantage_estimator="dpo")
     with pytest.raises(ValueError, match="--kl-loss-type"):

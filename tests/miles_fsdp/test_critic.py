@@ -85,6 +85,25 @@ def test_critic_values_and_gae_match_float64(one_rank_group, hf_dir):
         )  # fmt: skip
 
 
+def test_critic_from_another_hf_checkpoint(one_rank_group, hf_dir, tmp_path):
+    """--critic-hf-checkpoint: the critic is that model (another width, same vocabulary) with
+    the seeded value head, against float64; the actor's checkpoint plays no part."""
+    from tiny_models import qwen3_config
+
+    other = str(save_tiny_model(tmp_path / "wider", qwen3_config(hidden_size=48), seed=9))
+    samples = make_samples(n=2)
+    backend = critic(hf_dir, critic_hf_checkpoint=other, micro_batch_size=2)
+    values = backend.compute_values(RolloutBatch(samples))
+    backend.close()
+    ref = reference_critic(other)
+    assert ref.config.hidden_size == 48
+    for i, s in enumerate(samples):
+        with torch.no_grad():
+            expected = reference_values(ref, s)
+        torch.testing.assert_close(values[i].double(), expected, atol=1e-5, rtol=0)
+        assert float(expected.abs().max()) > 1e-3
+
+
 def seq_mean(per_sample: list[torch.Tensor]) -> torch.Tensor:
     """(1/S) sum_i (1/n_i) sum_t x_it (the default sequence-mean aggregation)."""
     return sum(x.mean() for x in per_sample) / len(per_sample)

@@ -38,3 +38,14 @@ def one_value(inputs) -> list[float]:
 def even_samples_pass(inp) -> float:
     """1.0 for samples 0, 2, 4, ... of each prompt: ``c = ceil(n / 2)`` of ``n`` pass."""
     return 1.0 if inp.sample_index % 2 == 0 else 0.0
+
+
+def shaped_quarters(inp) -> float:
+    """A shaped reward: samples 0, 1, 2, 3 of each prompt (cyclically) earn 1.0, 0.5, 0.0, 0.5
+    (partial credit, e.g. for calling a tool); only the first reaches the maximum."""
+    return (1.0, 0.5, 0.0, 0.5)[inp.sample_index % 4]
+
+
+def group_size(args, group) -> int:
+    """A --dynamic-sampling-filter-path that returns a number, not True or False."""
+    return len(group)

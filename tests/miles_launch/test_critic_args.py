@@ -93,3 +93,45 @@ def test_cli_megatron_refuses_the_critic_at_pp2():
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, errors
     assert "--use-critic with --pipeline-model-parallel-size > 1" in errors[0], errors
+
+
+def _hf_dir(path, vocab_size, architecture="Qwen3ForCausalLM"):
+    import json
+
+    path.mkdir(parents=True, exist_ok=True)
+    config = {"architectures": [architecture], "vocab_size": vocab_size}
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def test_critic_hf_checkpoint(tmp_path):
+    """--critic-hf-checkpoint: the critic's namespace builds from it (--critic-load keeps
+    meaning the checkpoint to resume from); a missing config, a head other than a causal LM's
+    or another vocabulary are one line at argument time."""
+    _hf_dir(tmp_path / "hf", 64)  # the actor's (launch_testing.parse's --hf-checkpoint)
+    other = _hf_dir(tmp_path / "other", 64)
+    args = parse(tmp_path, *PPO, "--critic-hf-checkpoint", other, "--load", str(tmp_path / "ck"))
+    critic = critic_args(args)
+    assert critic.hf_checkpoint == other and args.hf_checkpoint == str(tmp_path / "hf")
+    assert critic.load == str(tmp_path / "ck" / "critic")
+    for flags, message in (
+        ([str(tmp_path / "nothing")], "no config.json"),
+        ([_hf_dir(tmp_path / "rm", 64, "Qwen3ForSequenceClassification")], "is not a causal LM"),
+        ([_hf_dir(tmp_path / "v32", 32)], "vocab_size 32 differs from --hf-checkpoint's 64"),
+    ):
+        with pytest.raises(ArgumentError, match=message):
+            parse(tmp_path, *PPO, "--critic-hf-checkpoint", *flags)
+    with pytest.raises(ArgumentError, match="--critic-hf-checkpoint requires --use-critic"):
+        parse(tmp_path, "--critic-hf-checkpoint", other)
+
+
+def test_megatron_refuses_critic_hf_checkpoint(tmp_path):
+    if "megatron" not in backends.available():
+        pytest.skip("the Megatron backend is not installed")
+    from miles_core.args import parse_args
+    from miles_core.args.registry import entry_point_groups
+
+    other = _hf_dir(tmp_path / "other", 64)
+    argv = ["--train-backend", "megatron", "--hf-checkpoint", other, *PPO]
+    with pytest.raises(ArgumentError, match="--critic-hf-checkpoint is not supported by the Meg"):
+        parse_args([*argv, "--critic-hf-checkpoint", other], entry_point_groups("core", "megatron"))

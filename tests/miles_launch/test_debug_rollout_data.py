@@ -29,8 +29,9 @@ def saved(tmp_path: Path, rollout_ids=(0,)) -> str:
     """A template with a (one-sample) file for each of ``rollout_ids``."""
     template = str(tmp_path / "data" / "r{rollout_id}.pt")
     batch = RolloutBatch([Sample(tokens=torch.tensor([1, 2, 3]), response_length=2, reward=1.0)])
+    stats = {"reward_mean": 1.0, "response_len_mean": 2.0}
     for rollout_id in rollout_ids:
-        save_rollout_data(template, rollout_id, batch, {"rollout": {}})
+        save_rollout_data(template, rollout_id, batch, {"rollout": stats})
     return template
 
 
@@ -124,6 +125,62 @@ def test_the_file_holds_the_batch_bit_for_bit(tmp_path):
         )
 
 
+class CriticTrainer:
+    """A trainer group stand-in: the critic's values are a function of the tokens; ``train``
+    computes the actor's advantages as both backends do (``with_advantages``)."""
+
+    def __init__(self, args):
+        self.args, self.calls = args, []
+
+    def critic_values(self, batch):
+        self.calls.append("critic_values")
+        values = [s.tokens[-s.response_length :].float() / 10 for s in batch]
+        return batch.with_fields(values=values)
+
+    def train_critic(self, rollout_id, batch):
+        self.calls.append("train_critic")
+        assert "values" in batch.field_names
+        return [{"value_loss": 0.5}]
+
+    def train(self, rollout_id, batch):
+        from miles_core.advantages import with_advantages
+
+        self.calls.append("train")
+        out = with_advantages(batch, self.args, None)
+        return [{"loss": float(sum(s.fields["advantages"].sum() for s in out))}]
+
+
+def test_a_replay_runs_the_critic_phase(tmp_path):
+    """--use-critic --advantage-estimator ppo: the replay scores the saved batch with the critic,
+    trains the critic, then the actor on the batch with the critic's values (as the live loop)."""
+    from types import SimpleNamespace
+
+    from miles_launch.replay import run_replay
+    from miles_launch.reporting import Reporter
+
+    template = saved(tmp_path, (0, 1))
+    args = parse(
+        tmp_path, "--load-debug-rollout-data", template, "--num-rollout", "2",
+        "--use-critic", "--advantage-estimator", "ppo", "--gamma", "0.9", "--lambd", "0.8",
+    )  # fmt: skip
+    trainer = CriticTrainer(args)
+    job = SimpleNamespace(
+        args=args,
+        trainer=trainer,
+        state=SimpleNamespace(next_rollout_id=0, data_position=0),
+        reporter=Reporter(SimpleNamespace(progress=False), 2),
+    )
+    records = run_replay(job)
+    assert trainer.calls == ["critic_values", "train_critic", "train"] * 2
+    # one sample, tokens [1, 2, 3], response [2, 3]: V = [0.2, 0.3], reward 1 on the last token
+    v, gamma, lambd = [0.2, 0.3], 0.9, 0.8
+    deltas = [0.0 + gamma * v[1] - v[0], 1.0 - v[1]]
+    adv = [deltas[0] + gamma * lambd * deltas[1], deltas[1]]
+    for record in records:
+        assert record["train"]["critic/value_loss"] == 0.5
+        assert record["train"]["loss"] == pytest.approx(sum(adv), abs=1e-6)
+
+
 def test_a_foreign_or_missing_file_is_a_clear_error(tmp_path):
     torch.save({"samples": []}, tmp_path / "r0.pt")
     with pytest.raises(DebugDataError, match="r0.pt: not a miles rollout data file"):
@@ -150,11 +207,13 @@ def without_engine_flags(flags: list[str]) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.extended
+@pytest.mark.timeout(1800)  # two jobs
 @pytest.mark.skipif("fsdp" not in backends.available(), reason="the FSDP backend is not installed")
 def test_fsdp_replay_without_engines_equals_the_live_run(tmp_path):
-    """2 rollouts live (2 gloo FSDP ranks, 1 built-in engine) saving their data, then the same
-    2 rollouts replayed with no engine: the checkpoints after the last step are bitwise equal,
-    and training moved the weights."""
+    """2 rollouts of PPO with a critic live (2 gloo FSDP ranks, 1 built-in engine) saving their
+    data, then the same 2 rollouts replayed with no engine (the replay runs the critic phase):
+    the actor's and the critic's checkpoints after the last step are bitwise equal, and
+    training moved the weights."""
     from miles_launch.demo import build_tiny_qwen3, demo_flags, write_demo_prompts
 
     hf = build_tiny_qwen3(tmp_path / "tiny-qwen3")
@@ -162,6 +221,8 @@ def test_fsdp_replay_without_engines_equals_the_live_run(tmp_path):
     data = str(tmp_path / "rollouts" / "rollout_{rollout_id}.pt")
     small = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--num-rollout", "2"]
     small += ["--save-interval", "1", "--no-progress"]
+    small += ["--advantage-estimator", "ppo", "--use-critic", "--critic-lr", "1e-2"]
+    small += ["--gamma", "0.99", "--lambd", "0.95"]
     runs = {}
     for name, extra in (("live", ["--save-debug-rollout-data", data]),
                         ("replay", ["--load-debug-rollout-data", data])):  # fmt: skip
@@ -179,11 +240,13 @@ def test_fsdp_replay_without_engines_equals_the_live_run(tmp_path):
         metric_records(tmp_path / "replay.jsonl"),
     )
     assert [r["train"] for r in live] == [r["train"] for r in replay]
+    assert all("critic/value_loss" in r["train"] for r in replay)
     assert [r["prompt_ids"] for r in live] == [r["prompt_ids"] for r in replay]
-    a = dcp_tensors(tmp_path / "live" / "iter_0000002" / "model")
-    b = dcp_tensors(tmp_path / "replay" / "iter_0000002" / "model")
-    assert a.keys() == b.keys() and len(a) > 0
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
-    first = dcp_tensors(tmp_path / "live" / "iter_0000001" / "model")
-    assert any(not torch.equal(first[k], a[k]) for k in a)  # the second step moved them
+    for role in ("", "critic/"):
+        a = dcp_tensors(tmp_path / "live" / f"{role}iter_0000002" / "model")
+        b = dcp_tensors(tmp_path / "replay" / f"{role}iter_0000002" / "model")
+        assert a.keys() == b.keys() and len(a) > 0, role
+        for key in a:
+            assert torch.equal(a[key], b[key]), (role, key)
+        first = dcp_tensors(tmp_path / "live" / f"{role}iter_0000001" / "model")
+        assert any(not torch.equal(first[k], a[k]) for k in a), role  # the 2nd step moved them

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
+from fractions import Fraction
 from math import comb
 from types import SimpleNamespace
 
@@ -13,7 +14,7 @@ from launch_testing import StubEngine, parse
 from miles_core.args import ArgumentError
 from miles_launch import loop
 from miles_launch.reporting import Reporter
-from miles_launch.rollout.evaluation import pass_at_k, pass_ks
+from miles_launch.rollout.evaluation import eval_metrics, pass_at_k, pass_ks
 from miles_launch.rollout.prompts import Prompt
 from miles_launch.rollout.rewards import RewardModel
 
@@ -33,6 +34,66 @@ def test_pass_ks():
     assert pass_ks(6) == [1, 2, 4, 6]
 
 
+def _codex_pass_at_k(groups, threshold, k):
+    """Chen et al. 2021, eq. 1, exactly: mean over prompts of 1 - C(n - c, k) / C(n, k), each
+    prompt with its own n samples of which c have reward >= threshold."""
+    total = Fraction(0)
+    for rewards in groups:
+        n, c = len(rewards), sum(r >= threshold for r in rewards)
+        total += 1 - Fraction(comb(n - c, k), comb(n, k))
+    return float(total / len(groups))
+
+
+def _samples(rewards):
+    return [SimpleNamespace(reward=r, response_ids=[0]) for r in rewards]
+
+
+def test_pass_at_k_uses_each_groups_own_n():
+    """Groups of different sizes (a custom generate function returning several samples per
+    call): each group's own n, k up to the smallest n."""
+    groups = [
+        [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0],  # n = 8
+        [1.0] * 9 + [0.0, 0.0],  # n = 11, c = 9 > 8
+        [0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],  # n = 12, c = 2
+    ]
+    assert {len(g) for g in groups} == {8, 11, 12}
+    metrics = eval_metrics([_samples(g) for g in groups], 1.0)
+    assert [k for k in metrics if k.startswith("pass@")] == ["pass@1", "pass@2", "pass@4", "pass@8"]
+    for k in (1, 2, 4, 8):
+        # a product of <= 12 float64 factors: a few ulps
+        assert metrics[f"pass@{k}"] == pytest.approx(_codex_pass_at_k(groups, 1.0, k), rel=1e-14)
+
+
+def test_shaped_rewards_pass_only_at_the_threshold(tmp_path, engine):
+    """A sample passes when its reward reaches --pass-threshold (default 1.0), not when it is
+    positive: partial credit (0.5) is no pass."""
+    args = _eval_args(tmp_path, "--custom-rm-path", "rm_fixtures:shaped_quarters")
+    results = loop.run_eval(_job(args, engine), rollout_id=1)
+    quarters = [1.0, 0.5, 0.0, 0.5]
+    for metrics in results.values():
+        assert metrics["reward_mean"] == 0.5
+        for k in (1, 2, 4):
+            assert metrics[f"pass@{k}"] == pytest.approx(_codex_pass_at_k([quarters], 1.0, k))
+        assert metrics["pass@1"] == 0.25
+    args = _eval_args(
+        tmp_path, "--custom-rm-path", "rm_fixtures:shaped_quarters", "--pass-threshold", "0.5"
+    )
+    results = loop.run_eval(_job(args, engine), rollout_id=1)
+    assert results["math"]["pass@1"] == 0.75
+
+
+def test_training_rollouts_report_pass_at_k():
+    groups = [_samples([1.0, 0.5, 0.0, 1.0]), _samples([0.0, 0.0, 0.5, 0.0])]
+    for g in groups:
+        for s in g:
+            s.loss_mask, s.weight_version = None, 3
+    stats = loop.rollout_stats(groups, 1.0)
+    rewards = [[s.reward for s in g] for g in groups]
+    for k in (1, 2, 4):
+        assert stats[f"pass@{k}"] == pytest.approx(_codex_pass_at_k(rewards, 1.0, k))
+    assert stats["pass@1"] == 0.25
+
+
 def _eval_args(tmp_path, *flags):
     sets = []
     for name in ("math", "code"):
@@ -50,12 +111,13 @@ def _eval_args(tmp_path, *flags):
     )  # fmt: skip
 
 
-def _job(args, engine):
+def _job(args, engine, next_rollout_id=0):
     async def alive(when):
         pass
 
     return SimpleNamespace(
         args=args,
+        state=SimpleNamespace(next_rollout_id=next_rollout_id),
         tokenizer=None,
         engines=SimpleNamespace(
             generation_urls=["http://127.0.0.1:1"], acheck_alive=alive, api_key=None
@@ -133,6 +195,34 @@ def test_eval_metrics_and_time_are_in_the_reported_record(tmp_path, engine, monk
     assert second["eval"]["code"]["pass@2"] == pytest.approx(5 / 6)
 
 
+def test_evaluation_before_training_is_on_by_default(tmp_path, engine):
+    """From rollout 0 with eval sets, the initial weights are evaluated first and reported as
+    rollout -1; --skip-eval-before-train and a resumed run do not."""
+    args = _eval_args(tmp_path)
+    args.metrics_jsonl = str(tmp_path / "m.jsonl")
+    job = _job(args, engine)
+    job.reporter = Reporter(args, 4)
+    loop.eval_before_training(job)
+    job.reporter.close()
+    (record,) = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert record["rollout_id"] == -1 and set(record) == {"rollout_id", "eval", "time"}
+    assert record["eval"]["code"]["pass@2"] == pytest.approx(5 / 6)
+    assert len(engine.sampling_params) == (2 + 1) * 4
+    for job in (
+        _job(_eval_args(tmp_path, "--skip-eval-before-train"), engine),
+        _job(_eval_args(tmp_path), engine, next_rollout_id=3),
+    ):
+        loop.eval_before_training(job)
+    assert len(engine.sampling_params) == (2 + 1) * 4
+
+
+def test_eval_before_training_line():
+    from miles_launch.reporting import eval_lines
+
+    (line,) = eval_lines({"rollout_id": -1, "eval": {"gsm8k": {"pass@1": 0.5}}})
+    assert line == "eval before training | gsm8k | pass@1 0.5000"
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -151,6 +241,11 @@ def test_eval_metrics_and_time_are_in_the_reported_record(tmp_path, engine, monk
         (["--eval-top-p", "1.5"], "--eval-top-p must be in (0, 1], got 1.5"),
         (["--eval-temperature", "-1"], "--eval-temperature must be >= 0.0, got -1.0"),
         (["--eval-max-response-len", "0"], "--eval-max-response-len must be >= 1, got 0"),
+        (
+            ["--skip-eval-before-train"],
+            "--skip-eval-before-train requires --eval-prompt-data",
+        ),
+        (["--pass-threshold", "nan"], "--pass-threshold must be a finite number, got nan"),
     ],
 )
 def test_bad_eval_flags_are_one_line_errors(tmp_path, flags, message):

@@ -122,7 +122,8 @@ def test_colocated_run_matches_the_disaggregated_one(smoke, tmp_path):
 
 @pytest.mark.extended
 def test_lr_zero_gives_no_rise(tmp_path):
-    """Also evaluates with the EMA weights: each eval publishes EMA, then the actor again."""
+    """Also evaluates with the EMA weights: each eval (the one before training included)
+    publishes EMA, then the actor again."""
     evals = write_demo_prompts(tmp_path / "eval.jsonl", num_prompts=4, seed=7)
     first, last, out = demo(
         tmp_path, "--num-rollout", "6", "--lr", "0",
@@ -130,11 +131,12 @@ def test_lr_zero_gives_no_rise(tmp_path):
         "--use-ema", "--eval-weights", "ema",
     )  # fmt: skip
     eval_line = r"\| held-out \| reward_mean \d\.\d{4} \| response_len_mean \d+\.\d{4} \| pass@1 "
+    assert re.search(r"^eval before training " + eval_line, out, re.M), out
     assert re.search(r"^eval after rollout 2 " + eval_line, out, re.M), out
     assert re.search(r"^eval after rollout 5 " + eval_line, out, re.M)
     versions = [int(line.split("[")[1].rstrip("])")) for line in _rollout_lines(out)]
-    # one publish per rollout, plus two around the eval after rollout 2 (EMA, then the actor)
-    assert versions == [1, 2, 3, 6, 7, 8], out
+    # one publish per rollout, plus two around the evals before training and after rollout 2
+    assert versions == [3, 4, 5, 8, 9, 10], out
     # the learning demo climbs by >= 0.2 over 12 rollouts; without updates the policy is fixed
     assert first >= 0.05
     assert last < first + 0.1, out

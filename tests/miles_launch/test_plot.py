@@ -47,7 +47,7 @@ def test_plot_writes_the_png_and_says_where(tmp_path, capsys):
     png = (run_dir / "run.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
-    assert (width, height) == (800, 1300)
+    assert (width, height) == (1400, 1300)
 
 
 def test_records_are_read_by_rollout_id_the_last_winning(tmp_path):
@@ -96,9 +96,15 @@ def test_each_panel_draws_the_records_metrics():
     records[2]["time"]["eval"] = 0.5
     for r in records:
         del r["train"]["entropy"]
+    records[3]["train"] |= {"grad_norm": 0.7, "pg_clipfrac": 0.1, "critic/value_loss": 0.4}
+    records[0]["train"] |= {"grad_norm": 0.5, "critic/grad_norm": 2.0, "tis": 1.1}
+    for r in records:
+        r["rollout"] |= {"pass@1": 0.25, "pass@2": 0.4, "pass@4": 0.5}
+    records[2]["eval"]["held-out"] |= {"pass@1": 0.75, "pass@8": 1.0}
     fig = run_figure(records, "t")
     try:
-        reward, kl, entropy, length, times = fig.axes
+        reward, kl, entropy, length, times = fig.axes[0::2]
+        passes, grad, clip, value, tis = fig.axes[1::2]
 
         def lines(ax):
             return {
@@ -117,5 +123,14 @@ def test_each_panel_draws_the_records_metrics():
         assert lines(length)["response_len_mean"][1] == pytest.approx([8, 7.7, 7.4, 7.1])
         assert list(lines(times)) == ["gen", "train", "save", "update", "eval"]
         assert lines(times)["eval"] == ([2], [0.5])
+        assert list(lines(passes)) == [
+            "rollout pass@1", "rollout pass@4", "eval held-out pass@1", "eval held-out pass@8",
+        ]  # fmt: skip
+        assert lines(passes)["rollout pass@4"] == ([0, 1, 2, 3], [0.5] * 4)
+        assert lines(passes)["eval held-out pass@8"] == ([2], [1.0])
+        assert lines(grad) == {"actor": ([0, 3], [0.5, 0.7]), "critic": ([0], [2.0])}
+        assert lines(clip) == {"pg_clipfrac": ([3], [0.1])}
+        assert lines(value) == {"value_loss": ([3], [0.4])}
+        assert lines(tis) == {"mean weight": ([0], [1.1])}
     finally:
         plt.close(fig)

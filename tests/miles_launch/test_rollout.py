@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -324,6 +325,49 @@ def test_group_filter_counts_drops_only_when_enabled():
     on, off = GroupFilter(True), GroupFilter(False)
     assert not on.keep(flat) and on.dropped == 1
     assert off.keep(flat) and off.dropped == 0
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "estimators"
+
+
+def test_dynamic_sampling_filter_path_replaces_the_rule(tmp_path, monkeypatch):
+    """--dynamic-sampling-filter-path hooks:keep_mixed_groups (the example): a group with a
+    learning signal but no sample at the full reward is dropped, which the default keeps."""
+    from miles_core.args import ArgumentError
+    from miles_launch.job import LauncherState
+    from miles_launch.rollout.draw import draw_groups
+    from miles_launch.rollout.filtering import group_filter
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    flag = ["--dynamic-sampling-filter-path", "hooks:keep_mixed_groups"]
+    args = parse(tmp_path, "--dynamic-filter", *flag)
+    rewards = {0: [0.5, 0.5, 0.5], 1: [0.0, 0.5, 0.25], 2: [1.0, 0.0, 0.5]}  # by index % 3
+    prompts = [Prompt(i, str(i), None, (1,)) for i in range(9)]
+
+    def generate(items):
+        return [
+            [GeneratedSample(p, pos, [1], [-1.0], "", "stop", 1, r) for r in rewards[p.index % 3]]
+            for p, pos in items
+        ]
+
+    def draw(dynamic_filter):
+        kept, info = draw_groups(
+            LauncherState(0, 0), lambda start, n: [(prompts[i], i) for i in range(start, start + n)],
+            generate, want=2, max_draws=5, dynamic_filter=dynamic_filter,
+        )  # fmt: skip
+        return [g[0].prompt.index for g in kept], info["groups_dropped"]
+
+    assert draw(group_filter(args)) == ([2, 5], 4)  # 0, 1, 3, 4 dropped
+    assert draw(True) == ([1, 2], 1)  # the default rule keeps 1 (rewards not all equal)
+    with pytest.raises(
+        ArgumentError, match="--dynamic-sampling-filter-path requires --dynamic-filter"
+    ):
+        parse(tmp_path, *flag)
+    with pytest.raises(ArgumentError, match="hooks has no function nope"):
+        parse(tmp_path, "--dynamic-filter", "--dynamic-sampling-filter-path", "hooks:nope")
+    args.dynamic_sampling_filter_path = "rm_fixtures:group_size"  # a number, not a bool
+    with pytest.raises(ValueError, match="--dynamic-sampling-filter-path: expected True or False"):
+        group_filter(args).keep(generate([(prompts[1], 1)])[0])
 
 
 # ---------------------------------------------------------------------- Parquet, metadata

@@ -44,6 +44,7 @@ class LossConfig:
     tis_clip_low: float = 0.0
     calculate_per_token_loss: bool = False
     temperature: float = 1.0
+    policy_loss: str = "ppo"
 
     def __post_init__(self) -> None:
         if self.advantage_estimator not in ESTIMATORS:
@@ -67,6 +68,18 @@ class LossConfig:
             )
         if self.temperature <= 0:
             raise ValueError(f"--rollout-temperature must be > 0, got {self.temperature}")
+        from miles_core.args.groups.algorithm import policy_loss_conflict
+
+        conflict = policy_loss_conflict(self)
+        if conflict:
+            raise ValueError(conflict)
+
+    @property
+    def token_sum(self) -> bool:
+        """The policy loss sums the masked tokens and divides by the step's denominator:
+        ``--calculate-per-token-loss`` (token mean) and ``dr_grpo`` (token sum per response,
+        mean over the responses: its denominator counts samples)."""
+        return self.calculate_per_token_loss or self.advantage_estimator == "dr_grpo"
 
     @property
     def clip_high(self) -> float:
@@ -158,6 +171,27 @@ def tis_weights(
     return w, (w != raw).float()
 
 
+def cispo_loss(
+    log_ratio: torch.Tensor,
+    log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO's per-token loss (MiniMax-M1, arXiv:2506.13585): the importance weight
+    is clipped and detached, never the token's gradient::
+
+        loss = -sg[clamp(r, 1 - e_lo, 1 + e_hi)] * A * log pi,   r = exp(clamp(log_ratio, +-20))
+
+    so every token contributes ``-clamp(r) A grad log pi``. Returns ``(loss, clipped)``, the
+    latter 1.0 where the clamp changed ``r``.
+    """
+    high = eps_clip if eps_clip_high is None else eps_clip_high
+    ratio = log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    weight = ratio.clamp(1.0 - eps_clip, 1.0 + high)
+    return -weight * advantages * log_probs, (weight != ratio).float()
+
+
 def compute_policy_loss(
     log_probs: torch.Tensor,
     *,
@@ -180,25 +214,30 @@ def compute_policy_loss(
                + kl_loss_coef * agg(kl_estimate(log pi, log pi_ref, --kl-loss-type))  --use-kl-loss
 
     ``log_ratio`` is ``log pi - log pi_old`` or, for ``--advantage-estimator gspo``,
-    :func:`gspo_log_ratio`. ``agg`` is :func:`~miles_core.aggregation.aggregate` (token mean
-    with ``--calculate-per-token-loss``, else sequence mean, which needs ``sample_ids``;
-    ``sample_loss_tokens`` is passed on to it).
+    :func:`gspo_log_ratio`; ``--policy-loss cispo`` takes :func:`cispo_loss` in place of
+    ``ppo_clip_loss``. ``agg`` is :func:`~miles_core.aggregation.aggregate` (token mean with
+    ``--calculate-per-token-loss``, token sum over the step's sample count for ``dr_grpo``,
+    else sequence mean, which needs ``sample_ids``; ``sample_loss_tokens`` is passed on to it).
+    Under ``dr_grpo`` the metrics other than ``loss`` and ``pg_loss`` are sequence means.
 
     Metrics (detached, shares of step means): ``loss``, ``pg_loss``, ``pg_clipfrac``,
     ``pg_dual_clipfrac``, ``ppo_kl`` (approximate KL, mean of ``log pi_old - log pi``), and when
     applicable ``entropy``, ``kl_loss``, ``tis`` (mean weight), ``tis_clipfrac``.
     """
 
-    def agg(values: torch.Tensor) -> torch.Tensor:
+    def agg(values: torch.Tensor, token_sum: bool = config.token_sum) -> torch.Tensor:
         return aggregate(
             values,
             loss_mask,
             denominator,
-            config.calculate_per_token_loss,
+            token_sum,
             sample_ids=sample_ids,
             num_samples=num_samples,
             sample_loss_tokens=sample_loss_tokens,
         )
+
+    def mean(values: torch.Tensor) -> torch.Tensor:  # a metric: a mean under dr_grpo too
+        return agg(values, config.calculate_per_token_loss)
 
     if config.advantage_estimator == "gspo":
         if sample_ids is None or num_samples is None:
@@ -206,9 +245,15 @@ def compute_policy_loss(
         log_ratio = gspo_log_ratio(log_probs, old_log_probs, loss_mask, sample_ids, num_samples)
     else:
         log_ratio = log_probs - old_log_probs
-    pg, clipped, dual_clipped = ppo_clip_loss(
-        log_ratio, advantages, config.eps_clip, config.clip_high, config.eps_clip_c
-    )
+    if config.policy_loss == "cispo":
+        pg, clipped = cispo_loss(
+            log_ratio, log_probs, advantages, config.eps_clip, config.clip_high
+        )
+        dual_clipped = torch.zeros_like(clipped)
+    else:
+        pg, clipped, dual_clipped = ppo_clip_loss(
+            log_ratio, advantages, config.eps_clip, config.clip_high, config.eps_clip_c
+        )
     metrics: dict[str, torch.Tensor] = {}
     if config.use_tis:
         if rollout_log_probs is None:
@@ -217,25 +262,24 @@ def compute_policy_loss(
             old_log_probs, rollout_log_probs, config.tis_clip, config.tis_clip_low
         )
         pg = pg * w
-        metrics["tis"] = agg(w).detach()
-        metrics["tis_clipfrac"] = agg(truncated).detach()
+        metrics["tis"] = mean(w).detach()
+        metrics["tis_clipfrac"] = mean(truncated).detach()
     pg_loss = agg(pg)
     loss = pg_loss
     metrics["pg_loss"] = pg_loss.detach()
-    metrics["pg_clipfrac"] = agg(clipped).detach()
-    metrics["pg_dual_clipfrac"] = agg(dual_clipped).detach()
-    metrics["ppo_kl"] = agg((old_log_probs - log_probs).detach())
+    metrics["pg_clipfrac"] = mean(clipped).detach()
+    metrics["pg_dual_clipfrac"] = mean(dual_clipped).detach()
+    metrics["ppo_kl"] = mean((old_log_probs - log_probs).detach())
     if entropy is not None:
-        ent = agg(entropy)
-        metrics["entropy"] = ent.detach()
+        metrics["entropy"] = mean(entropy.detach())
         if config.entropy_coef != 0.0:
-            loss = loss - config.entropy_coef * ent
+            loss = loss - config.entropy_coef * agg(entropy)
     if config.use_kl_loss:
         if ref_log_probs is None:
             raise ValueError("--use-kl-loss needs reference log-probs")
-        kl_loss = agg(kl_estimate(log_probs, ref_log_probs, config.kl_loss_type))
-        metrics["kl_loss"] = kl_loss.detach()
-        loss = loss + config.kl_loss_coef * kl_loss
+        kl = kl_estimate(log_probs, ref_log_probs, config.kl_loss_type)
+        metrics["kl_loss"] = mean(kl.detach())
+        loss = loss + config.kl_loss_coef * agg(kl)
     metrics["loss"] = loss.detach()
     return loss, metrics
 

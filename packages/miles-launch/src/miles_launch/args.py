@@ -8,6 +8,7 @@ tri-states are resolved by miles-core's offload group. ``--tensorboard-dir`` is 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -266,6 +267,12 @@ class RolloutArgs(ArgGroup):
         help="Drop prompt groups whose rewards are all equal (no learning signal) and draw "
         "more prompts until the rollout is full.",
     )
+    dynamic_sampling_filter_path: str | None = flag(
+        None,
+        metavar="MODULE:FUNC",
+        help="Under --dynamic-filter: keep a finished prompt group when FUNC(args, group) "
+        "returns True (in place of 'its rewards are not all equal').",
+    )
     dynamic_filter_max_draws: int = flag(
         4, metavar="N", help="Most prompt batches drawn per rollout under --dynamic-filter."
     )
@@ -323,6 +330,18 @@ class RolloutArgs(ArgGroup):
         None,
         metavar="N",
         help="Most tokens per evaluation response (unset: --rollout-max-response-len).",
+    )
+    skip_eval_before_train: bool = flag(
+        False,
+        help="Do not evaluate before the first rollout (by default a run that starts at "
+        "rollout 0 with --eval-prompt-data evaluates the initial weights first).",
+    )
+    pass_threshold: float = flag(
+        1.0,
+        metavar="F",
+        help="A sample passes (pass@k of eval sets and training rollouts) when its reward is at "
+        "least F. The default 1.0 is the maximum of the built-in rewards; for a custom or "
+        "remote reward set your task's pass criterion.",
     )
     fully_async: bool = flag(
         False,
@@ -388,6 +407,12 @@ class RolloutArgs(ArgGroup):
                 f"--custom-rm-path {args.custom_rm_path!r}: expected MODULE:FUNCTION"
             )
         requires(args, "eval_interval", "eval_prompt_data")
+        requires(args, "skip_eval_before_train", "eval_prompt_data")
+        requires(args, "dynamic_sampling_filter_path", "dynamic_filter")
+        if not math.isfinite(args.pass_threshold):
+            raise ArgumentError(
+                f"--pass-threshold must be a finite number, got {args.pass_threshold}"
+            )
         requires(args, "eval_prompt_data", "eval_interval")
         eval_weights = getattr(args, "eval_weights", "actor")
         if args.fully_async and eval_weights != getattr(args, "rollout_weights", "actor"):
@@ -414,6 +439,10 @@ class RolloutArgs(ArgGroup):
         if routing_replay_on(args) and args.hf_checkpoint is not None:  # a MoE config
             read_layout(str(args.hf_checkpoint))
         check_stop_token_ids(args)
+        if args.dynamic_sampling_filter_path:
+            from miles_core.user_functions import load_function
+
+            load_function(args.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
         if args.custom_generate_function_path:
             from miles_launch.rollout.custom_generate import load_generate_function
 

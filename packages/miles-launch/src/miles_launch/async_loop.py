@@ -32,6 +32,7 @@ from miles_core.save_trigger import SaveTrigger
 from miles_launch.job import Job
 from miles_launch.loop import (
     add_eval,
+    eval_before_training,
     make_generator,
     publish,
     rollout_stats,
@@ -40,7 +41,7 @@ from miles_launch.loop import (
     save_point,
 )
 from miles_launch.reporting import rank0_metrics
-from miles_launch.rollout.filtering import GroupFilter, groups_in_flight
+from miles_launch.rollout.filtering import group_filter, groups_in_flight
 from miles_launch.rollout.generate import GeneratedSample, all_or_cancel, to_rollout_batch
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class Producer:
         self.lock = threading.Lock()
         self.request_intervals: list[tuple[float, float]] = []
         self.in_flight_since: dict[int, float] = {}
-        self.group_filter = GroupFilter(job.args.dynamic_filter)
+        self.group_filter = group_filter(job.args)
         self.thread = threading.Thread(target=self._run, name="miles-producer", daemon=True)
 
     def start(self) -> None:
@@ -171,6 +172,7 @@ def run_async(job: Job) -> list[dict[str, Any]]:
     publish(job)
     version = int(engines.weight_versions()[0])
     job.reporter.print(f"engines ready, weight version {version} (fully async)")
+    eval_before_training(job)
     producer = Producer(job)
     producer.start()
     records = []
@@ -203,7 +205,7 @@ def run_async(job: Job) -> list[dict[str, Any]]:
                 publish(job)
                 version = int(engines.weight_versions()[0])
             times["update"] = time.monotonic() - t
-            stats = rollout_stats(groups)
+            stats = rollout_stats(groups, args.pass_threshold)
             stats.update(
                 staleness_mean=sum(staleness) / max(len(staleness), 1),
                 staleness_max=max(staleness, default=0),

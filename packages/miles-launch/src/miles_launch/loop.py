@@ -5,6 +5,7 @@
     [--offload-rollout: engines release KV cache and CUDA graphs]  [--offload-train: sleep]
     update_weights                                   (engines start from the trainer's weights)
     [--offload-rollout: engines resume KV cache and CUDA graphs]
+    eval before training (from rollout 0 with --eval-prompt-data; --skip-eval-before-train)
     for rollout_id in range(next_rollout_id, --num-rollout):
         generate --rollout-batch-size prompts x --n-samples-per-prompt, score, filter
         [--offload-rollout: engines release weights, KV cache, CUDA graphs]
@@ -41,7 +42,8 @@ from miles_launch.reporting import rank0_metrics
 from miles_launch.rollout.custom_generate import load_generate_function
 from miles_launch.rollout.debug_data import save_rollout_data
 from miles_launch.rollout.draw import draw_groups
-from miles_launch.rollout.evaluation import eval_metrics
+from miles_launch.rollout.evaluation import eval_metrics, pass_at_ks
+from miles_launch.rollout.filtering import group_filter
 from miles_launch.rollout.generate import (
     GeneratedSample,
     Generator,
@@ -97,6 +99,7 @@ def make_generator(job: Job, check_alive: Callable[[str], Any]) -> Generator:
         custom_generate=load_generate_function(path) if path else None,
         tokenizer=job.tokenizer,
         abort_urls=job.engines.urls if job.args.partial_rollout else None,
+        passes=group_filter(job.args).passes,
     )
 
 
@@ -145,7 +148,7 @@ def collect_rollout(job: Job, rollout_id: int) -> tuple[list[list[GeneratedSampl
         ),
         want=args.rollout_batch_size,
         max_draws=args.dynamic_filter_max_draws if args.dynamic_filter else 1,
-        dynamic_filter=args.dynamic_filter,
+        dynamic_filter=group_filter(args),
         over_sampling=args.over_sampling_batch_size,
         partial=job.partial if args.partial_rollout else None,
     )
@@ -154,7 +157,9 @@ def collect_rollout(job: Job, rollout_id: int) -> tuple[list[list[GeneratedSampl
     return groups, info
 
 
-def rollout_stats(groups: list[list[GeneratedSample]]) -> dict[str, Any]:
+def rollout_stats(groups: list[list[GeneratedSample]], pass_threshold: float) -> dict[str, Any]:
+    """The rollout section of a record: reward and length statistics, the share of trained
+    tokens, pass@k of the prompt groups (``--pass-threshold``), the weight versions."""
     samples = [s for g in groups for s in g]
     rewards = [s.reward for s in samples]
     versions = sorted({s.weight_version for s in samples if s.weight_version is not None})
@@ -168,6 +173,7 @@ def rollout_stats(groups: list[list[GeneratedSample]]) -> dict[str, Any]:
         )
         / sum(len(s.response_ids) for s in samples),
         "num_samples": len(samples),
+        **pass_at_ks(groups, pass_threshold),
         "generated_with_versions": versions,
     }
 
@@ -181,7 +187,7 @@ def save_debug_rollout(
     if template:
         info = {
             "prompt_ids": [g[0].prompt.index for g in groups],
-            "rollout": {**rollout_stats(groups), **extra},
+            "rollout": {**rollout_stats(groups, job.args.pass_threshold), **extra},
             "data_position": job.state.data_position,
         }
         save_rollout_data(template, rollout_id, batch, info)
@@ -207,7 +213,8 @@ def run_eval(job: Job, rollout_id: int) -> dict[str, dict[str, float]]:
         for name, prompts in job.eval_prompts.items():
             items = [(p, -1 - p.index) for p in prompts]
             n = args.n_samples_per_eval_prompt
-            results[name] = eval_metrics(generate_groups(job, items, n, f"eval {name}", cfg))
+            groups = generate_groups(job, items, n, f"eval {name}", cfg)
+            results[name] = eval_metrics(groups, args.pass_threshold)
     finally:
         if swap:
             logger.info("eval: publishing the rollout weights back")
@@ -228,6 +235,20 @@ def add_eval(job: Job, record: dict[str, Any]) -> None:
     t = time.monotonic()
     record["eval"] = run_eval(job, rollout_id)
     record["time"]["eval"] = time.monotonic() - t
+
+
+def eval_before_training(job: Job) -> None:
+    """Evaluate the initial weights and report them as the record of rollout -1 (``eval``
+    and ``time.eval`` only), when the run starts at rollout 0 with eval sets and without
+    ``--skip-eval-before-train``: the baseline every later eval compares with."""
+    args = job.args
+    if job.state.next_rollout_id != 0 or not args.eval_prompt_data or args.skip_eval_before_train:
+        return
+    t = time.monotonic()
+    results = run_eval(job, -1)
+    job.reporter.rollout(
+        {"rollout_id": -1, "eval": results, "time": {"eval": time.monotonic() - t}}
+    )
 
 
 def save_point(job: Job, rollout_id: int, trigger: SaveTrigger | None) -> bool:
@@ -388,6 +409,7 @@ def run_sync(job: Job) -> list[dict[str, Any]]:
     cycle.first_publish(lambda: publish(job))
     version = engines.weight_versions()[0]
     job.reporter.print(f"engines ready, weight version {version} ({time.monotonic() - t0:.1f}s)")
+    eval_before_training(job)
     records = []
     for rollout_id in range(job.state.next_rollout_id, args.num_rollout):
         times: dict[str, float] = {}
@@ -412,7 +434,7 @@ def run_sync(job: Job) -> list[dict[str, Any]]:
             "rollout_id": rollout_id,
             "data_position": position,
             "prompt_ids": [g[0].prompt.index for g in groups],
-            "rollout": {**rollout_stats(groups), **filter_info},
+            "rollout": {**rollout_stats(groups, args.pass_threshold), **filter_info},
             "train": train_metrics,
             "time": times,
             "weight_version": version,

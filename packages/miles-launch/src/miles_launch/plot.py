@@ -1,13 +1,23 @@
 """``miles plot RUN_DIR``: a run's curves per rollout as one PNG, from its metrics JSONL.
 
 Reads ``RUN_DIR/metrics.jsonl`` (``--metrics-jsonl`` of the run; ``--metrics FILE`` for another
-name) and writes ``RUN_DIR/run.png`` (``--output PNG``), five panels over the rollout id:
+name) and writes ``RUN_DIR/run.png`` (``--output PNG``), ten panels over the rollout id, in two
+columns. The run:
 
-* reward: mean, with the min..max band, and each eval set's ``reward_mean``;
+* reward: mean, with the min..max band, and each eval set's ``reward_mean`` (the evaluation
+  before training at rollout -1);
 * KL: the train metrics ``ppo_kl`` and ``kl_loss`` (those present);
 * entropy: the train metric ``entropy``;
 * response length: ``response_len_mean``;
 * phase times: seconds of each phase (``gen``, ``train``, ``save``, ``update``, ``eval``, ...).
+
+The optimisation:
+
+* pass@k: the training rollouts' and each eval set's pass@1 and pass@k at their largest k;
+* gradient norm: ``grad_norm`` of the actor and (``--use-critic``) the critic;
+* clip fraction: ``pg_clipfrac``, ``pg_dual_clipfrac`` and the critic's ``value_clipfrac``;
+* value loss: the critic's ``value_loss``;
+* TIS: the mean weight ``tis`` and ``tis_clipfrac`` (``--use-tis``).
 
 A panel whose metric the run did not record says so. Bad arguments (no such directory, no
 metrics file, no rollout records) are one ``error:`` line and exit status 2.
@@ -63,7 +73,7 @@ def _plot_lines(ax: Any, records: list[dict], lines: list[tuple[str, str, str]])
         xs, ys = _series(records, section, key)
         if xs:
             # a metric of some rollouts only (eval time): points, no line across the gaps
-            style = "-" if len(xs) == len(records) else "none"
+            style = "-" if len(xs) >= sum(r["rollout_id"] >= 0 for r in records) else "none"
             ax.plot(xs, ys, marker="o", markersize=3, linestyle=style, label=label)
             drawn = True
     if drawn:
@@ -74,8 +84,35 @@ def _plot_lines(ax: Any, records: list[dict], lines: list[tuple[str, str, str]])
                 transform=ax.transAxes, fontsize=9, color="gray")  # fmt: skip
 
 
+def _pass_keys(metrics: dict[str, Any]) -> list[str]:
+    """``pass@1`` and the pass@k of the largest k among ``metrics``' keys (those present)."""
+    ks = sorted(int(k[5:]) for k in metrics if k.startswith("pass@") and k[5:].isdigit())
+    return [f"pass@{k}" for k in dict.fromkeys([ks[0], ks[-1]])] if ks else []
+
+
+def _plot_pass_at_k(ax: Any, records: list[dict]) -> None:
+    keys = {k for r in records for k in _pass_keys(r.get("rollout", {}))}
+    lines = [("rollout", k, f"rollout {k}") for k in sorted(keys, key=lambda k: int(k[5:]))]
+    if lines:
+        _plot_lines(ax, records, lines)
+    sets = sorted({name for r in records for name in r.get("eval", {})})
+    for name in sets:
+        for key in sorted(
+            {k for r in records for k in _pass_keys(r.get("eval", {}).get(name, {}))},
+            key=lambda k: int(k[5:]),
+        ):
+            pts = [(r["rollout_id"], r["eval"][name][key]) for r in records
+                   if key in r.get("eval", {}).get(name, {})]  # fmt: skip
+            ax.plot(*zip(*pts), marker="s", linestyle="--", label=f"eval {name} {key}")
+    if ax.get_lines():
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "not recorded (rollout/pass@k, eval/<set>/pass@k)", ha="center",
+                va="center", transform=ax.transAxes, fontsize=9, color="gray")  # fmt: skip
+
+
 def write_run_plot(records: list[dict[str, Any]], path: Path, title: str) -> None:
-    """The five panels (module docstring) of ``records`` as a PNG at ``path``."""
+    """The ten panels (module docstring) of ``records`` as a PNG at ``path``."""
     import matplotlib.pyplot as plt
 
     fig = run_figure(records, title)
@@ -84,16 +121,18 @@ def write_run_plot(records: list[dict[str, Any]], path: Path, title: str) -> Non
 
 
 def run_figure(records: list[dict[str, Any]], title: str) -> Any:
-    """The matplotlib figure of :func:`write_run_plot` (axes: reward, KL, entropy, response
-    length, phase times)."""
+    """The matplotlib figure of :func:`write_run_plot` (``fig.axes`` row by row: reward,
+    pass@k, KL, gradient norm, entropy, clip fraction, response length, value loss, phase
+    times, TIS)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(5, 1, figsize=(8, 13), sharex=True)
-    reward, kl, entropy, length, times = axes
+    fig, axes = plt.subplots(5, 2, figsize=(14, 13), sharex=True)
+    reward, kl, entropy, length, times = axes[:, 0]
+    passes, grad, clip, value, tis = axes[:, 1]
 
     xs, mean = _series(records, "rollout", "reward_mean")
     _, low = _series(records, "rollout", "reward_min")
@@ -122,7 +161,24 @@ def run_figure(records: list[dict[str, Any]], title: str) -> Any:
     times.set_xlabel("rollout")
     times.xaxis.set_major_locator(MaxNLocator(integer=True))  # rollout ids, not 0.5 steps
 
-    for ax in axes:
+    _plot_pass_at_k(passes, records)
+    passes.set_ylabel("pass@k")
+    _plot_lines(grad, records, [("train", "grad_norm", "actor"),
+                                ("train", "critic/grad_norm", "critic")])  # fmt: skip
+    grad.set_ylabel("gradient norm")
+    _plot_lines(clip, records, [("train", "pg_clipfrac", "pg_clipfrac"),
+                                ("train", "pg_dual_clipfrac", "pg_dual_clipfrac"),
+                                ("train", "critic/value_clipfrac", "value_clipfrac")])  # fmt: skip
+    clip.set_ylabel("clip fraction")
+    _plot_lines(value, records, [("train", "critic/value_loss", "value_loss")])
+    value.set_ylabel("value loss")
+    _plot_lines(tis, records, [("train", "tis", "mean weight"),
+                               ("train", "tis_clipfrac", "tis_clipfrac")])  # fmt: skip
+    tis.set_ylabel("TIS")
+    tis.set_xlabel("rollout")
+    tis.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+    for ax in axes.flat:
         ax.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
@@ -159,5 +215,6 @@ def main(argv: list[str]) -> None:
     except PlotError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
-    write_run_plot(records, ns.output, title=f"{ns.run_dir}: {len(records)} rollouts")
+    rollouts = sum(r["rollout_id"] >= 0 for r in records)  # rollout -1: the eval before training
+    write_run_plot(records, ns.output, title=f"{ns.run_dir}: {rollouts} rollouts")
     print(f"miles plot: wrote {ns.output}")

@@ -9,6 +9,10 @@ After a rollout that evaluated, one line per eval set::
 
     eval after rollout 3 | gsm8k | reward_mean 0.4000 | response_len_mean 7.5000 | pass@1 ...
 
+The evaluation before training is the record of rollout -1, with ``eval`` and ``time.eval``
+only: its lines read ``eval before training | ...``, TensorBoard and the JSONL file have it at
+step -1, W&B (whose steps start at 0) at step 0.
+
 Scalars go to TensorBoard under ``--tensorboard-dir`` (miles-core's reporting group) as
 ``rollout/<name>``, ``train/<name>``, ``time/<phase>`` (``time/eval`` included) and
 ``eval/<set>/<name>``; to W&B with ``--use-wandb`` when ``wandb`` is installed; and as one
@@ -75,12 +79,15 @@ class Reporter:
 
     # ------------------------------------------------------------------ per rollout
     def rollout(self, record: dict[str, Any]) -> None:
-        """One rollout's record: the summary line, scalars and the JSONL line."""
-        self.print(summary_line(record, self.num_rollout))
+        """One rollout's record: the summary line, scalars and the JSONL line (the record of
+        the evaluation before training: its eval lines, scalars and JSONL line)."""
+        trained = "rollout" in record
+        if trained:
+            self.print(summary_line(record, self.num_rollout))
         for line in eval_lines(record):
             self.print(line)
         step = int(record["rollout_id"])
-        if self.train_bar is None:
+        if trained and self.train_bar is None:
             self.train_bar = tqdm(
                 total=self.num_rollout,
                 initial=step,
@@ -89,14 +96,15 @@ class Reporter:
                 disable=not self.show_progress,
                 dynamic_ncols=True,
             )
-        self.train_bar.update(1)
+        if trained:
+            self.train_bar.update(1)
         scalars = flatten_scalars(record)
         if self.tb is not None:
             for name, value in scalars.items():
                 self.tb.add_scalar(name, value, step)
             self.tb.flush()
         if self.wandb is not None:
-            self.wandb.log(scalars, step=step)
+            self.wandb.log(scalars, step=max(step, 0))
         if self.jsonl_path:
             with open(self.jsonl_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record, sort_keys=True) + "\n")
@@ -135,11 +143,10 @@ def summary_line(record: dict[str, Any], num_rollout: int) -> str:
 
 def eval_lines(record: dict[str, Any]) -> list[str]:
     """One line per eval set of ``record`` (none when it did not evaluate)."""
+    rollout_id = record["rollout_id"]
+    when = f"eval after rollout {rollout_id}" if rollout_id >= 0 else "eval before training"
     return [
-        " | ".join(
-            [f"eval after rollout {record['rollout_id']}", name]
-            + [f"{k} {v:.4f}" for k, v in metrics.items()]
-        )
+        " | ".join([when, name] + [f"{k} {v:.4f}" for k, v in metrics.items()])
         for name, metrics in record.get("eval", {}).items()
     ]
 

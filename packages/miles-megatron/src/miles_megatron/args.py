@@ -75,6 +75,11 @@ class MegatronArgs(ArgGroup):
 
     @classmethod
     def validate(cls, args: Any) -> None:
+        if getattr(args, "critic_hf_checkpoint", None):
+            raise ArgumentError(
+                "--critic-hf-checkpoint is not supported by the Megatron backend yet (its critic "
+                "shares the actor's architecture flags); use --train-backend fsdp"
+            )
         if getattr(args, "use_critic", False):
             for dest in CRITIC_UNPROVEN:
                 if getattr(args, dest, 1) > 1:

@@ -29,14 +29,15 @@ def draw_groups(
     *,
     want: int,
     max_draws: int,
-    dynamic_filter: bool,
+    dynamic_filter: bool | GroupFilter,
     over_sampling: int | None = None,
     partial: PartialBuffer | None = None,
 ) -> tuple[list[list[GeneratedSample]], dict]:
     """Draw prompt groups from the stream at ``state.data_position`` until ``want`` are kept.
 
-    Without ``dynamic_filter``: the next ``want`` prompts, once. With it: groups whose rewards
-    are all equal are dropped and prompts are drawn again, at most ``max_draws`` times in all;
+    Without ``dynamic_filter``: the next ``want`` prompts, once. With it (a flag, or the job's
+    :class:`GroupFilter` with its rule): groups whose rewards are all equal (or that the rule
+    rejects) are dropped and prompts are drawn again, at most ``max_draws`` times in all;
     each draw is the number of groups still missing, or ``over_sampling`` groups
     (``--over-sampling-batch-size``) of which the first passing ones in stream order are kept
     (the passing rest is counted in ``groups_surplus``). When nothing survived, the last draw
@@ -47,7 +48,10 @@ def draw_groups(
     short are put back (``groups_carried``; ``groups_resumed``: those taken from the buffer;
     ``samples_continued``: kept samples that began in an earlier rollout).
     """
-    group_filter = GroupFilter(dynamic_filter)
+    if isinstance(dynamic_filter, GroupFilter):
+        group_filter = dynamic_filter
+    else:
+        group_filter = GroupFilter(dynamic_filter)
     kept: list[list[GeneratedSample]] = []
     surplus = draws = 0
     last: list[list[GeneratedSample]] = []

@@ -1,13 +1,21 @@
-"""Evaluation metrics of one eval set: reward mean, response length and pass@k.
+"""pass@k and the evaluation metrics of one eval set: reward mean, response length, pass@k.
 
-A sample *passes* when its reward is positive. pass@k is the unbiased estimate of the chance
-that at least one of ``k`` samples of a prompt passes, from its ``n`` samples of which ``c``
-passed (``1 - C(n - c, k) / C(n, k)``, averaged over the prompts), for ``k = 1, 2, 4, ...`` up
-to ``n = --n-samples-per-eval-prompt`` and ``k = n`` itself.
+A sample *passes* when its reward is at least ``--pass-threshold`` (default 1.0: the maximum
+of both built-in rewards, so a sample passes when it earned the task's full reward; a shaped
+reward's partial credit, e.g. 0.5 for calling a tool, is no pass). For a custom or remote
+reward, set it to that reward's pass criterion.
+
+pass@k is the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained
+on Code", eq. 1): the chance that at least one of ``k`` samples of a prompt passes, from its
+``n`` samples of which ``c`` passed, ``1 - C(n - c, k) / C(n, k)``, averaged over the prompts.
+Each prompt group uses its own ``n`` (a custom generate function may return several samples
+per call, so groups can differ in size); ``k`` runs over ``1, 2, 4, ...`` below the smallest
+group's ``n`` and that ``n`` itself (every ``k`` is then defined for every group).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -33,16 +41,25 @@ def pass_ks(n: int) -> list[int]:
     return [*ks, n]
 
 
-def eval_metrics(groups: list[list[Any]]) -> dict[str, float]:
+def pass_at_ks(groups: Sequence[Sequence[Any]], threshold: float) -> dict[str, float]:
+    """``{"pass@k": ...}`` of prompt groups (samples with a ``reward``; a sample passes when
+    ``reward >= threshold``), each group with its own ``n``; see the module docstring."""
+    groups = [g for g in groups if len(g)]
+    if not groups:
+        return {}
+    counts = [(len(g), sum(1 for s in g if s.reward >= threshold)) for g in groups]
+    return {
+        f"pass@{k}": sum(pass_at_k(n, c, k) for n, c in counts) / len(counts)
+        for k in pass_ks(min(n for n, _ in counts))
+    }
+
+
+def eval_metrics(groups: list[list[Any]], threshold: float = 1.0) -> dict[str, float]:
     """``reward_mean``, ``response_len_mean``, ``pass@k`` of the groups (samples with
-    ``reward`` and ``response_ids``; every group as long as the first)."""
+    ``reward`` and ``response_ids``); ``threshold``: ``--pass-threshold``."""
     samples = [s for g in groups for s in g]
-    n = len(groups[0])
-    metrics = {
+    return {
         "reward_mean": sum(s.reward for s in samples) / len(samples),
         "response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
+        **pass_at_ks(groups, threshold),
     }
-    for k in pass_ks(n):
-        passed = [sum(1 for s in g if s.reward > 0) for g in groups]
-        metrics[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in passed) / len(groups)
-    return metrics

@@ -119,6 +119,7 @@ class Generator:
         custom_generate: GenerateFunction | None = None,
         tokenizer: Any = None,
         abort_urls: list[str] | None = None,
+        passes: Callable[[list[GeneratedSample]], bool] | None = None,
     ):
         self.clients = [
             AsyncEngineClient(url, api_key=api_key, timeout=timeout_s, retries=0) for url in urls
@@ -134,6 +135,9 @@ class Generator:
             for url in abort_urls or []
         ]
         self._aborting = False  # the draw is cut short: abort replies are partial samples
+        # --partial-rollout: whether a finished group counts towards ``need`` (the job's
+        # dynamic filter rule; default: its rewards are not all equal)
+        self.passes = passes or (lambda group: has_signal([s.reward for s in group]))
         self._next = 0
 
     def _client(self) -> AsyncEngineClient:
@@ -347,7 +351,7 @@ class Generator:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     group = task.result()
-                    if not unfinished(group) and has_signal([s.reward for s in group]):
+                    if not unfinished(group) and self.passes(group):
                         passing += 1
                 if passing >= need and pending and not self._aborting:
                     self._aborting = True

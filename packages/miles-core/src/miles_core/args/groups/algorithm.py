@@ -17,6 +17,35 @@ def kl_term_on(args: Any) -> bool:
     return bool(args.use_kl_loss) or args.kl_coef > 0
 
 
+def policy_loss_conflict(cfg: Any) -> str | None:
+    """The one-line reason the estimator, ``--policy-loss`` and the aggregation flags of
+    ``cfg`` (parsed flags or a :class:`~miles_core.losses.LossConfig`) do not define a loss
+    together, or None."""
+    estimator = cfg.advantage_estimator
+    per_token = cfg.calculate_per_token_loss
+    if estimator == "gspo" and per_token:
+        return (
+            "--advantage-estimator gspo cannot be used with --calculate-per-token-loss: GSPO's "
+            "objective is a mean over sequences (Zheng et al. 2025, arXiv:2507.18071); a token mean would "
+            "weight each sequence by its length"
+        )
+    if estimator == "dr_grpo" and per_token:
+        return (
+            "--advantage-estimator dr_grpo cannot be used with --calculate-per-token-loss: "
+            "Dr. GRPO sums each response's tokens and averages over the responses (Liu et al. "
+            "2025, arXiv:2503.20783)"
+        )
+    if getattr(cfg, "policy_loss", "ppo") == "cispo":
+        if estimator == "gspo":
+            return (
+                "--policy-loss cispo cannot be used with --advantage-estimator gspo: CISPO "
+                "clips token-level importance weights, GSPO's ratio is a sequence's"
+            )
+        if cfg.eps_clip_c is not None:
+            return "--eps-clip-c (dual clip) is PPO's: --policy-loss cispo does not use it"
+    return None
+
+
 @dataclass
 class AlgorithmArgs(ArgGroup):
     title: ClassVar[str] = "batch and algorithm"
@@ -48,8 +77,30 @@ class AlgorithmArgs(ArgGroup):
         "critic's (--use-critic).",
     )
     advantage_estimator: Literal[
-        "grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"
-    ] = flag("grpo", help="Advantage estimator (ppo needs a critic's values).")
+        "grpo",
+        "gspo",
+        "dr_grpo",
+        "rloo",
+        "reinforce_plus_plus",
+        "reinforce_plus_plus_baseline",
+        "ppo",
+    ] = flag(
+        "grpo",
+        help="Advantage estimator (docs/rl-math.md gives each formula; ppo needs a critic's "
+        "values).",
+    )
+    policy_loss: Literal["ppo", "cispo"] = flag(
+        "ppo",
+        help="The policy objective: ppo (clipped ratio surrogate) or cispo (clipped, detached "
+        "importance weight times the log-prob: every token keeps its gradient).",
+    )
+    custom_advantage_function_path: str | None = flag(
+        None,
+        metavar="MODULE:FUNC",
+        help="Advantages from FUNC(args, batch) -> one tensor per sample (or "
+        "miles_core.advantages.Advantages with returns, required under ppo) in place of the "
+        "estimator's; --advantage-estimator still picks the loss's form.",
+    )
     normalize_advantages: bool = flag(
         False, help="Whiten advantages over the response tokens of all DP ranks."
     )
@@ -133,6 +184,14 @@ class AlgorithmArgs(ArgGroup):
             raise ArgumentError(
                 "--kl-coef > 0 (KL in the reward) and --use-kl-loss are mutually exclusive"
             )
+        conflict = policy_loss_conflict(args)
+        if conflict:
+            raise ArgumentError(conflict)
+        if args.policy_loss != "ppo" and args.loss_type != "policy_loss":
+            raise ArgumentError(
+                f"--policy-loss {args.policy_loss} shapes --loss-type policy_loss, not "
+                f"{args.loss_type}"
+            )
         greater_than(args, "tis_clip", 0.0)
         at_least(args, "tis_clip_low", 0.0)
         if args.tis_clip_low >= args.tis_clip:
@@ -140,3 +199,16 @@ class AlgorithmArgs(ArgGroup):
                 f"--tis-clip-low ({args.tis_clip_low}) must be < --tis-clip ({args.tis_clip})"
             )
         greater_than(args, "rollout_temperature", 0.0)
+        if args.custom_advantage_function_path and args.kl_coef > 0:
+            raise ArgumentError(
+                "--custom-advantage-function-path with --kl-coef > 0: the function computes the "
+                "advantages, so --kl-coef would go unused; put a KL penalty in the function or "
+                "use --use-kl-loss"
+            )
+
+    @classmethod
+    def check_paths(cls, args: Any) -> None:
+        if args.custom_advantage_function_path:
+            from miles_core.user_functions import load_function
+
+            load_function(args.custom_advantage_function_path, "--custom-advantage-function-path")

@@ -1,6 +1,7 @@
 """The critic (``--use-critic``): a value model trained beside the actor for PPO.
 
-The critic is built by the actor's backend from ``--hf-checkpoint`` with a value head in place
+The critic is built by the actor's backend from ``--critic-hf-checkpoint`` (unset:
+``--hf-checkpoint``; another HF causal LM of the same vocabulary) with a value head in place
 of the LM head, trained with the clipped value loss (``--value-clip``) on the GAE returns of its
 own values (``--gamma``, ``--lambd``); the actor's advantages come from the same values. It has
 its own optimizer (``--critic-lr``, ``--critic-lr-warmup-iters``, the actor's other optimizer
@@ -23,7 +24,13 @@ from miles_core.args.flags import ArgGroup, ArgumentError, flag
 CRITIC_SUBDIR = "critic"
 
 #: Flags that need --use-critic.
-CRITIC_ONLY = ("critic_lr", "critic_lr_warmup_iters", "critic_load", "critic_save")
+CRITIC_ONLY = (
+    "critic_lr",
+    "critic_lr_warmup_iters",
+    "critic_load",
+    "critic_save",
+    "critic_hf_checkpoint",
+)
 
 
 @dataclass
@@ -38,6 +45,13 @@ class CriticArgs(ArgGroup):
     critic_lr: float | None = flag(None, help="Learning rate of the critic (unset: --lr).")
     critic_lr_warmup_iters: int | None = flag(
         None, help="Warm-up steps of the critic's learning rate (unset: --lr-warmup-iters)."
+    )
+    critic_hf_checkpoint: str | None = flag(
+        None,
+        metavar="DIR",
+        help="HF causal LM the critic starts from, its LM head replaced by the value head (same "
+        "vocabulary as --hf-checkpoint; unset: --hf-checkpoint). --critic-load still names the "
+        "critic checkpoint to resume from.",
     )
     critic_load: str | None = flag(
         None, metavar="DIR", help="Critic checkpoint to resume from (unset: <--load>/critic)."
@@ -69,13 +83,19 @@ class CriticArgs(ArgGroup):
         at_least(args, "critic_lr_warmup_iters", 0)
         if args.use_critic and args.kl_coef > 0:
             raise ArgumentError(
-                "--use-critic with --kl-coef > 0 (KL in the reward) is not supported: "
-                "use --use-kl-loss for a KL term"
+                "--use-critic with --kl-coef > 0 (KL in the reward) is not supported: the critic "
+                "trains on its returns before the actor computes the policy's and the "
+                "reference's log-probs that KL needs; use --use-kl-loss for a KL term"
             )
         if args.use_critic and args.loss_type != "policy_loss":
             raise ArgumentError(
                 f"--use-critic trains the actor with --loss-type policy_loss, not {args.loss_type}"
             )
+
+    @classmethod
+    def check_paths(cls, args: Any) -> None:
+        if args.critic_hf_checkpoint:
+            check_critic_checkpoint(args.critic_hf_checkpoint, args.hf_checkpoint)
 
     @classmethod
     def resolve_defaults(cls, args: Any) -> None:
@@ -87,10 +107,40 @@ class CriticArgs(ArgGroup):
             args.critic_load = os.path.join(args.load, CRITIC_SUBDIR)
 
 
+def _text_config(path: str) -> dict:
+    import json
+
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    return config.get("text_config") or config
+
+
+def check_critic_checkpoint(critic: str, actor: str | None) -> None:
+    """``--critic-hf-checkpoint``: an HF causal LM directory whose vocabulary size is the
+    actor's (the critic reads the actor's token ids)."""
+    flag_ = "--critic-hf-checkpoint"
+    if not os.path.isfile(os.path.join(critic, "config.json")):
+        raise ArgumentError(f"{flag_} {critic}: no config.json (an HF model directory)")
+    config = _text_config(critic)
+    architectures = config.get("architectures") or []
+    if any(not a.endswith("ForCausalLM") for a in architectures):
+        raise ArgumentError(
+            f"{flag_} {critic}: {', '.join(architectures)} is not a causal LM (a reward model's "
+            "own head is not loaded yet: give its causal LM base)"
+        )
+    if actor and os.path.isfile(os.path.join(actor, "config.json")):
+        ours, theirs = _text_config(actor).get("vocab_size"), config.get("vocab_size")
+        if ours != theirs:
+            raise ArgumentError(
+                f"{flag_} {critic}: vocab_size {theirs} differs from --hf-checkpoint's {ours} "
+                "(the critic reads the actor's token ids)"
+            )
+
+
 def critic_args(args: Any) -> Any:
     """The namespace the critic's backend is built with: a copy of ``args`` with
     ``--loss-type value_loss``, the ``--critic-*`` values in place of the actor's (learning
-    rate, warm-up, save and load directories), no RNG restore (the actor's checkpoint holds the
+    rate, warm-up, save and load directories, the HF checkpoint), no RNG restore (the actor's checkpoint holds the
     process's RNG state), its scalars in ``<--tensorboard-dir>/critic``, no profiler window (the
     actor's) and none of the actor-only roles (LoRA, EMA, reference, teacher, custom hooks)."""
     if not args.use_critic:
@@ -102,6 +152,8 @@ def critic_args(args: Any) -> Any:
         out.lr_warmup_iters = args.critic_lr_warmup_iters
     out.save = args.critic_save
     out.load = args.critic_load
+    if args.critic_hf_checkpoint:
+        out.hf_checkpoint = args.critic_hf_checkpoint
     out.load_rng = False
     out.use_lora = False
     out.lora_adapter_path = None

@@ -320,7 +320,8 @@ def init_ray(layout: Layout, address: str | None) -> None:
 
     if ray.is_initialized():
         return
-    env = {"env_vars": {"PYTHONUNBUFFERED": "1"}}
+    # workers' output reaches the driver's log line by line: no progress bars there (tqdm)
+    env = {"env_vars": {"PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}}
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
         return

@@ -25,30 +25,35 @@ from miles_core.args import (
     parse_args_or_exit,
     selected_backend,
 )
-from miles_core.backends import BackendNotInstalledError
-from miles_core.checkpoint_layout import CheckpointError
-from miles_core.engine import EngineError
 
-from miles_launch.engine_launch.process import EngineDied
 from miles_launch.plan import plan_lines
 from miles_launch.preflight import local_gpus, make_outputs, preflight
 from miles_launch.reporting import closing_lines, phase, start_clock
-from miles_launch.rollout.debug_data import DebugDataError
-from miles_launch.rollout.prompts import PromptDataError
-from miles_launch.trainer_group import TrainerFailure
 
 logger = logging.getLogger("miles_launch")
 
-#: Failures reported as one ``error:`` block (exit status 1) instead of a traceback.
-RUN_ERRORS = (
-    EngineDied,
-    EngineError,
-    TrainerFailure,
-    PromptDataError,
-    CheckpointError,
-    BackendNotInstalledError,
-    DebugDataError,
-)
+
+def run_errors() -> tuple[type[BaseException], ...]:
+    """Failures reported as one ``error:`` block (exit status 1) instead of a traceback
+    (imported when the job runs: the preflight's errors come before any of this loads)."""
+    from miles_core.backends import BackendNotInstalledError
+    from miles_core.checkpoint_layout import CheckpointError
+    from miles_core.engine import EngineError
+
+    from miles_launch.engine_launch.process import EngineDied
+    from miles_launch.rollout.debug_data import DebugDataError
+    from miles_launch.rollout.prompts import PromptDataError
+    from miles_launch.trainer_group import TrainerFailure
+
+    return (
+        EngineDied,
+        EngineError,
+        TrainerFailure,
+        PromptDataError,
+        CheckpointError,
+        BackendNotInstalledError,
+        DebugDataError,
+    )
 
 
 def compose(argv: list[str]) -> list:
@@ -127,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     phase("preflight passed")
     try:
         run(args)
-    except RUN_ERRORS as error:
+    except run_errors() as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(1)
 

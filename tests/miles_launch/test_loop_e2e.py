@@ -130,10 +130,10 @@ def test_lr_zero_gives_no_rise(tmp_path):
         "--use-ema", "--eval-weights", "ema",
     )  # fmt: skip
     eval_line = r"\| held-out \| reward_mean \d\.\d{4} \| response_len_mean \d+\.\d{4} \| pass@1 "
-    assert re.search(r"^eval after rollout 2 " + eval_line, out, re.M), out
-    assert re.search(r"^eval after rollout 5 " + eval_line, out, re.M)
+    assert re.search(r"^eval after rollout 3 " + eval_line, out, re.M), out
+    assert re.search(r"^eval after rollout 6 " + eval_line, out, re.M)
     versions = [int(line.split("[")[1].rstrip("])")) for line in _rollout_lines(out)]
-    # one publish per rollout, plus two around the eval after rollout 2 (EMA, then the actor)
+    # one publish per rollout, plus two around the eval after rollout 3 (EMA, then the actor)
     assert versions == [1, 2, 3, 6, 7, 8], out
     # the learning demo climbs by >= 0.2 over 12 rollouts; without updates the policy is fixed
     assert first >= 0.05

@@ -47,7 +47,7 @@ def test_scalars_reach_tensorboard_and_jsonl(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "rollout 4/12 | reward 0.500" in out
     assert (
-        "eval after rollout 3 | gsm8k | reward_mean 0.2500 | pass@1 0.2500 | pass@2 0.5000\n" in out
+        "eval after rollout 4 | gsm8k | reward_mean 0.2500 | pass@1 0.2500 | pass@2 0.5000\n" in out
     )
 
     events = EventAccumulator(str(tmp_path / "tb"))

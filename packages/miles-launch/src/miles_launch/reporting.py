@@ -159,10 +159,11 @@ def summary_line(record: dict[str, Any], num_rollout: int) -> str:
 
 
 def eval_lines(record: dict[str, Any]) -> list[str]:
-    """One line per eval set of ``record`` (none when it did not evaluate)."""
+    """One line per eval set of ``record`` (none when it did not evaluate); the rollout is
+    numbered from 1, as in the summary line."""
     return [
         " | ".join(
-            [f"eval after rollout {record['rollout_id']}", name]
+            [f"eval after rollout {record['rollout_id'] + 1}", name]
             + [f"{k} {v:.4f}" for k, v in metrics.items()]
         )
         for name, metrics in record.get("eval", {}).items()

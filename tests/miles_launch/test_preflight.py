@@ -368,3 +368,20 @@ def test_console_command_errors_in_seconds(tmp_path, hf_dir):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --hf-checkpoint is required"), lines
     assert seconds < 30, f"{seconds:.1f}s from the command to the error"
+
+
+# ------------------------------------------------------------------ no silent no-op
+def test_save_without_interval_saves_after_the_last_rollout(tmp_path):
+    """The loop's save point (miles_launch.loop.save_point) with --save and no --save-interval:
+    nothing before the last rollout, a checkpoint after it (on main: none at all)."""
+    from types import SimpleNamespace
+
+    from miles_launch.job import LauncherState
+    from miles_launch.loop import save_point
+
+    saved: list[int] = []
+    args = SimpleNamespace(save=str(tmp_path / "ckpt"), save_interval=None, num_rollout=3)
+    trainer = SimpleNamespace(save_model=lambda rollout_id, force_sync: saved.append(rollout_id))
+    job = SimpleNamespace(args=args, trainer=trainer, state=LauncherState(0, 0))
+    assert [save_point(job, r, None) for r in range(3)] == [False, False, True]
+    assert saved == [2] and (tmp_path / "ckpt" / "launcher" / "iter_0000003.json").is_file()

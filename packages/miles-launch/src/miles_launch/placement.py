@@ -311,9 +311,8 @@ def prepare_ray_env() -> None:
 def init_ray(layout: Layout, address: str | None) -> None:
     """Join ``address`` or start a local Ray sized to the job (logical CPUs = bundles + 1).
 
-    Local Ray gets as many logical GPUs as CUDA devices (0 without), a small object store, no
-    dashboard (so it starts on a 2-core machine) and token authentication (``RAY_AUTH_MODE``,
-    unless set).
+    Local Ray gets as many logical GPUs as CUDA devices (0 without), a small object store and
+    no dashboard, so it starts on a 2-core machine.
     """
     prepare_ray_env()
     import ray
@@ -328,9 +327,6 @@ def init_ray(layout: Layout, address: str | None) -> None:
         return
     env["env_vars"][NODE_IP_ENV] = "127.0.0.1"
     os.environ[NODE_IP_ENV] = "127.0.0.1"
-    # What Ray does for a new local cluster anyway (token authentication), said explicitly:
-    # left unset, Ray turns it on itself and warns that it did, first thing on every console.
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
     num_gpus = 0
     if layout.use_gpu:
         import torch

@@ -214,7 +214,7 @@ class Job:
             phase(f"starting {self.layout.num_engines} engine(s) on the trainer's GPUs")
             self.engines.start()
         self.engines.wait_ready()
-        phase("engines ready")
+        phase("engines healthy")
 
     def teardown(self, failed: bool = False) -> None:
         import ray

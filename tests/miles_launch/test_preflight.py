@@ -385,3 +385,16 @@ def test_save_without_interval_saves_after_the_last_rollout(tmp_path):
     job = SimpleNamespace(args=args, trainer=trainer, state=LauncherState(0, 0))
     assert [save_point(job, r, None) for r in range(3)] == [False, False, True]
     assert saved == [2] and (tmp_path / "ckpt" / "launcher" / "iter_0000003.json").is_file()
+
+
+def test_job_larger_than_this_machine(job, capsys, monkeypatch):
+    """Without --ray-address the local Ray gets this machine's GPUs: a job needing more bundles
+    than there are GPUs is refused (a placement group would wait for them for minutes)."""
+    import miles_launch.preflight as preflight_module
+
+    run, reached, _ = job
+    monkeypatch.setattr(preflight_module, "local_gpus", lambda: 2)
+    code, seconds = run()  # the demo: 2 trainer ranks + 1 engine GPU
+    line = one_error(capsys, code, reached, seconds)
+    assert line.startswith("error: the job needs 3 GPUs (2 trainer ranks + 1 for engines) and")
+    assert "--colocate" in line and "--ray-address" in line

@@ -225,6 +225,14 @@ def test_megatron_on_a_machine_without_cuda(megatron_job, capsys, monkeypatch):
     assert line.startswith("error: --train-backend megatron needs a CUDA device"), line
 
 
+def test_megatron_on_a_cluster_is_not_judged_by_the_driver(megatron_job, capsys, monkeypatch):
+    """With --ray-address the ranks run on the cluster's nodes: a driver without CUDA (a CPU
+    head node) says nothing about them."""
+    run, reached = megatron_job
+    monkeypatch.setattr(torch.cuda, "current_device", no_cuda)
+    assert run("--ray-address", "10.0.0.1:6379") == 0 and len(reached) == 1, capsys.readouterr()
+
+
 def test_megatron_where_current_device_answers(megatron_job, capsys, monkeypatch):
     """The CPU harness of the Megatron tests answers torch.cuda.current_device() with the CPU
     (tests/miles_megatron/megatron_shim.py): the backend runs there, so the job goes on."""

@@ -129,11 +129,16 @@ class MegatronArgs(ArgGroup):
 
     @classmethod
     def preflight(cls, args: Any) -> None:
-        """The job's driver: megatron-core puts its buffers, RNG trackers and streams on the
-        current CUDA device, so a machine whose torch answers no ``torch.cuda.current_device()``
-        cannot run it; ``--ref-load`` is an HF directory or a checkpoint of this backend."""
+        """The job's driver: ``--ref-load`` is an HF directory or a checkpoint of this backend;
+        megatron-core puts its buffers, RNG trackers and streams on the current CUDA device, so
+        a machine whose torch answers no ``torch.cuda.current_device()`` cannot run it (checked
+        when the ranks run here: not with ``--ray-address``, whose nodes the driver's machine
+        says nothing about)."""
         import torch
 
+        check_ref_load(args)
+        if getattr(args, "ray_address", None):
+            return  # the ranks run on the cluster's nodes, not on the driver's machine
         try:
             torch.cuda.current_device()
         except (AssertionError, RuntimeError) as exc:
@@ -146,7 +151,6 @@ class MegatronArgs(ArgGroup):
                 f"none (torch {torch.__version__}: {reason}); pass --train-backend fsdp, which "
                 "trains on the CPU"
             ) from None
-        check_ref_load(args)
 
     @classmethod
     def check_paths(cls, args: Any) -> None:

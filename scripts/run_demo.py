@@ -58,7 +58,7 @@ def main() -> None:
     rewards = [r["rollout"]["reward_mean"] for r in records]
     for r in records:
         print(
-            f"rollout {r['rollout_id']}: reward {r['rollout']['reward_mean']:.3f} "
+            f"rollout {r['rollout_id'] + 1}: reward {r['rollout']['reward_mean']:.3f} "
             f"(generated with weight version {r['rollout']['generated_with_versions']})"
         )
     # each rollout is generated with one weight version, newer than the previous rollout's (one

@@ -207,6 +207,11 @@ def test_selected_backend_before_full_parse(tmp_path):
     assert selected_backend([]) == "megatron"
     assert selected_backend(["--lr", "1", "--train-backend", "fsdp"]) == "fsdp"
     assert selected_backend(["--train-backend=fsdp"]) == "fsdp"
+    # the last one, as argparse takes it (a script's flags, then the user's)
+    assert (
+        selected_backend(["--train-backend", "fsdp", "--train-backend", "megatron"]) == "megatron"
+    )
+    assert selected_backend(["--train-backend=megatron", "--train-backend=fsdp"]) == "fsdp"
     cfg = tmp_path / "c.yaml"
     cfg.write_text("train_backend: fsdp\n")
     assert selected_backend(["--config", str(cfg)]) == "fsdp"

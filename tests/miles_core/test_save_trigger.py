@@ -57,7 +57,8 @@ def test_request_deleted_by_hand_during_the_save(tmp_path):
         (3, 2, None, True),
         (4, 2, None, False),
         (4, 2, 4, True),  # the final rollout is kept when saving by interval
-        (4, None, 4, False),  # no interval: only the sentinel saves
+        (4, None, 4, True),  # no interval: the final rollout is still kept
+        (3, None, 4, False),  # no interval: nothing before it (but the sentinel)
         (5, 0, None, False),
         (0, 1, None, True),
     ],

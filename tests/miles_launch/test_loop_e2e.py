@@ -132,10 +132,11 @@ def test_lr_zero_gives_no_rise(tmp_path):
     )  # fmt: skip
     eval_line = r"\| held-out \| reward_mean \d\.\d{4} \| response_len_mean \d+\.\d{4} \| pass@1 "
     assert re.search(r"^eval before training " + eval_line, out, re.M), out
-    assert re.search(r"^eval after rollout 2 " + eval_line, out, re.M), out
-    assert re.search(r"^eval after rollout 5 " + eval_line, out, re.M)
+    assert re.search(r"^eval after rollout 3 " + eval_line, out, re.M), out
+    assert re.search(r"^eval after rollout 6 " + eval_line, out, re.M)
     versions = [int(line.split("[")[1].rstrip("])")) for line in _rollout_lines(out)]
-    # one publish per rollout, plus two around the evals before training and after rollout 2
+    # one publish per rollout, plus two around each of the evals before training and after
+    # rollout 3 (EMA, then the actor)
     assert versions == [3, 4, 5, 8, 9, 10], out
     # the learning demo climbs by >= 0.2 over 12 rollouts; without updates the policy is fixed
     assert first >= 0.05

@@ -21,7 +21,9 @@ PROGRAM = """
 import json, os, sys
 sys.path.insert(0, {tests!r})
 from launch_testing import parse
-from miles_launch.placement import NODE_IP_ENV, Placement, plan_layout, prepare_ray_env
+from miles_sync.engine_group import NODE_IP_ENV
+
+from miles_launch.placement import Placement, plan_layout, prepare_ray_env
 prepare_ray_env()
 import ray
 os.environ[NODE_IP_ENV] = "127.0.0.1"  # what init_ray sets for a local cluster

@@ -85,7 +85,7 @@ def test_colocated_ppo_matches_the_disaggregated_run(tmp_path):
     _, _, together = demo(tmp_path / "together", "--colocate", *flags)
     assert "colocated" in together
     assert _rollout_lines(together) == _rollout_lines(apart)
-    assert len(_rollout_lines(together)) == 2  # "rollout 0: ...", "rollout 1: ..."
+    assert len(_rollout_lines(together)) == 2  # "rollout 1: ...", "rollout 2: ..."
     rows = records(tmp_path / "together" / "metrics.jsonl")
     assert "loss" not in rows[0]["train"] and "critic/value_loss" in rows[0]["train"]
     assert "loss" in rows[1]["train"] and "critic/value_loss" in rows[1]["train"]

@@ -47,7 +47,7 @@ def test_scalars_reach_tensorboard_and_jsonl(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "rollout 4/12 | reward 0.500" in out
     assert (
-        "eval after rollout 3 | gsm8k | reward_mean 0.2500 | pass@1 0.2500 | pass@2 0.5000\n" in out
+        "eval after rollout 4 | gsm8k | reward_mean 0.2500 | pass@1 0.2500 | pass@2 0.5000\n" in out
     )
 
     events = EventAccumulator(str(tmp_path / "tb"))
@@ -63,3 +63,44 @@ def test_scalars_reach_tensorboard_and_jsonl(tmp_path, capsys):
     assert lines[0]["rollout"]["reward_mean"] == 0.4123
     assert len(lines) == 2  # one record per rollout, the eval inside it
     assert lines[1]["eval"] == evaluated["eval"] and lines[1]["time"]["eval"] == 2.5
+
+
+@pytest.mark.parametrize(
+    "tty, flag, shown", [(True, True, True), (False, True, False), (True, False, False)]
+)
+def test_progress_bars_only_on_a_terminal(monkeypatch, tty, flag, shown):
+    """A log file (stderr not a terminal) gets no bar: its carriage returns and ANSI codes would
+    litter it (--no-progress turns bars off on a terminal too)."""
+    import sys
+
+    from miles_launch.reporting import progress_on
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: tty, raising=False)
+    args = SimpleNamespace(progress=flag, use_wandb=False)
+    assert progress_on(args) is shown
+    assert Reporter(args, num_rollout=1).show_progress is shown
+
+
+def test_closing_lines_say_where_everything_is(tmp_path):
+    from miles_core.checkpoint_layout import write_tracker
+    from miles_launch.reporting import closing_lines
+
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    write_tracker(save, 12)
+    args = SimpleNamespace(
+        save=str(save),
+        metrics_jsonl=str(tmp_path / "run" / "metrics.jsonl"),
+        tensorboard_dir=str(tmp_path / "tb"),
+        load_debug_rollout_data=None,
+    )
+    lines = closing_lines(args, [RECORD] * 3, 61.2)
+    run = tmp_path / "run"
+    assert lines == [
+        "done: 3 rollout(s) in 61s",
+        f"  checkpoints: {save} (latest iteration 12); resume with --load {save}",
+        f"  metrics: {run / 'metrics.jsonl'}",
+        f"  picture: miles plot {run} draws {run / 'run.png'}",
+        f"  TensorBoard: tensorboard --logdir {tmp_path / 'tb'}",
+        f"  engine logs: {run / 'logs'}",
+    ]

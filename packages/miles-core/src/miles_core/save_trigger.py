@@ -97,14 +97,15 @@ def should_save(
     """Whether the save point after training ``rollout_id`` writes a checkpoint.
 
     Yes when ``(rollout_id + 1) % save_interval == 0`` (``save_interval`` None or 0: never by
-    interval), when ``rollout_id == last_rollout_id`` and an interval is set (the run's final
-    state is kept), or when ``trigger`` has a pending request (checked every time, so it arms).
+    interval), when ``rollout_id == last_rollout_id`` (the run's final state is kept, with or
+    without an interval: a run given somewhere to save always ends with a checkpoint), or when
+    ``trigger`` has a pending request (checked every time, so it arms).
     """
     if save_interval is not None and save_interval < 0:
         raise ValueError(f"--save-interval must be >= 0, got {save_interval}")
     requested = trigger.pending() if trigger is not None else False
     by_interval = bool(save_interval) and (rollout_id + 1) % save_interval == 0
-    is_last = bool(save_interval) and last_rollout_id is not None and rollout_id == last_rollout_id
+    is_last = last_rollout_id is not None and rollout_id == last_rollout_id
     return requested or by_interval or is_last
 
 

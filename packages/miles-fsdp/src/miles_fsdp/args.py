@@ -109,6 +109,22 @@ class FSDPArgs(ArgGroup):
                 f"--profile-step-start ({args.profile_step_start})"
             )
 
+    @classmethod
+    def preflight(cls, args: Any) -> None:
+        """The job's driver: the frozen roles load as HF models (:mod:`miles_fsdp.roles`), so
+        ``--ref-load`` and ``--teacher-load`` must hold a config.json (the backend runs on
+        the CPU too: no device check)."""
+        from pathlib import Path
+
+        for flag_name in ("ref_load", "teacher_load"):
+            path = getattr(args, flag_name, None)
+            if path and not (Path(path) / "config.json").is_file():
+                option = "--" + flag_name.replace("_", "-")
+                raise ArgumentError(
+                    f"{option} {path}: no config.json; the FSDP backend loads this role from an "
+                    "HF model directory (a miles checkpoint is not read here)"
+                )
+
 
 def fsdp_groups() -> list[type[ArgGroup]]:
     """The ``miles.arg_groups`` entry point of the FSDP backend."""

@@ -480,12 +480,43 @@ class OutputArgs(ArgGroup):
         metavar="PATH",
         help="Append one JSON object per rollout (metrics, timings, prompt ids, weight version).",
     )
-    progress: bool = flag(True, help="Progress bars for generation and training (stderr).")
+    progress: bool = flag(
+        True,
+        help="Progress bars for generation and training on stderr, when stderr is a terminal "
+        "(a log gets the per-rollout lines only).",
+    )
     use_wandb: bool = flag(False, help="Log the per-rollout metrics to Weights & Biases.")
     wandb_project: str = flag("miles", help="W&B project.")
     wandb_run_name: str | None = flag(None, help="W&B run name.")
 
 
+@dataclass
+class JobArgs(ArgGroup):
+    title: ClassVar[str] = "job (preflight and plan)"
+
+    dry_run: bool = flag(
+        False,
+        help="Check the job (flags, files, this machine), print its plan and exit 0 without "
+        "starting Ray, a trainer rank or an engine.",
+    )
+    load_required: bool = flag(
+        False,
+        help="Refuse to start when --load holds no checkpoint (without it the run starts "
+        "fresh and says so).",
+    )
+
+    @classmethod
+    def validate(cls, args: Any) -> None:
+        requires(args, "load_required", "load")
+
+
 def launch_groups() -> list[type[ArgGroup]]:
     """The ``miles.arg_groups`` entry point ``launch``."""
-    return [LaunchPlacementArgs, EngineLaunchArgs, RolloutArgs, OutputArgs, DebugDataArgs]
+    return [
+        LaunchPlacementArgs,
+        EngineLaunchArgs,
+        RolloutArgs,
+        OutputArgs,
+        DebugDataArgs,
+        JobArgs,
+    ]

@@ -32,11 +32,10 @@ from miles_launch.placement import (
     Placement,
     init_ray,
     node_ip,
-    nodes_needed,
     plan_layout,
     prepare_ray_env,
 )
-from miles_launch.reporting import Reporter
+from miles_launch.reporting import Reporter, phase
 from miles_launch.rollout.partial import PartialBuffer
 from miles_launch.rollout.prompts import Prompt, PromptOrder, drop_long_prompts, load_prompts
 from miles_launch.rollout.rewards import RewardModel
@@ -120,6 +119,7 @@ class Job:
         import ray
         import torch
 
+        phase(f"loading the tokenizer and prompts ({args.hf_checkpoint})")
         tokenizer = load_tokenizer(args.hf_checkpoint)
         replay = bool(args.load_debug_rollout_data)  # trains on saved rollouts: no engines
         prompts, too_long = [], 0
@@ -157,6 +157,7 @@ class Job:
         use_gpu = torch.cuda.is_available()
         started = not ray.is_initialized() and not args.ray_address
         layout = plan_layout(args, use_gpu)
+        phase(f"joining Ray at {args.ray_address}" if args.ray_address else "starting a local Ray")
         init_ray(layout, args.ray_address)
         if args.ray_address:
             use_gpu = ray.cluster_resources().get("GPU", 0) > 0
@@ -182,22 +183,16 @@ class Job:
 
     def _start(self) -> None:
         args = self.args
-        logger.info(
-            "layout: %d trainer ranks, %d engine(s) x %d %s, %s, %d node(s) of %d",
-            self.layout.num_trainer_ranks,
-            self.layout.num_engines,
-            self.layout.gpus_per_engine,
-            "GPU" if self.layout.use_gpu else "CPU slot",
-            "colocated" if self.layout.colocate else "disaggregated",
-            nodes_needed(self.layout),
-            self.layout.gpus_per_node,
-        )
         # Before anything receives args: engines, router, trainer (its weight publisher).
         ensure_api_key(args, node_ip())
+        phase(f"placing {self.layout.num_bundles} bundle(s)")
         self.placement = Placement(self.layout)
         self.trainer = TrainerGroup(self.placement, args.train_backend)
+        ranks = self.layout.num_trainer_ranks
         if args.load_debug_rollout_data:  # a replay (miles_launch.replay): no engines
+            phase(f"loading the trainer ({ranks} rank(s))")
             self.state = read_launcher_state(args, self.trainer.init(args))
+            phase("trainer ready")
             return
         self.engines = EngineSet(args, self.placement)
         # Disaggregated, the engines have GPUs of their own: they start while the trainer
@@ -205,17 +200,21 @@ class Job:
         # --offload-train), since they share its GPUs.
         overlap = not self.layout.colocate
         if overlap:
-            logger.info("starting the engines while the trainer initialises")
+            phase(f"starting {self.layout.num_engines} engine(s) while the trainer loads")
             self.engines.start()
+        phase(f"loading the trainer ({ranks} rank(s))")
         next_rollout_id = self.trainer.init(args)
+        phase("trainer ready")
         self.state = read_launcher_state(args, next_rollout_id)
         if args.offload_train:
             self.trainer.sleep()
             if getattr(args, "use_critic", False):
                 self.trainer.sleep("critic")
         if not overlap:
+            phase(f"starting {self.layout.num_engines} engine(s) on the trainer's GPUs")
             self.engines.start()
         self.engines.wait_ready()
+        phase("engines healthy")
 
     def teardown(self, failed: bool = False) -> None:
         import ray

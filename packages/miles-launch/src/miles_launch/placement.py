@@ -26,8 +26,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from miles_sync.engine_group import NODE_IP_ENV
-
 logger = logging.getLogger(__name__)
 
 #: Share of a bundle's CPU/GPU taken by a trainer actor and by an engine host actor. Both fit
@@ -282,7 +280,7 @@ def cluster_capacities(use_gpu: bool) -> dict[str, int]:
     return out
 
 
-# NODE_IP_ENV is set in the runtime environment of a local (single-machine) Ray cluster: every
+# miles_sync's NODE_IP_ENV is set in the runtime environment of a local (single-machine) Ray cluster: every
 # address the job hands out (engines, the trainer's process groups) is then loopback. Trainer
 # ranks set it to their node's address, which the weight-update groups advertise.
 
@@ -291,6 +289,7 @@ def node_ip() -> str:
     """The address this process's servers bind and advertise: loopback on a local cluster,
     Ray's node IP on a real one (``--ray-address``)."""
     import ray
+    from miles_sync.engine_group import NODE_IP_ENV
 
     return os.environ.get(NODE_IP_ENV) or ray.util.get_node_ip_address()
 
@@ -317,10 +316,12 @@ def init_ray(layout: Layout, address: str | None) -> None:
     """
     prepare_ray_env()
     import ray
+    from miles_sync.engine_group import NODE_IP_ENV
 
     if ray.is_initialized():
         return
-    env = {"env_vars": {"PYTHONUNBUFFERED": "1"}}
+    # workers' output reaches the driver's log line by line: no progress bars there (tqdm)
+    env = {"env_vars": {"PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}}
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
         return

@@ -1,4 +1,5 @@
-"""What a run shows and records: progress bars, one line per rollout, TensorBoard, W&B, JSONL.
+"""What a run shows and records: the startup phases, progress bars (on a terminal only), one line
+per rollout, TensorBoard, W&B, JSONL, and the closing summary of where everything is.
 
 The per-rollout line (stdout)::
 
@@ -23,7 +24,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
+import time
 from contextlib import contextmanager
 from typing import Any
 
@@ -32,10 +35,32 @@ from tqdm import tqdm
 logger = logging.getLogger(__name__)
 
 
+#: When the command started (:func:`start_clock`): the phase lines count from it.
+_STARTED = time.monotonic()
+
+
+def start_clock() -> None:
+    global _STARTED
+    _STARTED = time.monotonic()
+
+
+def phase(line: str) -> None:
+    """One startup phase on stdout, with the seconds since the command started:
+    ``[  4.2s] trainer ready``."""
+    tqdm.write(f"[{time.monotonic() - _STARTED:5.1f}s] {line}", file=sys.stdout)
+    sys.stdout.flush()
+
+
+def progress_on(args: Any) -> bool:
+    """Progress bars: ``--progress`` (the default) and stderr a terminal; a log file or pipe
+    gets the per-rollout lines only (a bar's carriage returns and ANSI codes would litter it)."""
+    return bool(getattr(args, "progress", True)) and sys.stderr.isatty()
+
+
 class Reporter:
     def __init__(self, args: Any, num_rollout: int):
         self.num_rollout = num_rollout
-        self.show_progress = bool(getattr(args, "progress", True))
+        self.show_progress = progress_on(args)
         self.jsonl_path = getattr(args, "metrics_jsonl", None)
         self.train_bar = None  # rollouts trained, made at the first record
         self.tb = None
@@ -142,9 +167,10 @@ def summary_line(record: dict[str, Any], num_rollout: int) -> str:
 
 
 def eval_lines(record: dict[str, Any]) -> list[str]:
-    """One line per eval set of ``record`` (none when it did not evaluate)."""
+    """One line per eval set of ``record`` (none when it did not evaluate); the rollout is
+    numbered from 1, as in the summary line."""
     rollout_id = record["rollout_id"]
-    when = f"eval after rollout {rollout_id}" if rollout_id >= 0 else "eval before training"
+    when = f"eval after rollout {rollout_id + 1}" if rollout_id >= 0 else "eval before training"
     return [
         " | ".join([when, name] + [f"{k} {v:.4f}" for k, v in metrics.items()])
         for name, metrics in record.get("eval", {}).items()
@@ -183,3 +209,29 @@ def public_config(args: Any) -> dict[str, Any]:
     if config.get("sglang_api_key"):
         config["sglang_api_key"] = redact(config["sglang_api_key"])
     return config
+
+
+def closing_lines(args: Any, records: list[dict[str, Any]], seconds: float) -> list[str]:
+    """The end of a run: what ran, and where its checkpoints, metrics, picture and logs are."""
+    from miles_core.checkpoint_layout import read_tracker
+
+    from miles_launch.plan import log_dir, run_dir
+
+    lines = [f"done: {len(records)} rollout(s) in {seconds:.0f}s"]
+    if args.save:
+        try:
+            latest = read_tracker(args.save)
+        except Exception:  # a corrupt tracker is the next --load's error to report
+            latest = None
+        saved = f"latest iteration {latest}" if latest is not None else "none written"
+        lines.append(f"  checkpoints: {args.save} ({saved}); resume with --load {args.save}")
+    if args.metrics_jsonl:
+        lines.append(f"  metrics: {args.metrics_jsonl}")
+        name = os.path.basename(args.metrics_jsonl)
+        other = "" if name == "metrics.jsonl" else f" --metrics {name}"
+        lines.append(f"  picture: miles plot {run_dir(args)}{other} draws {run_dir(args)}/run.png")
+    if getattr(args, "tensorboard_dir", None):
+        lines.append(f"  TensorBoard: tensorboard --logdir {args.tensorboard_dir}")
+    if log_dir(args) and not args.load_debug_rollout_data:
+        lines.append(f"  engine logs: {log_dir(args)}")
+    return lines

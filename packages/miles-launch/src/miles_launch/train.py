@@ -1,15 +1,20 @@
 """``miles train [flags]`` / ``python -m miles_launch.train [flags]``: run one RL job.
 
 The command line is parsed with miles-core's groups, the chosen backend's (found through its
-entry point, so an FSDP run never imports megatron) and the launcher's. A bad flag prints one
-``error:`` line and exits with status 2; a failure of the run (an engine that died, a trainer
-rank that raised, a malformed prompt file) prints one ``error:`` block and exits with 1.
+entry point, so an FSDP run never imports megatron) and the launcher's, then the job is checked
+as a whole before anything starts (:mod:`miles_launch.preflight`: the model directory, every
+output path, every prompt record, the checkpoints to load, this machine). A bad flag or a
+failed check prints one ``error:`` line each and exits with status 2; then the plan
+(:mod:`miles_launch.plan`) is printed, and ``--dry-run`` stops there (exit 0). A failure of
+the run (an engine that died, a trainer rank that raised) prints one ``error:`` block and
+exits with 1.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import time
 from typing import Any
 
 from miles_core.args import (
@@ -20,48 +25,76 @@ from miles_core.args import (
     parse_args_or_exit,
     selected_backend,
 )
-from miles_core.backends import BackendNotInstalledError
-from miles_core.checkpoint_layout import CheckpointError
-from miles_core.engine import EngineError
 
-from miles_launch.engine_launch.process import EngineDied
-from miles_launch.rollout.debug_data import DebugDataError
-from miles_launch.rollout.prompts import PromptDataError
-from miles_launch.trainer_group import TrainerFailure
+from miles_launch.plan import plan_lines
+from miles_launch.preflight import local_gpus, make_outputs, preflight
+from miles_launch.reporting import closing_lines, phase, start_clock
 
 logger = logging.getLogger("miles_launch")
 
-#: Failures reported as one ``error:`` block (exit status 1) instead of a traceback.
-RUN_ERRORS = (
-    EngineDied,
-    EngineError,
-    TrainerFailure,
-    PromptDataError,
-    CheckpointError,
-    BackendNotInstalledError,
-    DebugDataError,
-)
+
+def run_errors() -> tuple[type[BaseException], ...]:
+    """Failures reported as one ``error:`` block (exit status 1) instead of a traceback
+    (imported when the job runs: the preflight's errors come before any of this loads)."""
+    from miles_core.backends import BackendNotInstalledError
+    from miles_core.checkpoint_layout import CheckpointError
+    from miles_core.engine import EngineError
+
+    from miles_launch.engine_launch.process import EngineDied
+    from miles_launch.rollout.debug_data import DebugDataError
+    from miles_launch.rollout.prompts import PromptDataError
+    from miles_launch.trainer_group import TrainerFailure
+
+    return (
+        EngineDied,
+        EngineError,
+        TrainerFailure,
+        PromptDataError,
+        CheckpointError,
+        BackendNotInstalledError,
+        DebugDataError,
+    )
 
 
-def parse(argv: list[str]) -> Any:
-    """Compose the groups for ``argv``'s backend and parse (exits 2 on a bad command line)."""
+def compose(argv: list[str]) -> list:
+    """The flag groups of ``argv``'s backend (exits 2 when it is not installed)."""
     backend = selected_backend(argv)
     try:
-        groups = entry_point_groups("core", backend, "launch")
+        return entry_point_groups("core", backend, "launch")
     except ArgumentError as error:
         if not {"-h", "--help"} & set(argv):
             print(format_error(error), file=sys.stderr)
             sys.exit(2)
         # --help still lists every flag of what is installed
         print(f"note: --train-backend {backend} is not installed ({error})\n")
-        groups = installed_groups()
-    return parse_args_or_exit(argv, groups)
+        return installed_groups()
+
+
+def parse(argv: list[str]) -> Any:
+    """Compose the groups for ``argv``'s backend and parse (exits 2 on a bad command line)."""
+    return parse_args_or_exit(argv, compose(argv))
+
+
+def check_job(argv: list[str]) -> tuple[Any, list[str]]:
+    """Parse and run the preflight (:mod:`miles_launch.preflight`); every problem is one
+    ``error:`` line, then exit status 2. Returns the flags and the plan lines."""
+    groups = compose(argv)
+    args = parse_args_or_exit(argv, groups)
+    result = preflight(args, groups)
+    if result.problems:
+        for problem in result.problems:
+            print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
+    return args, plan_lines(args, local_gpus() > 0 and not args.ray_address, result.notes)
 
 
 def run(args: Any) -> list[dict]:
     """Set the job up, run the sync or fully-async loop, tear down; the rollout records."""
+    from miles_core.engine import EngineError
+
     from miles_launch.job import Job
 
+    started = time.monotonic()
     job = Job.setup(args)
     failed = True
     try:
@@ -78,13 +111,15 @@ def run(args: Any) -> list[dict]:
 
             records = run_sync(job)
         failed = False
-        return records
     except EngineError:
         # a request that failed outside the watched phases: an engine's death explains it
         job.engines.explain_failure("during the run")
         raise
     finally:
         job.teardown(failed=failed)
+    for line in closing_lines(args, records, time.monotonic() - started):
+        print(line, flush=True)
+    return records
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -93,10 +128,17 @@ def main(argv: list[str] | None = None) -> None:
         level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logger.setLevel(logging.INFO)
-    args = parse(argv)
+    start_clock()
+    args, plan = check_job(argv)
+    for line in plan:
+        print(line, flush=True)
+    if args.dry_run:
+        return
+    make_outputs(args)
+    phase("preflight passed")
     try:
         run(args)
-    except RUN_ERRORS as error:
+    except run_errors() as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(1)
 

@@ -18,8 +18,9 @@ from typing import Any
 
 from miles_core.batch import RolloutBatch
 from miles_core.partition import partition_for_dp
+from miles_sync.engine_group import NODE_IP_ENV
 
-from miles_launch.placement import NODE_IP_ENV, TRAINER_SHARE, Placement, node_ip
+from miles_launch.placement import TRAINER_SHARE, Placement, node_ip
 
 logger = logging.getLogger(__name__)
 

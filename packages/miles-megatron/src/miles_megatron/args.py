@@ -133,6 +133,31 @@ class MegatronArgs(ArgGroup):
             )
 
     @classmethod
+    def preflight(cls, args: Any) -> None:
+        """The job's driver: ``--ref-load`` is an HF directory or a checkpoint of this backend;
+        megatron-core puts its buffers, RNG trackers and streams on the current CUDA device, so
+        a machine whose torch answers no ``torch.cuda.current_device()`` cannot run it (checked
+        when the ranks run here: not with ``--ray-address``, whose nodes the driver's machine
+        says nothing about)."""
+        import torch
+
+        check_ref_load(args)
+        if getattr(args, "ray_address", None):
+            return  # the ranks run on the cluster's nodes, not on the driver's machine
+        try:
+            torch.cuda.current_device()
+        except (AssertionError, RuntimeError) as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            default = (
+                "" if "train_backend" in getattr(args, "explicit_flags", ()) else " (the default)"
+            )
+            raise ArgumentError(
+                f"--train-backend megatron{default} needs a CUDA device, and this machine has "
+                f"none (torch {torch.__version__}: {reason}); pass --train-backend fsdp, which "
+                "trains on the CPU"
+            ) from None
+
+    @classmethod
     def check_paths(cls, args: Any) -> None:
         from miles_megatron.arch_args import explicit_arch_args
 
@@ -145,6 +170,33 @@ class MegatronArgs(ArgGroup):
             except BridgeError as exc:
                 raise ArgumentError(str(exc)) from exc
             check_parallel_sizes(args, world_size_of(args), model_args=margs)
+
+
+def check_ref_load(args: Any) -> None:
+    """``--ref-load`` holds what :meth:`ReferenceModel.load` reads: an HF directory
+    (config.json) or a committed checkpoint of this backend (a tracker naming an iteration)."""
+    from pathlib import Path
+
+    from miles_core.checkpoint_layout import CheckpointError, resolve_load
+
+    ref = getattr(args, "ref_load", None)
+    if not ref or (Path(ref) / "config.json").is_file():
+        return
+    try:
+        resolved = resolve_load(ref)
+    except CheckpointError as exc:
+        raise ArgumentError(f"--ref-load {ref}: {exc}") from None
+    if resolved is None:
+        raise ArgumentError(
+            f"--ref-load {ref}: neither an HF model (no config.json) nor a checkpoint (no "
+            "latest_checkpointed_iteration.txt); point it at one"
+        )
+    if resolved.meta.backend != "megatron":
+        raise ArgumentError(
+            f"--ref-load {ref}: iteration {resolved.iteration} was written by the "
+            f"{resolved.meta.backend} backend, which the megatron backend cannot read; point "
+            "--ref-load at an HF model directory"
+        )
 
 
 def check_context_parallel_flags(args: Any) -> None:

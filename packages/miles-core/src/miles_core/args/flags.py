@@ -82,6 +82,11 @@ class ArgGroup:
     3. ``check_paths(args)``: filesystem checks ("file missing"), after every combination check.
 
     Each raises :class:`ArgumentError` with one line naming the flags.
+
+    One more hook is not run by ``parse_args``: ``preflight(args)``, whether this machine and the
+    files the job reads can run what the flags ask (a CUDA device, a checkpoint in a format the
+    backend reads). A job's driver (``miles train``) calls it before it starts anything; a
+    process that only parses the flags (a rank under ``torchrun``, a test, ``--help``) does not.
     """
 
     title: ClassVar[str] = ""
@@ -97,6 +102,12 @@ class ArgGroup:
     @classmethod
     def check_paths(cls, args: Any) -> None:
         """Check that files and directories named by flags exist; raise ArgumentError."""
+
+    @classmethod
+    def preflight(cls, args: Any) -> None:
+        """Check that this machine and the files the flags name can run the job; raise
+        ArgumentError naming the flag and the way out. Run by a job's driver only (see the
+        class docstring), after every ``check_paths``."""
 
 
 @dataclass(frozen=True)

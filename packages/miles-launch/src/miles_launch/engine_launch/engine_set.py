@@ -38,6 +38,7 @@ from miles_launch.engine_launch.router import (
 )
 from miles_launch.engine_launch.sglang_launcher import sglang_server_command
 from miles_launch.placement import ENGINE_HOST_SHARE, Placement
+from miles_launch.plan import log_dir
 from miles_launch.rollout.routed_experts import routing_replay_on
 
 logger = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ class EngineSet:
             )
             if layout.use_gpu:
                 options["num_gpus"] = ENGINE_HOST_SHARE
-            host = host_cls.options(**options).remote(f"engine-{k}")
+            host = host_cls.options(**options).remote(f"engine-{k}", log_dir(self.args))
             ip, port = ray.get(host.endpoint.remote())
             env = {}
             if layout.use_gpu:
@@ -100,7 +101,7 @@ class EngineSet:
         """``miles-sync pull`` for engine ``k``, on the engine's bundle (so on its host)."""
         import ray
 
-        host = ray.remote(ProcessHost).options(**options).remote(f"puller-{k}")
+        host = ray.remote(ProcessHost).options(**options).remote(f"puller-{k}", log_dir(self.args))
         cmd = puller_command(self.args, k, engine_url)
         pid, log_path = ray.get(host.start.remote(cmd, {}))
         self.pullers.append(EngineProcess(f"puller {k}", engine_url, host, pid, log_path))
@@ -139,7 +140,7 @@ class EngineSet:
                 register_worker(external, engine.url, api_key=self.api_key)
                 self.registered.append(engine.url)
             return
-        host = ray.remote(ProcessHost).options(num_cpus=0).remote("router")
+        host = ray.remote(ProcessHost).options(num_cpus=0).remote("router", log_dir(self.args))
         ip, port = ray.get(host.endpoint.remote())
         cmd = router_command(
             self.args, host=ip, port=port, worker_urls=[e.url for e in self.engines]

@@ -76,22 +76,10 @@ def load_prompts(
     path = Path(path)
     prompts: list[Prompt] = []
     for where, record in read_records(path):
-        if not isinstance(record, dict):
-            raise PromptDataError(f"{where}: expected a JSON object")
-        if input_key not in record:
-            raise PromptDataError(
-                f"{where}: no key '{input_key}' (--input-key); keys: {sorted(record)}"
-            )
+        check_record(where, record, input_key, metadata_key)
         raw = record[input_key]
         label = record.get(label_key) if label_key else None
-        metadata = record.get(metadata_key) if metadata_key else None
-        if metadata is None:
-            metadata = {}
-        if not isinstance(metadata, dict):
-            raise PromptDataError(
-                f"{where}: '{metadata_key}' (--metadata-key) must be an object, got "
-                f"{type(metadata).__name__}"
-            )
+        metadata = (record.get(metadata_key) if metadata_key else None) or {}
         text = render_prompt(raw, tokenizer, apply_chat_template, where)
         ids = tokenizer.encode(text, add_special_tokens=False)
         if not ids:
@@ -100,6 +88,43 @@ def load_prompts(
     if not prompts:
         raise PromptDataError(f"{path}: no prompts")
     return prompts
+
+
+def check_record(
+    where: str,
+    record: Any,
+    input_key: str,
+    metadata_key: str | None,
+    label_key: str | None = None,
+    label_reader: str | None = None,
+) -> None:
+    """One record's keys (errors name ``where`` and the flag): an object with ``--input-key``,
+    its ``--metadata-key`` an object when present, and, when ``label_reader`` (the flag of the
+    reward that reads labels, e.g. ``--rm-type math``) is given, a ``--label-key`` value."""
+    if not isinstance(record, dict):
+        raise PromptDataError(f"{where}: expected a JSON object")
+    if input_key not in record:
+        raise PromptDataError(
+            f"{where}: no key '{input_key}' (--input-key); keys: {sorted(record)}; point "
+            "--input-key at the prompt"
+        )
+    metadata = record.get(metadata_key) if metadata_key else None
+    if metadata is not None and not isinstance(metadata, dict):
+        raise PromptDataError(
+            f"{where}: '{metadata_key}' (--metadata-key) must be an object, got "
+            f"{type(metadata).__name__}"
+        )
+    if label_reader is None:
+        return
+    if not label_key:
+        raise PromptDataError(f"{label_reader} reads a label, but --label-key is unset")
+    if record.get(label_key) in (None, ""):
+        found = "is empty" if label_key in record else f"is missing; keys: {sorted(record)}"
+        raise PromptDataError(
+            f"{where}: the label '{label_key}' (--label-key), which {label_reader} reads, "
+            f"{found}; point --label-key at the label, or use a reward without one "
+            "(--custom-rm-path, --rm-url)"
+        )
 
 
 def drop_long_prompts(

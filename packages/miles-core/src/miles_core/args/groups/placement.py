@@ -45,15 +45,19 @@ class PlacementArgs(ArgGroup):
 def selected_backend(argv: list[str]) -> str:
     """``--train-backend`` before full parsing, so the launcher knows which groups to compose.
 
-    Reads ``--train-backend X`` / ``--train-backend=X`` from ``argv``, else the ``--config`` YAML's
-    ``train-backend`` / ``train_backend`` key, else the default. The value is checked later by
-    :meth:`PlacementArgs.validate` as part of the full parse.
+    Reads ``--train-backend X`` / ``--train-backend=X`` from ``argv`` (the last one, as argparse
+    does: a later flag wins), else the ``--config`` YAML's ``train-backend`` / ``train_backend``
+    key, else the default. The value is checked later by :meth:`PlacementArgs.validate` as part
+    of the full parse.
     """
+    found = None
     for i, token in enumerate(argv):
         if token == "--train-backend" and i + 1 < len(argv):
-            return argv[i + 1]
-        if token.startswith("--train-backend="):
-            return token.split("=", 1)[1]
+            found = argv[i + 1]
+        elif token.startswith("--train-backend="):
+            found = token.split("=", 1)[1]
+    if found is not None:
+        return found
     config_path = find_config_path(argv)
     if config_path is not None:
         specs = {spec.dest: spec for spec in group_flags(PlacementArgs)}

@@ -1,0 +1,123 @@
+"""The LR of every optimizer step, on both backends, against the schedule's definition in float64.
+
+Each backend's schedule is built by its own code (FSDP: ``build_optimizer``; Megatron:
+``build_scheduler`` over a param group as megatron-core's optimizer makes it from the backend's
+``OptimizerConfig``) from a command line parsed by ``miles train``'s parser, then stepped the
+way each train step does (read the LR, step the optimizer, step the schedule).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from miles_core.args import ArgumentError
+from miles_core.optimizer import OptimizerConfig, optimizer_config
+
+pytest.importorskip("miles_fsdp")
+pytest.importorskip("miles_launch")
+
+LR, MIN_LR = 1e-3, 1e-5
+NUM_ROLLOUT, STEPS_PER_ROLLOUT = 10, 2
+RUN = NUM_ROLLOUT * STEPS_PER_ROLLOUT
+# a handful of float64 roundings of operands no larger than LR (LambdaLR's lr * (lr_at / lr),
+# the reference's own lr - (lr - min_lr) * t)
+ATOL = 8 * 2.0**-53 * LR
+
+
+def reference(step: int, warmup: int, decay_iters: int, style: str) -> float:
+    """``--lr-warmup-iters``: linear from lr/W at step 0 to lr at step W-1; then over
+    ``--lr-decay-iters`` (counted from step 0) linear or half-cosine from lr to min_lr."""
+    if step < warmup:
+        return LR * (step + 1) / warmup
+    if style == "constant":
+        return LR
+    span = max(1, decay_iters - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    if style == "linear":
+        return LR - (LR - MIN_LR) * progress
+    return MIN_LR + (LR - MIN_LR) * (1 + math.cos(math.pi * progress)) / 2
+
+
+@pytest.fixture(scope="module")
+def job_dir(tmp_path_factory):
+    """A prompt file and a tiny Qwen3's ``config.json`` (the parser reads the architecture)."""
+    from megatron_tiny_models import hf_config
+
+    root = tmp_path_factory.mktemp("lr_job")
+    (root / "prompts.jsonl").write_text('{"prompt": "hi", "label": "1"}\n')
+    hf_config("qwen3", False).save_pretrained(root / "hf")
+    return root
+
+
+def parse(root, backend: str, *flags: str):
+    from miles_launch.train import parse as parse_cli
+
+    prompts = root / "prompts.jsonl"
+    argv = ["--train-backend", backend, "--hf-checkpoint", str(root / "hf")]
+    argv += ["--prompt-data", str(prompts), "--lr", str(LR), "--min-lr", str(MIN_LR)]
+    argv += ["--num-rollout", str(NUM_ROLLOUT), "--num-steps-per-rollout", str(STEPS_PER_ROLLOUT)]
+    return parse_cli([*argv, *flags])
+
+
+def fsdp_lrs(args, steps: int) -> list[float]:
+    from miles_fsdp.optimizer import build_optimizer
+
+    optimizer, scheduler = build_optimizer(torch.nn.Linear(2, 2), optimizer_config(args))
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+def megatron_lrs(args, steps: int) -> list[float]:
+    from miles_megatron.optimizer import build_scheduler
+    from miles_megatron.optimizer import optimizer_config as megatron_config
+
+    mcfg = megatron_config(args)
+
+    class Optimizer:  # megatron-core's param group keys (megatron.core.optimizer)
+        param_groups = [{"max_lr": mcfg.lr, "min_lr": mcfg.min_lr, "wd_mult": 1.0}]
+
+    optimizer = Optimizer()
+    scheduler = build_scheduler(optimizer, optimizer_config(args))
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        scheduler.step(increment=1)  # train_step: after a successful optimizer step
+    return lrs
+
+
+@pytest.mark.parametrize("decay_iters", [7, None])
+@pytest.mark.parametrize("warmup", [0, 3])
+@pytest.mark.parametrize("style", ["constant", "linear", "cosine"])
+def test_both_backends_follow_the_schedule(job_dir, style, warmup, decay_iters):
+    flags = ["--lr-decay-style", style, "--lr-warmup-iters", str(warmup)]
+    if decay_iters is not None:
+        flags += ["--lr-decay-iters", str(decay_iters)]
+    span = decay_iters if decay_iters is not None else RUN  # unset: the whole run
+    steps = RUN + 3  # past the decay: the floor holds
+    want = [reference(s, warmup, span, style) for s in range(steps)]
+    if style != "constant":
+        assert want[span] == pytest.approx(MIN_LR) and want[warmup] == LR
+        assert LR > want[span - 1] > MIN_LR  # still decaying the step before the end
+    for backend, lrs in (("fsdp", fsdp_lrs), ("megatron", megatron_lrs)):
+        got = lrs(parse(job_dir, backend, *flags), steps)
+        for step, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert abs(g - w) <= ATOL, (backend, step, got, want)
+
+
+def test_megatron_cosine_decays_over_the_run(job_dir):
+    """The issue's case: at step 19 of a 10-rollout x 2-step cosine run, min_lr-ward."""
+    args = parse(job_dir, "megatron", "--lr-decay-style", "cosine")
+    lr = megatron_lrs(args, RUN)[19]
+    assert abs(lr - reference(19, 0, RUN, "cosine")) <= ATOL and lr < 2 * MIN_LR
+
+
+def test_decaying_without_a_run_length_is_refused():
+    with pytest.raises(ArgumentError, match="--lr-decay-style cosine needs --lr-decay-iters"):
+        OptimizerConfig(lr_decay_style="cosine")
+    assert OptimizerConfig().lr_at(5) == OptimizerConfig().lr

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from miles_core.args import ArgGroup, ArgumentError, flag
+from miles_core.precision import explicit_dtype_name
 
 #: Model-parallel dimensions this backend does not have (all data parallel).
 UNSUPPORTED_PARALLEL = (
@@ -56,8 +57,8 @@ class FSDPArgs(ArgGroup):
     )
     fsdp_compute_dtype: Literal["bf16", "fp16", "fp32"] | None = flag(
         None,
-        help="Override the compute dtype (unset: bf16, or fp16 with --fp16); fp32 is for "
-        "numerics checks and CPU runs.",
+        help="The compute dtype when none of --bf16/--no-bf16/--fp16 is given (unset: bf16); "
+        "refused when it contradicts them.",
     )
     moe_kernel: Literal["fused", "eager"] | None = flag(
         None,
@@ -102,6 +103,13 @@ class FSDPArgs(ArgGroup):
         if args.fsdp_cpu_offload and getattr(args, "stream_optimizer_state_to_disk", False):
             raise ArgumentError(
                 "--stream-optimizer-state-to-disk and --fsdp-cpu-offload are mutually exclusive"
+            )
+        named = explicit_dtype_name(args)
+        if args.fsdp_compute_dtype is not None and named not in (None, args.fsdp_compute_dtype):
+            given = {"fp16": "--fp16", "bf16": "--bf16", "fp32": "--no-bf16"}[named]
+            raise ArgumentError(
+                f"--fsdp-compute-dtype {args.fsdp_compute_dtype} contradicts {given} "
+                f"({named}); give one of them"
             )
         if args.profile_step_end <= args.profile_step_start:
             raise ArgumentError(

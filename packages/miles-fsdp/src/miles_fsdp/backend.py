@@ -34,7 +34,7 @@ from miles_fsdp.loss_scale import LossScaler
 from miles_fsdp.mesh import MeshShape, build_mesh, mesh_shape
 from miles_fsdp.optimizer import build_optimizer, build_streamed_optimizer, is_streamed
 from miles_fsdp.output_head import check_fused_head
-from miles_fsdp.precision import PrecisionConfig, resolve_precision
+from miles_fsdp.precision import PrecisionConfig, precision_of
 from miles_fsdp.profiling import TrainProfiler
 from miles_fsdp.roles import component_names, frozen_role, frozen_sources
 from miles_fsdp.weight_source import WeightSource
@@ -105,9 +105,7 @@ class FSDPBackend(TrainBackend):
         if args.fused_log_probs:
             check_fused_head(self.config)
         self.adaptation: Adaptation = adaptation_for(self.config.model_type)
-        precision = resolve_precision(
-            args.fp16, getattr(args, "fsdp_compute_dtype", None), args.keep_fp32_master
-        )
+        precision = precision_of(args)
         for policy in self.adaptation.precision_policies:
             precision = policy(self.config, precision)
         self.precision: PrecisionConfig = precision

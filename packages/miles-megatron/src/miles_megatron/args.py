@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 from miles_core.args import ArgGroup, ArgumentError, flag
 from miles_core.args.checks import option as flag_option
+from miles_core.precision import train_dtype_name
 
 from miles_megatron.arch_args import (
     ArchitectureArgs,
@@ -180,11 +181,9 @@ def check_memory_flags(args: Any) -> None:
         raise ArgumentError(
             "--use-precision-aware-optimizer needs TransformerEngine, which is not installed"
         )
-    if args.optimizer_cpu_offload and not (
-        getattr(args, "bf16", False) or getattr(args, "fp16", False)
-    ):
+    if args.optimizer_cpu_offload and train_dtype_name(args) == "fp32":
         raise ArgumentError(
-            "--optimizer-cpu-offload needs --bf16 or --fp16 (megatron-core's "
+            "--optimizer-cpu-offload needs --bf16 or --fp16, not --no-bf16 (megatron-core's "
             "HybridDeviceOptimizer cannot take fp32 parameters' shards)"
         )
     if getattr(args, "overlap_cpu_optimizer_d2h_h2d", None) and not args.optimizer_cpu_offload:

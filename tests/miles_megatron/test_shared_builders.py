@@ -1,9 +1,11 @@
-"""The LR of every optimizer step, on both backends, against the schedule's definition in float64.
+"""Flags that mean the same on both backends, each from a command line parsed by ``miles
+train``'s parser and built by each backend's own code.
 
-Each backend's schedule is built by its own code (FSDP: ``build_optimizer``; Megatron:
-``build_scheduler`` over a param group as megatron-core's optimizer makes it from the backend's
-``OptimizerConfig``) from a command line parsed by ``miles train``'s parser, then stepped the
-way each train step does (read the LR, step the optimizer, step the schedule).
+* The LR of every optimizer step against the schedule's definition in float64 (FSDP:
+  ``build_optimizer``; Megatron: ``build_scheduler`` over a param group as megatron-core's
+  optimizer makes it from the backend's ``OptimizerConfig``), stepped the way each train step
+  does (read the LR, step the optimizer, step the schedule).
+* ``--bf16`` (the default) / ``--fp16`` / ``--no-bf16``: the same compute and master dtypes.
 """
 
 from __future__ import annotations
@@ -121,3 +123,38 @@ def test_decaying_without_a_run_length_is_refused():
     with pytest.raises(ArgumentError, match="--lr-decay-style cosine needs --lr-decay-iters"):
         OptimizerConfig(lr_decay_style="cosine")
     assert OptimizerConfig().lr_at(5) == OptimizerConfig().lr
+
+
+@pytest.mark.parametrize(
+    ("flags", "compute"),
+    [([], torch.bfloat16), (["--bf16"], torch.bfloat16), (["--fp16"], torch.float16),
+     (["--no-bf16"], torch.float32)],
+)  # fmt: skip
+def test_precision_flags_mean_the_same_dtypes_on_both_backends(job_dir, flags, compute):
+    from miles_fsdp.precision import precision_of
+    from miles_megatron.model_config import params_dtype
+    from miles_megatron.optimizer import optimizer_config as megatron_config
+
+    fsdp = precision_of(parse(job_dir, "fsdp", *flags))
+    assert (fsdp.compute_dtype, fsdp.master_dtype) == (compute, torch.float32)
+    args = parse(job_dir, "megatron", *flags)
+    mcfg = megatron_config(args)
+    assert params_dtype(args) == mcfg.params_dtype == compute
+    assert (mcfg.bf16, mcfg.fp16) == (compute == torch.bfloat16, compute == torch.float16)
+    assert mcfg.main_params_dtype == torch.float32  # the distributed optimizer's masters
+
+
+def test_a_backend_dtype_flag_refines_and_never_contradicts(job_dir, capsys):
+    from miles_fsdp.precision import precision_of
+
+    refined = precision_of(parse(job_dir, "fsdp", "--fsdp-compute-dtype", "fp32"))
+    assert refined.compute_dtype == torch.float32
+    agreeing = precision_of(parse(job_dir, "fsdp", "--no-bf16", "--fsdp-compute-dtype", "fp32"))
+    assert agreeing.compute_dtype == torch.float32
+    with pytest.raises(SystemExit) as exit_info:
+        parse(job_dir, "fsdp", "--no-bf16", "--fsdp-compute-dtype", "bf16")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "error: --fsdp-compute-dtype bf16 contradicts --no-bf16 (fp32); give one of them"
+    ]

@@ -158,3 +158,52 @@ def test_a_backend_dtype_flag_refines_and_never_contradicts(job_dir, capsys):
     assert err == [
         "error: --fsdp-compute-dtype bf16 contradicts --no-bf16 (fp32); give one of them"
     ]
+
+
+#: (backend, flags, what the one-line refusal names): flags a backend would accept and ignore
+#: (or crash on at init), refused by ``miles train``'s parser with exit status 2
+REFUSED = [
+    ("fsdp", ["--bf16", "--optimizer-cpu-offload"], "--optimizer-cpu-offload is not honoured by --train-backend fsdp"),
+    ("fsdp", ["--colocate", "--rematerialize-param-from-master-weight"], "--rematerialize-param-from-master-weight is not honoured by --train-backend fsdp"),
+    ("fsdp", ["--update-weight-target-module", "a", "b"], "--update-weight-target-module: the FSDP backend trains a causal LM, one component, got 2"),
+    ("megatron", ["--update-weight-target-module", "a", "b"], "--update-weight-target-module: the Megatron backend trains a causal LM, one component, got 2"),
+    ("megatron", ["--custom-loss-function-path", "m:f"], "--custom-loss-function-path is not honoured by --train-backend megatron"),
+    ("megatron", ["--custom-prepare-path", "m:f"], "--custom-prepare-path is not honoured by --train-backend megatron"),
+    ("megatron", ["--teacher-load", "REF", "--custom-loss-function-path", "m:f"], "--teacher-load is not honoured by --train-backend megatron"),
+    ("megatron", ["--optimizer", "sgd"], "--optimizer sgd: the Megatron backend takes adam"),
+    ("megatron", ["--virtual-pipeline-model-parallel-size", "2"], "--virtual-pipeline-model-parallel-size: megatron-core's TransformerConfig.virtual_pipeline_model_parallel_size is not among the fields the Megatron backend honours"),
+    ("megatron", ["--use-megatron-fsdp"], "--use-megatron-fsdp: megatron-core's DistributedDataParallelConfig.use_megatron_fsdp is not among"),
+    ("megatron", ["--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type flex is not supported by the Megatron backend"),
+]  # fmt: skip
+SFT_IGNORES = [
+    (["--use-kl-loss", "--ref-load", "REF"], "--use-kl-loss"),
+    (["--use-tis"], "--use-tis"),
+    (["--entropy-coef", "0.01"], "--entropy-coef 0.01"),
+    (["--kl-coef", "0.1", "--ref-load", "REF"], "--kl-coef 0.1"),
+]
+for _backend in ("fsdp", "megatron"):
+    for _flags, _what in SFT_IGNORES:
+        REFUSED.append((_backend, ["--loss-type", "sft_loss", *_flags], f"--loss-type sft_loss ignores {_what}"))  # fmt: skip
+
+
+@pytest.mark.parametrize(("backend", "flags", "message"), REFUSED)
+def test_a_flag_the_backend_would_ignore_is_refused_in_one_line(
+    job_dir, capsys, backend, flags, message
+):
+    flags = [str(job_dir / "hf") if f == "REF" else f for f in flags]
+    with pytest.raises(SystemExit) as exit_info:
+        parse(job_dir, backend, *flags)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_the_honoured_forms_of_those_flags_parse(job_dir):
+    parse(job_dir, "megatron", "--bf16", "--optimizer-cpu-offload", "--optimizer", "adam")
+    parse(job_dir, "megatron", "--recompute-granularity", "full", "--recompute-method", "uniform",
+          "--recompute-num-layers", "1", "--moe-token-dispatcher-type", "alltoall")  # fmt: skip
+    for backend in ("fsdp", "megatron"):
+        parse(job_dir, backend, "--update-weight-target-module", "model", "--loss-type", "sft_loss")
+    parse(
+        job_dir, "fsdp", "--teacher-load", str(job_dir / "hf"), "--custom-loss-function-path", "m:f"
+    )

@@ -22,6 +22,7 @@ from miles_megatron.arch_args import (
     resolve_model_args,
     transformer_engine_available,
 )
+from miles_megatron.generated_flags import check_generated_flags
 from miles_megatron.packed_attention import check_attn_implementation
 
 #: Parallel sizes the critic (--use-critic) is not proven at: its tests cover TP x DP.
@@ -117,6 +118,8 @@ class MegatronArgs(ArgGroup):
                 "otherwise)",
                 stacklevel=2,
             )
+        check_not_honoured(args)
+        check_generated_flags(args)
         check_context_parallel_flags(args)
         check_attn_implementation(args)
         check_memory_flags(args)
@@ -141,6 +144,27 @@ class MegatronArgs(ArgGroup):
             except BridgeError as exc:
                 raise ArgumentError(str(exc)) from exc
             check_parallel_sizes(args, world_size_of(args), model_args=margs)
+
+
+#: Shared flags the Megatron backend does not read: refused at argument time.
+NOT_HONOURED = ("teacher_load", "custom_loss_function_path", "custom_prepare_path")
+
+
+def check_not_honoured(args: Any) -> None:
+    """Refuse the shared flags only the FSDP backend reads (the custom loss / prepare hooks and
+    the teacher they feed) and more than one ``--update-weight-target-module`` name."""
+    for dest in NOT_HONOURED:
+        if getattr(args, dest, None):
+            raise ArgumentError(
+                f"{flag_option(dest)} is not honoured by --train-backend megatron (only the "
+                "FSDP backend runs the custom loss/prepare hooks and their teacher)"
+            )
+    names = getattr(args, "update_weight_target_module", None) or []
+    if len(names) > 1:
+        raise ArgumentError(
+            f"--update-weight-target-module: the Megatron backend trains a causal LM, one "
+            f"component, got {len(names)} ({', '.join(names)})"
+        )
 
 
 def check_context_parallel_flags(args: Any) -> None:

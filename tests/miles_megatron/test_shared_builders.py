@@ -207,3 +207,22 @@ def test_the_honoured_forms_of_those_flags_parse(job_dir):
     parse(
         job_dir, "fsdp", "--teacher-load", str(job_dir / "hf"), "--custom-loss-function-path", "m:f"
     )
+
+
+def test_both_backends_take_the_contracts_update_weights_and_compute_values():
+    """``update_weights(engines, weights=)`` and ``compute_values`` as the contract declares
+    them; Megatron (no EMA) refuses ``weights="ema"`` before touching an engine."""
+    import inspect
+
+    from miles_core.contract import TrainBackend
+    from miles_fsdp.backend import FSDPBackend
+    from miles_megatron.backend import MegatronBackend
+
+    contract = inspect.signature(TrainBackend.update_weights).parameters
+    for cls in (FSDPBackend, MegatronBackend):
+        params = inspect.signature(cls.update_weights).parameters
+        assert list(params) == list(contract), cls
+        assert params["weights"].default is None
+        assert "compute_values" not in getattr(cls, "__abstractmethods__", ())
+    with pytest.raises(ValueError, match="publishes 'actor' only"):
+        MegatronBackend().update_weights([], weights="ema")

@@ -27,7 +27,10 @@ TOY_MODULE = textwrap.dedent(
         def train(self, rollout_id, batch):
             return {"loss": float(rollout_id)}
 
-        def update_weights(self, engines):
+        def compute_values(self, batch):
+            raise ValueError("no critic")
+
+        def update_weights(self, engines, weights=None):
             pass
 
         def save_model(self, rollout_id, force_sync=False):

@@ -52,6 +52,7 @@ METHODS = (
     "init",
     "data_layout",
     "train",
+    "compute_values",
     "update_weights",
     "save_model",
     "sleep",
@@ -60,7 +61,7 @@ METHODS = (
 )
 
 
-def test_the_contract_is_exactly_the_eight_methods():
+def test_the_contract_is_exactly_the_nine_methods():
     assert TrainBackend.__abstractmethods__ == frozenset(METHODS)
 
 
@@ -81,3 +82,26 @@ def test_a_complete_backend_instantiates_with_defaults():
     backend = cls()
     assert cls.arg_groups() == ()
     assert backend.name == ""
+
+
+def test_the_launchers_calls_are_the_contract():
+    """Every method the trainer group calls on a backend is in ``TrainBackend`` with the
+    arguments it passes (``compute_values`` for the critic, ``update_weights(weights=)``)."""
+    import ast
+    import inspect
+
+    trainer_group = pytest.importorskip("miles_launch.trainer_group")
+
+    tree = ast.parse(inspect.getsource(trainer_group))
+    called = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            on_backend = isinstance(owner, ast.Attribute) and owner.attr in ("backend", "critic")
+            on_role = isinstance(owner, ast.Call) and getattr(owner.func, "attr", "") == "_role"
+            if on_backend or on_role:
+                called.add(node.func.attr)
+                params = inspect.signature(getattr(TrainBackend, node.func.attr)).parameters
+                assert all(k.arg in params for k in node.keywords), (node.func.attr, params)
+    assert {"compute_values", "update_weights", "train", "init"} <= called
+    assert called <= set(METHODS), called - set(METHODS)

@@ -70,7 +70,7 @@ def test_backend_needs_hf_checkpoint():
 
 
 def test_decay_iters_default_to_the_whole_run():
-    from miles_fsdp.backend import optimizer_config
+    from miles_core.optimizer import optimizer_config
     from run_args import make_args
 
     args = make_args(num_steps_per_rollout=2)

@@ -130,7 +130,7 @@ def test_fp16_overflowing_step_is_skipped_and_the_scale_halved(one_rank_group, t
 
 def test_unknown_compute_dtype_names_the_flag():
     with pytest.raises(ValueError, match="--fsdp-compute-dtype must be one of"):
-        resolve_precision(False, "fp8")
+        resolve_precision("bf16", "fp8")
 
 
 @pytest.mark.parametrize("name", ATTN_IMPLEMENTATIONS)

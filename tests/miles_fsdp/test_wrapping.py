@@ -28,7 +28,7 @@ def units(tie: bool, mesh) -> tuple[nn.Module, set[str]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(qwen3_config(tie_word_embeddings=tie))
-    apply_fsdp(model, mesh, resolve_precision(False, "fp32"))
+    apply_fsdp(model, mesh, resolve_precision("fp32"))
     return model, {name for name, m in model.named_modules() if isinstance(m, FSDPModule)}
 
 

@@ -44,6 +44,26 @@ def samples(masked: bool = False):
     return out
 
 
+#: (length, response) of :func:`long_samples`: alone in a row padded to 128 at CP = 2 (chunks of
+#: 32, rank 0 holding row positions 0-31 and 96-127), every response reaches both ranks
+LONG = ((100, 70), (120, 50), (110, 80), (104, 60))
+
+
+def long_samples():
+    """Four samples long enough that, each packed alone at CP = 2, both CP ranks hold loss
+    tokens of each; every loss mask has a hole (a masked tool span of ``response // 4``)."""
+    from miles_core.batch import Sample
+
+    gen = torch.Generator().manual_seed(11)
+    out = []
+    for i, (length, response) in enumerate(LONG):
+        mask = torch.ones(response)
+        mask[response // 3 : response // 3 + response // 4] = 0
+        tokens = torch.randint(0, 96, (length,), generator=gen)
+        out.append(Sample(tokens, response, REWARDS[i], group_index=GROUPS[i], loss_mask=mask))
+    return out
+
+
 def backend_argv(hf_dir: str, save: str, tp: int, load: str | None = None) -> list[str]:
     argv = ["--hf-checkpoint", hf_dir, "--save", save, "--lr", str(LR), "--weight-decay", "0"]
     argv += ["--tensor-model-parallel-size", str(tp), "--micro-batch-size", "2"]

@@ -82,10 +82,28 @@ def rl_layouts(rank: int, world: int, hf_dir: str, layouts: list, save: str | No
     return out
 
 
+def sft_step(hf_dir: str, argv: list[str]) -> dict[str, float]:
+    """One ``--loss-type sft_loss`` step (sequence mean, lr 0, no clipping) on
+    backend_reference's long samples, one per micro-batch: its metrics."""
+    from backend_reference import long_samples
+    from megatron_ranks import parse
+    from miles_core.batch import RolloutBatch
+    from miles_megatron.backend import MegatronBackend
+
+    flags = ["--hf-checkpoint", hf_dir, "--loss-type", "sft_loss", "--lr", "0"]
+    flags += ["--clip-grad", "1e6", "--micro-batch-size", "1", "--advantage-estimator", "grpo"]
+    backend = MegatronBackend()
+    backend.init(parse([*flags, *argv]))
+    metrics = backend.train(0, RolloutBatch(long_samples()))
+    backend.close()
+    return metrics
+
+
 def cp_default_run(rank: int, world: int, hf_dir: str, rollouts: int, save: str) -> dict:
     """The default suite's one 2-rank spawn: CP = 2 against HF + AdamW (GRPO) with both
     publishes (layout_ranks.train_and_publish), then the RL recipe at CP = 1 (DP = 2) and
-    CP = 2 with the CP = 2 checkpoint reloaded at CP = 1."""
+    CP = 2 with the CP = 2 checkpoint reloaded at CP = 1, then an sft step at CP = 2 on
+    samples whose loss tokens reach both CP ranks."""
     from layout_ranks import train_and_publish
 
     cases = [("llama cp2", hf_dir, cp_argv(cp=2))]
@@ -93,4 +111,5 @@ def cp_default_run(rank: int, world: int, hf_dir: str, rollouts: int, save: str)
     return {
         "layouts": train_and_publish(rank, world, cases, rollouts),
         "rl": rl_layouts(rank, world, hf_dir, layouts, save),
+        "sft": sft_step(hf_dir, cp_argv(cp=2)),
     }

@@ -6,11 +6,18 @@ from typing import Any
 
 import torch
 
+#: the tests' default precision: fp32 on the CPU (the CLI's default is bf16)
+PRECISION_FLAGS = ("--bf16", "--no-bf16", "--fp16")
+
 
 def parse(argv: list[str]):
+    """The core and megatron groups' parse of ``argv``, in fp32 (``--no-bf16``) unless
+    ``argv`` names a precision."""
     from miles_core.args import core_groups, parse_args
     from miles_megatron.args import megatron_groups
 
+    if not set(PRECISION_FLAGS) & set(argv):
+        argv = ["--no-bf16", *argv]
     return parse_args(argv, [*core_groups(), *megatron_groups()])
 
 

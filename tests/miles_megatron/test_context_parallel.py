@@ -10,7 +10,10 @@ With ranks (gloo, the CPU shim), one 2-rank spawn in the default suite:
 * the RL recipe (reference model + KL loss, entropy bonus, two steps per rollout: the actor's
   old log-prob pass and clipped ratios) at CP = 2 equals TP = 2 (the same data per step, DP = 1)
   metric for metric, weight for weight; the reference log-probs gathered over CP equal HF's;
-* a checkpoint saved at CP = 2 loads at CP = 1 bit for bit.
+* a checkpoint saved at CP = 2 loads at CP = 1 bit for bit;
+* ``--loss-type sft_loss`` (sequence mean) at CP = 2 on samples whose loss tokens reach both CP
+  ranks equals HF's float64 loss and gradient norm (without ranks: every sequence-mean share
+  of the CP ranks adds up to the whole samples' mean).
 
 ``extended``: CP = 2 x TP = 2 and CP = 2 x PP = 2 (4 ranks) against HF + AdamW and against
 TP = 2 x PP = 2 on the RL recipe.
@@ -99,6 +102,58 @@ def test_shards_attending_to_gathered_keys_reproduce_full_attention(cp):
         assert shard.num_samples == packed.num_samples
 
 
+def cp_shards_of_long_samples(cp: int = 2):
+    """Each of backend_reference's long samples packed alone (micro-batch size 1), split over
+    ``cp`` ranks; asserts the coverage: every rank holds loss tokens of every sample."""
+    from backend_reference import long_samples
+    from miles_core.batch import RolloutBatch
+
+    rows = []
+    for sample in long_samples():
+        packed = pack_thd(RolloutBatch([sample]), pad_multiple=pad_multiple(cp, 1))
+        shards = [PackedShard.of(packed, cp, r, group=None) for r in range(cp)]
+        assert all(shard.loss_mask.sum() > 0 for shard in shards), packed.num_tokens
+        assert packed.loss_mask.sum() < sample.response_length  # the mask has a hole
+        rows.append((packed, shards))
+    return rows
+
+
+@pytest.mark.parametrize("loss", ["sft_loss", "value_loss"])
+def test_sequence_mean_shares_of_cp_ranks_add_up_to_the_whole_samples_mean(loss):
+    """``(1/S) sum_i (1/n_i) sum_t m_t x_t`` in float64 (``n_i`` the whole sample's loss
+    tokens) equals the sum over rows and CP ranks of each rank's share: a rank counts the
+    sample's tokens on every rank, not its own."""
+    from miles_core.losses import LossConfig, packed_score_loss, packed_value_loss
+
+    config = LossConfig(value_clip=0.2)
+    gen = torch.Generator().manual_seed(3)
+    rows = cp_shards_of_long_samples()
+    num_samples = len(rows)
+    want, got = 0.0, torch.zeros((), dtype=torch.float64)
+    for packed, shards in rows:
+        x = torch.randn(packed.loss_mask.shape, generator=gen, dtype=torch.float64)
+        old, returns = (torch.randn_like(x) for _ in range(2)) if loss == "value_loss" else (x, x)
+        if loss == "sft_loss":
+            per_token = -x
+        else:  # 0.5 * max((v - R)^2, (v_old + clip(v - v_old) - R)^2)
+            clipped = old + (x - old).clamp(-0.2, 0.2)
+            per_token = 0.5 * torch.maximum((x - returns) ** 2, (clipped - returns) ** 2)
+        mask = packed.loss_mask.double()
+        want += float((per_token * mask).sum() / mask.sum()) / num_samples
+        packed.fields.update(values=old, returns=returns)  # float64: the formula's operands
+        for shard in shards:
+            mine = x[:, shard.positions]
+            if loss == "sft_loss":
+                entropy = torch.zeros_like(mine)
+                share, _ = packed_score_loss(
+                    "sft_loss", mine, entropy, shard, config, num_samples, detach_old=True
+                )
+            else:
+                share, _ = packed_value_loss(mine, shard, config, num_samples)
+            got = got + share
+    assert abs(got.item() - want) <= 1e-12 * abs(want), (got.item(), want)
+
+
 def test_cp_flag_combinations_not_covered_are_refused_at_parse_time(layout_hf_dirs):
     from megatron_ranks import parse
     from miles_core.args import ArgumentError
@@ -161,6 +216,43 @@ def test_cp2_rl_recipe_equals_cp1_and_its_checkpoint_loads_at_cp1(cp_two_rank_ru
         saved, reloaded = r["rl"]["cp2"]["weights"], r["rl"]["reloaded"]
         assert sorted(saved) == sorted(reloaded), rank
         assert all(np.array_equal(saved[k], reloaded[k]) for k in saved), rank
+
+
+def reference_sft(hf_dir: str, samples) -> tuple[float, float]:
+    """(loss, grad norm) in float64 of the sequence-mean NLL ``-(1/S) sum_i (1/n_i) sum_t
+    m_it log pi_t`` (``n_i = sum_t m_it``, the whole sample's)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float64, attn_implementation="eager"
+    )
+    terms = []
+    for s in samples:
+        logits = model(input_ids=s.tokens[None], use_cache=False).logits[0, :-1]
+        log_p = logits.log_softmax(-1).gather(-1, s.tokens[1:, None])[-s.response_length :, 0]
+        terms.append(-(log_p * s.mask.double()).sum() / s.mask.sum())
+    loss = sum(terms) / len(terms)
+    loss.backward()
+    norm = torch.sqrt(sum(p.grad.square().sum() for p in model.parameters() if p.grad is not None))
+    return loss.item(), norm.item()
+
+
+@pytest.mark.slow
+@pytest.mark.numeric
+def test_cp2_sft_loss_on_samples_spanning_both_ranks_matches_float64(
+    cp_two_rank_run, layout_hf_dirs
+):
+    """``--loss-type sft_loss`` (sequence mean) at CP = 2, every CP rank holding loss tokens of
+    every sample: the loss and gradient norm are HF float64's (a rank dividing by its own part
+    of each sample's tokens gave a larger loss and other gradients)."""
+    from backend_reference import long_samples
+
+    cp_shards_of_long_samples()  # asserts the coverage of the samples the ranks trained on
+    loss, norm = reference_sft(layout_hf_dirs["llama"], long_samples())
+    for r in cp_two_rank_run:
+        m = r["sft"]
+        assert abs(m["sft_loss"] - loss) <= 1e-5 * loss, (m["sft_loss"], loss)
+        assert abs(m["grad_norm"] - norm) <= 2 * GRAD_REL_ERR * norm, (m["grad_norm"], norm)
 
 
 @pytest.mark.extended

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def flags(hf: Path, prompts: Path, metrics: Path) -> list[str]:
     return [
-        "--train-backend", "megatron", "--hf-checkpoint", str(hf),
+        "--train-backend", "megatron", "--no-bf16", "--hf-checkpoint", str(hf),
         "--prompt-data", str(prompts), "--input-key", "prompt", "--label-key", "label",
         "--rm-type", "label-char-fraction",
         "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2",

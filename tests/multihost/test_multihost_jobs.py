@@ -195,7 +195,7 @@ def test_two_engines_on_two_hosts(cluster, material, tmp_path, mode):
 def megatron_flags(hf: Path, prompts: Path, metrics: Path) -> list[str]:
     """The megatron backend at TP=2 on the two trainer ranks (CPU shim: conftest.py)."""
     return [
-        "--train-backend", "megatron", "--hf-checkpoint", str(hf),
+        "--train-backend", "megatron", "--no-bf16", "--hf-checkpoint", str(hf),
         "--prompt-data", str(prompts), "--input-key", "prompt", "--label-key", "label",
         "--rm-type", "label-char-fraction", "--rollout-engine", "builtin",
         "--actor-num-nodes", "1", "--rollout-num-gpus", "1",

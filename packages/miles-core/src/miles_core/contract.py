@@ -72,8 +72,19 @@ class TrainBackend(ABC):
         """Consume one rollout's data shard and take its optimizer steps; return metrics."""
 
     @abstractmethod
-    def update_weights(self, engines: Sequence[Any]) -> None:
-        """Publish the current (or EMA) weights to ``engines``.
+    def compute_values(self, batch: Any) -> list[Any]:
+        """The critic's per-sample values of this rank's shard ``batch``, before this rollout's
+        update: one float32 CPU tensor per sample, response-aligned, in ``batch``'s order.
+
+        Called on the ``"critic"`` role only (``--use-critic``), before its :meth:`train`;
+        collective over the critic's ranks. An actor raises ``ValueError``.
+        """
+
+    @abstractmethod
+    def update_weights(self, engines: Sequence[Any], weights: str | None = None) -> None:
+        """Publish weights to ``engines``: ``weights`` ``"actor"`` (the current ones) or
+        ``"ema"`` (the EMA's, ``--use-ema``); None: ``--rollout-weights``. A backend without
+        the named weights raises ``ValueError``; the critic never publishes (``ValueError``).
 
         (Re)connects to the engines when their set changed since the previous call.
         """

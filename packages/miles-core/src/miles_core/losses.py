@@ -295,6 +295,7 @@ def compute_value_loss(
     per_token_loss: bool,
     sample_ids: torch.Tensor | None = None,
     num_samples: int | None = None,
+    sample_loss_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss (critic, ``--advantage-estimator ppo``)::
 
@@ -302,15 +303,18 @@ def compute_value_loss(
         loss   = agg(0.5 * max((v - R)^2, (v_clip - R)^2))
 
     with ``R`` the GAE returns. Metrics: ``value_loss``, ``value_clipfrac`` (where the clipped
-    error was strictly larger).
+    error was strictly larger). ``sample_loss_tokens`` as for :func:`compute_policy_loss`.
     """
     v_clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
     err = (values - returns).square()
     err_clipped = (v_clipped - returns).square()
     per_token = 0.5 * torch.maximum(err, err_clipped)
     clipped = (err_clipped > err).float()
-    loss = aggregate(per_token, loss_mask, denominator, per_token_loss, sample_ids, num_samples)
-    clipfrac = aggregate(clipped, loss_mask, denominator, per_token_loss, sample_ids, num_samples)
+    common = dict(
+        sample_ids=sample_ids, num_samples=num_samples, sample_loss_tokens=sample_loss_tokens
+    )
+    loss = aggregate(per_token, loss_mask, denominator, per_token_loss, **common)
+    clipfrac = aggregate(clipped, loss_mask, denominator, per_token_loss, **common)
     return loss, {"value_loss": loss.detach(), "value_clipfrac": clipfrac.detach()}
 
 
@@ -322,9 +326,19 @@ def sft_loss(
     per_token_loss: bool,
     sample_ids: torch.Tensor | None = None,
     num_samples: int | None = None,
+    sample_loss_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Negative log-likelihood of the masked tokens: ``loss = agg(-log pi_t)``."""
-    loss = aggregate(-log_probs, loss_mask, denominator, per_token_loss, sample_ids, num_samples)
+    """Negative log-likelihood of the masked tokens: ``loss = agg(-log pi_t)``
+    (``sample_loss_tokens`` as for :func:`compute_policy_loss`)."""
+    loss = aggregate(
+        -log_probs,
+        loss_mask,
+        denominator,
+        per_token_loss,
+        sample_ids=sample_ids,
+        num_samples=num_samples,
+        sample_loss_tokens=sample_loss_tokens,
+    )
     return loss, {"sft_loss": loss.detach()}
 
 
@@ -344,6 +358,7 @@ def packed_value_loss(
         per_token_loss=config.calculate_per_token_loss,
         sample_ids=packed.sample_ids,
         num_samples=packed.num_samples,
+        sample_loss_tokens=packed.sample_loss_tokens,
     )
 
 
@@ -366,11 +381,12 @@ def packed_score_loss(
     """The ``--loss-type`` loss (``sft_loss`` or ``policy_loss``) of a packed micro-batch from
     its scores. ``detach_old``: the old log-probs are the current ones, detached (one step per
     rollout). The entropy is detached unless :func:`entropy_needs_grad`."""
-    common = dict(
+    common = dict(  # whole-sample counts: a context-parallel shard holds part of each sample
         loss_mask=packed.loss_mask,
         denominator=denominator,
         sample_ids=packed.sample_ids,
         num_samples=packed.num_samples,
+        sample_loss_tokens=packed.sample_loss_tokens,
     )
     if loss_type == "sft_loss":
         return sft_loss(log_probs, per_token_loss=config.calculate_per_token_loss, **common)
@@ -383,6 +399,5 @@ def packed_score_loss(
         ref_log_probs=fields.get("ref_log_probs"),
         rollout_log_probs=fields.get("rollout_log_probs"),
         entropy=entropy if entropy_needs_grad(loss_type, config) else entropy.detach(),
-        sample_loss_tokens=packed.sample_loss_tokens,
         **common,
     )

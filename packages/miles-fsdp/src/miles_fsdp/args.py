@@ -7,6 +7,19 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from miles_core.args import ArgGroup, ArgumentError, flag
+from miles_core.precision import explicit_dtype_name
+
+#: Shared flags this backend has no meaning for: refused at argument time, with the reason.
+NOT_HONOURED = (
+    (
+        "optimizer_cpu_offload",
+        "megatron-core's CPU optimizer; use --fsdp-cpu-offload for the optimizer step on the CPU",
+    ),
+    (
+        "rematerialize_param_from_master_weight",
+        "its sharded parameters are the fp32 masters: there is no separate backup to drop",
+    ),
+)
 
 #: Model-parallel dimensions this backend does not have (all data parallel).
 UNSUPPORTED_PARALLEL = (
@@ -56,8 +69,8 @@ class FSDPArgs(ArgGroup):
     )
     fsdp_compute_dtype: Literal["bf16", "fp16", "fp32"] | None = flag(
         None,
-        help="Override the compute dtype (unset: bf16, or fp16 with --fp16); fp32 is for "
-        "numerics checks and CPU runs.",
+        help="The compute dtype when none of --bf16/--no-bf16/--fp16 is given (unset: bf16); "
+        "refused when it contradicts them.",
     )
     moe_kernel: Literal["fused", "eager"] | None = flag(
         None,
@@ -102,6 +115,24 @@ class FSDPArgs(ArgGroup):
         if args.fsdp_cpu_offload and getattr(args, "stream_optimizer_state_to_disk", False):
             raise ArgumentError(
                 "--stream-optimizer-state-to-disk and --fsdp-cpu-offload are mutually exclusive"
+            )
+        for dest, why in NOT_HONOURED:
+            if getattr(args, dest, False):
+                raise ArgumentError(
+                    f"--{dest.replace('_', '-')} is not honoured by --train-backend fsdp ({why})"
+                )
+        names = getattr(args, "update_weight_target_module", None) or []
+        if len(names) > 1:
+            raise ArgumentError(
+                f"--update-weight-target-module: the FSDP backend trains a causal LM, one "
+                f"component, got {len(names)} ({', '.join(names)})"
+            )
+        named = explicit_dtype_name(args)
+        if args.fsdp_compute_dtype is not None and named not in (None, args.fsdp_compute_dtype):
+            given = {"fp16": "--fp16", "bf16": "--bf16", "fp32": "--no-bf16"}[named]
+            raise ArgumentError(
+                f"--fsdp-compute-dtype {args.fsdp_compute_dtype} contradicts {given} "
+                f"({named}); give one of them"
             )
         if args.profile_step_end <= args.profile_step_start:
             raise ArgumentError(

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from miles_core.args import ArgumentError
 from miles_core.contract import DataLayout, TrainBackend
+from miles_core.optimizer import optimizer_config
 from torch import nn
 
 from miles_fsdp.adaptations import Adaptation, adaptation_for
@@ -31,14 +32,9 @@ from miles_fsdp.loading import (
 from miles_fsdp.lora import actor_lora, actor_lora_fixup
 from miles_fsdp.loss_scale import LossScaler
 from miles_fsdp.mesh import MeshShape, build_mesh, mesh_shape
-from miles_fsdp.optimizer import (
-    OptimizerConfig,
-    build_optimizer,
-    build_streamed_optimizer,
-    is_streamed,
-)
+from miles_fsdp.optimizer import build_optimizer, build_streamed_optimizer, is_streamed
 from miles_fsdp.output_head import check_fused_head
-from miles_fsdp.precision import PrecisionConfig, resolve_precision
+from miles_fsdp.precision import PrecisionConfig, precision_of
 from miles_fsdp.profiling import TrainProfiler
 from miles_fsdp.roles import component_names, frozen_role, frozen_sources
 from miles_fsdp.weight_source import WeightSource
@@ -48,30 +44,6 @@ def _device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
     return torch.device("cpu")
-
-
-def optimizer_config(args: Any) -> OptimizerConfig:
-    """The optimizer/schedule part of the parsed flags.
-
-    ``--lr-decay-iters`` unset means the whole run when the launcher's ``--num-rollout`` is
-    known: ``num_rollout * --num-steps-per-rollout`` optimizer steps.
-    """
-    decay_iters = args.lr_decay_iters
-    num_rollout = getattr(args, "num_rollout", None)
-    if decay_iters is None and num_rollout:
-        decay_iters = num_rollout * args.num_steps_per_rollout
-    return OptimizerConfig(
-        lr=args.lr,
-        min_lr=args.min_lr,
-        weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        clip_grad=args.clip_grad,
-        lr_warmup_iters=args.lr_warmup_iters,
-        lr_decay_style=args.lr_decay_style,
-        lr_decay_iters=decay_iters,
-    )
 
 
 class FSDPBackend(TrainBackend):
@@ -133,9 +105,7 @@ class FSDPBackend(TrainBackend):
         if args.fused_log_probs:
             check_fused_head(self.config)
         self.adaptation: Adaptation = adaptation_for(self.config.model_type)
-        precision = resolve_precision(
-            args.fp16, getattr(args, "fsdp_compute_dtype", None), args.keep_fp32_master
-        )
+        precision = precision_of(args)
         for policy in self.adaptation.precision_policies:
             precision = policy(self.config, precision)
         self.precision: PrecisionConfig = precision
@@ -186,12 +156,11 @@ class FSDPBackend(TrainBackend):
         self.frozen = {
             s.role: build_model(plan, frozen_role(s, self.config)) for s in frozen_sources(args)
         }
-        if getattr(args, "stream_optimizer_state_to_disk", False):
-            self.optimizer, self.scheduler = build_streamed_optimizer(
-                self.model, optimizer_config(args), args
-            )
+        opt_config = optimizer_config(args)
+        if opt_config.streamed is not None:
+            self.optimizer, self.scheduler = build_streamed_optimizer(self.model, opt_config)
         else:
-            self.optimizer, self.scheduler = build_optimizer(self.model, optimizer_config(args))
+            self.optimizer, self.scheduler = build_optimizer(self.model, opt_config)
         self.ema = build_ema(self.model, args)
         self.hooks = Hooks.from_args(args, self._hook_context())
         self.loss_scaler = LossScaler.from_args(args)

@@ -1,59 +1,28 @@
 """AdamW, the learning-rate schedule and gradient clipping over FSDP2 (DTensor) parameters.
 
-Schedule (``lr_at(step)``, ``step`` counts optimizer steps from 0):
-
-* warmup, ``step < warmup``: ``lr * (step + 1) / warmup``;
-* after warmup, with ``t = min(1, (step - warmup) / max(1, decay_iters - warmup))``:
-  ``constant``: ``lr``; ``linear``: ``min_lr + (lr - min_lr) * (1 - t)``;
-  ``cosine``: ``min_lr + (lr - min_lr) * (1 + cos(pi * t)) / 2``.
-
-``decay_iters`` unset (no ``--lr-decay-iters`` and no known run length) falls back to the warmup
-length, so ``linear``/``cosine`` then decay to ``min_lr`` right after warmup.
+The configuration and the schedule are miles-core's (:mod:`miles_core.optimizer`, shared with
+the Megatron backend): :func:`build_scheduler` is a ``LambdaLR`` of ``cfg.lr_at(step)``.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
+from miles_core.optimizer import OptimizerConfig, lr_at
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-DECAY_STYLES = ("constant", "linear", "cosine")
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    lr_warmup_iters: int = 0
-    lr_decay_style: str = "constant"
-    lr_decay_iters: int | None = None
-
-
-def lr_at(step: int, cfg: OptimizerConfig) -> float:
-    """The learning rate of optimizer step ``step`` (see the module docstring)."""
-    if cfg.lr_decay_style not in DECAY_STYLES:
-        raise ValueError(
-            f"--lr-decay-style must be one of {DECAY_STYLES}, got {cfg.lr_decay_style!r}"
-        )
-    warmup = cfg.lr_warmup_iters
-    if step < warmup:
-        return cfg.lr * (step + 1) / warmup
-    if cfg.lr_decay_style == "constant":
-        return cfg.lr
-    decay_iters = cfg.lr_decay_iters if cfg.lr_decay_iters is not None else warmup
-    t = min(1.0, (step - warmup) / max(1, decay_iters - warmup))
-    if cfg.lr_decay_style == "linear":
-        return cfg.min_lr + (cfg.lr - cfg.min_lr) * (1.0 - t)
-    return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * t))
+__all__ = [
+    "OptimizerConfig",
+    "build_optimizer",
+    "build_scheduler",
+    "build_streamed_optimizer",
+    "clip_grad_norm",
+    "is_streamed",
+    "lr_at",
+]
 
 
 def build_optimizer(
@@ -82,29 +51,27 @@ def build_scheduler(
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """The ``LambdaLR`` that sets every param group's LR to :func:`lr_at` of the step."""
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_at(step, cfg) / cfg.lr if cfg.lr else 0.0
+        optimizer, lambda step: cfg.lr_at(step) / cfg.lr if cfg.lr else 0.0
     )
 
 
 def build_streamed_optimizer(
-    model: nn.Module, cfg: OptimizerConfig, args: Any
+    model: nn.Module, cfg: OptimizerConfig
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """``--stream-optimizer-state-to-disk``: miles-offload's streamed AdamW plus the same schedule.
 
     Masters and moments of the parameters with at least ``--stream-optimizer-min-numel``
     elements live in bucket files under ``--offload-train-disk-dir``; the arithmetic (and the
     fused / foreach choice) is that of :func:`build_optimizer`, so with fp32 moments the
-    weights are bit-identical. Hyperparameters come from ``cfg`` like the in-memory AdamW's.
+    weights are bit-identical. Hyperparameters come from ``cfg`` like the in-memory AdamW's,
+    the file settings from ``cfg.streamed``.
     """
     from miles_offload.streamed_adam import StreamedAdamConfig, StreamedAdamW
 
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     on_cuda = bool(params) and all(p.device.type == "cuda" for _, p in params)
     config = StreamedAdamConfig(
-        disk_dir=args.offload_train_disk_dir,
-        moment_dtype=args.stream_optimizer_state_moment_dtype,
-        bucket_numel=args.stream_optimizer_bucket_numel,
-        min_numel=args.stream_optimizer_min_numel,
+        **asdict(cfg.streamed),
         foreach=None if on_cuda else True,
         fused=True if on_cuda else None,
     )

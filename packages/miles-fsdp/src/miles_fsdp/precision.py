@@ -1,7 +1,9 @@
 """Precision policy: which dtype computes, which holds the master weights, which reduces.
 
-* compute (``param_dtype`` of FSDP's MixedPrecisionPolicy): bf16 by default, fp16 with
-  ``--fp16``, fp32 with ``--fsdp-compute-dtype fp32`` (used by CPU tests and numerics checks);
+* compute (``param_dtype`` of FSDP's MixedPrecisionPolicy): miles-core's training dtype
+  (:mod:`miles_core.precision`: bf16 by default, fp16 with ``--fp16``, fp32 with
+  ``--no-bf16``), the same as the Megatron backend's; ``--fsdp-compute-dtype`` picks it when
+  none of those is given and is refused when it contradicts them;
 * master: the dtype the sharded parameters and AdamW state live in; fp32 by default,
   the compute dtype with ``--no-keep-fp32-master``;
 * gradient reduction (reduce-scatter / all-reduce): always fp32;
@@ -19,13 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from miles_core.precision import DTYPES, train_dtype_name
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-DTYPES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp32": torch.float32,
-}
+__all__ = ["DTYPES", "PrecisionConfig", "precision_of", "resolve_precision"]
 
 
 @dataclass(frozen=True)
@@ -61,20 +60,25 @@ class PrecisionConfig:
 
 
 def resolve_precision(
-    fp16: bool, compute_dtype: str | None = None, keep_fp32_master: bool = True
+    train_dtype: str = "bf16", compute_dtype: str | None = None, keep_fp32_master: bool = True
 ) -> PrecisionConfig:
     """Derive the precision of a run from its flags.
 
-    ``compute_dtype`` (``--fsdp-compute-dtype``) wins when given; otherwise fp16 if ``fp16`` else
-    bf16. The master dtype is fp32 when ``keep_fp32_master``, else the compute dtype.
+    ``train_dtype`` is miles-core's (:func:`miles_core.precision.train_dtype_name`);
+    ``compute_dtype`` (``--fsdp-compute-dtype``) wins when given (the argument checks refuse it
+    when it contradicts an explicit ``--bf16`` / ``--no-bf16`` / ``--fp16``). The master dtype
+    is fp32 when ``keep_fp32_master``, else the compute dtype.
     """
-    if compute_dtype is not None:
-        if compute_dtype not in DTYPES:
-            raise ValueError(
-                f"--fsdp-compute-dtype must be one of {sorted(DTYPES)}, got {compute_dtype!r}"
-            )
-        compute = DTYPES[compute_dtype]
-    else:
-        compute = torch.float16 if fp16 else torch.bfloat16
+    for name, flag in ((train_dtype, "--bf16/--fp16"), (compute_dtype, "--fsdp-compute-dtype")):
+        if name is not None and name not in DTYPES:
+            raise ValueError(f"{flag} must be one of {sorted(DTYPES)}, got {name!r}")
+    compute = DTYPES[compute_dtype if compute_dtype is not None else train_dtype]
     master = torch.float32 if keep_fp32_master else compute
     return PrecisionConfig(compute_dtype=compute, master_dtype=master)
+
+
+def precision_of(args) -> PrecisionConfig:
+    """:func:`resolve_precision` of the parsed flags."""
+    return resolve_precision(
+        train_dtype_name(args), getattr(args, "fsdp_compute_dtype", None), args.keep_fp32_master
+    )

@@ -69,7 +69,8 @@ def optimizer_step(
     ``loss_of`` returns ``(contribution, parts)``: the scalar to back-propagate (see the module
     docstring) and named scalar parts (already global-denominator scaled) for the metrics.
     With ``loss_scaler`` (fp16) the backward pass runs on the scaled loss and the gradients are
-    unscaled before clipping; a step with a non-finite gradient norm is skipped either way.
+    unscaled before clipping; a step with a non-finite gradient norm is skipped either way, and
+    then the LR schedule does not advance.
     """
     optimizer.zero_grad(set_to_none=True)
     total: torch.Tensor | float = 0.0
@@ -89,10 +90,10 @@ def optimizer_step(
     reduced, grad_norm = all_reduce_sum({"step_loss": torch.as_tensor(total), **parts}, also=norm)
     lr = optimizer.param_groups[0]["lr"]
     finite = math.isfinite(grad_norm)
-    if finite:
+    if finite:  # a skipped step does not advance the LR schedule (as under Megatron)
         optimizer.step()
+        scheduler.step()
     if loss_scaler is not None:
         loss_scaler.update(found_inf=not finite)
-    scheduler.step()
     loss = reduced.pop("step_loss")
     return StepResult(loss=loss, parts=reduced, grad_norm=grad_norm, lr=lr)

@@ -135,10 +135,7 @@ class TrainerRank:
         return self._role("critic").train(rollout_id, shard)
 
     def update_weights(self, engines: list[str], weights: str | None = None) -> None:
-        if weights is None:
-            self.backend.update_weights(engines)
-        else:  # a backend with model roles (FSDP: actor / ema)
-            self.backend.update_weights(engines, weights=weights)
+        self.backend.update_weights(engines, weights=weights)
 
     def save_model(self, rollout_id: int, force_sync: bool) -> None:
         """The actor's checkpoint, then the critic's (``--critic-save``) at the same point."""

@@ -119,6 +119,11 @@ class ArchitectureArgs(ArgGroup):
                 "(TEGroupedMLP, or GroupedMLP's weight1/weight2) have no bridge mapping and "
                 "no grouped path without TransformerEngine; drop the flag (per-expert MLPs)"
             )
+        if args.moe_token_dispatcher_type == "flex":
+            raise ArgumentError(
+                "--moe-token-dispatcher-type flex is not supported by the Megatron backend "
+                "(megatron-core's flex dispatcher needs DeepEP/HybridEP); use alltoall or allgather"
+            )
 
 
 def transformer_engine_available() -> bool:

@@ -15,12 +15,14 @@ from typing import Any, ClassVar
 
 from miles_core.args import ArgGroup, ArgumentError, flag
 from miles_core.args.checks import option as flag_option
+from miles_core.precision import train_dtype_name
 
 from miles_megatron.arch_args import (
     ArchitectureArgs,
     resolve_model_args,
     transformer_engine_available,
 )
+from miles_megatron.generated_flags import check_generated_flags
 from miles_megatron.packed_attention import check_attn_implementation
 
 #: Parallel sizes the critic (--use-critic) is not proven at: its tests cover TP x DP.
@@ -121,6 +123,8 @@ class MegatronArgs(ArgGroup):
                 "otherwise)",
                 stacklevel=2,
             )
+        check_not_honoured(args)
+        check_generated_flags(args)
         check_context_parallel_flags(args)
         check_attn_implementation(args)
         check_memory_flags(args)
@@ -199,6 +203,27 @@ def check_ref_load(args: Any) -> None:
         )
 
 
+#: Shared flags the Megatron backend does not read: refused at argument time.
+NOT_HONOURED = ("teacher_load", "custom_loss_function_path", "custom_prepare_path")
+
+
+def check_not_honoured(args: Any) -> None:
+    """Refuse the shared flags only the FSDP backend reads (the custom loss / prepare hooks and
+    the teacher they feed) and more than one ``--update-weight-target-module`` name."""
+    for dest in NOT_HONOURED:
+        if getattr(args, dest, None):
+            raise ArgumentError(
+                f"{flag_option(dest)} is not honoured by --train-backend megatron (only the "
+                "FSDP backend runs the custom loss/prepare hooks and their teacher)"
+            )
+    names = getattr(args, "update_weight_target_module", None) or []
+    if len(names) > 1:
+        raise ArgumentError(
+            f"--update-weight-target-module: the Megatron backend trains a causal LM, one "
+            f"component, got {len(names)} ({', '.join(names)})"
+        )
+
+
 def check_context_parallel_flags(args: Any) -> None:
     """``--context-parallel-size > 1``: refuse what its attention and loss split do not cover
     (:mod:`miles_megatron.context_parallel`)."""
@@ -237,11 +262,9 @@ def check_memory_flags(args: Any) -> None:
         raise ArgumentError(
             "--use-precision-aware-optimizer needs TransformerEngine, which is not installed"
         )
-    if args.optimizer_cpu_offload and not (
-        getattr(args, "bf16", False) or getattr(args, "fp16", False)
-    ):
+    if args.optimizer_cpu_offload and train_dtype_name(args) == "fp32":
         raise ArgumentError(
-            "--optimizer-cpu-offload needs --bf16 or --fp16 (megatron-core's "
+            "--optimizer-cpu-offload needs --bf16 or --fp16, not --no-bf16 (megatron-core's "
             "HybridDeviceOptimizer cannot take fp32 parameters' shards)"
         )
     if getattr(args, "overlap_cpu_optimizer_d2h_h2d", None) and not args.optimizer_cpu_offload:

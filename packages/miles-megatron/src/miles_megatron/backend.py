@@ -395,8 +395,11 @@ class MegatronBackend(TrainBackend):
         finally:
             self.sleeper.drop_reads()
 
-    def update_weights(self, engines: Sequence[Any]) -> None:
+    def update_weights(self, engines: Sequence[Any], weights: str | None = None) -> None:
         """Publish the HF-named weights to ``engines`` through miles-sync (every rank calls).
+
+        ``weights``: ``"actor"`` or unset (``--rollout-weights``, ``actor``: this backend keeps
+        no EMA); ``"ema"`` raises ``ValueError``.
 
         miles-sync's transports read one collective source on every rank; :meth:`publish_weights`
         brings every pipeline stage's tensors to the ranks the mode sends from (rank 0 for
@@ -417,6 +420,12 @@ class MegatronBackend(TrainBackend):
 
         if self.role == "critic":
             raise ValueError("update_weights: the critic never publishes to the engines")
+        which = weights or getattr(self.args, "rollout_weights", "actor")
+        if which != "actor":
+            raise ValueError(
+                f"update_weights(weights={which!r}): the Megatron backend publishes 'actor' "
+                "only (it keeps no EMA)"
+            )
         if self._publisher is None:
             self._publisher = WeightPublisher(
                 SyncConfig.from_args(self.args), RankContext.from_default_group()

@@ -18,7 +18,14 @@ import typing
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from miles_core.args import ArgGroup, collect_flags, core_groups, flag, make_group
+from miles_core.args import (
+    ArgGroup,
+    ArgumentError,
+    collect_flags,
+    core_groups,
+    flag,
+    make_group,
+)
 
 #: Fields the backend derives from other flags; never flags of their own.
 BACKEND_OWNED_FIELDS = frozenset(
@@ -119,3 +126,59 @@ def config_overrides(args: Any, config_cls: type) -> dict[str, Any]:
         if value is not None:
             out[field.name] = value
     return out
+
+
+#: The generated fields the backend honours, with the values it accepts (None: any). Any other
+#: generated flag given on the command line is refused at argument time: megatron-core would
+#: accept it and the backend would crash at init or silently not do it (``--optimizer sgd``,
+#: ``--virtual-pipeline-model-parallel-size``, ``--use-megatron-fsdp``, ...).
+HONOURED_FIELDS: dict[str, tuple[Any, ...] | None] = {
+    # TransformerConfig
+    "recompute_granularity": None,
+    "recompute_method": None,
+    "recompute_num_layers": None,
+    "recompute_modules": None,
+    "moe_router_dtype": None,
+    "moe_aux_loss_coeff": None,
+    "moe_z_loss_coeff": None,
+    "attention_dropout": None,
+    "hidden_dropout": None,
+    # OptimizerConfig (the LR schedule honours a group's own max/min LR: decoupled_*)
+    "optimizer": ("adam",),
+    "use_precision_aware_optimizer": None,
+    "optimizer_offload_fraction": None,
+    "overlap_cpu_optimizer_d2h_h2d": None,
+    "decoupled_lr": None,
+    "decoupled_min_lr": None,
+    # DistributedDataParallelConfig
+    "grad_reduce_in_fp32": None,
+    "overlap_grad_reduce": None,
+    "check_for_nan_in_grad": None,
+    "bucket_size": None,
+}
+
+
+def check_generated_flags(args: Any) -> None:
+    """Refuse a generated flag given on the command line that is not in
+    :data:`HONOURED_FIELDS`, or one given a value the backend does not take, in one line."""
+    from miles_megatron.args import megatron_groups
+
+    for group in megatron_groups():
+        if not group.__name__.startswith("Generated"):
+            continue
+        config = group.__name__.removeprefix("Generated").removesuffix("Args")
+        for field in dataclasses.fields(group):
+            value = getattr(args, field.name, None)
+            if value is None:
+                continue
+            option = "--" + field.name.replace("_", "-")
+            if field.name not in HONOURED_FIELDS:
+                raise ArgumentError(
+                    f"{option}: megatron-core's {config}.{field.name} is not among the fields the "
+                    "Megatron backend honours (miles_megatron.generated_flags.HONOURED_FIELDS)"
+                )
+            allowed = HONOURED_FIELDS[field.name]
+            if allowed is not None and value not in allowed:
+                raise ArgumentError(
+                    f"{option} {value}: the Megatron backend takes {' or '.join(allowed)}"
+                )

@@ -13,16 +13,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from miles_core.precision import train_dtype
 
 from miles_megatron.bridge import padded_vocab_size
 
 
 def params_dtype(args: Any) -> torch.dtype:
-    if getattr(args, "bf16", False):
-        return torch.bfloat16
-    if getattr(args, "fp16", False):
-        return torch.float16
-    return torch.float32
+    """The model's dtype: miles-core's training dtype (``--bf16`` by default, ``--fp16``,
+    ``--no-bf16`` for fp32); the distributed optimizer's masters are fp32 regardless."""
+    return train_dtype(args)
 
 
 def transformer_config(margs: Mapping[str, Any], args: Any):

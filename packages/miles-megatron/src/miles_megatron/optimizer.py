@@ -11,9 +11,13 @@ Flag mapping (miles-core's optimizer group -> ``OptimizerConfig``): ``--lr`` -> 
 ``--optimizer-offload-fraction`` is given, as in Megatron-LM); generated ``OptimizerConfig`` /
 ``DistributedDataParallelConfig`` flags apply on top (``--overlap-cpu-optimizer-d2h-h2d``,
 ``--use-precision-aware-optimizer``, ...). ``--stream-optimizer-state-to-disk`` swaps the inner
-AdamW for miles-offload's streamed one (:mod:`miles_megatron.streamed_optimizer`). The LR
-schedule is megatron-core's ``OptimizerParamScheduler`` with ``--lr-warmup-iters``,
-``--lr-decay-iters`` (unset: constant after warm-up) and ``--lr-decay-style``.
+AdamW for miles-offload's streamed one (:mod:`miles_megatron.streamed_optimizer`).
+
+The hyperparameters and the LR schedule are miles-core's (:mod:`miles_core.optimizer`, shared
+with the FSDP backend): :class:`CoreLRScheduler` is megatron-core's ``OptimizerParamScheduler``
+(its checkpoint entry and weight-decay handling) with ``get_lr`` replaced by
+``OptimizerConfig.lr_at``, so the LR of every step is the FSDP backend's. The flags win over a
+resumed checkpoint's schedule values, as under FSDP.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from miles_core.optimizer import OptimizerConfig
+from miles_core.optimizer import optimizer_config as core_optimizer_config
 
 from miles_megatron.model_config import params_dtype
 
@@ -52,15 +59,16 @@ def optimizer_config(args: Any):
     from miles_megatron.generated_flags import config_overrides
 
     dtype = params_dtype(args)
+    core = core_optimizer_config(args)
     kwargs: dict[str, Any] = dict(
         optimizer="adam",
-        lr=args.lr,
-        min_lr=args.min_lr,
-        weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        clip_grad=args.clip_grad,
+        lr=core.lr,
+        min_lr=core.min_lr,
+        weight_decay=core.weight_decay,
+        adam_beta1=core.adam_beta1,
+        adam_beta2=core.adam_beta2,
+        adam_eps=core.adam_eps,
+        clip_grad=core.clip_grad,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         params_dtype=dtype,
@@ -79,29 +87,50 @@ def optimizer_config(args: Any):
     return OptimizerConfig(**kwargs)
 
 
+class CoreLRScheduler(OptimizerParamScheduler):
+    """megatron-core's scheduler whose LR is miles-core's schedule (``cfg.lr_at``) of its step
+    count; a parameter group's own ``max_lr`` / ``min_lr`` replace the peak and floor."""
+
+    def __init__(self, optimizer: Any, cfg: OptimizerConfig) -> None:
+        self.cfg = cfg
+        warmup = cfg.lr_warmup_iters
+        super().__init__(
+            optimizer,
+            init_lr=0.0,
+            max_lr=cfg.lr,
+            min_lr=cfg.min_lr,
+            lr_warmup_steps=warmup,
+            lr_decay_steps=max(cfg.lr_decay_iters or 1, warmup + 1),
+            lr_decay_style=cfg.lr_decay_style,
+            start_wd=cfg.weight_decay,
+            end_wd=cfg.weight_decay,
+            wd_incr_steps=1,
+            wd_incr_style="constant",
+            use_checkpoint_opt_param_scheduler=False,
+            override_opt_param_scheduler=True,
+        )
+
+    def get_lr(self, param_group: dict) -> float:
+        return self.cfg.lr_at(
+            self.num_steps,
+            lr=param_group.get("max_lr", self.cfg.lr),
+            min_lr=param_group.get("min_lr", self.cfg.min_lr),
+        )
+
+
+def build_scheduler(optimizer: Any, cfg: OptimizerConfig) -> CoreLRScheduler:
+    """The LR schedule of ``optimizer`` (megatron's, or anything with ``param_groups``)."""
+    return CoreLRScheduler(optimizer, cfg)
+
+
 def build_optimizer(model: torch.nn.Module, args: Any):
     """``(optimizer, scheduler)`` for the DDP-wrapped ``model``."""
     from megatron.core.optimizer import get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    core = core_optimizer_config(args)
     optimizer = get_megatron_optimizer(optimizer_config(args), [model])
-    if getattr(args, "stream_optimizer_state_to_disk", False):
+    if core.streamed is not None:
         from miles_megatron.streamed_optimizer import stream_optimizer_state
 
-        stream_optimizer_state(optimizer, args)
-    decay_iters = args.lr_decay_iters or 0
-    warmup = args.lr_warmup_iters
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0 if warmup else args.lr,
-        max_lr=args.lr,
-        min_lr=args.min_lr,
-        lr_warmup_steps=warmup,
-        lr_decay_steps=max(decay_iters, warmup + 1),
-        lr_decay_style=args.lr_decay_style if decay_iters else "constant",
-        start_wd=args.weight_decay,
-        end_wd=args.weight_decay,
-        wd_incr_steps=max(decay_iters, 1),
-        wd_incr_style="constant",
-    )
-    return optimizer, scheduler
+        stream_optimizer_state(optimizer, core)
+    return optimizer, build_scheduler(optimizer, core)

@@ -29,6 +29,7 @@ starts the optimizer fresh).
 from __future__ import annotations
 
 import os
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from miles_core.args import ArgumentError
+from miles_core.optimizer import OptimizerConfig
 from miles_offload.streamed_adam import StreamedAdamConfig, StreamedAdamW
 
 from miles_megatron.optimizer import distributed_optimizers
@@ -117,11 +119,12 @@ def _make_fp32_shards_leaves(opt: DistributedOptimizer) -> None:
         group["params"] = [replaced.get(id(p), p) for p in group["params"]]
 
 
-def stream_optimizer_state(optimizer, args: Any) -> None:
+def stream_optimizer_state(optimizer, cfg: OptimizerConfig) -> None:
     """Give every distributed optimizer in ``optimizer`` a streamed inner AdamW (in place).
 
-    Reads ``--offload-train-disk-dir``, ``--stream-optimizer-state-moment-dtype``,
-    ``--stream-optimizer-bucket-numel`` and ``--stream-optimizer-min-numel``.
+    The files' settings are ``cfg.streamed`` (``--offload-train-disk-dir``,
+    ``--stream-optimizer-state-moment-dtype``, ``--stream-optimizer-bucket-numel``,
+    ``--stream-optimizer-min-numel``), the AdamW hyperparameters ``cfg``'s.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     for i, opt in enumerate(distributed_optimizers(optimizer)):
@@ -141,21 +144,21 @@ def stream_optimizer_state(optimizer, args: Any) -> None:
             keys = {k: v for k, v in group.items() if k not in ("params", "param_names")}
             params = list(group["params"])
             groups.append({**keys, "params": params, "param_names": [names[id(p)] for p in params]})
+        settings = cfg.streamed
+        if sixteen_bit:
+            settings = replace(settings, min_numel=0)
         config = StreamedAdamConfig(
-            disk_dir=args.offload_train_disk_dir,
-            moment_dtype=args.stream_optimizer_state_moment_dtype,
-            bucket_numel=args.stream_optimizer_bucket_numel,
-            min_numel=0 if sixteen_bit else args.stream_optimizer_min_numel,
+            **asdict(settings),
             name=f"megatron{i}-rank{rank}",
             rank=0,
             world_size=1,  # each rank owns different shards: one checkpoint per rank
         )
         streamed = StreamedAdamW(
             groups,
-            lr=args.lr,
-            betas=(args.adam_beta1, args.adam_beta2),
-            eps=args.adam_eps,
-            weight_decay=args.weight_decay,
+            lr=cfg.lr,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
             config=config,
         )
         opt.optimizer = streamed

@@ -171,6 +171,18 @@ class AlgorithmArgs(ArgGroup):
                 "--loss-type value_loss is the critic's loss (--use-critic trains one with it); "
                 "the actor takes policy_loss or sft_loss"
             )
+        if args.loss_type == "sft_loss":
+            for given, what in (
+                (args.use_kl_loss, "--use-kl-loss"),
+                (args.use_tis, "--use-tis"),
+                (args.entropy_coef != 0.0, f"--entropy-coef {args.entropy_coef}"),
+                (args.kl_coef != 0.0, f"--kl-coef {args.kl_coef}"),
+            ):
+                if given:
+                    raise ArgumentError(
+                        f"--loss-type sft_loss ignores {what} (the responses' negative "
+                        "log-likelihood has no KL, importance-sampling or entropy term)"
+                    )
         within(args, "gamma", 0.0, 1.0)
         within(args, "lambd", 0.0, 1.0)
         greater_than(args, "eps_clip", 0.0)

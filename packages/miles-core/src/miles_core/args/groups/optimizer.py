@@ -40,7 +40,11 @@ class OptimizerArgs(ArgGroup):
     hysteresis: int = flag(
         2, metavar="N", help="fp16: overflowing steps tolerated before the scale is halved."
     )
-    bf16: bool = flag(False, help="Train in bf16 (the FSDP backend's default compute dtype).")
+    bf16: bool | None = flag(
+        None,
+        help="Compute in bf16 (the default on every backend; --no-bf16: fp32 unless --fp16). "
+        "Master weights and optimizer state stay fp32.",
+    )
     seed: int = flag(1234, help="Random seed.")
 
     @classmethod

@@ -1,0 +1,42 @@
+"""The training dtype of a run, one meaning on every backend.
+
+``--bf16`` (the default), ``--fp16`` or ``--no-bf16`` (fp32) pick the dtype the model computes
+in; the master weights and optimizer state are fp32 on both backends (the FSDP backend's
+``--no-keep-fp32-master`` holds them in the compute dtype instead). A backend-specific dtype flag
+refines this choice (``--fsdp-compute-dtype`` when neither ``--bf16``, ``--no-bf16`` nor
+``--fp16`` is given) and is refused when it contradicts it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
+
+
+def train_dtype_name(args: Any) -> str:
+    """``"fp16"`` with ``--fp16``, ``"fp32"`` with ``--no-bf16``, else ``"bf16"``."""
+    if getattr(args, "fp16", False):
+        return "fp16"
+    if getattr(args, "bf16", None) is False:
+        return "fp32"
+    return "bf16"
+
+
+def explicit_dtype_name(args: Any) -> str | None:
+    """The dtype the command line names with ``--bf16`` / ``--no-bf16`` / ``--fp16``, or None
+    when it names none (the default, bf16)."""
+    if getattr(args, "fp16", False) or getattr(args, "bf16", None) is not None:
+        return train_dtype_name(args)
+    return None
+
+
+def train_dtype(args: Any) -> torch.dtype:
+    """The compute dtype of :func:`train_dtype_name`."""
+    return DTYPES[train_dtype_name(args)]

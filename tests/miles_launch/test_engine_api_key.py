@@ -156,5 +156,10 @@ def test_builtin_engine_with_a_key_wants_it_on_every_endpoint_but_health():
         assert client.get("/get_model_info", headers=wrong).status_code == 401
         ok = {"Authorization": f"Bearer {KEY}"}
         assert client.get("/get_model_info", headers=ok).json()["weight_version"] == "v0"
+        for scheme in ("bearer", "BEARER"):  # SGLang compares the scheme in any case
+            lower = {"Authorization": f"{scheme} {KEY}"}
+            assert client.get("/get_model_info", headers=lower).status_code == 200
+        for bad in (f"Basic {KEY}", f"Bearer  {KEY}", f"Bearer{KEY}"):
+            assert client.get("/get_model_info", headers={"Authorization": bad}).status_code == 401
         r = client.post("/update_weights_from_disk", json={}, headers=ok)
         assert r.status_code == 400 and "model_path" in r.json()["message"]

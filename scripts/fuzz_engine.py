@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         model.save_pretrained(root / "old")
         tokenizer = save_tokenizer(root / "old")
         models = {"old": (root / "old", model), "tokenizer": tokenizer, "references": {}}
-        engine = EngineProcess(root / "old", "--max-running-requests", "3", api_key="fuzz-key-0")
+        engine = EngineProcess(
+            root / "old", "--max-running-requests", "3", api_key="fuzz-key-0", timeout=900
+        )
         try:
             version = engine.client.get("/get_model_info").json()["weight_version"]
             ckpt = Checkpoint(model.state_dict(), root / "old", root / "scratch")

@@ -97,8 +97,9 @@ class EngineProcess:
             except httpx.TransportError:
                 pass
             time.sleep(0.25)
+        log = self.read_log()
         self.close()
-        raise TimeoutError(f"engine did not become healthy: {self.read_log()}")
+        raise TimeoutError(f"engine did not become healthy: {log}")
 
     def read_log(self) -> str:
         self.log.flush()

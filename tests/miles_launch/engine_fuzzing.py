@@ -424,6 +424,8 @@ def run_fuzz(engine, ckpt: Checkpoint, marker: str, max_cases: int, budget_s: fl
             build, what = body
             stats["mutated"][what] += 1
             request, keep = build()
+            # inside an update window: a case may have closed it, or another test opened one
+            assert engine.post("/begin_weight_update").status_code == 200
             r = engine.post(path, {**request, "weight_version": "fuzzed"}, timeout=20)
             del keep
         else:
@@ -458,11 +460,13 @@ def run_fuzz(engine, ckpt: Checkpoint, marker: str, max_cases: int, budget_s: fl
             engine.post("/update_weight_version", {"new_version": version})
 
     one_case()
+    engine.post("/end_weight_update")  # an open window would hold back the next updates' check
     stats["elapsed_s"] = time.monotonic() - start
     return stats
 
 
 def restore(engine, ckpt: Checkpoint, version: str) -> None:
+    assert engine.post("/begin_weight_update").status_code == 200
     r = engine.post(
         "/update_weights_from_tensor",
         {"serialized_named_tensors": [ckpt.restore_payload()], "weight_version": version},

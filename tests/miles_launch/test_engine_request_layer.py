@@ -74,10 +74,12 @@ def _bucket_without(field: str) -> str:
 def test_bucket_metadata_without_a_field_is_a_400_and_the_engine_serves_on(engine, models):
     """The issue's engine kill: AttributeError in the weight checks, a 500 and a reset."""
     version = engine.client.get("/get_model_info").json()["weight_version"]
+    assert engine.post("/begin_weight_update").status_code == 200  # (another test used one)
     r = engine.post(
         "/update_weights_from_tensor",
         {"serialized_named_tensors": [_bucket_without("shape")], "load_format": "flattened_bucket"},
     )
+    assert engine.post("/end_weight_update").status_code == 200
     assert r.status_code == 400 and r.json()["success"] is False, r.text
     assert "metadata[0]: missing field(s) ['shape']" in r.json()["message"]
     assert engine.client.get("/health").status_code == 200

@@ -12,6 +12,10 @@ from __future__ import annotations
 import pytest
 from engine_testing import EngineProcess, save_tokenizer, tiny_qwen3
 
+#: The shared engine's API key: its tests (the fuzz test among them) run with a key set, as a
+#: job's engines do; ``engine.client`` sends it.
+ENGINE_API_KEY = "shared-engine-key-0123456789"
+
 
 @pytest.fixture(scope="session")
 def models(tmp_path_factory):
@@ -31,7 +35,11 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="session")
 def builtin_server(models):
     server = EngineProcess(
-        models["old"][0], "--enable-weights-cpu-backup", "--max-running-requests", "3"
+        models["old"][0],
+        "--enable-weights-cpu-backup",
+        "--max-running-requests",
+        "3",
+        api_key=ENGINE_API_KEY,
     )
     yield server
     server.close()

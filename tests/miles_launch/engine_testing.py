@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import torch
 from miles_launch import tiny_model
+from miles_launch.engine_launch.api_key import API_KEY_ENV
 from miles_launch.tiny_model import save_char_tokenizer
 from transformers import PreTrainedTokenizerFast
 
@@ -78,11 +79,12 @@ class EngineProcess:
             str(self.port),
         ]
         cmd += list(flags)
-        if api_key:
-            cmd += ["--api-key", api_key]
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.log = open(Path(model_path).parent / f"engine-{self.port}.log", "w+")  # noqa: SIM115
         env = dict(os.environ, OMP_NUM_THREADS="1")
+        env.pop(API_KEY_ENV, None)
+        if api_key:  # through the environment, as the launcher passes it (not in `ps`)
+            env[API_KEY_ENV] = api_key
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.client = httpx.Client(base_url=self.url, timeout=60.0, headers=headers)
         deadline = time.monotonic() + timeout
@@ -95,8 +97,9 @@ class EngineProcess:
             except httpx.TransportError:
                 pass
             time.sleep(0.25)
+        log = self.read_log()
         self.close()
-        raise TimeoutError(f"engine did not become healthy: {self.read_log()}")
+        raise TimeoutError(f"engine did not become healthy: {log}")
 
     def read_log(self) -> str:
         self.log.flush()

@@ -123,7 +123,9 @@ def _app(host: str, api_key: str | None):
         vocab_size=8,
         context_length=8,
     )
-    return TestClient(build_app(state))
+    client = TestClient(build_app(state))
+    client.state = state
+    return client
 
 
 @pytest.mark.parametrize(
@@ -136,6 +138,14 @@ def _app(host: str, api_key: str | None):
         "/release_memory_occupation",
         "/resume_memory_occupation",
         "/update_weight_version",
+        "/destroy_weights_update_group",
+        "/begin_weight_update",
+        "/end_weight_update",
+        "/pause_generation",
+        "/continue_generation",
+        "/abort_request",
+        "/flush_cache",
+        "/get_weights_by_name",
     ],
 )
 def test_builtin_engine_on_the_network_without_a_key_refuses_model_changes(path):
@@ -156,5 +166,74 @@ def test_builtin_engine_with_a_key_wants_it_on_every_endpoint_but_health():
         assert client.get("/get_model_info", headers=wrong).status_code == 401
         ok = {"Authorization": f"Bearer {KEY}"}
         assert client.get("/get_model_info", headers=ok).json()["weight_version"] == "v0"
+        for scheme in ("bearer", "BEARER"):  # SGLang compares the scheme in any case
+            lower = {"Authorization": f"{scheme} {KEY}"}
+            assert client.get("/get_model_info", headers=lower).status_code == 200
+        for bad in (f"Basic {KEY}", f"Bearer  {KEY}", f"Bearer{KEY}"):
+            assert client.get("/get_model_info", headers={"Authorization": bad}).status_code == 401
         r = client.post("/update_weights_from_disk", json={}, headers=ok)
         assert r.status_code == 400 and "model_path" in r.json()["message"]
+
+
+def test_every_route_that_changes_state_or_reads_weights_is_protected():
+    """The protected list is the app's own: every POST route but /generate, and the weight
+    reader, are in it (a route added later without protection fails here)."""
+    from miles_launch.builtin_engine.server import PROTECTED_PATHS
+
+    with _app("127.0.0.1", None) as client:
+        routes = client.app.routes
+    posts = {r.path for r in routes if "POST" in getattr(r, "methods", ())}
+    assert posts - {"/generate"} <= PROTECTED_PATHS
+    assert "/get_weights_by_name" in PROTECTED_PATHS
+
+
+def test_the_builtin_engine_refuses_to_start_on_the_network_without_a_key(monkeypatch, capsys):
+    from miles_launch.builtin_engine.__main__ import main
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model-path", "/nonexistent", "--host", "0.0.0.0"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--api-key" in err and API_KEY_ENV in err, err
+    monkeypatch.setenv(API_KEY_ENV, KEY)
+    from miles_launch.builtin_engine.__main__ import parse_args
+
+    assert parse_args(["--model-path", "m", "--host", "0.0.0.0"]).api_key == KEY
+    monkeypatch.delenv(API_KEY_ENV)
+    assert parse_args(["--model-path", "m", "--host", "localhost"]).api_key is None
+
+
+def test_a_paused_engine_exits_when_told_to(monkeypatch):
+    """SIGTERM sets uvicorn's should_exit; a paused engine holds /generate requests open,
+    and uvicorn waited for them forever. It now cancels them after a grace period."""
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+    from engine_testing import free_port
+    from miles_launch.builtin_engine import __main__ as engine_main
+
+    monkeypatch.setattr(engine_main, "GRACEFUL_SHUTDOWN_S", 0.5)
+    client = _app("127.0.0.1", None)
+    app, state = client.app, client.state
+    state.gate.clear()  # what /pause_generation does before it reaches the scheduler
+    config = SimpleNamespace(host="127.0.0.1", port=free_port())
+    server = uvicorn.Server(engine_main.server_config(app, config))
+    serving = threading.Thread(target=server.run, daemon=True)
+    serving.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
+    url = f"http://127.0.0.1:{config.port}/generate"
+    waiting = threading.Thread(target=lambda: httpx.post(url, json=body, timeout=30), daemon=True)
+    waiting.start()
+    time.sleep(0.5)
+    assert waiting.is_alive()  # held at the paused gate
+    started = time.monotonic()
+    server.should_exit = True
+    serving.join(timeout=15)
+    assert not serving.is_alive() and time.monotonic() - started < 10

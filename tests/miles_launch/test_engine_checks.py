@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from engine_testing import greedy_recompute
 from miles_launch.builtin_engine import scheduler as scheduler_module
 from miles_launch.builtin_engine.generate_io import GenerateInputError, check_admission
 from miles_launch.builtin_engine.sampling import SamplingParams, SamplingParamsError
@@ -105,11 +106,13 @@ def _params(**kw) -> SamplingParams:
 
 def test_admission_refuses_out_of_vocabulary_ids_and_overlong_requests():
     check_admission([[1, 2, 63]], [_params()], vocab_size=64, context_length=16)
+    # input + max_new_tokens == context is served (SGLang refuses only >)
+    check_admission([[1] * 10], [_params(max_new_tokens=6)], vocab_size=64, context_length=16)
     for prompts, params, word in (
         ([[1, 64]], [_params()], r"input_ids\[1\] = 64 is outside the vocabulary \[0, 64\)"),
         ([[1], [-1]], [_params(), _params()], r"input_ids\[1\]\[0\] = -1"),
         ([[1] * 16], [_params()], r"input \(16 tokens\) is longer than the model's context"),
-        ([[1] * 10], [_params(max_new_tokens=6)], "max_new_tokens 6 with a 10-token input"),
+        ([[1] * 10], [_params(max_new_tokens=7)], "max_new_tokens 7 with a 10-token input"),
         ([[1]], [_params(stop_token_ids=[99])], "stop_token_ids: 99"),
         ([[1]], [_params(n=5000)], "5000 sequences"),
     ):
@@ -196,3 +199,42 @@ def test_context_length_and_api_key_flags(monkeypatch):
     config = parse_args(["--model-path", "m", "--context-length", "64"])
     assert config.context_length == 64 and config.api_key == "from-env"
     assert parse_args(["--model-path", "m", "--api-key", "flag"]).api_key == "flag"
+
+
+def test_a_failed_batched_decode_ends_only_the_row_that_fails_again(models):
+    """A decode forward fails whenever it feeds position 5: only the request with a 3-token
+    prompt gets there (at its last step); the batched step fails, each row is retried alone,
+    the other row goes on to the tokens it generates alone."""
+    model = models["old"][1]
+    sched = Scheduler(model, models["tokenizer"], torch.device("cpu"))
+    real_forward = sched._forward
+    failed_batches = []
+
+    def forward(tokens, positions, mask, cache):
+        if (positions == 5).any():
+            failed_batches.append(tokens.shape[0])
+            raise RuntimeError("CUDA error: an illegal memory access")
+        return real_forward(tokens, positions, mask, cache)
+
+    sched._forward = forward
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    prompts = {"short": [3, 4, 5], "long": [7, 8, 9, 10, 11, 12, 13]}
+    done, left = threading.Event(), [len(prompts)]
+
+    def on_done(req):
+        left[0] -= 1
+        if not left[0]:
+            done.set()
+
+    reqs = {n: Request(n, ids, params, on_done) for n, ids in prompts.items()}
+    sched.start()
+    try:
+        sched.submit(list(reqs.values()))
+        assert done.wait(60)
+    finally:
+        sched.shutdown()
+    assert failed_batches == [2, 1]  # the batched step, then the failing row alone
+    assert reqs["short"].finish_reason["type"] == "abort"
+    assert "engine error: CUDA error: an illegal" in reqs["short"].finish_reason["message"]
+    assert reqs["long"].finish_reason == {"type": "length", "length": 4}
+    assert reqs["long"].output_ids == greedy_recompute(model, prompts["long"], 4)

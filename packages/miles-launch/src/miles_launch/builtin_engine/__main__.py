@@ -14,7 +14,7 @@ import threading
 
 from miles_core.args import ArgumentError
 
-from miles_launch.engine_launch.api_key import API_KEY_ENV
+from miles_launch.engine_launch.api_key import API_KEY_ENV, is_loopback
 
 # Heavy imports (torch, transformers, fastapi) happen after the argument checks, so a bad
 # flag fails at once.
@@ -72,6 +72,11 @@ def parse_args(argv: list[str] | None = None):
         _fail(f"--context-length must be >= 2, got {ns.context_length}")
     ns.tokenizer_path = ns.tokenizer_path or ns.model_path
     ns.api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
+    if not ns.api_key and not is_loopback(ns.host):
+        _fail(
+            f"--host {ns.host} is reachable from other hosts: give the engine a key with "
+            f"${API_KEY_ENV} (or --api-key), or bind 127.0.0.1"
+        )
     log_level = ns.log_level
     del ns.log_level
     import torch
@@ -149,6 +154,24 @@ def build_state(config):
     return state
 
 
+#: Seconds uvicorn waits for open requests after SIGTERM before it cancels them: a paused
+#: engine holds its waiting /generate requests open, and would otherwise never exit.
+GRACEFUL_SHUTDOWN_S = 5
+
+
+def server_config(app, config):
+    """The uvicorn configuration the engine serves ``app`` with."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level="warning",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         config = parse_args(argv)
@@ -162,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     state = build_state(config)
     app = build_app(state)
     try:
-        uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
+        uvicorn.Server(server_config(app, config)).run()
     finally:
         state.scheduler.shutdown()
 

@@ -26,6 +26,8 @@ def parse_prompts(body: dict, tokenizer) -> tuple[list[list[int]], bool]:
         return [tokenizer.encode(t) for t in texts], not isinstance(text, list)
     if not isinstance(input_ids, list):
         raise GenerateInputError("generate: input_ids must be a list of ints or of lists of ints")
+    if not input_ids:  # SGLang's GenerateReqInput refuses it with these words
+        raise GenerateInputError("input_ids cannot be empty.")
     single = not (input_ids and isinstance(input_ids[0], list))
     batch = [input_ids] if single else input_ids
     if not all(isinstance(ids, list) and all(type(t) is int for t in ids) for ids in batch):
@@ -45,7 +47,8 @@ def check_admission(
     """Refuse (400, naming the field) what would fail inside the model: a token id outside
     ``[0, vocab_size)`` (on CUDA an out-of-range embedding index is a device assert that
     kills the process), a prompt, or prompt plus ``max_new_tokens``, that does not fit the
-    context (SGLang's rule: both must stay below ``context_length``), or more sequences than
+    context (SGLang's rule: the input must be shorter than ``context_length``, input plus
+    ``max_new_tokens`` at most ``context_length``), or more sequences than
     :data:`MAX_SEQUENCES_PER_REQUEST`."""
     total = sum(p.n for p in params)
     if total > MAX_SEQUENCES_PER_REQUEST:
@@ -65,7 +68,7 @@ def check_admission(
                 f"generate: {where}: the input ({len(ids)} tokens) is longer than the model's "
                 f"context length ({context_length} tokens)"
             )
-        if len(ids) + p.max_new_tokens >= context_length:
+        if len(ids) + p.max_new_tokens > context_length:
             raise GenerateInputError(
                 f"generate: sampling_params.max_new_tokens {p.max_new_tokens} with a {len(ids)}-"
                 f"token input exceeds the model's context length ({context_length} tokens)"

@@ -6,12 +6,17 @@ from __future__ import annotations
 import torch
 from fastapi import FastAPI, Request
 
+from miles_launch.builtin_engine.request_bodies import (
+    GetWeightsByNameReqInput,
+    ReleaseMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqInput,
+)
 from miles_launch.builtin_engine.server import (
     MEMORY_TAGS,
     ApiError,
     EngineState,
-    _error,
-    _json_body,
+    body_of,
+    route_boundary,
 )
 
 
@@ -20,17 +25,14 @@ def add_memory_routes(app: FastAPI, state: EngineState, control) -> None:
     sched = state.scheduler
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    @route_boundary
     async def get_weights_by_name(request: Request):
         """SGLang's: the first ``truncate_size`` rows of the tensor of HF name ``name`` as
         float32 lists (bf16 and fp16 values are exact in float32, so callers can compare bits)."""
-        body = await _json_body(request)
-        name, size = body.get("name"), body.get("truncate_size", 100)
-        if not isinstance(name, str):
-            return _error("get_weights_by_name: field name (a string) is required")
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            return _error(
-                f"get_weights_by_name: truncate_size must be a positive int, got {size!r}"
-            )
+        req = await body_of(request, GetWeightsByNameReqInput)
+        name, size = req.name, req.truncate_size
+        if size < 1:
+            raise ApiError(f"get_weights_by_name: truncate_size must be a positive int, got {size}")
 
         def read():
             if state.weights.released:
@@ -43,19 +45,17 @@ def add_memory_routes(app: FastAPI, state: EngineState, control) -> None:
 
         return await control(read)
 
-    def parse_tags(body: dict) -> set[str]:
-        tags = body.get("tags") or MEMORY_TAGS
-        if not isinstance(tags, (list, tuple)) or not all(isinstance(t, str) for t in tags):
-            raise ApiError(f"tags must be a list of strings, got {tags!r}")
-        tags = set(tags)
+    def parse_tags(req) -> set[str]:
+        tags = set(req.tags or MEMORY_TAGS)
         unknown = tags - set(MEMORY_TAGS)
         if unknown:
             raise ApiError(f"tags: unknown {sorted(unknown)}; known {list(MEMORY_TAGS)}")
         return tags
 
     @app.post("/release_memory_occupation")
+    @route_boundary
     async def release_memory_occupation(request: Request):
-        tags = parse_tags(await _json_body(request))
+        tags = parse_tags(await body_of(request, ReleaseMemoryOccupationReqInput))
 
         def release():
             if not sched.fully_idle():
@@ -72,8 +72,9 @@ def add_memory_routes(app: FastAPI, state: EngineState, control) -> None:
         return {"success": True, "message": f"released {sorted(tags)}"}
 
     @app.post("/resume_memory_occupation")
+    @route_boundary
     async def resume_memory_occupation(request: Request):
-        tags = parse_tags(await _json_body(request))
+        tags = parse_tags(await body_of(request, ResumeMemoryOccupationReqInput))
 
         def resume():
             if "weights" in tags:

@@ -13,9 +13,10 @@ attention weight, so each row computes exactly what it would compute alone. Rows
 the batch between steps (finished or aborted) by indexing the cache's batch dimension.
 
 Failures stay with their request: a prefill that fails is retried request by request and
-ends only the request that fails; an error while choosing or appending one request's token
-ends that request (``finish_reason`` abort, ``engine error: ...``) and the others go on. Only
-a failed batched decode forward aborts the running batch. The engine keeps serving either way.
+ends only the request that fails; a batched decode step that fails is retried row by row from
+the cache as it was before the step, and ends only the rows that fail again; an error while
+choosing or appending one request's token ends that request (``finish_reason`` abort,
+``engine error: ...``) and the others go on. The engine keeps serving either way.
 """
 
 from __future__ import annotations
@@ -241,7 +242,7 @@ class Scheduler:
             try:
                 with torch.no_grad():
                     self._step()
-            except Exception as exc:  # a failed batched decode aborts what it was running
+            except Exception as exc:  # a fault outside any one request: end what is running
                 logger.exception("engine step failed")
                 self.abort(abort_all=True, message=f"engine error: {exc}")
 
@@ -356,23 +357,94 @@ class Scheduler:
         tokens = torch.tensor([[r.output_ids[-1]] for r in self._running], device=self.device)
         positions = torch.tensor([[p] for p in self._pos], device=self.device)
         ones = torch.ones(batch, 1, dtype=torch.long, device=self.device)
-        self._mask = torch.cat([self._mask, ones], dim=1)
-        out = self.model(
-            input_ids=tokens,
-            position_ids=positions,
-            attention_mask=self._mask,
-            use_cache=True,
-            **{self._cache_kw: self._cache},
-        )
-        routed = self.recorder.take(batch) if self.recorder is not None else None
+        mask = torch.cat([self._mask, ones], dim=1)
+        # the cache's tensors before the step (a forward that fails midway has already
+        # appended to the first layers: the retry starts again from these)
+        before = [(layer.keys, layer.values) for layer in self._cache.layers]
+        try:
+            out = self._forward(tokens, positions, mask, self._cache)
+        except Exception:
+            logger.exception(
+                "batched decode of %d requests failed; retrying them one by one", batch
+            )
+            if self.recorder is not None:
+                self.recorder.take(0)  # drop what the failed forward captured
+            logits, routed = self._decode_rows_alone(tokens, positions, mask, before)
+            if not self._running:
+                return
+        else:
+            self._mask = mask
+            logits = out.logits[:, -1]
+            routed = self.recorder.take(batch) if self.recorder is not None else None
         for b, req in enumerate(self._running):
             self._pos[b] += 1
             if routed is not None and req.return_routed_experts:
                 req.routed.append(routed[b])
-        self._append_tokens(self._running, out.logits[:, -1])
+        self._append_tokens(self._running, logits)
         keep = [b for b, req in enumerate(self._running) if not req.finished]
-        if len(keep) < batch:
+        if len(keep) < len(self._running):
             self._select_rows(keep)
+
+    def _forward(self, tokens, positions, mask, cache):
+        return self.model(
+            input_ids=tokens,
+            position_ids=positions,
+            attention_mask=mask,
+            use_cache=True,
+            **{self._cache_kw: cache},
+        )
+
+    def _decode_rows_alone(self, tokens, positions, mask, before):
+        """The decode step of each running row alone, from the cache ``before`` the failed
+        batched step: rows that fail again end (abort, ``engine error: ...``); the batch
+        becomes the rows that succeeded, their caches one step longer. Returns their logits
+        and routed experts (None without a recorder)."""
+        ok, logits, layers, routed = [], [], [], []
+        for b, req in enumerate(self._running):
+            row = torch.tensor([b], device=self.device)
+            cache = DynamicCache(
+                ddp_cache_data=[(k.index_select(0, row), v.index_select(0, row)) for k, v in before]
+            )
+            try:
+                out = self._forward(tokens[b : b + 1], positions[b : b + 1], mask[b : b + 1], cache)
+            except Exception as exc:  # this row fails alone too: it ends, the others go on
+                logger.exception("decode of request %s failed", req.rid)
+                if self.recorder is not None:
+                    self.recorder.take(0)
+                self._fail(req, exc)
+                continue
+            ok.append(b)
+            logits.append(out.logits[:, -1])
+            layers.append([(layer.keys, layer.values) for layer in cache.layers])
+            if self.recorder is not None:
+                routed.append(self.recorder.take(1))
+        self._running = [self._running[b] for b in ok]
+        self._pos = [self._pos[b] for b in ok]
+        if not ok:
+            self._cache, self._mask = None, None
+            return torch.empty(0, 1), None
+        index = torch.tensor(ok, device=self.device)
+        self._mask = mask.index_select(0, index)
+        self._cache = DynamicCache(
+            ddp_cache_data=[
+                (torch.cat([r[i][0] for r in layers]), torch.cat([r[i][1] for r in layers]))
+                for i in range(len(layers[0]))
+            ]
+        )
+        self._trim_padding()
+        return torch.cat(logits), torch.cat(routed) if routed else None
+
+    def _trim_padding(self) -> None:
+        """Drop the leading columns that are padding in every row of the batch."""
+        first = int((self._mask.sum(0) > 0).nonzero()[0])
+        if first:
+            self._mask = self._mask[:, first:]
+            self._cache = DynamicCache(
+                ddp_cache_data=[
+                    (layer.keys[:, :, first:], layer.values[:, :, first:])
+                    for layer in self._cache.layers
+                ]
+            )
 
     def _select_rows(self, keep: list[int]) -> None:
         """Keep only these batch rows; drop columns that became padding in every row."""

@@ -1,18 +1,25 @@
 """The built-in engine's HTTP API: SGLang's endpoints, bodies, replies and status codes.
 
 Every handler that touches the model hands a closure to the :class:`Scheduler` thread
-(:meth:`Scheduler.run_control`); handlers themselves only parse, validate and format.
-Errors are ``{"error": {"message": ...}}`` with status 400 (weight-update endpoints also
-carry SGLang's ``{"success": false, "message": ...}``).
+(:meth:`Scheduler.run_control`); handlers themselves only parse, validate and format. Control
+routes parse their bodies into SGLang's request types (:mod:`.request_bodies`).
+
+One exception boundary per route (:func:`route_boundary`): whatever fails while a request is
+parsed, checked or applied is answered ``{"error": {"message": ...}}`` with a 4xx status (400
+unless the error says otherwise; weight-update endpoints also carry SGLang's ``{"success":
+false, "message": ...}``), never a 500 or a reset connection, and the error's frames are
+cleared so that nothing of the payload (a mapped shared-memory storage) outlives the request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -27,9 +34,19 @@ from miles_launch.builtin_engine.generate_io import (
     parse_prompts,
     request_ids,
 )
+from miles_launch.builtin_engine.request_bodies import (
+    AbortReq,
+    BodyError,
+    ContinueGenerationReqInput,
+    PauseGenerationReqInput,
+    UpdateWeightVersionReqInput,
+    parse_body,
+)
+from miles_launch.builtin_engine.safe_unpickle import UnsafePayloadError
 from miles_launch.builtin_engine.sampling import SamplingParams, SamplingParamsError
 from miles_launch.builtin_engine.scheduler import Request as GenRequest
 from miles_launch.builtin_engine.scheduler import Scheduler
+from miles_launch.builtin_engine.weight_checks import WeightUpdateError
 from miles_launch.builtin_engine.weights import WeightStore
 from miles_launch.engine_launch.api_key import is_loopback
 
@@ -37,9 +54,10 @@ logger = logging.getLogger(__name__)
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 PUBLIC_PATHS = {"/health", "/health_generate"}
-#: Endpoints that change the model or its memory. An engine bound to a non-loopback address
-#: without an API key refuses them (403): anyone who can reach it could rewrite its weights.
-MODEL_CHANGING_PATHS = {
+#: Endpoints that change the engine's state (its weights, memory, running requests) or read
+#: its weights. An engine bound to a non-loopback address without an API key refuses them
+#: (403); the command line refuses to start such an engine at all.
+PROTECTED_PATHS = {
     "/update_weights_from_tensor",
     "/update_weights_from_disk",
     "/update_weights_from_distributed",
@@ -50,7 +68,14 @@ MODEL_CHANGING_PATHS = {
     "/update_weight_version",
     "/release_memory_occupation",
     "/resume_memory_occupation",
+    "/pause_generation",
+    "/continue_generation",
+    "/abort_request",
+    "/flush_cache",
+    "/get_weights_by_name",
 }
+#: Endpoints whose errors also carry SGLang's ``{"success": false, "message": ...}``.
+_SUCCESS_FIELD_PREFIXES = ("/update_weights", "/init_weights", "/destroy_weights")
 
 
 @dataclass
@@ -79,6 +104,18 @@ class ApiError(Exception):
         self.status = status
 
 
+#: Errors whose message is the answer as it stands (anything else is prefixed with the route
+#: and the error's type, and logged).
+_REQUEST_ERRORS = (
+    ApiError,
+    BodyError,
+    GenerateInputError,
+    SamplingParamsError,
+    WeightUpdateError,
+    UnsafePayloadError,
+)
+
+
 @dataclass
 class EngineState:
     config: EngineConfig
@@ -93,6 +130,50 @@ class EngineState:
     update_window_used: bool = False
     update_window_open: bool = False
     gate: asyncio.Event | None = None  # set = /generate admits; cleared by pause_generation
+
+
+def bearer_matches(header: str, key: str) -> bool:
+    """``Authorization: <scheme> <token>`` carries ``key``: the scheme is ``Bearer`` in any
+    case (SGLang's check), the token compared in constant time."""
+    scheme, _, token = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), key.encode())
+
+
+def scrub(exc: BaseException) -> None:
+    """Drop what ``exc`` (and the errors chained to it) keeps alive: the locals of the frames
+    it was raised through (a decoded payload, a mapped storage) and the traceback itself."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc.__traceback__ = None
+        exc = exc.__cause__ or exc.__context__
+
+
+def route_boundary(handler):
+    """The one exception boundary of a route: any error while its request is parsed, checked or
+    applied becomes a 4xx answer naming it (400 unless it is an :class:`ApiError` with another
+    status), and is scrubbed (:func:`scrub`) before the answer is sent."""
+
+    @functools.wraps(handler)
+    async def guarded(request: Request):
+        try:
+            return await handler(request)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # every failure of a request stays with that request
+            status = exc.status if isinstance(exc, ApiError) else 400
+            message = str(exc) or type(exc).__name__
+            if not isinstance(exc, _REQUEST_ERRORS):
+                message = f"{request.url.path}: {type(exc).__name__}: {message}"
+                logger.warning("%s failed: %s", request.url.path, message)
+            scrub(exc)
+        # outside the except clause: the answer holds no reference to the error
+        return _error(
+            message, status, success_field=request.url.path.startswith(_SUCCESS_FIELD_PREFIXES)
+        )
+
+    return guarded
 
 
 def _error(message: str, status: int = 400, success_field: bool = False) -> JSONResponse:
@@ -115,6 +196,11 @@ async def _json_body(request: Request) -> dict:
     return body
 
 
+async def body_of(request: Request, model):
+    """The JSON object of ``request`` parsed as ``model`` (a :mod:`.request_bodies` type)."""
+    return parse_body(model, await _json_body(request), request.url.path.lstrip("/"))
+
+
 def build_app(state: EngineState) -> FastAPI:
     from miles_launch.builtin_engine.memory_routes import add_memory_routes
     from miles_launch.builtin_engine.weight_routes import add_weight_routes
@@ -132,34 +218,23 @@ def build_app(state: EngineState) -> FastAPI:
     async def _api_key(request: Request, call_next):
         path = request.url.path
         if key and path not in PUBLIC_PATHS:
-            sent = request.headers.get("authorization", "")
-            if not hmac.compare_digest(sent.encode(), f"Bearer {key}".encode()):
+            if not bearer_matches(request.headers.get("authorization", ""), key):
                 return _error("unauthorized: send Authorization: Bearer <api key>", 401)
-        if open_to_network and path in MODEL_CHANGING_PATHS:
+        if open_to_network and path in PROTECTED_PATHS:
             return _error(
                 f"{path} refused: this engine listens on {state.config.host} without --api-key; "
-                "start it with --api-key to change its weights",
+                "start it with --api-key to change its state or read its weights",
                 403,
                 success_field=True,
             )
         return await call_next(request)
-
-    @app.exception_handler(GenerateInputError)
-    async def _generate_input_error(request: Request, exc: GenerateInputError):
-        return _error(str(exc))
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError):
-        weights = request.url.path.startswith(
-            ("/update_weights", "/init_weights", "/destroy_weights")
-        )
-        return _error(str(exc), exc.status, success_field=weights)
 
     async def control(fn, wait_idle: bool = False):
         return await asyncio.wrap_future(sched.run_control(fn, wait_idle=wait_idle))
 
     # ---- generation -----------------------------------------------------------------------
     @app.post("/generate")
+    @route_boundary
     async def generate(request: Request):
         body = await _json_body(request)
         if body.get("stream"):
@@ -169,10 +244,7 @@ def build_app(state: EngineState) -> FastAPI:
         raw_list = raw_params if isinstance(raw_params, list) else [raw_params] * len(prompts)
         if len(raw_list) != len(prompts):
             return _error(f"sampling_params: {len(raw_list)} entries for {len(prompts)} prompts")
-        try:
-            params = [SamplingParams.from_request(p) for p in raw_list]
-        except SamplingParamsError as exc:
-            return _error(str(exc))
+        params = [SamplingParams.from_request(p) for p in raw_list]
         check_admission(prompts, params, state.vocab_size, state.context_length)
         for name in ("return_logprob", "return_routed_experts"):
             if not isinstance(body.get(name, False), bool):
@@ -220,14 +292,16 @@ def build_app(state: EngineState) -> FastAPI:
     # ---- health and info ----------------------------------------------------------------
     @app.get("/health")
     @app.get("/health_generate")
-    async def health():
+    @route_boundary
+    async def health(request: Request):
         if state.healthy and sched.alive():
             return JSONResponse({}, status_code=200)
         return _error("engine not healthy", 503)
 
     @app.get("/get_model_info")
     @app.get("/model_info")
-    async def model_info():
+    @route_boundary
+    async def model_info(request: Request):
         return {
             "model_path": state.config.model_path,
             "tokenizer_path": state.config.tokenizer_path,
@@ -237,7 +311,8 @@ def build_app(state: EngineState) -> FastAPI:
 
     @app.get("/get_server_info")
     @app.get("/server_info")
-    async def server_info():
+    @route_boundary
+    async def server_info(request: Request):
         from miles_launch import __version__
 
         info = {k: v for k, v in asdict(state.config).items() if k != "api_key"}
@@ -253,56 +328,49 @@ def build_app(state: EngineState) -> FastAPI:
         return info
 
     @app.post("/update_weight_version")
+    @route_boundary
     async def update_weight_version(request: Request):
-        body = await _json_body(request)
-        if not isinstance(body.get("new_version"), (str, int)) or isinstance(
-            body.get("new_version"), bool
-        ):
-            return _error("update_weight_version: field new_version (a string) is required")
-        if body.get("abort_all_requests", True):
+        req = await body_of(request, UpdateWeightVersionReqInput)
+        if req.abort_all_requests:
             await control(
                 lambda: sched.abort(abort_all=True, message="aborted by update_weight_version")
             )
-        state.weight_version = str(body["new_version"])
+        state.weight_version = req.new_version
         return {"success": True, "message": f"weight version set to {state.weight_version}"}
 
     # ---- pause / flush / abort ------------------------------------------------------------
     @app.post("/pause_generation")
+    @route_boundary
     async def pause_generation(request: Request):
-        body = await _json_body(request)
-        mode = body.get("mode", "abort")
-        if mode not in ("abort", "retract", "in_place"):
-            return _error(
-                f"pause_generation: mode must be abort, retract or in_place, got {mode!r}"
-            )
+        mode = (await body_of(request, PauseGenerationReqInput)).mode
         state.gate.clear()
         await control(lambda: sched.pause(mode))
         return {"success": True, "message": f"generation paused ({mode})"}
 
     @app.post("/continue_generation")
+    @route_boundary
     async def continue_generation(request: Request):
-        await _json_body(request)
+        await body_of(request, ContinueGenerationReqInput)
         await control(sched.unpause)
         state.gate.set()
         return {"success": True, "message": "generation continued"}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache():
+    @route_boundary
+    async def flush_cache(request: Request):
         def flush():
             if not sched.fully_idle():
                 raise ApiError("flush_cache refused: requests are running or waiting")
             sched.drop_kv_cache()
 
-        try:
-            await control(flush)
-        except ApiError as exc:
-            return _error(str(exc))
+        await control(flush)
         return JSONResponse({"success": True, "message": "cache flushed"})
 
     @app.post("/abort_request")
+    @route_boundary
     async def abort_request(request: Request):
-        body = await _json_body(request)
-        rid, abort_all = str(body.get("rid") or ""), bool(body.get("abort_all", False))
+        req = await body_of(request, AbortReq)
+        rid, abort_all = req.rid or "", req.abort_all
         if not rid and not abort_all:  # SGLang ignores it: "" would prefix-match everything
             return {"success": True, "message": "ignored: empty rid without abort_all"}
         n = await control(lambda: sched.abort(rid, abort_all, message="aborted by abort_request"))

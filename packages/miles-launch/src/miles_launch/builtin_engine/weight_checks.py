@@ -108,12 +108,64 @@ def parse_distributed_spec(names, dtypes, shapes) -> tuple[list[str], list[torch
     return names, torch_dtypes, checked_shapes
 
 
-def check_bucket_payload(payload) -> None:
-    """A decoded ``flattened_bucket`` payload: ``{"flattened_tensor": 1-D uint8, "metadata":
-    [FlattenedTensorMetadata, ...]}`` whose entries lie inside the buffer and agree with their
-    own shape and dtype. Runs before the bucket is unpacked."""
+#: The fields of a bucket's metadata objects (ours and SGLang's ``FlattenedTensorMetadata``).
+METADATA_FIELDS = ("name", "shape", "dtype", "start_idx", "end_idx", "numel")
+
+
+def check_metadata(i: int, meta, bucket_bytes: int):
+    """``metadata[i]`` of a bucket of ``bucket_bytes`` bytes, checked field by field: a fresh
+    :class:`~miles_sync.buckets.FlattenedTensorMetadata` of its values (nothing else the
+    decoded object carries is kept)."""
     from miles_sync.buckets import FlattenedTensorMetadata
 
+    if not isinstance(meta, FlattenedTensorMetadata):
+        raise WeightUpdateError(f"metadata[{i}] is a {type(meta).__name__}, not bucket metadata")
+    fields = getattr(meta, "__dict__", None)
+    if not isinstance(fields, dict):
+        raise WeightUpdateError(f"metadata[{i}] has no fields")
+    missing = [f for f in METADATA_FIELDS if f not in fields]
+    extra = sorted(str(k) for k in fields.keys() - set(METADATA_FIELDS))
+    if missing or extra:
+        raise WeightUpdateError(
+            f"metadata[{i}]: "
+            + "; ".join(
+                ([f"missing field(s) {missing}"] if missing else [])
+                + ([f"unknown field(s) {extra}"] if extra else [])
+            )
+        )
+    name = fields["name"]
+    if not isinstance(name, str):
+        raise WeightUpdateError(f"metadata[{i}].name must be a string, got {name!r}"[:200])
+    where = f"metadata[{i}] ({name!r})"
+    dtype = fields["dtype"]
+    if not isinstance(dtype, torch.dtype):
+        raise WeightUpdateError(f"{where}.dtype must be a torch dtype, got {dtype!r}"[:200])
+    shape = parse_shape(fields["shape"], f"{where}.shape")
+    for field in ("start_idx", "end_idx", "numel"):
+        if type(fields[field]) is not int:
+            raise WeightUpdateError(f"{where}.{field} must be an int, got {fields[field]!r}"[:200])
+    start, end, nbytes = fields["start_idx"], fields["end_idx"], fields["numel"]
+    itemsize, numel = dtype.itemsize, math.prod(shape)
+    if not 0 <= start <= end <= bucket_bytes:
+        raise WeightUpdateError(
+            f"{where}: bytes [{start}, {end}) outside the {bucket_bytes}-byte bucket"
+        )
+    if end - start != numel * itemsize:
+        raise WeightUpdateError(
+            f"{where}: {end - start} bytes for shape {shape} of {str(dtype).removeprefix('torch.')}"
+        )
+    if nbytes != end - start:
+        raise WeightUpdateError(f"{where}.numel {nbytes} != end_idx - start_idx {end - start}")
+    if start % itemsize:
+        raise WeightUpdateError(f"{where}: offset {start} not aligned to {itemsize}")
+    return FlattenedTensorMetadata(name, torch.Size(shape), dtype, start, end, nbytes)
+
+
+def check_bucket_payload(payload):
+    """A decoded ``flattened_bucket`` payload: ``{"flattened_tensor": 1-D uint8, "metadata":
+    [FlattenedTensorMetadata, ...]}`` whose entries lie inside the buffer and agree with their
+    own shape and dtype. Runs before the bucket is unpacked; returns the flat tensor and the
+    checked metadata."""
     if not isinstance(payload, dict) or {"flattened_tensor", "metadata"} - payload.keys():
         raise WeightUpdateError(
             "flattened_bucket payload must be a dict with flattened_tensor and metadata"
@@ -123,33 +175,7 @@ def check_bucket_payload(payload) -> None:
         raise WeightUpdateError("flattened_tensor must be a 1-D uint8 tensor")
     if not isinstance(metadata, list):
         raise WeightUpdateError(f"metadata must be a list, got {type(metadata).__name__}")
-    size = flat.numel()
-    for i, meta in enumerate(metadata):
-        if not isinstance(meta, FlattenedTensorMetadata):
-            raise WeightUpdateError(
-                f"metadata[{i}] is a {type(meta).__name__}, not bucket metadata"
-            )
-        where = f"metadata[{i}] ({meta.name!r})"
-        if not isinstance(meta.name, str):
-            raise WeightUpdateError(f"metadata[{i}].name must be a string")
-        if not isinstance(meta.dtype, torch.dtype):
-            raise WeightUpdateError(f"{where}.dtype must be a torch dtype, got {meta.dtype!r}")
-        shape = parse_shape(meta.shape, f"{where}.shape")
-        for field in ("start_idx", "end_idx"):
-            if type(getattr(meta, field)) is not int:
-                raise WeightUpdateError(f"{where}.{field} must be an int")
-        itemsize, numel = meta.dtype.itemsize, math.prod(shape)
-        if not 0 <= meta.start_idx <= meta.end_idx <= size:
-            raise WeightUpdateError(
-                f"{where}: bytes [{meta.start_idx}, {meta.end_idx}) outside the {size}-byte bucket"
-            )
-        if meta.end_idx - meta.start_idx != numel * itemsize:
-            raise WeightUpdateError(
-                f"{where}: {meta.end_idx - meta.start_idx} bytes for shape {shape} of "
-                f"{str(meta.dtype).removeprefix('torch.')}"
-            )
-        if meta.start_idx % itemsize:
-            raise WeightUpdateError(f"{where}: offset {meta.start_idx} not aligned to {itemsize}")
+    return flat, [check_metadata(i, meta, flat.numel()) for i, meta in enumerate(metadata)]
 
 
 def group_body_problem(body: dict, name, backend) -> str | None:

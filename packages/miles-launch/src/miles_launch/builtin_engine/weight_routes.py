@@ -15,13 +15,23 @@ import time
 import torch
 from fastapi import FastAPI, Request
 
-from miles_launch.builtin_engine.safe_unpickle import UnsafePayloadError
-from miles_launch.builtin_engine.server import ApiError, EngineState, _error, _json_body
-from miles_launch.builtin_engine.weight_checks import (
-    WeightUpdateError,
-    group_body_problem,
-    parse_distributed_spec,
+from miles_launch.builtin_engine.request_bodies import (
+    BeginWeightUpdateReqInput,
+    DestroyWeightsUpdateGroupReqInput,
+    EndWeightUpdateReqInput,
+    InitWeightsUpdateGroupReqInput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightsFromDistributedReqInput,
+    UpdateWeightsFromTensorReqInput,
 )
+from miles_launch.builtin_engine.server import (
+    ApiError,
+    EngineState,
+    _error,
+    body_of,
+    route_boundary,
+)
+from miles_launch.builtin_engine.weight_checks import group_body_problem, parse_distributed_spec
 from miles_launch.builtin_engine.weights import (
     decode_tensor_payload,
     destroy_weight_update_group,
@@ -52,18 +62,21 @@ def bucket_timings(log_text: str) -> dict | None:
 
 def add_weight_routes(app: FastAPI, state: EngineState, control) -> None:
     """Register the weight-update endpoints on ``app``; ``control(fn, wait_idle)`` runs ``fn``
-    on the scheduler."""
+    on the scheduler. Each route's errors are answered by :func:`route_boundary` (400, with
+    SGLang's ``success: false``)."""
     sched = state.scheduler
 
     @app.post("/begin_weight_update")
+    @route_boundary
     async def begin_weight_update(request: Request):
-        await _json_body(request)
+        await body_of(request, BeginWeightUpdateReqInput)
         state.update_window_used = state.update_window_open = True
         return {"success": True, "message": "weight update window open"}
 
     @app.post("/end_weight_update")
+    @route_boundary
     async def end_weight_update(request: Request):
-        await _json_body(request)
+        await body_of(request, EndWeightUpdateReqInput)
         if not state.update_window_open:
             return _error("end_weight_update without begin_weight_update", success_field=True)
         state.update_window_open = False
@@ -75,40 +88,38 @@ def add_weight_routes(app: FastAPI, state: EngineState, control) -> None:
                 f"{endpoint} must be wrapped by /begin_weight_update and /end_weight_update"
             )
 
-    async def apply_update(body: dict, load) -> dict:
+    async def apply_update(req, load) -> dict:
         """Run ``load()`` on the scheduler thread: after in-flight requests finish, or at once
-        (aborting them) with ``abort_all_requests``, or at once on a paused server."""
-        abort_all = bool(body.get("abort_all_requests", False))
+        (aborting them) with ``abort_all_requests``, or at once on a paused server. A failure
+        reaches the route's boundary: checks run before any byte is loaded, so the model and
+        its version are unchanged."""
+        abort_all = req.abort_all_requests
 
         def run():
             if abort_all:
                 sched.abort(abort_all=True, message="aborted by a weight update")
             count = load()
-            if body.get("weight_version") is not None:
-                state.weight_version = str(body["weight_version"])
+            if req.weight_version is not None:
+                state.weight_version = req.weight_version
             return count
 
-        try:
-            count = await control(run, wait_idle=not abort_all)
-        except Exception as exc:  # checks run before any byte is loaded: the model is unchanged
-            return _error(f"weight update failed: {exc}", success_field=True)
+        count = await control(run, wait_idle=not abort_all)
         return {"success": True, "message": f"updated {count} tensors", "num_paused_requests": 0}
 
     @app.post("/update_weights_from_tensor")
+    @route_boundary
     async def update_weights_from_tensor(request: Request):
-        body = await _json_body(request)
+        req = await body_of(request, UpdateWeightsFromTensorReqInput)
         check_window("update_weights_from_tensor")
         device_type = torch.device(state.config.device).type
         t0 = time.perf_counter()
-        try:
-            named = await asyncio.to_thread(
-                decode_tensor_payload,
-                body.get("serialized_named_tensors"),
-                body.get("load_format"),
-                device_type,
-            )
-        except (UnsafePayloadError, WeightUpdateError, ValueError, RuntimeError, OSError) as exc:
-            return _error(f"update_weights_from_tensor: {exc}", success_field=True)
+        named = await asyncio.to_thread(
+            decode_tensor_payload,
+            req.serialized_named_tensors,
+            req.load_format,
+            device_type,
+            state.weights.payload_budget(),
+        )
         t1 = time.perf_counter()
         loaded_at = []
 
@@ -118,7 +129,7 @@ def add_weight_routes(app: FastAPI, state: EngineState, control) -> None:
             loaded_at.extend([started, time.perf_counter()])
             return count
 
-        reply = await apply_update(body, load)
+        reply = await apply_update(req, load)
         if loaded_at and logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 BUCKET_TIMING,
@@ -131,97 +142,76 @@ def add_weight_routes(app: FastAPI, state: EngineState, control) -> None:
         return reply
 
     @app.post("/update_weights_from_disk")
+    @route_boundary
     async def update_weights_from_disk(request: Request):
-        body = await _json_body(request)
-        if not body.get("model_path") or not isinstance(body["model_path"], str):
-            return _error(
-                "update_weights_from_disk: field model_path (a directory) is required",
-                success_field=True,
-            )
-        return await apply_update(body, lambda: state.weights.load_from_disk(body["model_path"]))
+        req = await body_of(request, UpdateWeightFromDiskReqInput)
+        if not req.model_path:
+            raise ApiError("update_weights_from_disk: field model_path (a directory) is required")
+        return await apply_update(req, lambda: state.weights.load_from_disk(req.model_path))
 
     @app.post("/init_weights_update_group")
+    @route_boundary
     async def init_weights_update_group(request: Request):
-        body = await _json_body(request)
-        missing = [
-            k
-            for k in ("master_address", "master_port", "rank_offset", "world_size")
-            if k not in body
-        ]
-        if missing:
-            return _error(
-                f"init_weights_update_group: missing field(s) {missing}", success_field=True
-            )
-        name = body.get("group_name", "weight_update_group")
-        backend = body.get("backend", "nccl")
-        problem = group_body_problem(body, name, backend)
+        req = await body_of(request, InitWeightsUpdateGroupReqInput)
+        name, backend = req.group_name, req.backend
+        problem = group_body_problem(req.model_dump(), name, backend)
         if problem:
-            return _error(f"init_weights_update_group: {problem}", success_field=True)
+            raise ApiError(f"init_weights_update_group: {problem}")
         if state.config.device == "cpu" and backend == "nccl":
             backend = "gloo"
         if name in state.groups:
-            return _error(f"weight update group {name!r} already exists", success_field=True)
+            raise ApiError(f"weight update group {name!r} already exists")
         try:
             state.groups[name] = await asyncio.to_thread(
                 join_weight_update_group,
-                body["master_address"],
-                int(body["master_port"]),
-                int(body["rank_offset"]),
-                int(body["world_size"]),
+                req.master_address,
+                req.master_port,
+                req.rank_offset,
+                req.world_size,
                 name,
                 backend,
             )
         except Exception as exc:  # a failed rendezvous is reported, the server lives on
-            return _error(f"Failed to initialize custom process group: {exc}", success_field=True)
+            raise ApiError(f"Failed to initialize custom process group: {exc}") from None
         logger.info(
             "joined weight-update group %s at master %s:%s as rank %s of %s (%s)",
             name,
-            body["master_address"],
-            body["master_port"],
-            body["rank_offset"],
-            body["world_size"],
+            req.master_address,
+            req.master_port,
+            req.rank_offset,
+            req.world_size,
             backend,
         )
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
     @app.post("/update_weights_from_distributed")
+    @route_boundary
     async def update_weights_from_distributed(request: Request):
-        body = await _json_body(request)
+        req = await body_of(request, UpdateWeightsFromDistributedReqInput)
         check_window("update_weights_from_distributed")
-        name = body.get("group_name", "weight_update_group")
-        if not isinstance(name, str) or name not in state.groups:
-            return _error(
-                f"no weight update group {name!r}; call /init_weights_update_group",
-                success_field=True,
-            )
+        name = req.group_name
+        if name not in state.groups:
+            raise ApiError(f"no weight update group {name!r}; call /init_weights_update_group")
         pg, device = state.groups[name], torch.device(state.config.device)
-        names, dtypes, shapes = (body.get(k, []) for k in ("names", "dtypes", "shapes"))
-        if body.get("load_format") not in (None, "direct", "flattened_bucket"):
-            return _error(
-                f"load_format must be null or 'flattened_bucket', got {body['load_format']!r}",
-                success_field=True,
+        if req.load_format not in (None, "direct", "flattened_bucket"):
+            raise ApiError(
+                f"load_format must be null or 'flattened_bucket', got {req.load_format!r}"
             )
-        try:  # before anything is allocated or received; fit is checked before loading
-            parse_distributed_spec(names, dtypes, shapes)
-        except WeightUpdateError as exc:
-            return _error(f"update_weights_from_distributed: {exc}", success_field=True)
+        # before anything is allocated or received; fit is checked before loading
+        names, dtypes, shapes = parse_distributed_spec(req.names, req.dtypes, req.shapes)
 
         def load():
-            named = receive_broadcast(pg, names, dtypes, shapes, body.get("load_format"), device)
+            named = receive_broadcast(pg, names, dtypes, shapes, req.load_format, device)
             return state.weights.load_named(named)
 
-        return await apply_update(body, load)
+        return await apply_update(req, load)
 
     @app.post("/destroy_weights_update_group")
+    @route_boundary
     async def destroy_weights_update_group(request: Request):
-        body = await _json_body(request)
-        name = body.get("group_name", "weight_update_group")
-        if not isinstance(name, str):
-            return _error(
-                "destroy_weights_update_group: group_name must be a string", success_field=True
-            )
+        name = (await body_of(request, DestroyWeightsUpdateGroupReqInput)).group_name
         pg = state.groups.pop(name, None)
         if pg is None:
-            return _error(f"no weight update group {name!r}", success_field=True)
+            raise ApiError(f"no weight update group {name!r}")
         await asyncio.to_thread(destroy_weight_update_group, pg)
         return {"success": True, "message": f"destroyed {name}"}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -23,7 +24,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from miles_launch.builtin_engine.expert_names import batched_expert_slice
-from miles_launch.builtin_engine.safe_unpickle import UnsafePayloadError, decode_serialized
+from miles_launch.builtin_engine.safe_unpickle import (
+    DEFAULT_MAX_BYTES,
+    UnsafePayloadError,
+    decode_serialized,
+)
 from miles_launch.builtin_engine.weight_checks import (
     WeightUpdateError,
     check_bucket_payload,
@@ -90,6 +95,12 @@ class WeightStore:
         for file in files:
             count += self.load_named(load_file(str(file), device="cpu").items())
         return count
+
+    def payload_budget(self) -> int:
+        """Most bytes one tensor update may map: every named tensor of the model once, at 16
+        bytes an element (the widest dtype, complex128), plus 1 MiB. A valid update is never
+        larger: each tensor it carries must match a model tensor's shape."""
+        return 16 * sum(math.prod(shape) for shape, _ in self._specs.values()) + (1 << 20)
 
     def weights_bytes(self) -> int:
         unique = {id(t): t for t in self.tensors.values()}
@@ -165,14 +176,18 @@ _SAFETENSORS_DTYPES = {
 
 # ---- /update_weights_from_tensor ------------------------------------------------------------
 def decode_tensor_payload(
-    serialized: list, load_format: str | None, device_type: str = "cpu"
+    serialized: list,
+    load_format: str | None,
+    device_type: str = "cpu",
+    max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> list[tuple[str, torch.Tensor]]:
     """``serialized_named_tensors`` (one entry per TP rank; this engine has one) -> named tensors.
 
     ``load_format`` ``None``/``"direct"``: the entry is a list of ``(name, tensor)``;
     ``"flattened_bucket"``: a dict ``{"flattened_tensor": uint8 1-D, "metadata": [...]}``.
     The entry is unpickled under the payload allowlist of an engine of ``device_type``
-    (:mod:`~miles_launch.builtin_engine.safe_unpickle`); a bucket's metadata is checked
+    (:mod:`~miles_launch.builtin_engine.safe_unpickle`), its storages at most ``max_bytes``; a
+    bucket's metadata is checked
     (:func:`~miles_launch.builtin_engine.weight_checks.check_bucket_payload`) before it is unpacked.
     """
     if load_format not in (None, "direct", "flattened_bucket"):
@@ -184,7 +199,7 @@ def decode_tensor_payload(
         raise ValueError(
             f"serialized_named_tensors must hold one entry (this engine has tp size 1), got {n}"
         )
-    payload = decode_serialized(serialized[0], device_type)
+    payload = decode_serialized(serialized[0], device_type, max_bytes)
     if load_format in (None, "direct"):
         if not isinstance(payload, (list, tuple)) or not all(
             isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[1], torch.Tensor)
@@ -193,8 +208,8 @@ def decode_tensor_payload(
             raise UnsafePayloadError("direct payload must be a list of (name, tensor) pairs")
         return [(name, tensor) for name, tensor in payload]
     if load_format == "flattened_bucket":
-        check_bucket_payload(payload)
-        return unpack_bucket(payload["flattened_tensor"], payload["metadata"])
+        flat, metadata = check_bucket_payload(payload)
+        return unpack_bucket(flat, metadata)
     raise ValueError(
         f"load_format must be null, 'direct' or 'flattened_bucket', got {load_format!r}"
     )

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from timeouts import scaled
 
 # --budget-report FILE: each test's wall and CPU seconds and process starts (docs/ci.md)
 pytest_plugins = ["ci_budget"]
@@ -62,8 +63,12 @@ def pytest_xdist_auto_num_workers(config):
 
 def pytest_configure(config):
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        # cores are shared out between workers, not within one
+        # cores are shared out between workers, not within one: torch here and in every
+        # process a test starts (a subprocess compared bit for bit with this one computes with
+        # as many threads)
         torch.set_num_threads(1)
+        os.environ["OMP_NUM_THREADS"] = "1"
+        os.environ["MKL_NUM_THREADS"] = "1"
 
 
 #: The numeric tests whose tolerance depends on the CPU's vector kernels, with the reason; they
@@ -131,6 +136,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords or "/tests/gpu/" in str(item.fspath):
             item.add_marker(skip)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session):
+    # after pytest-timeout read its setting (in its pytest_configure): a hang's safety net is
+    # stretched by how many tests share the machine (tests/timeouts.py)
+    config = session.config
+    if getattr(config, "_env_timeout", None):
+        config._env_timeout = scaled(config._env_timeout)
 
 
 # ---- the released SGLang package, run as code (tests/sglang_release.py) ----------------------

@@ -26,6 +26,7 @@ import socket
 import pytest
 import torch
 from miles_core.log_prob_head import chunk_size, dense_log_probs, fused_log_probs
+from timeouts import scaled
 from tolerances import FP32_EPS
 
 F64_BOUND = 2.0**-52 * 512
@@ -261,7 +262,7 @@ def test_tensor_parallel_vocab_shards_equal_dense(tmp_path):
     for p in procs:
         p.start()
     for p in procs:
-        p.join(120)
+        p.join(scaled(120))
         assert p.exitcode == 0
     for vocab_size, entropy_grad in itertools.product(TP_VOCAB_SIZES, (True, False)):
         hidden, weight, targets = _inputs(v=64)

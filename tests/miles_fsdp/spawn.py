@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from timeouts import scaled
 
 
 def _entry(
@@ -58,6 +59,7 @@ def run_ranks(
     inherits the exit pipe that ``join`` waits on, so the exit codes are polled instead (a
     failing rank's traceback is on stderr).
     """
+    timeout = scaled(timeout)
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.start_processes(
             _entry,

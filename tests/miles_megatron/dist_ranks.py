@@ -18,6 +18,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from timeouts import scaled
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -105,6 +107,7 @@ def spawn_ranks(
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
+    timeout = scaled(timeout)
     deadline = time.monotonic() + timeout
     try:
         while len(results) < world_size:

@@ -112,9 +112,15 @@ KERNEL_INDEPENDENT = {
 }
 
 
+def pytest_itemcollected(item):
+    # as each test is collected: before xdist's pytest_collection_modifyitems reads the marks
+    group = _xdist_group(item)
+    if group is not None:
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    # before xdist's own hook, which reads the group marks
     tests_root = Path(__file__).parent
     for item in items:
         path = Path(str(item.fspath))
@@ -127,9 +133,6 @@ def pytest_collection_modifyitems(config, items):
                     f"{module}: a numeric test module must be listed in tests/conftest.py's "
                     "KERNEL_DEPENDENT or KERNEL_INDEPENDENT, with the reason"
                 )
-        group = _xdist_group(item)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

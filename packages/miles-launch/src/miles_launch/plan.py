@@ -83,7 +83,7 @@ def weights_line(args: Any) -> str:
         return "weights: not published (no engines)"
     mode = args.update_weight_transfer_mode
     every = (
-        f"every {args.update_weight_interval} rollouts (--fully-async)"
+        f"every {args.update_weights_interval} rollouts (--fully-async)"
         if args.fully_async
         else "after every rollout"
     )

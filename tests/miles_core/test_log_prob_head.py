@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import multiprocessing as mp
 import os
 import socket
 
 import pytest
 import torch
 from miles_core.log_prob_head import chunk_size, dense_log_probs, fused_log_probs
+from rank_context import in_environ, rank_context
 from timeouts import scaled
 from tolerances import FP32_EPS
 
@@ -254,10 +254,11 @@ def test_tensor_parallel_vocab_shards_equal_dense(tmp_path):
     states' gradient are the dense ones on both ranks, each rank's weight gradient is its
     shard's rows of the dense one (the padding rows' gradient is zero)."""
     world = 2
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     port = _free_port()
     procs = [
-        ctx.Process(target=_tp_worker, args=(r, world, port, str(tmp_path))) for r in range(world)
+        ctx.Process(target=in_environ(_tp_worker), args=(r, world, port, str(tmp_path)))
+        for r in range(world)
     ]
     for p in procs:
         p.start()

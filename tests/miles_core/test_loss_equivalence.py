@@ -17,7 +17,6 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from miles_core.advantages import compute_advantages, normalize_advantages
 from miles_core.aggregation import loss_denominator
 from miles_core.batch import RolloutBatch, Sample
@@ -26,6 +25,7 @@ from miles_core.losses import LossConfig, compute_policy_loss
 from miles_core.micro_batch import agree_num_micro_batches, count_micro_batches, make_micro_batches
 from miles_core.packing import pack_thd, packed_attention_kwargs
 from miles_core.partition import partition_for_dp
+from rank_context import in_environ, rank_context
 
 pytestmark = pytest.mark.numeric
 
@@ -245,9 +245,12 @@ def _dp_worker(rank, world, port, out_dir):
 
 @pytest.mark.slow
 def test_two_dp_ranks_equal_per_sample(tmp_path):
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     port = _free_port()
-    procs = [ctx.Process(target=_dp_worker, args=(r, 2, port, str(tmp_path))) for r in range(2)]
+    procs = [
+        ctx.Process(target=in_environ(_dp_worker), args=(r, 2, port, str(tmp_path)))
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     for p in procs:

@@ -10,7 +10,6 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from miles_core.batch import RolloutBatch, Sample
 from miles_core.micro_batch import (
     MicroBatching,
@@ -24,6 +23,7 @@ from miles_core.micro_batch import (
     split_steps,
 )
 from miles_core.partition import karmarkar_karp
+from rank_context import in_environ, rank_context
 
 
 def _batch(lengths):
@@ -188,9 +188,11 @@ def test_steps_are_the_rollouts_slices_at_any_dp_size(tmp_path):
 
 def _two_gloo_ranks(worker, tmp_path) -> list[dict]:
     """Run ``worker(rank, 2, port, out_dir)`` on 2 spawned gloo ranks; each rank's saved dict."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     port = _free_port()
-    procs = [ctx.Process(target=worker, args=(r, 2, port, str(tmp_path))) for r in range(2)]
+    procs = [
+        ctx.Process(target=in_environ(worker), args=(r, 2, port, str(tmp_path))) for r in range(2)
+    ]
     for p in procs:
         p.start()
     for p in procs:

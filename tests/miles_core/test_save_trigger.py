@@ -7,9 +7,9 @@ import sys
 import textwrap
 
 import pytest
-import torch.multiprocessing as mp
 from miles_core import checkpoint_layout as cl
 from miles_core.save_trigger import SaveTrigger, agree_on_all_ranks, should_save
+from rank_context import in_environ, rank_context
 
 
 def test_pending_arms_and_consume_deletes(tmp_path):
@@ -97,8 +97,10 @@ def _agree_worker(rank: int, world_size: int, tmp: str) -> None:
 
 def test_agree_on_all_ranks_takes_rank_zero_view(tmp_path):
     assert agree_on_all_ranks(True) is True  # no process group: the local decision
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_agree_worker, args=(r, 2, str(tmp_path))) for r in range(2)]
+    ctx = rank_context()
+    procs = [
+        ctx.Process(target=in_environ(_agree_worker), args=(r, 2, str(tmp_path))) for r in range(2)
+    ]
     for p in procs:
         p.start()
     for p in procs:

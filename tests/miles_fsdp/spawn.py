@@ -1,4 +1,5 @@
-"""Run a function on N gloo ranks (torch.multiprocessing spawn) with a timeout."""
+"""Run a function on N gloo ranks (forked from a forkserver that imported torch and the
+backends: ``tests/rank_context.py``) with a timeout."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rank_context import in_environ, rank_context, start_method
 from timeouts import scaled
 
 
@@ -61,12 +63,13 @@ def run_ranks(
     """
     timeout = scaled(timeout)
     with tempfile.TemporaryDirectory() as tmp:
+        rank_context(backend)
         ctx = mp.start_processes(
-            _entry,
+            in_environ(_entry),
             args=(world_size, os.path.join(tmp, "init"), backend, fn, args),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method=start_method(backend),
         )
         import time
 

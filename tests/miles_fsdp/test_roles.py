@@ -81,7 +81,7 @@ def test_reference_and_teacher_two_ranks(tmp_path):
 def test_causal_lm_has_one_component():
     assert component_names(make_args()) == ["model"]
     assert component_names(make_args(update_weight_target_module=["lm"])) == ["lm"]
-    with pytest.raises(ArgumentError, match="a causal LM has one component, got 2 \\(a, b\\)"):
+    with pytest.raises(ArgumentError, match="trains a causal LM, one component, got 2 \\(a, b\\)"):
         component_names(make_args(update_weight_target_module=["a", "b"]))
 
 

@@ -9,7 +9,6 @@ test instead of hanging it.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue as queue_module
 import socket
@@ -18,6 +17,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from rank_context import in_environ, rank_context
 from timeouts import scaled
 
 
@@ -93,12 +93,12 @@ def spawn_ranks(
     """
     if backend == "nccl" and shim:
         raise ValueError("the megatron CPU shim is for gloo ranks: pass shim=False with nccl")
-    ctx = mp.get_context("spawn")
+    ctx = rank_context(backend)
     queue = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(
-            target=_entry,
+            target=in_environ(_entry),
             args=(r, world_size, port, fn, args, queue, shim, backend),
             daemon=False,
         )

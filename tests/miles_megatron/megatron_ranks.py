@@ -150,9 +150,10 @@ def backend_run(rank: int, world: int, hf_dir: str, save: str, tp: int) -> dict:
     return run_backend(hf_dir, save, tp)
 
 
+# fp32 on both backends (--no-bf16): their agreement is checked at 1e-5
 BOTH_BACKENDS_FLAGS = [
     "--lr", "1e-3", "--weight-decay", "0", "--entropy-coef", "0.01", "--micro-batch-size", "2",
-    "--advantage-estimator", "grpo", "--num-steps-per-rollout", "2",
+    "--advantage-estimator", "grpo", "--num-steps-per-rollout", "2", "--no-bf16",
 ]  # fmt: skip
 
 HOOK_CALLS: list[tuple] = []
@@ -189,7 +190,7 @@ def rollout_losses(rank: int, world: int, backend_name: str, hf_dir: str, rollou
     if backend_name == "megatron":
         argv += layout_argv(tp=world) + HOOK_FLAGS
     else:
-        argv += ["--attn-implementation", "sdpa", "--fsdp-compute-dtype", "fp32"]
+        argv += ["--attn-implementation", "sdpa"]
     backend = cls()
     backend.init(parse_args(argv, [*core_groups(), *cls.arg_groups()]))
     batch = RolloutBatch(samples())

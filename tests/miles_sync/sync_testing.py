@@ -214,13 +214,15 @@ def run_ranks(world_size: int, out_dir: Path, job: dict, timeout: float = 240.0)
     import json
 
     import torch.multiprocessing as mp
+    from rank_context import in_environ, rank_context
 
+    rank_context()
     context = mp.start_processes(
-        _rank_main,
+        in_environ(_rank_main),
         args=(world_size, free_port(), str(out_dir), job),
         nprocs=world_size,
         join=False,
-        start_method="spawn",
+        start_method="forkserver",
     )
     # Wait on the processes themselves, not on ``context.join``: the ``torch_shm_manager`` that a
     # rank starts for the file_system strategy inherits the rank's exit-sentinel pipe and keeps

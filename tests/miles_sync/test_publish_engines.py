@@ -6,6 +6,7 @@ are smaller than the largest tensor throughout.
 
 from __future__ import annotations
 
+import base64
 import threading
 import time
 
@@ -290,7 +291,8 @@ def test_failed_push_releases_the_engine(engines):
     assert engine.version() == before
     engine.greedy(PROMPTS[0], 3)  # generation continues
     outside = engine.http.post(
-        "/update_weights_from_tensor", json={"serialized_named_tensors": ["x"]}
+        "/update_weights_from_tensor",
+        json={"serialized_named_tensors": [base64.b64encode(b"x").decode()]},  # a well-formed body
     )
     assert outside.status_code == 400 and "must be wrapped" in outside.text
 

@@ -41,7 +41,7 @@ def test_a_replay_needs_neither_engines_nor_prompts(tmp_path):
     args = parse(tmp_path, "--load-debug-rollout-data", template, "--num-rollout", "2")
     assert args.rollout_num_gpus == 0  # no engine is placed
     args.prompt_data = None
-    from miles_launch.args import RolloutArgs
+    from miles_launch.rollout_args import RolloutArgs
 
     RolloutArgs.check_paths(args)  # --prompt-data may be left out of a replay
 

@@ -24,7 +24,6 @@ from typing import Any
 
 from miles_core.checkpoint_layout import atomic_write_text, iteration_dir_name, resolve_load
 
-from miles_launch.args import eval_sets
 from miles_launch.engine_launch.api_key import ensure_api_key
 from miles_launch.engine_launch.engine_set import EngineSet
 from miles_launch.placement import (
@@ -39,6 +38,7 @@ from miles_launch.reporting import Reporter, phase
 from miles_launch.rollout.partial import PartialBuffer
 from miles_launch.rollout.prompts import Prompt, PromptOrder, drop_long_prompts, load_prompts
 from miles_launch.rollout.rewards import RewardModel
+from miles_launch.rollout_args import eval_sets
 from miles_launch.trainer_group import TrainerGroup
 
 logger = logging.getLogger(__name__)

@@ -43,8 +43,8 @@ from typing import Any
 from miles_core.args import ArgGroup, ArgumentError
 from miles_core.checkpoint_layout import TRACKER_FILENAME, CheckpointError, resolve_load
 
-from miles_launch.args import eval_sets
 from miles_launch.rollout.prompts import PromptDataError, check_record, read_records
+from miles_launch.rollout_args import eval_sets
 
 SAFETENSORS_SINGLE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"

@@ -1,7 +1,7 @@
 """The rollout-control flags' cross-checks (``--over-sampling-batch-size``, ``--rollout-stop*``,
 ``--rollout-max-prompt-len``, ``--rollout-seed``, ``--custom-generate-function-path``,
 ``--partial-rollout``), run by
-:class:`miles_launch.args.RolloutArgs`."""
+:class:`miles_launch.rollout_args.RolloutArgs`."""
 
 from __future__ import annotations
 

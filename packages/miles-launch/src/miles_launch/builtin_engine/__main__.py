@@ -100,8 +100,8 @@ def _fail(message: str) -> None:
 
 def health_check(scheduler, tokenizer, timeout: float = 300.0) -> None:
     """Generate one token through the scheduler; raise if it does not come back."""
+    from miles_launch.builtin_engine.request import Request
     from miles_launch.builtin_engine.sampling import SamplingParams
-    from miles_launch.builtin_engine.scheduler import Request
 
     done = threading.Event()
     prompt = tokenizer.encode("hello") or [0]

@@ -7,7 +7,7 @@ import uuid
 
 import torch
 
-from miles_launch.builtin_engine.scheduler import Request
+from miles_launch.builtin_engine.request import Request
 
 
 class GenerateInputError(ValueError):

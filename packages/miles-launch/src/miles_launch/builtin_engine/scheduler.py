@@ -27,12 +27,13 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 
+from miles_launch.builtin_engine import batch_cache
+from miles_launch.builtin_engine.request import Request, eos_ids, input_logprobs
 from miles_launch.builtin_engine.routed_experts import RoutedExpertsRecorder
 from miles_launch.builtin_engine.sampling import (
     SamplingParams,
@@ -45,33 +46,6 @@ from miles_launch.builtin_engine.sampling import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Request:
-    """One sequence to generate (a /generate call with ``n > 1`` or a batch makes several)."""
-
-    rid: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    on_done: Callable[[Request], None]
-    return_logprob: bool = False
-    return_routed_experts: bool = False
-    # SGLang's logprob_start_len: -1, or the first input position of ``input_logprobs``
-    logprob_start_len: int = -1
-    # log-probs of input tokens logprob_start_len.. (the first None), set by the prefill
-    input_logprobs: list[float | None] | None = None
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    finish_reason: dict | None = None
-    text: str = ""
-    # Per fed position: int32 [num_layers, top_k] expert ids (routed experts capture).
-    routed: list[torch.Tensor] = field(default_factory=list)
-    generator: torch.Generator | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass
@@ -96,7 +70,7 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.device = device
         self.max_running = max_running_requests
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = eos_ids(model, tokenizer)
         self.recorder = RoutedExpertsRecorder(model) if enable_routed_experts else None
         # transformers >= 5.2x names the cache argument ``cache``; older ones ``past_key_values``.
         params = inspect.signature(model.forward).parameters
@@ -312,7 +286,7 @@ class Scheduler:
                     req.routed.extend(routed[b, width - lengths[b] :].unbind(0))
         for b, req in enumerate(todo):
             if req.return_logprob and req.logprob_start_len >= 0 and req.input_logprobs is None:
-                req.input_logprobs = _input_logprobs(
+                req.input_logprobs = input_logprobs(
                     out.logits[b, width - lengths[b] :], req.prompt_ids, req.logprob_start_len
                 )
         self._append_tokens(todo, out.logits[:, -1])
@@ -320,35 +294,16 @@ class Scheduler:
         if keep:
             index = torch.tensor(keep, device=self.device)
             kv = [
-                (layer.keys.index_select(0, index), layer.values.index_select(0, index))
-                for layer in cache.layers
+                (k.index_select(0, index), v.index_select(0, index))
+                for k, v in batch_cache.layers(cache)
             ]
             self._merge(
                 [todo[b] for b in keep], kv, mask.index_select(0, index), [lengths[b] for b in keep]
             )
 
     def _merge(self, reqs: list[Request], kv: list, mask: torch.Tensor, lengths: list[int]) -> None:
-        """Add prefilled rows to the batch, left-padding whichever side is shorter."""
-        if self._cache is None:
-            merged = kv
-        else:
-            old_kv = [(layer.keys, layer.values) for layer in self._cache.layers]
-            width = max(self._mask.shape[1], mask.shape[1])
-            merged = [
-                (
-                    torch.cat([_pad_left(ok, width), _pad_left(nk, width)]),
-                    torch.cat([_pad_left(ov, width), _pad_left(nv, width)]),
-                )
-                for (ok, ov), (nk, nv) in zip(old_kv, kv)
-            ]
-            mask = torch.cat(
-                [
-                    F.pad(self._mask, (width - self._mask.shape[1], 0)),
-                    F.pad(mask, (width - mask.shape[1], 0)),
-                ]
-            )
-        self._cache = DynamicCache(ddp_cache_data=merged)
-        self._mask = mask
+        """Add prefilled rows to the batch."""
+        self._cache, self._mask = batch_cache.merge(self._cache, self._mask, kv, mask)
         self._pos.extend(lengths)
         self._running.extend(reqs)
 
@@ -360,7 +315,7 @@ class Scheduler:
         mask = torch.cat([self._mask, ones], dim=1)
         # the cache's tensors before the step (a forward that fails midway has already
         # appended to the first layers: the retry starts again from these)
-        before = [(layer.keys, layer.values) for layer in self._cache.layers]
+        before = batch_cache.layers(self._cache)
         try:
             out = self._forward(tokens, positions, mask, self._cache)
         except Exception:
@@ -399,12 +354,9 @@ class Scheduler:
         batched step: rows that fail again end (abort, ``engine error: ...``); the batch
         becomes the rows that succeeded, their caches one step longer. Returns their logits
         and routed experts (None without a recorder)."""
-        ok, logits, layers, routed = [], [], [], []
+        ok, logits, rows, routed = [], [], [], []
         for b, req in enumerate(self._running):
-            row = torch.tensor([b], device=self.device)
-            cache = DynamicCache(
-                ddp_cache_data=[(k.index_select(0, row), v.index_select(0, row)) for k, v in before]
-            )
+            cache = batch_cache.row(before, b)
             try:
                 out = self._forward(tokens[b : b + 1], positions[b : b + 1], mask[b : b + 1], cache)
             except Exception as exc:  # this row fails alone too: it ends, the others go on
@@ -415,7 +367,7 @@ class Scheduler:
                 continue
             ok.append(b)
             logits.append(out.logits[:, -1])
-            layers.append([(layer.keys, layer.values) for layer in cache.layers])
+            rows.append(batch_cache.layers(cache))
             if self.recorder is not None:
                 routed.append(self.recorder.take(1))
         self._running = [self._running[b] for b in ok]
@@ -424,27 +376,10 @@ class Scheduler:
             self._cache, self._mask = None, None
             return torch.empty(0, 1), None
         index = torch.tensor(ok, device=self.device)
-        self._mask = mask.index_select(0, index)
-        self._cache = DynamicCache(
-            ddp_cache_data=[
-                (torch.cat([r[i][0] for r in layers]), torch.cat([r[i][1] for r in layers]))
-                for i in range(len(layers[0]))
-            ]
+        self._cache, self._mask = batch_cache.trim(
+            batch_cache.stack(rows), mask.index_select(0, index)
         )
-        self._trim_padding()
         return torch.cat(logits), torch.cat(routed) if routed else None
-
-    def _trim_padding(self) -> None:
-        """Drop the leading columns that are padding in every row of the batch."""
-        first = int((self._mask.sum(0) > 0).nonzero()[0])
-        if first:
-            self._mask = self._mask[:, first:]
-            self._cache = DynamicCache(
-                ddp_cache_data=[
-                    (layer.keys[:, :, first:], layer.values[:, :, first:])
-                    for layer in self._cache.layers
-                ]
-            )
 
     def _select_rows(self, keep: list[int]) -> None:
         """Keep only these batch rows; drop columns that became padding in every row."""
@@ -452,22 +387,8 @@ class Scheduler:
             return
         self._running = [self._running[i] for i in keep]
         self._pos = [self._pos[i] for i in keep]
-        if not keep:
-            self._cache, self._mask = None, None
-            return
-        index = torch.tensor(keep, device=self.device)
-        mask = self._mask.index_select(0, index)
-        first = int((mask.sum(0) > 0).nonzero()[0])
-        self._mask = mask[:, first:]
-        self._cache = DynamicCache(
-            ddp_cache_data=[
-                (
-                    layer.keys.index_select(0, index)[:, :, first:],
-                    layer.values.index_select(0, index)[:, :, first:],
-                )
-                for layer in self._cache.layers
-            ]
-        )
+        if self._cache is not None:
+            self._cache, self._mask = batch_cache.select(self._cache, self._mask, keep)
 
     # ---- tokens and finishing ----------------------------------------------------------
     def _append_tokens(self, reqs: list[Request], logits: torch.Tensor) -> None:
@@ -519,32 +440,3 @@ class Scheduler:
         req.finish_reason = reason
         req.text = text if text is not None else self._decode_text(req.output_ids, req.params)
         req.on_done(req)
-
-
-def _input_logprobs(logits: torch.Tensor, prompt_ids: list[int], start: int) -> list:
-    """SGLang's ``input_token_logprobs`` values from one row's prefill ``logits`` ``[seq, vocab]``
-    (its real positions): ``None`` for input token ``start``, then the log-prob of each later
-    input token given everything before it. Not temperature-scaled (SGLang scales only the
-    output tokens' log-probs)."""
-    n = len(prompt_ids)
-    logprobs = torch.log_softmax(logits[start : n - 1].float(), dim=-1)
-    targets = torch.tensor(prompt_ids[start + 1 : n], device=logits.device)
-    return [None, *logprobs.gather(1, targets[:, None])[:, 0].tolist()]
-
-
-def _pad_left(t: torch.Tensor, length: int) -> torch.Tensor:
-    """Pad dim -2 (sequence) of a ``[B, H, S, D]`` cache tensor on the left to ``length``."""
-    return F.pad(t, (0, 0, length - t.shape[-2], 0))
-
-
-def _eos_ids(model: torch.nn.Module, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config):
-        eos = getattr(source, "eos_token_id", None) if source is not None else None
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif eos:
-            ids.update(int(e) for e in eos)
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return ids

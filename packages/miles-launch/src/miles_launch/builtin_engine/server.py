@@ -34,6 +34,7 @@ from miles_launch.builtin_engine.generate_io import (
     parse_prompts,
     request_ids,
 )
+from miles_launch.builtin_engine.request import Request as GenRequest
 from miles_launch.builtin_engine.request_bodies import (
     AbortReq,
     BodyError,
@@ -44,7 +45,6 @@ from miles_launch.builtin_engine.request_bodies import (
 )
 from miles_launch.builtin_engine.safe_unpickle import UnsafePayloadError
 from miles_launch.builtin_engine.sampling import SamplingParams, SamplingParamsError
-from miles_launch.builtin_engine.scheduler import Request as GenRequest
 from miles_launch.builtin_engine.scheduler import Scheduler
 from miles_launch.builtin_engine.weight_checks import WeightUpdateError
 from miles_launch.builtin_engine.weights import WeightStore

@@ -107,6 +107,12 @@ def test_demo_smoke_two_rollouts(smoke):
         "generated with weight version [1])",
         "generated with weight version [2])",
     ]
+    # the engine returned log-probs: each trained rollout reports the train/rollout mismatch
+    trained = [r for r in records(out_dir / "metrics.jsonl") if r["rollout_id"] >= 0]
+    assert len(trained) == 2
+    for r in trained:
+        assert 0.0 <= r["train"]["train_rollout_logprob_abs_diff"] < 1.0, r["train"]
+        assert r["train"]["train_rollout_is_ratio_std"] >= 0.0
 
 
 @pytest.mark.extended

@@ -97,7 +97,8 @@ def test_each_panel_draws_the_records_metrics():
     for r in records:
         del r["train"]["entropy"]
     records[3]["train"] |= {"grad_norm": 0.7, "pg_clipfrac": 0.1, "critic/value_loss": 0.4}
-    records[0]["train"] |= {"grad_norm": 0.5, "critic/grad_norm": 2.0, "tis": 1.1}
+    records[0]["train"] |= {"grad_norm": 0.5, "critic/grad_norm": 2.0, "tis": 1.1,
+                            "train_rollout_logprob_abs_diff": 0.02}  # fmt: skip
     for r in records:
         r["rollout"] |= {"pass@1": 0.25, "pass@2": 0.4, "pass@4": 0.5}
     records[2]["eval"]["held-out"] |= {"pass@1": 0.75, "pass@8": 1.0}
@@ -131,6 +132,6 @@ def test_each_panel_draws_the_records_metrics():
         assert lines(grad) == {"actor": ([0, 3], [0.5, 0.7]), "critic": ([0], [2.0])}
         assert lines(clip) == {"pg_clipfrac": ([3], [0.1])}
         assert lines(value) == {"value_loss": ([3], [0.4])}
-        assert lines(tis) == {"mean weight": ([0], [1.1])}
+        assert lines(tis) == {"mean weight": ([0], [1.1]), "|log-prob diff| mean": ([0], [0.02])}
     finally:
         plt.close(fig)

@@ -22,6 +22,8 @@ def test_summary_line():
         "rollout 3/12 | reward 0.412 | resp_len 7.9 | loss -0.0123 | kl 0.0001 | version 4 | "
         "gen 1.20s train 0.80s save 0.00s update 0.10s"
     )
+    mismatched = RECORD | {"train": RECORD["train"] | {"train_rollout_logprob_abs_diff": 0.00213}}
+    assert " | kl 0.0001 | mismatch 0.0021 | version 4 | " in summary_line(mismatched, 12)
 
 
 def test_scalars_reach_tensorboard_and_jsonl(tmp_path, capsys):

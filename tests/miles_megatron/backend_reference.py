@@ -20,9 +20,10 @@ GROUPS = (0, 0, 1, 1)
 ROLLOUTS = 2
 
 
-def samples(masked: bool = False):
+def samples(masked: bool = False, engine_log_probs: bool = False):
     """The four samples; ``masked``: each with a ``loss_mask`` that is 0 on a tool-output span
-    after the first response token (``response // 3`` tokens)."""
+    after the first response token (``response // 3`` tokens); ``engine_log_probs``: with
+    ``rollout_log_probs`` an engine might have reported (about -4.6 = log(1/96) each)."""
     from miles_core.batch import Sample
 
     gen = torch.Generator().manual_seed(7)
@@ -39,6 +40,9 @@ def samples(masked: bool = False):
                 reward=REWARDS[i],
                 group_index=GROUPS[i],
                 loss_mask=mask if masked else None,
+                rollout_log_probs=(
+                    -4.6 + 0.5 * torch.rand(response, generator=gen) if engine_log_probs else None
+                ),
             )
         )
     return out

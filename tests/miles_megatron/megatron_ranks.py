@@ -179,7 +179,8 @@ HOOK_FLAGS = [
 
 
 def rollout_losses(rank: int, world: int, backend_name: str, hf_dir: str, rollouts: int):
-    """Per-rollout losses of ``backend_name`` ("megatron" at TP=world, or "fsdp") on one batch."""
+    """Per-rollout loss, train/rollout mismatch and importance-ratio std of ``backend_name``
+    ("megatron" at TP=world, or "fsdp") on one batch that carries engine log-probs."""
     from backend_reference import samples
     from miles_core.args import core_groups, parse_args
     from miles_core.backends import load
@@ -193,10 +194,11 @@ def rollout_losses(rank: int, world: int, backend_name: str, hf_dir: str, rollou
         argv += ["--attn-implementation", "sdpa"]
     backend = cls()
     backend.init(parse_args(argv, [*core_groups(), *cls.arg_groups()]))
-    batch = RolloutBatch(samples())
-    losses = [backend.train(r, batch)["loss"] for r in range(rollouts)]
+    batch = RolloutBatch(samples(engine_log_probs=True))
+    metrics = [backend.train(r, batch) for r in range(rollouts)]
     backend.close()
-    return losses, list(HOOK_CALLS)
+    keys = ("loss", "train_rollout_logprob_abs_diff", "train_rollout_is_ratio_std")
+    return [[m[k] for k in keys] for m in metrics], list(HOOK_CALLS)
 
 
 def reference_pass(rank: int, world: int, hf_dir: str) -> dict:

@@ -20,6 +20,7 @@ import torch
 from miles_core.advantages import ESTIMATORS
 from miles_core.aggregation import aggregate, segment_mean
 from miles_core.kl import KL_TYPES, kl_estimate
+from miles_core.mismatch import token_terms as mismatch_terms
 
 LOG_RATIO_CLAMP = 20.0
 
@@ -222,7 +223,9 @@ def compute_policy_loss(
 
     Metrics (detached, shares of step means): ``loss``, ``pg_loss``, ``pg_clipfrac``,
     ``pg_dual_clipfrac``, ``ppo_kl`` (approximate KL, mean of ``log pi_old - log pi``), and when
-    applicable ``entropy``, ``kl_loss``, ``tis`` (mean weight), ``tis_clipfrac``.
+    applicable ``entropy``, ``kl_loss``, ``tis`` (mean weight), ``tis_clipfrac``; with
+    ``rollout_log_probs``, the train/rollout mismatch of ``old_log_probs`` against them
+    (:mod:`miles_core.mismatch`).
     """
 
     def agg(values: torch.Tensor, token_sum: bool = config.token_sum) -> torch.Tensor:
@@ -255,6 +258,9 @@ def compute_policy_loss(
             log_ratio, advantages, config.eps_clip, config.clip_high, config.eps_clip_c
         )
     metrics: dict[str, torch.Tensor] = {}
+    if rollout_log_probs is not None:
+        for name, values in mismatch_terms(old_log_probs, rollout_log_probs).items():
+            metrics[name] = mean(values)
     if config.use_tis:
         if rollout_log_probs is None:
             raise ValueError("--use-tis needs the rollout log-probs of every sample")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from miles_core import mismatch
 from miles_core.advantages import with_advantages
 from miles_core.aggregation import loss_denominator
 from miles_core.args.groups.algorithm import kl_term_on
@@ -257,6 +258,7 @@ def train_rollout(ctx: RolloutContext, batch: RolloutBatch) -> tuple[dict[str, f
     metrics: dict[str, float] = {}
     for key in results[0].parts:
         metrics[key] = sum(r.parts[key] for r in results) / len(results)
+    mismatch.finish(metrics)
     metrics["grad_norm"] = results[-1].grad_norm
     metrics["lr"] = results[-1].lr
     if ctx.loss_scaler is not None:

@@ -17,7 +17,9 @@ The optimisation:
 * gradient norm: ``grad_norm`` of the actor and (``--use-critic``) the critic;
 * clip fraction: ``pg_clipfrac``, ``pg_dual_clipfrac`` and the critic's ``value_clipfrac``;
 * value loss: the critic's ``value_loss``;
-* TIS: the mean weight ``tis`` and ``tis_clipfrac`` (``--use-tis``).
+* train/rollout mismatch: ``train_rollout_logprob_abs_diff`` and ``train_rollout_k3_kl``
+  (whenever the engine returned log-probs; :mod:`miles_core.mismatch`), and with ``--use-tis``
+  the mean weight ``tis`` and ``tis_clipfrac``.
 
 A panel whose metric the run did not record says so. Bad arguments (no such directory, no
 metrics file, no rollout records) are one ``error:`` line and exit status 2.
@@ -30,6 +32,8 @@ import json
 import sys
 from pathlib import Path
 from typing import Any
+
+from miles_core.mismatch import ABS_DIFF, K3_KL
 
 PHASES = ("gen", "train", "save", "update", "eval")  # drawn in this order, then any others
 
@@ -123,7 +127,7 @@ def write_run_plot(records: list[dict[str, Any]], path: Path, title: str) -> Non
 def run_figure(records: list[dict[str, Any]], title: str) -> Any:
     """The matplotlib figure of :func:`write_run_plot` (``fig.axes`` row by row: reward,
     pass@k, KL, gradient norm, entropy, clip fraction, response length, value loss, phase
-    times, TIS)."""
+    times, train/rollout mismatch)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -172,9 +176,11 @@ def run_figure(records: list[dict[str, Any]], title: str) -> Any:
     clip.set_ylabel("clip fraction")
     _plot_lines(value, records, [("train", "critic/value_loss", "value_loss")])
     value.set_ylabel("value loss")
-    _plot_lines(tis, records, [("train", "tis", "mean weight"),
+    _plot_lines(tis, records, [("train", ABS_DIFF, "|log-prob diff| mean"),
+                               ("train", K3_KL, "K3 KL"),
+                               ("train", "tis", "mean weight"),
                                ("train", "tis_clipfrac", "tis_clipfrac")])  # fmt: skip
-    tis.set_ylabel("TIS")
+    tis.set_ylabel("train/rollout mismatch")
     tis.set_xlabel("rollout")
     tis.xaxis.set_major_locator(MaxNLocator(integer=True))
 

@@ -3,8 +3,11 @@ per rollout, TensorBoard, W&B, JSONL, and the closing summary of where everythin
 
 The per-rollout line (stdout)::
 
-    rollout 3/12 | reward 0.412 | resp_len 7.9 | loss -0.0123 | kl 0.0001 | version 4 |
-    gen 1.20s train 0.80s save 0.00s update 0.10s
+    rollout 3/12 | reward 0.412 | resp_len 7.9 | loss -0.0123 | kl 0.0001 | mismatch 0.0021 |
+    version 4 | gen 1.20s train 0.80s save 0.00s update 0.10s
+
+(``mismatch``: the mean |log-prob difference| between trainer and engine over the trained
+tokens, :mod:`miles_core.mismatch`, when the engine returned log-probs.)
 
 After a rollout that evaluated, one line per eval set::
 
@@ -30,6 +33,7 @@ import time
 from contextlib import contextmanager
 from typing import Any
 
+from miles_core.mismatch import ABS_DIFF
 from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
@@ -157,6 +161,8 @@ def summary_line(record: dict[str, Any], num_rollout: int) -> str:
     kl = t.get("ppo_kl", t.get("kl_loss"))
     if kl is not None:
         parts.append(f"kl {kl:.4f}")
+    if ABS_DIFF in t:
+        parts.append(f"mismatch {t[ABS_DIFF]:.4f}")
     if record.get("weight_version") is not None:
         parts.append(f"version {record['weight_version']}")
     if "staleness_mean" in r:

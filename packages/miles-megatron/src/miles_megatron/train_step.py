@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from miles_core import mismatch
 from miles_core.advantages import with_advantages
 from miles_core.aggregation import loss_denominator
 from miles_core.batch import RolloutBatch
@@ -192,6 +193,7 @@ def train_rollout(ctx: TrainContext, rollout_id: int, batch: RolloutBatch) -> di
             metrics[key] = results[-1][key]
         else:
             metrics[key] = sum(r[key] for r in results) / len(results)
+    mismatch.finish(metrics)
     tokens = sum(len(s.tokens) for s in batch)
     metrics["steps"] = float(len(results))
     metrics["tokens_per_s"] = tokens / max(time.perf_counter() - start, 1e-9)

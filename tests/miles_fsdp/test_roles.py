@@ -94,7 +94,8 @@ def test_frozen_role_of_another_family_rejected(tmp_path):
 
 
 def test_hooks_load_by_module_and_name():
-    from miles_fsdp.hooks import HookContext, Hooks, load_hook
+    from miles_core.user_functions import load_function as load_hook
+    from miles_fsdp.hooks import HookContext, Hooks
 
     assert load_hook("role_programs:record_prepare", "--custom-prepare-path").__name__ == (
         "record_prepare"
@@ -118,11 +119,11 @@ def test_hooks_load_by_module_and_name():
             "role_programs:nope",
             "--custom-loss-function-path role_programs:nope: role_programs has no function nope",
         ),
-        ("plain", "--custom-loss-function-path plain: expected module:function"),
+        ("plain", "--custom-loss-function-path plain: expected MODULE:FUNCTION"),
     ],
 )
 def test_hook_errors_name_the_flag(spec, message):
-    from miles_fsdp.hooks import load_hook
+    from miles_core.user_functions import load_function as load_hook
 
     with pytest.raises(ArgumentError, match=message):
         load_hook(spec, "--custom-loss-function-path")

@@ -122,6 +122,41 @@ def test_sharded_weights_with_a_missing_shard(job, hf_dir, capsys):
 
 
 # ------------------------------------------------------------------ prompt rows
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (
+            ["--custom-loss-function-path", "no_such_module_pf:loss"],
+            "error: --custom-loss-function-path no_such_module_pf:loss: cannot import "
+            "no_such_module_pf (No module named 'no_such_module_pf')",
+        ),
+        (
+            ["--custom-advantage-function-path", "json:no_such_function"],
+            "error: --custom-advantage-function-path json:no_such_function: json has no "
+            "function no_such_function",
+        ),
+    ],
+)
+def test_user_function_that_does_not_import(job, capsys, flags, expected):
+    """Every ``MODULE:FUNC`` flag is imported by the preflight, before anything starts."""
+    run, reached, _ = job
+    code, seconds = run(*flags)
+    assert one_error(capsys, code, reached, seconds) == expected
+
+
+def test_every_user_function_flag_is_checked():
+    """The flags the preflight imports are those that name a function, on every package."""
+    from miles_core.user_functions import function_flags
+    from miles_launch.train import installed_groups
+
+    assert set(function_flags(installed_groups())) >= {
+        "custom_advantage_function_path", "custom_prepare_path", "custom_loss_function_path",
+        "custom_rm_path", "dynamic_sampling_filter_path", "custom_generate_function_path",
+        "custom_megatron_init_path", "custom_megatron_before_log_prob_hook_path",
+        "custom_megatron_before_train_step_hook_path",
+    }  # fmt: skip
+
+
 def test_label_under_another_key(job, capsys):
     run, reached, tmp_path = job
     data = tmp_path / "math.jsonl"

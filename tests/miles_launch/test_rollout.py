@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from launch_testing import StubEngine, parse
+from miles_core.args import ArgumentError
 from miles_launch.async_loop import union_overlap
 from miles_launch.demo import CHARS, VOCAB_SIZE
 from miles_launch.rollout.filtering import has_signal
@@ -140,9 +141,11 @@ def test_custom_reward_sync_async_and_bad_values(tmp_path):
     bad = reward_model(tmp_path, "--custom-rm-path", "rm_fixtures:not_a_number")
     with pytest.raises(ValueError, match="returned 'high', not a number"):
         asyncio.run(bad(_inp("x", None)))
-    with pytest.raises(ValueError, match="--custom-rm-path rm_fixtures:missing: rm_fixtures has"):
+    with pytest.raises(
+        ArgumentError, match="--custom-rm-path rm_fixtures:missing: rm_fixtures has"
+    ):
         reward_model(tmp_path, "--custom-rm-path", "rm_fixtures:missing")
-    with pytest.raises(ValueError, match="cannot import no_such_module"):
+    with pytest.raises(ArgumentError, match="--custom-rm-path no_such_module:f: cannot import"):
         reward_model(tmp_path, "--custom-rm-path", "no_such_module:f")
     with pytest.raises(ValueError, match="no reward: set --rm-type, --custom-rm-path or --rm-url"):
         reward_model(tmp_path)

@@ -200,7 +200,8 @@ def test_spec_flag_calls_the_named_function():
     assert SPEC_CALLS[-1] == (["megatron_ranks", "custom_spec"], "config", None)
     args = parse(["--spec", "megatron_ranks", "no_such_function"])
     with pytest.raises(
-        ArgumentError, match="--spec megatron_ranks:no_such_function: cannot import"
+        ArgumentError,
+        match="--spec megatron_ranks:no_such_function: megatron_ranks has no function",
     ):
         layer_spec({}, None, args)
     with pytest.raises(ArgumentError, match="--spec takes two values"):

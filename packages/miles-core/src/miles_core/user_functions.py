@@ -1,11 +1,22 @@
-"""Functions a user names on the command line (``MODULE:FUNCTION``), imported once."""
+"""Functions a user names on the command line (``MODULE:FUNCTION``), imported once.
+
+Every flag that names one is declared with ``metavar=FUNCTION_METAVAR``: the preflight of a job
+imports each of them (:func:`check_function_flags`) before anything starts, and each package's
+code loads them with :func:`load_function`, so a typo is one line naming the flag, at once.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from miles_core.args import ArgumentError
+from miles_core.args.flags import FLAG_METADATA_KEY
+
+#: The metavar of every flag whose value is a user function.
+FUNCTION_METAVAR = "MODULE:FUNC"
 
 
 def load_function(spec: str, flag: str) -> Callable:
@@ -24,3 +35,22 @@ def load_function(spec: str, flag: str) -> Callable:
     if not callable(fn):
         raise ArgumentError(f"{flag} {spec}: {module_name} has no function {attr}")
     return fn
+
+
+def function_flags(groups: Iterable[type]) -> list[str]:
+    """The dests of the flags of ``groups`` that name a user function."""
+    dests = []
+    for group in groups:
+        for f in dataclasses.fields(group):
+            meta = f.metadata.get(FLAG_METADATA_KEY)
+            if meta is not None and meta.metavar == FUNCTION_METAVAR:
+                dests.append(f.name)
+    return dests
+
+
+def check_function_flags(args: Any, groups: Iterable[type]) -> None:
+    """Import every user function the command line names (the first bad one raises)."""
+    for dest in function_flags(groups):
+        spec = getattr(args, dest, None)
+        if spec:
+            load_function(spec, "--" + dest.replace("_", "-"))

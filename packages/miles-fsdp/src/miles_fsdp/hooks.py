@@ -33,7 +33,6 @@ temperature)`` gives the same role's :class:`TokenScores` through the fused head
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +42,7 @@ import torch
 from miles_core.args import ArgumentError
 from miles_core.log_prob_head import dense_log_probs
 from miles_core.packing import PackedBatch, packed_attention_kwargs
+from miles_core.user_functions import load_function
 from torch import nn
 
 from miles_fsdp.output_head import scoring
@@ -86,23 +86,6 @@ class HookContext:
         )
 
 
-def load_hook(spec: str, flag: str) -> Callable:
-    """Import ``module:function`` (or ``module.function``); errors name ``flag``."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep:
-        module_name, _, attr = spec.rpartition(".")
-    if not module_name or not attr:
-        raise ArgumentError(f"{flag} {spec}: expected module:function")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ArgumentError(f"{flag} {spec}: cannot import {module_name} ({exc})") from exc
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ArgumentError(f"{flag} {spec}: {module_name} has no function {attr}")
-    return fn
-
-
 @dataclass
 class Hooks:
     """The loaded hooks (``None`` when the flag is unset) and their context."""
@@ -117,9 +100,9 @@ class Hooks:
     def from_args(cls, args: Any, context: HookContext) -> Hooks:
         prepare = loss = None
         if args.custom_prepare_path:
-            prepare = load_hook(args.custom_prepare_path, "--custom-prepare-path")
+            prepare = load_function(args.custom_prepare_path, "--custom-prepare-path")
         if args.custom_loss_function_path:
-            loss = load_hook(args.custom_loss_function_path, "--custom-loss-function-path")
+            loss = load_function(args.custom_loss_function_path, "--custom-loss-function-path")
         return cls(context, prepare, loss, loss is not None and _wants_logits(loss, args))
 
 

@@ -16,6 +16,9 @@ notes a run prints at startup (a ``--load`` that starts fresh). Checked, in this
   can be created and written, tried with a temporary file in its nearest existing directory
   that is removed at once (nothing is left behind); ``--save`` has room for the model's
   weights at least;
+* user functions: every flag that names one (``MODULE:FUNC``: the reward, the custom generate,
+  advantage, loss, prepare and filter functions, the Megatron hooks) imports and names a
+  function;
 * prompts: every record of ``--prompt-data`` and of each ``--eval-prompt-data`` set holds
   ``--input-key`` and, when ``--rm-type`` reads labels, ``--label-key`` (the first bad record
   named by file and line);
@@ -42,6 +45,7 @@ from typing import Any
 
 from miles_core.args import ArgGroup, ArgumentError
 from miles_core.checkpoint_layout import TRACKER_FILENAME, CheckpointError, resolve_load
+from miles_core.user_functions import check_function_flags
 
 from miles_launch.rollout.prompts import PromptDataError, check_record, read_records
 from miles_launch.rollout_args import eval_sets
@@ -64,6 +68,7 @@ def preflight(args: Any, groups: Sequence[type[ArgGroup]]) -> PreflightResult:
     checks: list[Callable[[], None]] = [
         lambda: check_hf_checkpoint(args),
         lambda: check_outputs(args),
+        lambda: check_function_flags(args, groups),
         lambda: check_prompts(args),
         lambda: check_loads(args, result.notes),
         *[lambda group=group: group.preflight(args) for group in groups],

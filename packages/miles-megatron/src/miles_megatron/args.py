@@ -46,13 +46,18 @@ class MegatronArgs(ArgGroup):
         False, help="Sequence parallelism inside TP groups (recommended with TP > 1)."
     )
     custom_megatron_init_path: str | None = flag(
-        None, help="module:function called as f(args, model, optimizer) after the model is built."
+        None,
+        metavar="MODULE:FUNC",
+        help="module:function called as f(args, model, optimizer) after the model is built.",
     )
     custom_megatron_before_log_prob_hook_path: str | None = flag(
-        None, help="module:function called as f(args, model, batch) before each log-prob pass."
+        None,
+        metavar="MODULE:FUNC",
+        help="module:function called as f(args, model, batch) before each log-prob pass.",
     )
     custom_megatron_before_train_step_hook_path: str | None = flag(
         None,
+        metavar="MODULE:FUNC",
         help="module:function called as f(args, rollout_id, step, model, optimizer) "
         "before each optimizer step's forward/backward.",
     )

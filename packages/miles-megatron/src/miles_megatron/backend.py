@@ -53,12 +53,13 @@ import torch
 import torch.distributed as dist
 from miles_core.args import ArgumentError
 from miles_core.contract import DataLayout, TrainBackend
+from miles_core.user_functions import load_function
 
 from miles_megatron.arch_args import resolve_model_args
 from miles_megatron.bridge import BridgeError, bridge_for
 from miles_megatron.fp32_params import restore_marked_dtypes
 from miles_megatron.hf_weights import HFCheckpoint, iter_hf_weights, load_hf_into_model
-from miles_megatron.model_config import build_gpt_model, import_function, transformer_config
+from miles_megatron.model_config import build_gpt_model, transformer_config
 from miles_megatron.optimizer import build_optimizer, wrap_ddp
 from miles_megatron.parallel import acquire_parallel, release_parallel
 from miles_megatron.publish_source import TO_ALL_MODES, model_weights
@@ -226,7 +227,7 @@ class MegatronBackend(TrainBackend):
     def _hook(self, dest: str):
         """The ``--custom-megatron-*`` hook ``dest`` names; the actor's only (not the critic's)."""
         path = getattr(self.args, dest, None) if self.role == "actor" else None
-        return import_function(path, "--" + dest.replace("_", "-")) if path else None
+        return load_function(path, "--" + dest.replace("_", "-")) if path else None
 
     # ------------------------------------------------------------------ data
     def data_layout(self) -> DataLayout:

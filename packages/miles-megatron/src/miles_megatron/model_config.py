@@ -7,13 +7,13 @@ given explicitly (:mod:`miles_megatron.generated_flags`), which wins.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from miles_core.precision import train_dtype
+from miles_core.user_functions import load_function
 
 from miles_megatron.bridge import padded_vocab_size
 
@@ -89,19 +89,6 @@ def transformer_config(margs: Mapping[str, Any], args: Any):
     return TransformerConfig(**kwargs)
 
 
-def import_function(path: str, flag_name: str):
-    """``module:function`` (or ``module.function``) -> the callable; errors name the flag."""
-    from miles_core.args import ArgumentError
-
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        module_name, _, attr = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ArgumentError(f"{flag_name} {path}: cannot import ({exc})") from exc
-
-
 def layer_spec(margs: Mapping[str, Any], config, args: Any, vp_stage: int | None = None):
     """The decoder spec: ``--spec MODULE FUNCTION`` or megatron-core's local spec.
 
@@ -110,7 +97,7 @@ def layer_spec(margs: Mapping[str, Any], config, args: Any, vp_stage: int | None
     """
     if getattr(args, "spec", None):
         module_name, function = args.spec
-        spec = import_function(f"{module_name}:{function}", "--spec")
+        spec = load_function(f"{module_name}:{function}", "--spec")
         return spec(args, config, vp_stage) if callable(spec) else spec
     from miles_megatron.local_spec import local_block_spec
 

@@ -18,7 +18,6 @@ join the prompt's group (GRPO groups may be uneven).
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 from collections.abc import Awaitable, Callable
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles_core.args import ArgumentError
+from miles_core.user_functions import load_function
 
 FLAG = "--custom-generate-function-path"
 
@@ -99,16 +99,9 @@ GenerateFunction = Callable[[GenerateContext, Any, dict], Awaitable[Any]]
 
 def load_generate_function(path: str) -> GenerateFunction:
     """Import ``MODULE:FUNCTION`` or ``MODULE.FUNCTION``; it must be ``async``."""
-    module_name, _, func_name = path.partition(":") if ":" in path else path.rpartition(".")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ArgumentError(f"{FLAG} {path}: cannot import {module_name}: {error}") from None
-    func = getattr(module, func_name, None)
-    if not callable(func):
-        raise ArgumentError(f"{FLAG} {path}: {module_name} has no function {func_name}")
+    func = load_function(path, FLAG)
     if not inspect.iscoroutinefunction(func):
-        raise ArgumentError(f"{FLAG} {path}: {func_name} must be an async function")
+        raise ArgumentError(f"{FLAG} {path}: {func.__name__} must be an async function")
     return func
 
 

@@ -19,13 +19,14 @@ returns one value per input, in order.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from miles_core.user_functions import load_function
 
 BATCH_MODES = ("sample", "group", "rollout")
 
@@ -120,15 +121,7 @@ BUILTIN_REWARDS: dict[str, Callable[[RewardInput], float]] = {
 
 def load_custom(path: str) -> Callable[[RewardInput], Any]:
     """Import ``MODULE:FUNCTION`` (errors name ``--custom-rm-path``)."""
-    module_name, _, func_name = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"--custom-rm-path {path}: cannot import {module_name}: {error}") from None
-    func = getattr(module, func_name, None)
-    if not callable(func):
-        raise ValueError(f"--custom-rm-path {path}: {module_name} has no function {func_name}")
-    return func
+    return load_function(path, "--custom-rm-path")
 
 
 def _reward_from_generate(path: str) -> Callable[[RewardInput], Any]:

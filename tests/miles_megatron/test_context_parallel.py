@@ -163,6 +163,8 @@ def test_cp_flag_combinations_not_covered_are_refused_at_parse_time(layout_hf_di
         (["--advantage-estimator", "gspo"], "--advantage-estimator gspo"),
         (["--use-lora"], "--use-lora"),
         (["--spec", "mod", "fn"], "--spec"),
+        (["--use-tis", "--tis-level", "geometric"], "--tis-level geometric"),
+        (["--use-tis", "--tis-level", "sequence"], "--tis-level sequence"),
     ):
         with pytest.raises(ArgumentError, match=f"--context-parallel-size 2 with {match}"):
             parse(base + extra)

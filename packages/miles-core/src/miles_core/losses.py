@@ -21,6 +21,7 @@ from miles_core.advantages import ESTIMATORS
 from miles_core.aggregation import aggregate, segment_mean
 from miles_core.kl import KL_TYPES, kl_estimate
 from miles_core.mismatch import token_terms as mismatch_terms
+from miles_core.rollout_correction import LEVELS, MODES, rollout_is_weights
 
 LOG_RATIO_CLAMP = 20.0
 
@@ -43,6 +44,9 @@ class LossConfig:
     use_tis: bool = False
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0
+    tis_level: str = "token"
+    tis_mode: str = "truncate"
+    tis_veto_threshold: float | None = None
     calculate_per_token_loss: bool = False
     temperature: float = 1.0
     policy_loss: str = "ppo"
@@ -67,6 +71,12 @@ class LossConfig:
             raise ValueError(
                 f"--tis-clip-low ({self.tis_clip_low}) must be in [0, --tis-clip ({self.tis_clip})]"
             )
+        if self.use_tis and self.tis_level not in LEVELS:
+            raise ValueError(
+                f"--tis-level must be one of {', '.join(LEVELS)}, got {self.tis_level!r}"
+            )
+        if self.use_tis and self.tis_mode not in MODES:
+            raise ValueError(f"--tis-mode must be one of {', '.join(MODES)}, got {self.tis_mode!r}")
         if self.temperature <= 0:
             raise ValueError(f"--rollout-temperature must be > 0, got {self.temperature}")
         from miles_core.args.groups.algorithm import policy_loss_conflict
@@ -163,13 +173,13 @@ def tis_weights(
     ``w = clamp(exp(log pi_old - log pi_rollout), tis_clip_low, tis_clip)`` (no gradient), where
     ``pi_old`` is the trainer's policy at rollout time and ``pi_rollout`` the engine's. The log
     difference is clamped to +-20 before ``exp``. Returns ``(w, truncated)`` with ``truncated``
-    1.0 where the clamp was active.
+    1.0 where the clamp was active. (``--tis-level token --tis-mode truncate`` of
+    :func:`miles_core.rollout_correction.rollout_is_weights`.)
     """
-    raw = (
-        (old_log_probs - rollout_log_probs).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    w, truncated, _ = rollout_is_weights(
+        old_log_probs, rollout_log_probs, clip=tis_clip, clip_low=tis_clip_low
     )
-    w = raw.clamp(tis_clip_low, tis_clip)
-    return w, (w != raw).float()
+    return w, truncated
 
 
 def cispo_loss(
@@ -210,7 +220,7 @@ def compute_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The actor loss of one micro-batch::
 
-        loss = agg(w * ppo_clip_loss(log_ratio, A))       w = tis_weights(...) if --use-tis else 1
+        loss = agg(w * ppo_clip_loss(log_ratio, A))       w: --use-tis's weights, else 1
                - entropy_coef * agg(entropy)              when entropy is given
                + kl_loss_coef * agg(kl_estimate(log pi, log pi_ref, --kl-loss-type))  --use-kl-loss
 
@@ -264,12 +274,23 @@ def compute_policy_loss(
     if config.use_tis:
         if rollout_log_probs is None:
             raise ValueError("--use-tis needs the rollout log-probs of every sample")
-        w, truncated = tis_weights(
-            old_log_probs, rollout_log_probs, config.tis_clip, config.tis_clip_low
+        w, changed, vetoed = rollout_is_weights(
+            old_log_probs,
+            rollout_log_probs,
+            level=config.tis_level,
+            mode=config.tis_mode,
+            clip=config.tis_clip,
+            clip_low=config.tis_clip_low,
+            veto_threshold=config.tis_veto_threshold,
+            loss_mask=loss_mask,
+            sample_ids=sample_ids,
+            num_samples=num_samples,
         )
         pg = pg * w
         metrics["tis"] = mean(w).detach()
-        metrics["tis_clipfrac"] = mean(truncated).detach()
+        metrics["tis_clipfrac"] = mean(changed).detach()
+        if config.tis_veto_threshold is not None:
+            metrics["tis_veto_frac"] = mean(vetoed).detach()
     pg_loss = agg(pg)
     loss = pg_loss
     metrics["pg_loss"] = pg_loss.detach()

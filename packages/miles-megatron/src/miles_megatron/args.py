@@ -245,6 +245,11 @@ def check_context_parallel_flags(args: Any) -> None:
             f"--context-parallel-size {cp} with --advantage-estimator gspo: GSPO's sequence "
             "ratio is not a sum over tokens, which CP ranks hold parts of"
         )
+    if getattr(args, "use_tis", False) and getattr(args, "tis_level", "token") != "token":
+        raise ArgumentError(
+            f"--context-parallel-size {cp} with --tis-level {args.tis_level}: a sequence's "
+            "importance weight needs all its tokens, which CP ranks hold parts of"
+        )
     if getattr(args, "use_lora", False):
         raise ArgumentError(f"--context-parallel-size {cp} with --use-lora is not supported yet")
 

@@ -11,6 +11,15 @@ from typing import Any, ClassVar, Literal
 from miles_core.args.checks import at_least, greater_than, requires, within
 from miles_core.args.flags import ArgGroup, ArgumentError, flag
 
+#: The flags that shape --use-tis's weights, with their defaults (refused when changed without it).
+TIS_SETTINGS = {
+    "tis_clip": 2.0,
+    "tis_clip_low": 0.0,
+    "tis_level": "token",
+    "tis_mode": "truncate",
+    "tis_veto_threshold": None,
+}
+
 
 def kl_term_on(args: Any) -> bool:
     """A KL term is on: as a loss (``--use-kl-loss``) or in the reward (``--kl-coef`` > 0)."""
@@ -126,6 +135,21 @@ class AlgorithmArgs(ArgGroup):
     )
     tis_clip: float = flag(2.0, help="Upper truncation of the TIS weight.")
     tis_clip_low: float = flag(0.0, help="Lower truncation of the TIS weight.")
+    tis_level: Literal["token", "sequence", "geometric"] = flag(
+        "token",
+        help="--use-tis weights per token, per sequence (the product of its token ratios) or "
+        "the geometric mean of a sequence's token ratios (docs/rl-math.md).",
+    )
+    tis_mode: Literal["truncate", "mask"] = flag(
+        "truncate",
+        help="--use-tis: clamp the weight to [--tis-clip-low, --tis-clip] (truncate), or zero "
+        "the tokens (at the sequence levels, the samples) whose weight lies outside (mask).",
+    )
+    tis_veto_threshold: float | None = flag(
+        None,
+        help="--use-tis: a sample with any trained token whose ratio pi_old / pi_rollout is "
+        "below this gets weight 0 (unset: no veto).",
+    )
     calculate_per_token_loss: bool = flag(
         False, help="Average the loss over tokens (default: per sample, then over samples)."
     )
@@ -205,11 +229,19 @@ class AlgorithmArgs(ArgGroup):
                 f"{args.loss_type}"
             )
         greater_than(args, "tis_clip", 0.0)
+        greater_than(args, "tis_veto_threshold", 0.0)
         at_least(args, "tis_clip_low", 0.0)
         if args.tis_clip_low >= args.tis_clip:
             raise ArgumentError(
                 f"--tis-clip-low ({args.tis_clip_low}) must be < --tis-clip ({args.tis_clip})"
             )
+        if not args.use_tis:
+            for dest, default in TIS_SETTINGS.items():
+                if getattr(args, dest) != default:
+                    raise ArgumentError(
+                        f"--{dest.replace('_', '-')} {getattr(args, dest)} shapes --use-tis's "
+                        "weights, which are off (add --use-tis)"
+                    )
         greater_than(args, "rollout_temperature", 0.0)
         if args.custom_advantage_function_path and args.kl_coef > 0:
             raise ArgumentError(

@@ -122,7 +122,7 @@ def test_colocated_run_matches_the_disaggregated_one(smoke, tmp_path):
     seeds and exact weight transfer: the same samples, so the same reward per rollout."""
     _, _, _, out = smoke
     _, _, colocated = demo(tmp_path, "--num-rollout", "2", "--colocate")
-    assert "2 engine(s) x 1 CPU slot, colocated" in colocated
+    assert "engines: 2 builtin engine(s) x 1 CPU slot, colocated" in colocated
     assert _rollout_lines(colocated) == _rollout_lines(out)
 
 

@@ -114,12 +114,19 @@ def save_then_reload(
 
 
 def convert_both_ways(rank: int, world: int, hf_dir: str, ckpt: str, out: str) -> None:
-    """hf-to-torch-dist at TP=2, then torch-dist-to-hf at TP=1 (DP=2), as the CLI would."""
+    """hf-to-torch-dist at TP=2, then torch-dist-to-hf at TP=1 (DP=2), as the CLI would: no
+    precision flag, so each direction keeps its source's dtype (fp32 here, not the bf16 a
+    training run defaults to)."""
+    from miles_core.args import core_groups, parse_args
+    from miles_megatron.args import megatron_groups
     from miles_megatron.convert import hf_to_torch_dist, torch_dist_to_hf
 
-    hf_to_torch_dist(parse(["--hf-checkpoint", hf_dir, "--save", ckpt, *layout_argv(tp=2)]))
+    def cli(argv):
+        return parse_args(argv, [*core_groups(), *megatron_groups()])
+
+    hf_to_torch_dist(cli(["--hf-checkpoint", hf_dir, "--save", ckpt, *layout_argv(tp=2)]))
     torch_dist_to_hf(
-        parse(["--hf-checkpoint", hf_dir, "--load", ckpt, "--save", out, *layout_argv(tp=1)])
+        cli(["--hf-checkpoint", hf_dir, "--load", ckpt, "--save", out, *layout_argv(tp=1)])
     )
 
 

@@ -20,5 +20,7 @@ def test_hf_to_torch_dist_to_hf_bit_exact(tmp_path):
     original = load_file(hf_dir / "model.safetensors")
     converted = load_file(out / "model.safetensors")
     assert sorted(converted) == sorted(original)
+    assert {t.dtype for t in original.values()} == {torch.float32}
+    assert all(converted[k].dtype == torch.float32 for k in original)
     assert all(torch.equal(converted[k], original[k]) for k in original)
     assert (out / "config.json").read_text() == (hf_dir / "config.json").read_text()

@@ -10,6 +10,9 @@ flags pick the layout the conversion runs at (any layout writes the same torch_d
 ``--load OUT`` resumes from it. ``torch-dist-to-hf`` reads the iteration the tracker of
 ``--load`` names (or ``--ckpt-step``), takes the architecture and tokenizer from
 ``--hf-checkpoint`` (or the architecture flags) and writes ``OUT/model.safetensors``.
+
+Both keep the source's dtype (an fp32 checkpoint stays fp32) unless ``--bf16``, ``--no-bf16``
+or ``--fp16`` names another.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -41,10 +45,10 @@ def hf_to_torch_dist(args: Any) -> Path:
     from miles_megatron.hf_weights import HFCheckpoint, load_hf_into_model
     from miles_megatron.torch_dist import save_model_weights
 
+    source = HFCheckpoint(args.hf_checkpoint)
+    _keep_source_dtype(args, source.dtype())
     margs, model, bridge = _setup(args)
-    load_hf_into_model(
-        model, HFCheckpoint(args.hf_checkpoint), bridge, margs, args.tensor_model_parallel_size
-    )
+    load_hf_into_model(model, source, bridge, margs, args.tensor_model_parallel_size)
     if dist.get_rank() == 0:
         prepare_iteration_dir(args.save, 0)
     dist.barrier()
@@ -71,20 +75,34 @@ def _meta():
     )
 
 
+def _keep_source_dtype(args: Any, dtype: torch.dtype | None) -> None:
+    """Convert in the source's own dtype unless ``--bf16`` / ``--no-bf16`` / ``--fp16`` names
+    one: the default training dtype (bf16) would round an fp32 checkpoint on its way out."""
+    from miles_core.precision import DTYPES, explicit_dtype_name
+
+    if dtype is None or explicit_dtype_name(args) is not None:
+        return
+    name = {v: k for k, v in DTYPES.items()}.get(dtype)
+    if name is None:
+        raise SystemExit(f"the checkpoint's weights are {dtype}; name a precision flag")
+    args.bf16, args.fp16 = name == "bf16", name == "fp16"
+
+
 def torch_dist_to_hf(args: Any) -> Path:
     """Convert the torch_dist checkpoint of ``--load`` into an HF directory at ``--save``."""
     from megatron.core import parallel_state as ps
     from miles_core.checkpoint_layout import resolve_load
 
     from miles_megatron.hf_weights import iter_hf_weights, save_hf_checkpoint
-    from miles_megatron.torch_dist import load_model_weights
+    from miles_megatron.torch_dist import load_model_weights, saved_weights_dtype
 
     if args.pipeline_model_parallel_size != 1:
         raise SystemExit("torch-dist-to-hf runs with --pipeline-model-parallel-size 1")
-    margs, model, bridge = _setup(args)
     resolved = resolve_load(args.load, getattr(args, "ckpt_step", None))
     if resolved is None:
         raise SystemExit(f"--load {args.load}: no committed checkpoint (no tracker)")
+    _keep_source_dtype(args, saved_weights_dtype(resolved.path))
+    margs, model, bridge = _setup(args)
     load_model_weights(model, resolved.path)
     tensors = list(iter_hf_weights(model, bridge, margs))
     out = Path(args.save)

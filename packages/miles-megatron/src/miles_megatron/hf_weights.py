@@ -8,6 +8,7 @@ Writing produces ``model.safetensors`` (or shards with an index) plus the source
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -46,6 +47,20 @@ class HFCheckpoint:
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
+
+    def dtype(self) -> torch.dtype | None:
+        """The dtype most of the weights are stored in (by element count), from the headers."""
+        kinds = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16}
+        kinds["F16"] = torch.float16
+        counts: dict[torch.dtype, int] = {}
+        for name, path in self.files.items():
+            if path not in self._open:
+                self._open[path] = safe_open(path, "pt")
+            view = self._open[path].get_slice(name)
+            dtype = kinds.get(view.get_dtype())
+            if dtype is not None:
+                counts[dtype] = counts.get(dtype, 0) + math.prod(view.get_shape())
+        return max(counts, key=counts.__getitem__) if counts else None
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.files:

@@ -41,6 +41,26 @@ def save_model_weights(
     dist_checkpointing.save(state, str(directory), sharded_strategy=save_strategy(synchronous))
 
 
+def saved_weights_dtype(directory: str | Path) -> torch.dtype | None:
+    """The dtype most of the model weights in a ``torch_dist`` directory are stored in (by
+    element count; the optimizer's entries are not weights), from its metadata alone; None when
+    it holds no floating-point weight."""
+    import math
+    from collections import Counter
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(directory)).read_metadata()
+    counts: Counter = Counter()
+    for key, entry in metadata.state_dict_metadata.items():
+        properties = getattr(entry, "properties", None)
+        if properties is None or key.startswith("optimizer."):
+            continue
+        if properties.dtype.is_floating_point:
+            counts[properties.dtype] += math.prod(entry.size)
+    return max(counts, key=counts.__getitem__) if counts else None
+
+
 def load_model_weights(model: torch.nn.Module, directory: str | Path) -> None:
     """Fill this model's weights from a ``torch_dist`` directory written at any layout."""
     from megatron.core import dist_checkpointing

@@ -23,8 +23,11 @@ from miles_sync.buckets import (
 
 
 class BucketSlots:
-    """``count`` uint8 buffers on ``device``, grown on demand (a tensor larger than the bucket
-    size travels alone in a slot of its own size).
+    """``count`` uint8 buffers on ``device``, each grown on demand to the largest bucket packed
+    into it (at most ``capacity``, except that a tensor larger than the bucket size travels alone
+    in a slot of its own size). A slot is never larger than its buckets: a shared buffer crosses
+    to the engine whole, and an engine may refuse storages larger than its model (the built-in
+    engine does), so a small model's bucket does not ship a ``capacity``-sized buffer.
 
     ``shared``: CPU buffers live in shared memory (torch's ``file_system`` strategy), so that a
     pickled bucket crosses to another process as a file name rather than as bytes.
@@ -39,14 +42,13 @@ class BucketSlots:
 
     @property
     def held_bytes(self) -> int:
-        """Bytes the slots' buffers hold now (each at least ``capacity`` once used; a slot that
-        took a tensor larger than that keeps its size)."""
+        """Bytes the slots' buffers hold now (each the largest bucket packed into it)."""
         return sum(buf.numel() for buf in self._slots if buf is not None)
 
     def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
         buf = self._slots[slot]
         if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(max(nbytes, self.capacity), dtype=torch.uint8, device=self.device)
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             if self.shared and self.device.type == "cpu":
                 buf.share_memory_()
             self._slots[slot] = buf

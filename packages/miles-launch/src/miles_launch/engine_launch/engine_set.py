@@ -74,6 +74,9 @@ class EngineSet:
 
         layout = self.placement.layout
         host_cls = ray.remote(ProcessHost)
+        hosts, endpoints, host_options = [], [], []
+        # Every host actor is created before any is waited for: each is a worker process of its
+        # own, and N engines' hosts start together rather than one after another.
         for k, bundles in enumerate(layout.engine_bundles()):
             first = self.placement.bundle(bundles[0])
             options: dict[str, Any] = dict(
@@ -82,7 +85,12 @@ class EngineSet:
             if layout.use_gpu:
                 options["num_gpus"] = ENGINE_HOST_SHARE
             host = host_cls.options(**options).remote(f"engine-{k}", log_dir(self.args))
-            ip, port = ray.get(host.endpoint.remote())
+            hosts.append(host)
+            endpoints.append(host.endpoint.remote())
+            host_options.append(options)
+        endpoints = ray.get(endpoints)
+        for k, bundles in enumerate(layout.engine_bundles()):
+            host, (ip, port), options = hosts[k], endpoints[k], host_options[k]
             env = {}
             if layout.use_gpu:
                 gpus = [g for b in bundles for g in self.placement.info(b).gpu_ids]

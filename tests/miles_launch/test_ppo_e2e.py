@@ -29,9 +29,16 @@ def material(tmp_path_factory):
     return build_tiny_qwen3(root / "tiny-qwen3"), write_demo_prompts(root / "prompts.jsonl")
 
 
-def numeric(train: dict) -> dict:
-    """The train metrics without the timing ones (``tokens_per_s``)."""
-    return {k: v for k, v in train.items() if not k.endswith("tokens_per_s")}
+def numeric(train: dict, engines_alike: bool = True) -> dict:
+    """The train metrics without the timing ones (``tokens_per_s``), and without the
+    train/rollout mismatch ones (``train_rollout_*``) unless the runs had the same engines: those
+    measure the engine's log-probs, which move in the last bits with its batch (a colocated run
+    has one engine per trainer rank)."""
+    return {
+        k: v
+        for k, v in train.items()
+        if not k.endswith("tokens_per_s") and (engines_alike or not k.startswith("train_rollout_"))
+    }
 
 
 def test_ppo_with_a_critic_raises_the_demo_reward(tmp_path):
@@ -90,4 +97,5 @@ def test_colocated_ppo_matches_the_disaggregated_run(tmp_path):
     assert "loss" not in rows[0]["train"] and "critic/value_loss" in rows[0]["train"]
     assert "loss" in rows[1]["train"] and "critic/value_loss" in rows[1]["train"]
     apart_rows = records(tmp_path / "apart" / "metrics.jsonl")
-    assert numeric(rows[1]["train"]) == numeric(apart_rows[1]["train"])
+    assert "train_rollout_logprob_abs_diff" in rows[1]["train"]
+    assert numeric(rows[1]["train"], False) == numeric(apart_rows[1]["train"], False)

@@ -11,6 +11,7 @@ train``'s parser and built by each backend's own code.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -196,6 +197,51 @@ def test_a_flag_the_backend_would_ignore_is_refused_in_one_line(
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+#: A value that makes each declared not-honoured flag active on the command line.
+ACTIVE_VALUE = {"teacher_load": "REF", "custom_loss_function_path": "m:f"}
+ACTIVE_VALUE["custom_prepare_path"] = "m:f"
+#: What else a flag needs before a backend would read it (else the shared checks refuse it first).
+CONTEXT = {
+    "teacher_load": ["--custom-loss-function-path", "m:f"],  # the custom loss reads the teacher
+    "rematerialize_param_from_master_weight": ["--colocate"],  # it acts during sleep
+}
+
+
+def _docs_refusals() -> set[tuple[str, str]]:
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "args.md").read_text()
+    section = docs.split("## Which backend honours which shared flag", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(--[a-z0-9-]+)`[^|]* \| (fsdp|megatron) \|", section, re.M)
+    assert rows, "docs/args.md has no refusal table"
+    return set(rows)
+
+
+def test_the_docs_table_is_the_declarations_and_each_row_is_refused(job_dir, capsys):
+    """docs/args.md's per-backend table equals what the backends declare; walking it, each
+    flag made active under its backend is refused in one line naming the flag and backend."""
+    from miles_core.args.checks import option as flag_option
+    from miles_fsdp import args as fsdp_args
+    from miles_megatron import args as megatron_args
+
+    declared = {(flag_option(d), "fsdp") for d, _ in fsdp_args.NOT_HONOURED}
+    declared |= {(option, "fsdp") for _, option in fsdp_args.UNSUPPORTED_PARALLEL}
+    declared |= {(flag_option(d), "megatron") for d in megatron_args.NOT_HONOURED}
+    assert _docs_refusals() == declared
+    parallel = {option for _, option in fsdp_args.UNSUPPORTED_PARALLEL}
+    for option, backend in sorted(declared):
+        dest = option.removeprefix("--").replace("-", "_")
+        value = "2" if option in parallel else ACTIVE_VALUE.get(dest)
+        argv = [option] if value is None else [option, value]
+        argv += CONTEXT.get(dest, [])
+        argv = [str(job_dir / "hf") if f == "REF" else f for f in argv]
+        with pytest.raises(SystemExit) as exit_info:
+            parse(job_dir, backend, *argv)
+        assert exit_info.value.code == 2, option
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and option in err[0] and backend.lower() in err[0].lower(), err
 
 
 def test_the_honoured_forms_of_those_flags_parse(job_dir):

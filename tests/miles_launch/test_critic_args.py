@@ -31,7 +31,6 @@ PPO = ["--advantage-estimator", "ppo", "--use-critic"]
         (["--loss-type", "value_loss"], "--loss-type value_loss is the critic's loss"),
         ([*PPO, "--loss-type", "sft_loss"], "--use-critic trains the actor with --loss-type"),
         ([*PPO, "--kl-coef", "0.1", "--ref-load", "/x"], "--use-critic with --kl-coef > 0"),
-        ([*PPO, "--fully-async"], "--fully-async with --use-critic is not supported"),
         (
             [*PPO, "--actor-num-gpus-per-node", "2", "--critic-num-gpus-per-node", "1"],
             "--critic-num-gpus-per-node 1: the critic runs on the trainer's ranks, so it must "
@@ -45,6 +44,12 @@ def test_bad_critic_combinations_are_one_line_errors(tmp_path, flags, message):
         parse(tmp_path, *flags)
     assert message in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_a_critic_runs_under_fully_async(tmp_path):
+    """``--fully-async --use-critic`` parses (the async loop runs the critic phase)."""
+    args = parse(tmp_path, *PPO, "--fully-async")
+    assert args.fully_async and args.use_critic
 
 
 def test_critic_flags_and_checkpoint_directories(tmp_path):

@@ -185,10 +185,18 @@ def test_resume_matches_an_uninterrupted_run(material, tmp_path):
 
 @pytest.mark.extended
 def test_fully_async_overlaps_generation_and_training(material, tmp_path):
-    result = train(material, tmp_path / "m.jsonl", *SMALL, "--num-rollout", "3", "--fully-async")
+    """PPO with a critic under --fully-async: each rollout's critic phase scores and trains
+    before the actor (the first, --num-critic-only-steps 1, trains only the critic)."""
+    ppo = ["--advantage-estimator", "ppo", "--use-critic", "--num-critic-only-steps", "1"]
+    result = train(
+        material, tmp_path / "m.jsonl", *SMALL, "--num-rollout", "3", "--fully-async", *ppo
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rs = records(tmp_path / "m.jsonl")
     assert [r["rollout_id"] for r in rs] == [0, 1, 2]
+    assert "loss" not in rs[0]["train"] and "critic/value_loss" in rs[0]["train"]
+    for r in rs[1:]:
+        assert {"loss", "critic/value_loss"} <= set(r["train"]), r["train"]
     for r in rs:
         stats = r["rollout"]
         assert 0.0 <= stats["overlap_s"] <= r["time"]["train"] + 1e-6

@@ -14,6 +14,10 @@ engines' version at training time minus that version (0 = on-policy). Each rollo
 mean and max staleness and the *overlap*: the seconds of its training during which at least
 one generation request was running, out of the training time.
 
+With ``--use-critic`` (PPO), each rollout's critic phase runs before the actor's training, as
+in the synchronous loop: the critic scores the batch with its current values (GAE reads them),
+then trains on it.
+
 Disaggregated only (``--colocate`` is rejected at argument validation). On resume, groups that
 were in flight when the checkpoint was written are skipped (their prompts were drawn).
 """
@@ -31,6 +35,7 @@ from miles_core.save_trigger import SaveTrigger
 
 from miles_launch.job import Job
 from miles_launch.loop import (
+    RolloutTraining,
     add_eval,
     eval_before_training,
     make_generator,
@@ -40,7 +45,6 @@ from miles_launch.loop import (
     save_debug_rollout,
     save_point,
 )
-from miles_launch.reporting import rank0_metrics
 from miles_launch.rollout.filtering import group_filter, groups_in_flight
 from miles_launch.rollout.generate import GeneratedSample, all_or_cancel, to_rollout_batch
 
@@ -167,7 +171,7 @@ class Producer:
 
 def run_async(job: Job) -> list[dict[str, Any]]:
     """The fully asynchronous loop (module docstring); returns the per-rollout records."""
-    args, trainer, engines = job.args, job.trainer, job.engines
+    args, engines = job.args, job.engines
     trigger = SaveTrigger(args.save_trigger_sentinel) if args.save_trigger_sentinel else None
     publish(job)
     version = int(engines.weight_versions()[0])
@@ -191,7 +195,11 @@ def run_async(job: Job) -> list[dict[str, Any]]:
                 if s.weight_version is not None
             ]
             t_train = time.monotonic()
-            train_metrics = rank0_metrics(trainer.train(rollout_id, batch))
+            # with --use-critic, the critic scores the batch (its values for the actor's GAE)
+            # and trains on it first, as in the synchronous loop
+            training = RolloutTraining(job, rollout_id, batch)
+            training.critic()
+            train_metrics = training.actor()
             window = (t_train, time.monotonic())
             times["train"] = window[1] - window[0]
             overlap = producer.busy_seconds(window)

@@ -193,11 +193,6 @@ class RolloutArgs(ArgGroup):
         at_least(args, "eval_interval", 1)
         if not 0.0 < args.rollout_top_p <= 1.0:
             raise ArgumentError(f"--rollout-top-p must be in (0, 1], got {args.rollout_top_p}")
-        if args.fully_async and getattr(args, "use_critic", False):
-            raise ArgumentError(
-                "--fully-async with --use-critic is not supported: PPO with a critic runs the "
-                "synchronous loop"
-            )
         if args.fully_async and args.colocate:
             raise ArgumentError(
                 "--fully-async cannot be used with --colocate: generation and training "

@@ -7,8 +7,8 @@ Each case is one real job (Ray, trainer actors, built-in engines on the GPUs) ru
 process of this script, which meanwhile samples ``nvidia-smi`` every 0.2 s. For each case it
 records:
 
-* per-phase times per rollout (generate, train, save, sleep/wake/publish) from the job's
-  metrics JSONL;
+* per-phase times per rollout (generate, train, save, sleep/wake/publish) and the train/rollout
+  mismatch (``train_rollout_*``, :mod:`miles_core.mismatch`) from the job's metrics JSONL;
 * peak GPU memory of the trainer processes and of the engine processes (``nvidia-smi``'s
   per-process use) and per GPU;
 * **the engine's weights equal the trainer's after the last publish**: before teardown the
@@ -327,6 +327,11 @@ def parent(cases: list[str], out: Path, work: Path, rollouts: int, timeout: floa
             row["times"] = [r["time"] for r in result["records"]]
             row["reward"] = [round(r["rollout"]["reward_mean"], 3) for r in result["records"]]
             row["weight_versions"] = [r["weight_version"] for r in result["records"]]
+            # the train/rollout mismatch of each rollout (miles_core.mismatch), when measured
+            row["mismatch"] = [
+                {k: v for k, v in r["train"].items() if k.startswith("train_rollout_")}
+                for r in result["records"]
+            ]
             child_json.unlink()
         else:
             row["error_tail"] = (proc.stderr or proc.stdout)[-1500:]
@@ -334,15 +339,22 @@ def parent(cases: list[str], out: Path, work: Path, rollouts: int, timeout: floa
         summary.append(row)
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         say(f"{case}: rc {row['rc']} in {row['seconds']} s")
-    print(f"{'case':32} {'rc':>3} {'s':>6} {'trainer MiB':>11} {'engine MiB':>10} weights")
+    print(
+        f"{'case':32} {'rc':>3} {'s':>6} {'trainer MiB':>11} {'engine MiB':>10} "
+        f"{'|dlogp| mean':>12} weights"
+    )
     for row in summary:
         w = row.get("weights", {})
         verdict = (
             f"{w['checked']} equal" if w.get("checked") and not w.get("mismatched") else str(w)[:60]
         )
+        diffs = [m.get("train_rollout_logprob_abs_diff") for m in row.get("mismatch", [])]
+        diffs = [d for d in diffs if d is not None]
+        mismatch = f"{sum(diffs) / len(diffs):.2e}" if diffs else "-"
         print(
             f"{row['case']:32} {row['rc']:>3} {row['seconds']:>6} "
-            f"{row.get('trainer_peak_mib', 0):>11} {row.get('engine_peak_mib', 0):>10} {verdict}"
+            f"{row.get('trainer_peak_mib', 0):>11} {row.get('engine_peak_mib', 0):>10} "
+            f"{mismatch:>12} {verdict}"
         )
 
 

@@ -276,22 +276,35 @@ def test_a_payload_cannot_modify_what_other_payloads_resolve():
     assert decoded is not FlattenedTensorMetadata and not hasattr(FlattenedTensorMetadata, "name")
 
 
-def test_cuda_handles_are_checked_against_their_storage_before_they_are_opened(monkeypatch):
-    def handle(size, stride, offset, storage_bytes):
+#: The storage class torch's own CUDA reduction names: ``type(tensor._typed_storage())``
+#: (torch.multiprocessing.reductions.reduce_tensor), and the untyped one.
+TORCH_CUDA_STORAGE_CLASSES = [type(torch.zeros(1)._typed_storage()), torch.UntypedStorage]
+
+
+@pytest.mark.parametrize("storage_cls", TORCH_CUDA_STORAGE_CLASSES, ids=lambda c: c.__name__)
+def test_cuda_handles_are_checked_against_their_storage_before_they_are_opened(
+    monkeypatch, storage_cls
+):
+    def handle(size, stride, offset, storage_bytes, cls=storage_cls):
         return _Reduce(
             reductions.rebuild_cuda_tensor, torch.Tensor, size, stride, offset,
-            torch.UntypedStorage, torch.float32, 0, b"ipc", storage_bytes, 0, False,
+            cls, torch.float32, 0, b"ipc", storage_bytes, 0, False,
             b"ref", 0, b"ev", True,
         )  # fmt: skip
 
     ok = pickle.dumps([("w", handle((4,), (1,), 0, 16))])
     too_big = pickle.dumps([("w", handle((4096,), (1,), 0, 16))])
+    # a class token, but not a storage's
+    wrong_class = pickle.dumps([("w", handle((4,), (1,), 0, 16, cls=torch.Tensor))])
     opened = []
     monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *a: opened.append(a) or "t")
     assert decode_serialized(ok, "cuda") == [("w", "t")]
     assert opened[0][0] is torch.Tensor and opened[0][4] is torch.UntypedStorage
     with pytest.raises(UnsafePayloadError, match="reaches past its 16-byte storage"):
         decode_serialized(too_big, "cuda")
+    assert len(opened) == 1
+    with pytest.raises(UnsafePayloadError, match="storage class <class torch.Tensor>"):
+        decode_serialized(wrong_class, "cuda")
     assert len(opened) == 1
 
 

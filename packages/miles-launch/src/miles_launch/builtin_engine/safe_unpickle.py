@@ -18,7 +18,8 @@ produces, and each admitted callable is replaced by a checked one:
   ``torch.Size``, dtypes.
 
 The classes a transfer names as arguments (``torch.Tensor``, ``Parameter``,
-``UntypedStorage``) resolve to inert tokens: no constructor that allocates or fills storage
+``UntypedStorage``, and ``TypedStorage``, which torch's CUDA reduction names) resolve to inert
+tokens: no constructor that allocates or fills storage
 can be called (``torch.Tensor(...)``, ``UntypedStorage([...])``, ``copyreg`` reconstructors).
 No fd passing (``rebuild_storage_fd``, ``DupFd``), no arbitrary file names, no other callable.
 The storages one payload maps may hold at most ``max_bytes`` bytes together (the request's
@@ -73,10 +74,13 @@ class _ClassToken:
 
 _TENSOR, _PARAMETER = _ClassToken(torch.Tensor), _ClassToken(torch.nn.Parameter)
 _STORAGE = _ClassToken(torch.UntypedStorage)
+# torch's CUDA reduction names ``type(tensor._typed_storage())``, the TypedStorage class
+_TYPED_STORAGE = _ClassToken(torch.TypedStorage)
 _TOKENS = {
     ("torch", "Tensor"): _TENSOR,
     ("torch.nn.parameter", "Parameter"): _PARAMETER,
     ("torch.storage", "UntypedStorage"): _STORAGE,
+    ("torch.storage", "TypedStorage"): _TYPED_STORAGE,
 }
 
 #: Globals any payload may name (CPU and CUDA engines alike).
@@ -333,7 +337,7 @@ class AllowlistUnpickler(pickle.Unpickler):
         *rest,
     ):
         cls = _tensor_class(tensor_cls, "rebuild_cuda_tensor")
-        if storage_cls is not _STORAGE:
+        if storage_cls is not _STORAGE and storage_cls is not _TYPED_STORAGE:
             raise UnsafePayloadError(f"payload refused: storage class {storage_cls!r}")
         if type(storage_size_bytes) is not int or storage_size_bytes < 0:
             raise UnsafePayloadError(f"payload refused: storage size {storage_size_bytes!r}")

@@ -208,6 +208,28 @@ def rollout_losses(rank: int, world: int, backend_name: str, hf_dir: str, rollou
     return [[m[k] for k in keys] for m in metrics], list(HOOK_CALLS)
 
 
+def rollout_logprob_run(rank: int, world: int, backend_name: str, hf_dir: str, steps: int):
+    """One rollout of ``backend_name`` with ``--use-rollout-logprobs`` and ``steps`` optimizer
+    steps on the masked samples carrying engine log-probs: its metrics and the hooks called."""
+    from backend_reference import samples
+    from miles_core.args import core_groups, parse_args
+    from miles_core.backends import load
+    from miles_core.batch import RolloutBatch
+
+    cls = load(backend_name)
+    argv = ["--hf-checkpoint", hf_dir, *BOTH_BACKENDS_FLAGS, "--use-rollout-logprobs"]
+    argv += ["--num-steps-per-rollout", str(steps)]
+    if backend_name == "megatron":
+        argv += layout_argv(tp=world) + HOOK_FLAGS
+    else:
+        argv += ["--attn-implementation", "sdpa"]
+    backend = cls()
+    backend.init(parse_args(argv, [*core_groups(), *cls.arg_groups()]))
+    metrics = backend.train(0, RolloutBatch(samples(masked=True, engine_log_probs=True)))
+    backend.close()
+    return metrics, list(HOOK_CALLS)
+
+
 def reference_pass(rank: int, world: int, hf_dir: str) -> dict:
     """Train 2 rollouts with --ref-load + KL loss, then the reference log-prob pass."""
     from backend_reference import samples

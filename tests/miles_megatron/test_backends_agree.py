@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 from dist_ranks import spawn_ranks
-from megatron_ranks import rollout_losses
+from megatron_ranks import rollout_logprob_run, rollout_losses
 from megatron_tiny_models import make_tiny_hf
+from tolerances import FP32_EPS
 
 pytest.importorskip("miles_fsdp")
 
@@ -29,3 +30,63 @@ def test_megatron_and_fsdp_losses_agree(tmp_path):
     for rollout in range(3):
         expected += [("log_prob", 4), ("train_step", rollout, 0), ("train_step", rollout, 1)]
     assert hooks[1:] == expected
+
+
+def hf_first_step_metrics(hf_dir: str) -> dict[str, float]:
+    """float64 HF: at the initial weights, with pi_old = the engine's log-probs ``r``, the
+    sequence means ``(1/S) sum_i (1/n_i) sum_t m_it x_it`` of ``ppo_kl`` (x = r - log pi) and of
+    the mismatch (x = |log pi - r|: the current policy against the engine)."""
+    import torch
+    from backend_reference import samples
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64)
+    data = samples(masked=True, engine_log_probs=True)
+    kl, diff = [], []
+    with torch.no_grad():
+        for s in data:
+            logits = model(input_ids=s.tokens[None]).logits[0]
+            lp = torch.log_softmax(logits[:-1], -1).gather(-1, s.tokens[1:, None])[:, 0]
+            lp = lp[-s.response_length :]
+            r, m = s.rollout_log_probs.double(), s.loss_mask.double()
+            kl.append(((r - lp) * m).sum() / m.sum())
+            diff.append(((lp - r).abs() * m).sum() / m.sum())
+    assert all(0 < s.loss_mask.sum() < s.response_length for s in data[2:])  # masks with holes
+    return {
+        "ppo_kl": float(sum(kl) / len(kl)),
+        "train_rollout_logprob_abs_diff": float(sum(diff) / len(diff)),
+    }
+
+
+@pytest.mark.slow
+def test_use_rollout_logprobs_takes_the_engines_log_probs_as_the_old_policy(tmp_path):
+    """--use-rollout-logprobs: pi_old is the engine's log-probs on both backends. With one step,
+    ppo_kl and the mismatch equal the float64 HF values at the initial weights; with two steps
+    the backends agree and Megatron runs no old-log-prob pass (its hook is not called)."""
+    hf_dir = str(make_tiny_hf("qwen3", tmp_path / "hf"))
+    want = hf_first_step_metrics(hf_dir)
+    # fp32 log-probs of a 2-layer model (64-wide matmuls, a log-softmax over 96 tokens) of
+    # magnitude ~5: a few hundred roundings of 2^-24 relative, i.e. ~1e-4 at most
+    atol = 256 * FP32_EPS * 8
+    runs = {}
+    for steps in (1, 2):
+        (m0, hooks), (m1, _) = spawn_ranks(
+            rollout_logprob_run, 2, "megatron", hf_dir, steps, timeout=400
+        )
+        ((fsdp, _),) = spawn_ranks(
+            rollout_logprob_run, 1, "fsdp", hf_dir, steps, timeout=400, shim=False
+        )
+        m0.pop("tokens_per_s"), m1.pop("tokens_per_s")  # each rank's own speed
+        assert m0 == m1
+        runs[steps] = (m0, fsdp, hooks)
+    for backend in runs[1][:2]:
+        for key, value in want.items():
+            assert abs(backend[key] - value) < atol, (key, backend[key], value)
+    m0, fsdp, hooks = runs[2]
+    for key in ("loss", "ppo_kl", "train_rollout_logprob_abs_diff"):
+        assert abs(m0[key] - fsdp[key]) < 1e-5, (key, m0[key], fsdp[key])
+    assert [h for h in hooks if h[0] == "train_step"] == [
+        ("train_step", 0, 0),
+        ("train_step", 0, 1),
+    ]
+    assert not [h for h in hooks if h[0] == "log_prob"]  # no old-log-prob forward

@@ -175,10 +175,14 @@ REFUSED = [
     ("megatron", ["--virtual-pipeline-model-parallel-size", "2"], "--virtual-pipeline-model-parallel-size: megatron-core's TransformerConfig.virtual_pipeline_model_parallel_size is not among the fields the Megatron backend honours"),
     ("megatron", ["--use-megatron-fsdp"], "--use-megatron-fsdp: megatron-core's DistributedDataParallelConfig.use_megatron_fsdp is not among"),
     ("megatron", ["--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type flex is not supported by the Megatron backend"),
+    ("fsdp", ["--use-rollout-logprobs", "--use-tis"], "--use-tis with --use-rollout-logprobs: the old policy is the engine's"),
+    ("megatron", ["--use-rollout-logprobs", "--use-tis"], "--use-tis with --use-rollout-logprobs: the old policy is the engine's"),
+    ("fsdp", ["--use-rollout-logprobs", "--use-ema", "--old-policy", "ema"], "--use-rollout-logprobs with --old-policy ema"),
 ]  # fmt: skip
 SFT_IGNORES = [
     (["--use-kl-loss", "--ref-load", "REF"], "--use-kl-loss"),
     (["--use-tis"], "--use-tis"),
+    (["--use-rollout-logprobs"], "--use-rollout-logprobs"),
     (["--entropy-coef", "0.01"], "--entropy-coef 0.01"),
     (["--kl-coef", "0.1", "--ref-load", "REF"], "--kl-coef 0.1"),
 ]
@@ -250,6 +254,7 @@ def test_the_honoured_forms_of_those_flags_parse(job_dir):
           "--recompute-num-layers", "1", "--moe-token-dispatcher-type", "alltoall")  # fmt: skip
     for backend in ("fsdp", "megatron"):
         parse(job_dir, backend, "--update-weight-target-module", "model", "--loss-type", "sft_loss")
+        assert parse(job_dir, backend, "--use-rollout-logprobs").use_rollout_logprobs
     parse(
         job_dir, "fsdp", "--teacher-load", str(job_dir / "hf"), "--custom-loss-function-path", "m:f"
     )

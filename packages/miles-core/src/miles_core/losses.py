@@ -50,6 +50,7 @@ class LossConfig:
     calculate_per_token_loss: bool = False
     temperature: float = 1.0
     policy_loss: str = "ppo"
+    use_rollout_logprobs: bool = False
 
     def __post_init__(self) -> None:
         if self.advantage_estimator not in ESTIMATORS:
@@ -235,7 +236,8 @@ def compute_policy_loss(
     ``pg_dual_clipfrac``, ``ppo_kl`` (approximate KL, mean of ``log pi_old - log pi``), and when
     applicable ``entropy``, ``kl_loss``, ``tis`` (mean weight), ``tis_clipfrac``; with
     ``rollout_log_probs``, the train/rollout mismatch of ``old_log_probs`` against them
-    (:mod:`miles_core.mismatch`).
+    (:mod:`miles_core.mismatch`; of the current ``log_probs`` under
+    ``--use-rollout-logprobs``, where ``old_log_probs`` are the engine's).
     """
 
     def agg(values: torch.Tensor, token_sum: bool = config.token_sum) -> torch.Tensor:
@@ -269,7 +271,9 @@ def compute_policy_loss(
         )
     metrics: dict[str, torch.Tensor] = {}
     if rollout_log_probs is not None:
-        for name, values in mismatch_terms(old_log_probs, rollout_log_probs).items():
+        # the trainer's side: pi_old, or the current policy when pi_old is the engine's own
+        train_side = log_probs.detach() if config.use_rollout_logprobs else old_log_probs
+        for name, values in mismatch_terms(train_side, rollout_log_probs).items():
             metrics[name] = mean(values)
     if config.use_tis:
         if rollout_log_probs is None:

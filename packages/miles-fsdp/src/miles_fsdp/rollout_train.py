@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from miles_core import mismatch
+from miles_core import mismatch, old_policy
 from miles_core.advantages import with_advantages
 from miles_core.aggregation import loss_denominator
 from miles_core.args.groups.algorithm import kl_term_on
@@ -193,15 +193,16 @@ def _loss_of(
     return loss_of
 
 
-def _with_policy_log_probs(
-    ctx: RolloutContext, batch: RolloutBatch, ema_old: bool, detach_old: bool
-) -> RolloutBatch:
-    """``old_log_probs`` (step 2 of the module docstring) and ``ref_log_probs`` when needed."""
+def _with_policy_log_probs(ctx: RolloutContext, batch: RolloutBatch) -> RolloutBatch:
+    """``old_log_probs`` (step 2 of the module docstring; :mod:`miles_core.old_policy` says
+    from where) and ``ref_log_probs`` when needed."""
     args = ctx.args
-    if ema_old:
+    if old_policy.source(args) == old_policy.ROLLOUT:
+        batch = old_policy.with_rollout_log_probs(batch)
+    elif getattr(args, "old_policy", "actor") == "ema":
         with ctx.ema.use_weights(ctx.model):
             batch = batch.with_fields(old_log_probs=policy_log_probs(ctx, batch))
-    elif not detach_old or args.kl_coef != 0.0:  # --kl-coef's KL needs the pre-update policy
+    elif old_policy.needs_forward(args):
         batch = batch.with_fields(old_log_probs=policy_log_probs(ctx, batch))
     if kl_term_on(args):
         with reference_forward(ctx.model, ctx.reference, ref_mode(args)) as ref:
@@ -224,10 +225,9 @@ def train_rollout(ctx: RolloutContext, batch: RolloutBatch) -> tuple[dict[str, f
     if ctx.hooks is not None and ctx.hooks.prepare is not None:
         batch = ctx.hooks.prepare(ctx.hooks.context, batch)
     loss_type = getattr(args, "loss_type", "policy_loss")
-    ema_old = getattr(args, "old_policy", "actor") == "ema"
-    detach_old = num_steps == 1 and not ema_old
+    detach_old = old_policy.source(args) == old_policy.CURRENT
     if loss_type == "policy_loss":  # sft_loss and value_loss read no old or reference policy
-        batch = _with_policy_log_probs(ctx, batch, ema_old, detach_old)
+        batch = _with_policy_log_probs(ctx, batch)
     batch = with_advantages(batch, args, ctx.cpu_group)
 
     results: list[StepResult] = []

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from miles_core import mismatch
+from miles_core import mismatch, old_policy
 from miles_core.advantages import with_advantages
 from miles_core.aggregation import loss_denominator
 from miles_core.batch import RolloutBatch
@@ -162,10 +162,12 @@ def train_rollout(ctx: TrainContext, rollout_id: int, batch: RolloutBatch) -> di
     model = ctx.model
     model.train()
     num_steps = args.num_steps_per_rollout
-    detach_old = num_steps == 1
+    detach_old = old_policy.source(args) == old_policy.CURRENT
     # sft_loss and the critic's value_loss read no old or reference policy
     policy = getattr(args, "loss_type", "policy_loss") == "policy_loss"
-    if policy and (not detach_old or args.kl_coef != 0.0):
+    if policy and old_policy.source(args) == old_policy.ROLLOUT:
+        batch = old_policy.with_rollout_log_probs(batch)
+    elif policy and old_policy.needs_forward(args):
         if ctx.before_log_prob_hook is not None:
             ctx.before_log_prob_hook(args, model, batch)
         index = {src: i for i, src in enumerate(batch.source_indices)}

@@ -150,6 +150,11 @@ class AlgorithmArgs(ArgGroup):
         help="--use-tis: a sample with any trained token whose ratio pi_old / pi_rollout is "
         "below this gets weight 0 (unset: no veto).",
     )
+    use_rollout_logprobs: bool = flag(
+        False,
+        help="The old-policy log-probs of the PPO ratio are the engine's sampled ones (no "
+        "old-log-prob forward pass; the ratio also corrects the train/rollout mismatch).",
+    )
     calculate_per_token_loss: bool = flag(
         False, help="Average the loss over tokens (default: per sample, then over samples)."
     )
@@ -199,6 +204,7 @@ class AlgorithmArgs(ArgGroup):
             for given, what in (
                 (args.use_kl_loss, "--use-kl-loss"),
                 (args.use_tis, "--use-tis"),
+                (args.use_rollout_logprobs, "--use-rollout-logprobs"),
                 (args.entropy_coef != 0.0, f"--entropy-coef {args.entropy_coef}"),
                 (args.kl_coef != 0.0, f"--kl-coef {args.kl_coef}"),
             ):
@@ -242,6 +248,17 @@ class AlgorithmArgs(ArgGroup):
                         f"--{dest.replace('_', '-')} {getattr(args, dest)} shapes --use-tis's "
                         "weights, which are off (add --use-tis)"
                     )
+        if args.use_rollout_logprobs and args.use_tis:
+            raise ArgumentError(
+                "--use-tis with --use-rollout-logprobs: the old policy is the engine's, so the "
+                "TIS weight pi_old / pi_rollout is exactly 1; the PPO ratio already corrects "
+                "the mismatch (drop one of them)"
+            )
+        if args.use_rollout_logprobs and getattr(args, "old_policy", "actor") != "actor":
+            raise ArgumentError(
+                f"--use-rollout-logprobs with --old-policy {args.old_policy}: the old policy is "
+                "either the engine's or the EMA's (drop one of them)"
+            )
         greater_than(args, "rollout_temperature", 0.0)
         if args.custom_advantage_function_path and args.kl_coef > 0:
             raise ArgumentError(

@@ -161,7 +161,7 @@ def critic_args(args: Any) -> Any:
     out.rollout_weights = out.eval_weights = out.old_policy = "actor"
     out.ref_load = out.teacher_load = None
     out.ref_mode = "none"
-    out.use_kl_loss = False
+    out.use_kl_loss = out.use_rollout_logprobs = False
     out.custom_prepare_path = out.custom_loss_function_path = None
     if getattr(args, "tensorboard_dir", None):
         out.tensorboard_dir = os.path.join(args.tensorboard_dir, CRITIC_SUBDIR)

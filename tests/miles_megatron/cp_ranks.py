@@ -99,11 +99,26 @@ def sft_step(hf_dir: str, argv: list[str]) -> dict[str, float]:
     return metrics
 
 
+def critic_step(hf_dir: str, argv: list[str]) -> dict[str, Any]:
+    """The critic's values of backend_reference's long samples (one per micro-batch) and its
+    first value-loss step's metrics, at the layout of ``argv``."""
+    from backend_reference import long_samples
+    from critic_ranks import _critic, _scored_batch, critic_argv
+
+    backend, _ = _critic(critic_argv(hf_dir, 1, "--micro-batch-size", "1", *argv))
+    batch = _scored_batch(backend, long_samples())
+    metrics = backend.train(0, batch)
+    # plain lists: a tensor would reach the parent as a shared-memory handle of an exited rank
+    values = [v.tolist() for v in batch.response_field("values")]
+    backend.close()
+    return {"values": values, "metrics": metrics}
+
+
 def cp_default_run(rank: int, world: int, hf_dir: str, rollouts: int, save: str) -> dict:
     """The default suite's one 2-rank spawn: CP = 2 against HF + AdamW (GRPO) with both
     publishes (layout_ranks.train_and_publish), then the RL recipe at CP = 1 (DP = 2) and
-    CP = 2 with the CP = 2 checkpoint reloaded at CP = 1, then an sft step at CP = 2 on
-    samples whose loss tokens reach both CP ranks."""
+    CP = 2 with the CP = 2 checkpoint reloaded at CP = 1, then an sft step and a critic step at
+    CP = 2 on samples whose loss tokens reach both CP ranks."""
     from layout_ranks import train_and_publish
 
     cases = [("llama cp2", hf_dir, cp_argv(cp=2))]
@@ -112,4 +127,5 @@ def cp_default_run(rank: int, world: int, hf_dir: str, rollouts: int, save: str)
         "layouts": train_and_publish(rank, world, cases, rollouts),
         "rl": rl_layouts(rank, world, hf_dir, layouts, save),
         "sft": sft_step(hf_dir, cp_argv(cp=2)),
+        "critic": critic_step(hf_dir, cp_argv(cp=2)),
     }

@@ -257,6 +257,68 @@ def test_cp2_sft_loss_on_samples_spanning_both_ranks_matches_float64(
         assert abs(m["grad_norm"] - norm) <= 2 * GRAD_REL_ERR * norm, (m["grad_norm"], norm)
 
 
+def masked_gae_returns(reward: float, values: torch.Tensor, mask: torch.Tensor, gamma, lambd):
+    """float64 GAE over the trained tokens only (papers' recursion on the masked-out sequence:
+    values and the reward, on the last trained token, only where ``mask`` is 1; discounting
+    steps over trained tokens); returns ``A + V`` at those tokens, 0 elsewhere."""
+    idx = mask.nonzero()[:, 0].tolist()
+    v = [float(values[i]) for i in idx]
+    n = len(v)
+    returns = torch.zeros(len(mask), dtype=torch.float64)
+    running = 0.0
+    for k in reversed(range(n)):
+        r = reward if k == n - 1 else 0.0
+        next_v = v[k + 1] if k + 1 < n else 0.0
+        running = r + gamma * next_v - v[k] + gamma * lambd * running
+        returns[idx[k]] = running + v[k]
+    return returns
+
+
+def reference_critic_step(hf_dir: str, samples):
+    """(values, loss, grad norm) in float64 of the critic's first step: the HF model with the
+    documented value head, loss ``(1/S) sum_i (1/n_i) sum_t m_it 0.5 (V_t - R_t)^2`` (``v_old =
+    V``: no clipping; ``R`` the masked GAE returns of those values)."""
+    from critic_ranks import GAMMA, LAMBD
+    from test_megatron_critic import reference_critic
+
+    model = reference_critic(hf_dir)
+    values, terms = [], []
+    for s in samples:
+        v = model(input_ids=s.tokens[None], use_cache=False).logits[0, :-1, 0]
+        v = v[-s.response_length :]
+        m = s.mask.double()
+        returns = masked_gae_returns(s.reward, v.detach(), m, GAMMA, LAMBD)
+        values.append(v.detach())
+        terms.append((0.5 * (v - returns).square() * m).sum() / m.sum())
+    loss = sum(terms) / len(terms)
+    loss.backward()
+    norm = torch.sqrt(sum(p.grad.square().sum() for p in model.parameters() if p.grad is not None))
+    return values, loss.item(), norm.item()
+
+
+@pytest.mark.slow
+@pytest.mark.numeric
+def test_cp2_critic_on_samples_spanning_both_ranks_matches_float64(cp_two_rank_run, layout_hf_dirs):
+    """The critic at CP = 2 (values gathered over the CP ranks, the value loss's sequence mean
+    over whole samples), every CP rank holding loss tokens of every sample and every mask with a
+    hole: its values, first-step value loss and gradient norm are HF float64's."""
+    from backend_reference import long_samples
+
+    cp_shards_of_long_samples()  # asserts the coverage of the samples the ranks trained on
+    values, loss, norm = reference_critic_step(layout_hf_dirs["llama"], long_samples())
+    assert loss > 1e-2 and max(float(v.abs().max()) for v in values) > 1e-2
+    for r in cp_two_rank_run:
+        got = r["critic"]
+        for i, v in enumerate(values):
+            # fp32 forward of a 2-layer model, values ~0.1: 1e-5 absolute, as at TP (critic test)
+            value = torch.tensor(got["values"][i], dtype=torch.float64)
+            assert value.shape == v.shape
+            assert (value - v).abs().max() < 1e-5, i
+        m = got["metrics"]
+        assert abs(m["value_loss"] - loss) <= 1e-5 * max(loss, 1.0), (m["value_loss"], loss)
+        assert abs(m["grad_norm"] - norm) <= 2 * GRAD_REL_ERR * norm, (m["grad_norm"], norm)
+
+
 @pytest.mark.extended
 def test_four_rank_cp_layouts_train_like_hf_and_equal_cp1(layout_hf_dirs):
     from cp_ranks import cp_argv, rl_layouts

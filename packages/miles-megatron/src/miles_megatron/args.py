@@ -28,7 +28,6 @@ from miles_megatron.packed_attention import check_attn_implementation
 #: Parallel sizes the critic (--use-critic) is not proven at: its tests cover TP x DP.
 CRITIC_UNPROVEN = (
     "pipeline_model_parallel_size",
-    "context_parallel_size",
     "expert_model_parallel_size",
 )
 
@@ -92,7 +91,7 @@ class MegatronArgs(ArgGroup):
                 if getattr(args, dest, 1) > 1:
                     raise ArgumentError(
                         f"--use-critic with {flag_option(dest)} > 1 is not supported by the Megatron "
-                        "backend (its critic is proven at TP x DP)"
+                        "backend (its critic is proven at TP x CP x DP)"
                     )
         if not args.use_distributed_optimizer:
             raise ArgumentError(

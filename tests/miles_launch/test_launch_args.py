@@ -60,6 +60,8 @@ def test_colocate_keeps_explicit_values_and_warns_on_no_offload(tmp_path, caplog
     ("flags", "message"),
     [
         (["--colocate", "--fully-async"], "--fully-async cannot be used with --colocate"),
+        (["--max-weight-staleness", "1"], "--max-weight-staleness bounds --fully-async's samples"),
+        (["--fully-async", "--max-weight-staleness", "-1"], "--max-weight-staleness must be >= 0"),
         (
             ["--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"],
             "--rollout-num-gpus 3 is not a multiple of --rollout-num-gpus-per-engine 2",

@@ -12,7 +12,9 @@ requests in flight resume on the new weights).
 Each sample records the weight version it was generated with; its *staleness* is the
 engines' version at training time minus that version (0 = on-policy). Each rollout logs the
 mean and max staleness and the *overlap*: the seconds of its training during which at least
-one generation request was running, out of the training time.
+one generation request was running, out of the training time. ``--max-weight-staleness N``
+bounds it: a group with a sample more than N versions stale is dropped before training (its
+prompt is not drawn again), counted in ``stale_groups_dropped``.
 
 With ``--use-critic`` (PPO), each rollout's critic phase runs before the actor's training, as
 in the synchronous loop: the critic scores the batch with its current values (GAE reads them),
@@ -169,6 +171,30 @@ class Producer:
         self.thread.join(timeout=60)
 
 
+def staleness(group: list[GeneratedSample], version: int) -> int:
+    """How many versions behind ``version`` the group's oldest sample's weights are."""
+    return max(
+        (version - s.weight_version for s in group if s.weight_version is not None), default=0
+    )
+
+
+def take_fresh(
+    producer: Producer, count: int, version: int, bound: int | None
+) -> tuple[list[list[GeneratedSample]], int]:
+    """The next ``count`` completed groups none of whose samples is more than ``bound``
+    versions stale at ``version`` (``--max-weight-staleness``; None: any), and how many stale
+    groups were dropped on the way."""
+    kept: list[list[GeneratedSample]] = []
+    dropped = 0
+    while len(kept) < count:
+        for group in producer.take(count - len(kept)):
+            if bound is not None and staleness(group, version) > bound:
+                dropped += 1
+            else:
+                kept.append(group)
+    return kept, dropped
+
+
 def run_async(job: Job) -> list[dict[str, Any]]:
     """The fully asynchronous loop (module docstring); returns the per-rollout records."""
     args, engines = job.args, job.engines
@@ -184,7 +210,9 @@ def run_async(job: Job) -> list[dict[str, Any]]:
         for rollout_id in range(job.state.next_rollout_id, args.num_rollout):
             times: dict[str, float] = {}
             t = time.monotonic()
-            groups = producer.take(args.rollout_batch_size)
+            groups, stale_dropped = take_fresh(
+                producer, args.rollout_batch_size, version, args.max_weight_staleness
+            )
             times["wait"] = time.monotonic() - t
             batch = to_rollout_batch(groups)
             save_debug_rollout(job, rollout_id, batch, groups, {})
@@ -220,6 +248,8 @@ def run_async(job: Job) -> list[dict[str, Any]]:
                 overlap_s=overlap,
                 groups_dropped=producer.group_filter.dropped,
             )
+            if args.max_weight_staleness is not None:
+                stats["stale_groups_dropped"] = stale_dropped
             if args.rollout_max_prompt_len is not None:
                 stats["prompts_too_long"] = job.prompts_too_long
             record = {

@@ -169,6 +169,13 @@ class RolloutArgs(ArgGroup):
     update_weights_interval: int = flag(
         1, metavar="N", help="Publish weights to the engines every N rollouts (--fully-async)."
     )
+    max_weight_staleness: int | None = flag(
+        None,
+        metavar="N",
+        help="--fully-async: a group with a sample generated with weights more than N versions "
+        "older than the engines' at training time is dropped, not trained on (counted in "
+        "stale_groups_dropped; 0: on-policy only); unset: no bound.",
+    )
 
     @classmethod
     def validate(cls, args: Any) -> None:
@@ -193,6 +200,13 @@ class RolloutArgs(ArgGroup):
         at_least(args, "eval_interval", 1)
         if not 0.0 < args.rollout_top_p <= 1.0:
             raise ArgumentError(f"--rollout-top-p must be in (0, 1], got {args.rollout_top_p}")
+        if args.max_weight_staleness is not None:
+            if not args.fully_async:
+                raise ArgumentError(
+                    "--max-weight-staleness bounds --fully-async's samples (the synchronous loop "
+                    "trains on-policy); add --fully-async"
+                )
+            at_least(args, "max_weight_staleness", 0)
         if args.fully_async and args.colocate:
             raise ArgumentError(
                 "--fully-async cannot be used with --colocate: generation and training "

@@ -449,3 +449,14 @@ def test_segment_sum_drops_padding_and_keeps_an_empty_batch_in_the_graph():
     assert empty.shape == (0,)
     empty.sum().backward()
     assert pad.grad.tolist() == [0.0, 0.0]
+
+
+def test_loss_config_refuses_the_tis_bounds_the_argument_check_refuses():
+    """LossConfig and the argument check agree: --tis-clip-low must be below --tis-clip."""
+    from miles_core.args import ArgumentError, core_groups, parse_args
+
+    with pytest.raises(ArgumentError, match="must be < --tis-clip"):
+        parse_args(["--use-tis", "--tis-clip", "1.5", "--tis-clip-low", "1.5"], core_groups())
+    with pytest.raises(ValueError, match=r"must be in \[0, --tis-clip \(1.5\)\)"):
+        LossConfig(use_tis=True, tis_clip=1.5, tis_clip_low=1.5)
+    LossConfig(use_tis=True, tis_clip=1.5, tis_clip_low=1.4)

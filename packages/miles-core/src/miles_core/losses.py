@@ -68,9 +68,10 @@ class LossConfig:
             raise ValueError(
                 "--use-kl-loss and --kl-coef (KL in the reward) are mutually exclusive"
             )
-        if self.use_tis and not 0.0 <= self.tis_clip_low <= self.tis_clip:
+        if self.use_tis and not 0.0 <= self.tis_clip_low < self.tis_clip:
+            # the argument check's rule (miles_core.args.groups.algorithm): low < clip
             raise ValueError(
-                f"--tis-clip-low ({self.tis_clip_low}) must be in [0, --tis-clip ({self.tis_clip})]"
+                f"--tis-clip-low ({self.tis_clip_low}) must be in [0, --tis-clip ({self.tis_clip}))"
             )
         if self.use_tis and self.tis_level not in LEVELS:
             raise ValueError(

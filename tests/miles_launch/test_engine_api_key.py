@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
@@ -22,9 +23,9 @@ from miles_launch.engine_launch.api_key import (
 )
 from miles_launch.engine_launch.builtin_launcher import builtin_engine_command, builtin_engine_env
 from miles_launch.engine_launch.engine_set import EngineSet
-from miles_launch.engine_launch.process import ProcessHost
+from miles_launch.engine_launch.process import SECRET_FILE, ProcessHost
 from miles_launch.engine_launch.router import register_worker, router_command
-from miles_launch.engine_launch.sglang_launcher import sglang_server_command
+from miles_launch.engine_launch.sglang_launcher import sglang_secret_config, sglang_server_command
 
 KEY = "k3y-0123456789abcdef"
 
@@ -33,7 +34,10 @@ def test_the_key_reaches_sglang_the_router_and_the_builtin_engine(tmp_path):
     args = parse(tmp_path, "--rollout-engine", "sglang", "--sglang-api-key", KEY)
     assert args.sglang_passthrough == {}  # a declared flag: one source, not passed through
     cmd = sglang_server_command(args, host="10.0.0.5", port=1, python="python")
-    assert cmd[cmd.index("--api-key") + 1] == KEY
+    assert KEY not in " ".join(cmd) and "--api-key" not in cmd  # not in the process list
+    assert cmd[cmd.index("--config") + 1] == SECRET_FILE  # the engine host's private file
+    assert sglang_secret_config(args) == f'api-key: "{KEY}"\n'
+    assert sglang_secret_config(parse(tmp_path, "--rollout-engine", "sglang")) is None
     router = router_command(args, host="h", port=2, worker_urls=["http://w:1"], python="python")
     assert router[router.index("--api-key") + 1] == KEY
     builtin = parse(
@@ -237,3 +241,26 @@ def test_a_paused_engine_exits_when_told_to(monkeypatch):
     server.should_exit = True
     serving.join(timeout=15)
     assert not serving.is_alive() and time.monotonic() - started < 10
+
+
+def test_the_engine_host_writes_the_secret_file_private_and_removes_it(tmp_path):
+    """The host puts the secret in a 0600 file (0700 directory) on its node, passes its path
+    where the command names SECRET_FILE, and removes it when it stops the process."""
+    import stat
+    import sys
+
+    host = ProcessHost("engine-0", log_dir=str(tmp_path))
+    script = "import sys, time; print(open(sys.argv[2]).read(), flush=True); time.sleep(60)"
+    host.start([sys.executable, "-c", script, "--config", SECRET_FILE], {}, secret="api-key: x\n")
+    path = host.secret_path
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert path.read_text() == "api-key: x\n"
+    assert str(path) in host.process.args and SECRET_FILE not in host.process.args
+    log = tmp_path / "engine-0.log"
+    deadline = time.monotonic() + 60
+    while "api-key: x" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)  # until the child has read the file (a state, not a delay)
+    assert "api-key: x" in log.read_text()
+    host.stop()
+    assert not path.exists() and not path.parent.exists()

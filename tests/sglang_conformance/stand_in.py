@@ -162,10 +162,14 @@ class StandIn:
         parser = _RaisingParser(prog="sglang serve")
         self.ServerArgs.add_cli_args(parser)
         try:
-            _, unknown = parser.parse_known_args(argv)
-        except ParseError as error:
+            if "--config" in argv:  # what prepare_server_args does: the YAML's options merged
+                from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+
+                argv = ConfigArgumentMerger(parser).merge_config_with_args(argv)
+            namespace, unknown = parser.parse_known_args(argv)
+        except (ParseError, ValueError) as error:
             return {"unknown": [], "error": str(error)}
-        return {"unknown": unknown, "error": None}
+        return {"unknown": unknown, "error": None, "api_key": namespace.api_key}
 
     def parse_router_args(self, argv: list[str]) -> dict:
         if self.router_root is None:

@@ -54,7 +54,24 @@ def server_argv(args) -> list[str]:
 
 
 def assert_parses(reply: dict, argv: list[str]) -> None:
-    assert reply == {"unknown": [], "error": None}, f"{argv}: {reply}"
+    assert (reply["unknown"], reply["error"]) == ([], None), f"{argv}: {reply}"
+
+
+def test_the_api_key_reaches_sglang_through_its_config_file(sglang_engine, tmp_path):
+    """--sglang-api-key: SGLang's own parser, merging the --config YAML the engine host writes
+    (as prepare_server_args does), reads the key; argv does not carry it."""
+    from miles_launch.engine_launch.process import SECRET_FILE, write_secret_file
+    from miles_launch.engine_launch.sglang_launcher import sglang_secret_config
+
+    key = 'k3y: "quoted" #and-a-hash'  # YAML-special characters survive the quoting
+    args = parse(tmp_path, ["--sglang-api-key", key])
+    path = write_secret_file(sglang_secret_config(args))
+    argv = [str(path) if a == SECRET_FILE else a for a in server_argv(args)]
+    assert key not in " ".join(argv)
+    reply = sglang_engine.parse_server_args(argv)
+    assert_parses(reply, argv)
+    assert reply["api_key"] == key
+    assert sglang_engine.parse_server_args(server_argv(parse(tmp_path, [])))["api_key"] is None
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -36,7 +36,7 @@ from miles_launch.engine_launch.router import (
     register_worker,
     router_command,
 )
-from miles_launch.engine_launch.sglang_launcher import sglang_server_command
+from miles_launch.engine_launch.sglang_launcher import sglang_secret_config, sglang_server_command
 from miles_launch.placement import ENGINE_HOST_SHARE, Placement
 from miles_launch.plan import log_dir
 from miles_launch.rollout.routed_experts import routing_replay_on
@@ -98,7 +98,10 @@ class EngineSet:
             if self.args.rollout_engine != "sglang":
                 env.update(builtin_engine_env(self.args))
             cmd = self.engine_command(ip, port)
-            pid, log_path = ray.get(host.start.remote(cmd, env))
+            secret = (
+                sglang_secret_config(self.args) if self.args.rollout_engine == "sglang" else None
+            )
+            pid, log_path = ray.get(host.start.remote(cmd, env, secret))
             url = f"http://{ip}:{port}"
             self.engines.append(EngineProcess(f"engine {k}", url, host, pid, log_path))
             logger.info("engine %d: %s (pid %d, log %s)", k, url, pid, log_path)

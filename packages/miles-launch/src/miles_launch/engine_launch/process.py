@@ -9,6 +9,7 @@ The driver turns an exit into :class:`EngineDied`, whose message carries the log
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -49,6 +50,21 @@ def read_tail(path: str | os.PathLike, lines: int = TAIL_LINES) -> str:
     return "\n".join(data.splitlines()[-lines:])
 
 
+#: In a command line, where :meth:`ProcessHost.start` puts the path of the private file it writes
+#: (a secret the program reads from a file rather than from its argv, visible to ``ps``).
+SECRET_FILE = "{miles-secret-file}"
+
+
+def write_secret_file(text: str) -> Path:
+    """``text`` in a new file only this user can read (mode 0600, in a 0700 directory)."""
+    directory = Path(tempfile.mkdtemp(prefix="miles-secret-"))
+    path = directory / "config.yaml"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
+
+
 class ProcessHost:
     """One child process and its log (``ray.remote``-wrapped by the engine set)."""
 
@@ -58,6 +74,7 @@ class ProcessHost:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.log_dir / f"{name}.log"
         self.process: subprocess.Popen | None = None
+        self.secret_path: Path | None = None
 
     def endpoint(self) -> tuple[str, int]:
         """This node's IP and a free port on it."""
@@ -67,8 +84,15 @@ class ProcessHost:
             port = s.getsockname()[1]
         return node_ip(), port
 
-    def start(self, cmd: list[str], env: dict[str, str]) -> tuple[int, str]:
-        """Start ``cmd`` with ``env`` added; returns (pid, log path)."""
+    def start(
+        self, cmd: list[str], env: dict[str, str], secret: str | None = None
+    ) -> tuple[int, str]:
+        """Start ``cmd`` with ``env`` added; returns (pid, log path). ``secret``: written to a
+        private file on this node whose path replaces :data:`SECRET_FILE` in ``cmd`` (removed
+        when the process is stopped)."""
+        if secret is not None:
+            self.secret_path = write_secret_file(secret)
+            cmd = [str(self.secret_path) if a == SECRET_FILE else a for a in cmd]
         log = open(self.log_path, "ab")  # noqa: SIM115 (the child keeps it)
         log.write(f"$ {' '.join(redact_argv(cmd))}\n".encode())
         log.flush()
@@ -91,6 +115,14 @@ class ProcessHost:
 
     def stop(self, timeout: float = 15.0) -> int | None:
         """SIGTERM the process group, SIGKILL after ``timeout``; returns the exit status."""
+        try:
+            return self._stop(timeout)
+        finally:
+            if self.secret_path is not None:
+                shutil.rmtree(self.secret_path.parent, ignore_errors=True)
+                self.secret_path = None
+
+    def _stop(self, timeout: float) -> int | None:
         if self.process is None or self.process.poll() is not None:
             return None if self.process is None else self.process.returncode
         try:

@@ -3,18 +3,22 @@
 Miles sets ``--model-path`` (from ``--hf-checkpoint``), ``--tp-size`` (from
 ``--rollout-num-gpus-per-engine``), ``--host`` and ``--port``; ``--sglang-mem-fraction-static``
 and ``--sglang-context-length`` are declared flags turned into ``--mem-fraction-static`` and
-``--context-length``, ``--sglang-api-key`` is SGLang's ``--api-key``; every undeclared ``--sglang-<x>`` is passed through as ``--<x>``.
+``--context-length``, ``--sglang-api-key`` is SGLang's ``--api-key``, written to a private file
+that ``--config`` names (SGLang reads its options from that YAML; the key stays out of ``ps``);
+every undeclared ``--sglang-<x>`` is passed through as ``--<x>`` (not ``--sglang-config``).
 ``--enable-memory-saver`` is added under ``--offload-rollout`` and
 ``--enable-return-routed-experts`` under ``--use-rollout-routing-replay``.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from typing import Any
 
 from miles_core.args import ArgumentError, passthrough_to_argv
 
+from miles_launch.engine_launch.process import SECRET_FILE
 from miles_launch.rollout.routed_experts import routing_replay_on
 
 #: Flags of ``sglang.launch_server`` that miles sets itself: a ``--sglang-<x>`` for one of them
@@ -25,6 +29,8 @@ RESERVED = {
     "tensor-parallel-size": "--rollout-num-gpus-per-engine",
     "host": "(set by miles)",
     "port": "(set by miles)",
+    # miles writes SGLang's --config file: it carries the API key (give options as --sglang-<x>)
+    "config": "(set by miles)",
 }
 
 
@@ -37,6 +43,13 @@ def check_passthrough(passthrough: dict[str, Any]) -> None:
                 if RESERVED[key].startswith("--")
                 else f"--sglang-{key} is set by miles per engine"
             )
+
+
+def sglang_secret_config(args: Any) -> str | None:
+    """The YAML of SGLang's ``--config`` file holding the job's API key (None without one):
+    the engine host writes it to a file only the job's user can read."""
+    key = getattr(args, "sglang_api_key", None)
+    return None if not key else f"api-key: {json.dumps(key)}\n"
 
 
 def sglang_server_command(
@@ -62,7 +75,8 @@ def sglang_server_command(
     if args.sglang_context_length is not None:
         cmd += ["--context-length", str(args.sglang_context_length)]
     if getattr(args, "sglang_api_key", None):
-        cmd += ["--api-key", args.sglang_api_key]
+        # the key is read from a private file (SGLang's --config YAML), not from argv
+        cmd += ["--config", SECRET_FILE]
     if args.offload_rollout and "enable-memory-saver" not in args.sglang_passthrough:
         cmd.append("--enable-memory-saver")
     if routing_replay_on(args) and "enable-return-routed-experts" not in args.sglang_passthrough:

@@ -25,9 +25,9 @@ ROLLOUT, FORWARD, CURRENT = "rollout", "forward", "current"
 
 def source(args: Any) -> str:
     """:data:`ROLLOUT`, :data:`FORWARD` or :data:`CURRENT` for this run's flags."""
-    if getattr(args, "use_rollout_logprobs", False):
+    if args.use_rollout_logprobs:
         return ROLLOUT
-    if args.num_steps_per_rollout > 1 or getattr(args, "old_policy", "actor") == "ema":
+    if args.num_steps_per_rollout > 1 or args.old_policy == "ema":
         return FORWARD
     return CURRENT
 
@@ -35,7 +35,7 @@ def source(args: Any) -> str:
 def needs_forward(args: Any) -> bool:
     """Whether a forward pass computes ``old_log_probs`` before the first step."""
     kind = source(args)
-    return kind == FORWARD or (kind == CURRENT and getattr(args, "kl_coef", 0.0) != 0.0)
+    return kind == FORWARD or (kind == CURRENT and args.kl_coef != 0.0)
 
 
 def with_rollout_log_probs(batch: RolloutBatch) -> RolloutBatch:

@@ -199,7 +199,7 @@ def _with_policy_log_probs(ctx: RolloutContext, batch: RolloutBatch) -> RolloutB
     args = ctx.args
     if old_policy.source(args) == old_policy.ROLLOUT:
         batch = old_policy.with_rollout_log_probs(batch)
-    elif getattr(args, "old_policy", "actor") == "ema":
+    elif args.old_policy == "ema":
         with ctx.ema.use_weights(ctx.model):
             batch = batch.with_fields(old_log_probs=policy_log_probs(ctx, batch))
     elif old_policy.needs_forward(args):

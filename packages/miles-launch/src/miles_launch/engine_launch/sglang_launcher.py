@@ -48,7 +48,7 @@ def check_passthrough(passthrough: dict[str, Any]) -> None:
 def sglang_secret_config(args: Any) -> str | None:
     """The YAML of SGLang's ``--config`` file holding the job's API key (None without one):
     the engine host writes it to a file only the job's user can read."""
-    key = getattr(args, "sglang_api_key", None)
+    key = args.sglang_api_key
     return None if not key else f"api-key: {json.dumps(key)}\n"
 
 

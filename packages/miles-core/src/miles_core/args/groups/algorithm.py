@@ -254,7 +254,7 @@ class AlgorithmArgs(ArgGroup):
                 "TIS weight pi_old / pi_rollout is exactly 1; the PPO ratio already corrects "
                 "the mismatch (drop one of them)"
             )
-        if args.use_rollout_logprobs and getattr(args, "old_policy", "actor") != "actor":
+        if args.use_rollout_logprobs and args.old_policy != "actor":
             raise ArgumentError(
                 f"--use-rollout-logprobs with --old-policy {args.old_policy}: the old policy is "
                 "either the engine's or the EMA's (drop one of them)"

@@ -7,7 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from miles_launch.async_loop import staleness, take_fresh
+from miles_launch.async_loop import group_staleness, take_fresh
 
 
 class Completed:
@@ -31,8 +31,8 @@ ARRIVALS = [group(3, 3), group(2, 3), group(3), group(1), group(3, None), group(
 
 
 def test_staleness_is_the_oldest_samples_lag():
-    assert [staleness(g, 3) for g in ARRIVALS] == [0, 1, 0, 2, 0, 1]
-    assert staleness(group(None), 3) == 0  # no version reported: not counted stale
+    assert [group_staleness(g, 3) for g in ARRIVALS] == [0, 1, 0, 2, 0, 1]
+    assert group_staleness(group(None), 3) == 0  # no version reported: not counted stale
 
 
 @pytest.mark.parametrize(

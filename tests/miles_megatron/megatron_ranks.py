@@ -185,22 +185,30 @@ HOOK_FLAGS = [
 ]  # fmt: skip
 
 
-def rollout_losses(rank: int, world: int, backend_name: str, hf_dir: str, rollouts: int):
-    """Per-rollout loss, train/rollout mismatch and importance-ratio std of ``backend_name``
-    ("megatron" at TP=world, or "fsdp") on one batch that carries engine log-probs."""
-    from backend_reference import samples
+def both_backends_backend(world: int, backend_name: str, hf_dir: str, *extra: str):
+    """``backend_name`` ("megatron" at TP=world with the hooks, or "fsdp") initialised from
+    ``hf_dir`` with :data:`BOTH_BACKENDS_FLAGS` and ``extra``."""
     from miles_core.args import core_groups, parse_args
     from miles_core.backends import load
-    from miles_core.batch import RolloutBatch
 
     cls = load(backend_name)
-    argv = ["--hf-checkpoint", hf_dir, *BOTH_BACKENDS_FLAGS]
+    argv = ["--hf-checkpoint", hf_dir, *BOTH_BACKENDS_FLAGS, *extra]
     if backend_name == "megatron":
         argv += layout_argv(tp=world) + HOOK_FLAGS
     else:
         argv += ["--attn-implementation", "sdpa"]
     backend = cls()
     backend.init(parse_args(argv, [*core_groups(), *cls.arg_groups()]))
+    return backend
+
+
+def rollout_losses(rank: int, world: int, backend_name: str, hf_dir: str, rollouts: int):
+    """Per-rollout loss, train/rollout mismatch and importance-ratio std of ``backend_name``
+    ("megatron" at TP=world, or "fsdp") on one batch that carries engine log-probs."""
+    from backend_reference import samples
+    from miles_core.batch import RolloutBatch
+
+    backend = both_backends_backend(world, backend_name, hf_dir)
     batch = RolloutBatch(samples(engine_log_probs=True))
     metrics = [backend.train(r, batch) for r in range(rollouts)]
     backend.close()
@@ -212,19 +220,11 @@ def rollout_logprob_run(rank: int, world: int, backend_name: str, hf_dir: str, s
     """One rollout of ``backend_name`` with ``--use-rollout-logprobs`` and ``steps`` optimizer
     steps on the masked samples carrying engine log-probs: its metrics and the hooks called."""
     from backend_reference import samples
-    from miles_core.args import core_groups, parse_args
-    from miles_core.backends import load
     from miles_core.batch import RolloutBatch
 
-    cls = load(backend_name)
-    argv = ["--hf-checkpoint", hf_dir, *BOTH_BACKENDS_FLAGS, "--use-rollout-logprobs"]
-    argv += ["--num-steps-per-rollout", str(steps)]
-    if backend_name == "megatron":
-        argv += layout_argv(tp=world) + HOOK_FLAGS
-    else:
-        argv += ["--attn-implementation", "sdpa"]
-    backend = cls()
-    backend.init(parse_args(argv, [*core_groups(), *cls.arg_groups()]))
+    backend = both_backends_backend(
+        world, backend_name, hf_dir, "--use-rollout-logprobs", "--num-steps-per-rollout", str(steps)
+    )
     metrics = backend.train(0, RolloutBatch(samples(masked=True, engine_log_probs=True)))
     backend.close()
     return metrics, list(HOOK_CALLS)

@@ -171,7 +171,7 @@ class Producer:
         self.thread.join(timeout=60)
 
 
-def staleness(group: list[GeneratedSample], version: int) -> int:
+def group_staleness(group: list[GeneratedSample], version: int) -> int:
     """How many versions behind ``version`` the group's oldest sample's weights are."""
     return max(
         (version - s.weight_version for s in group if s.weight_version is not None), default=0
@@ -188,7 +188,7 @@ def take_fresh(
     dropped = 0
     while len(kept) < count:
         for group in producer.take(count - len(kept)):
-            if bound is not None and staleness(group, version) > bound:
+            if bound is not None and group_staleness(group, version) > bound:
                 dropped += 1
             else:
                 kept.append(group)

@@ -210,6 +210,7 @@ ACTIVE_VALUE["custom_prepare_path"] = "m:f"
 CONTEXT = {
     "teacher_load": ["--custom-loss-function-path", "m:f"],  # the custom loss reads the teacher
     "rematerialize_param_from_master_weight": ["--colocate"],  # it acts during sleep
+    "use_ema": ["--rollout-weights", "ema"],  # --use-ema needs a consumer of the EMA
 }
 
 
@@ -232,7 +233,7 @@ def test_the_docs_table_is_the_declarations_and_each_row_is_refused(job_dir, cap
 
     declared = {(flag_option(d), "fsdp") for d, _ in fsdp_args.NOT_HONOURED}
     declared |= {(option, "fsdp") for _, option in fsdp_args.UNSUPPORTED_PARALLEL}
-    declared |= {(flag_option(d), "megatron") for d in megatron_args.NOT_HONOURED}
+    declared |= {(flag_option(d), "megatron") for d, _ in megatron_args.NOT_HONOURED}
     assert _docs_refusals() == declared
     parallel = {option for _, option in fsdp_args.UNSUPPORTED_PARALLEL}
     for option, backend in sorted(declared):

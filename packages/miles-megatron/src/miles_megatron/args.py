@@ -207,18 +207,27 @@ def check_ref_load(args: Any) -> None:
         )
 
 
-#: Shared flags the Megatron backend does not read: refused at argument time.
-NOT_HONOURED = ("teacher_load", "custom_loss_function_path", "custom_prepare_path")
+_HOOKS = "only the FSDP backend runs the custom loss/prepare hooks and their teacher"
+#: Shared flags the Megatron backend does not read, with the reason: refused at argument time.
+NOT_HONOURED = (
+    ("teacher_load", _HOOKS),
+    ("custom_loss_function_path", _HOOKS),
+    ("custom_prepare_path", _HOOKS),
+    (
+        "use_ema",
+        "it keeps no EMA of the actor: --rollout-weights, --eval-weights and --old-policy ema "
+        "need the FSDP backend",
+    ),
+)
 
 
 def check_not_honoured(args: Any) -> None:
     """Refuse the shared flags only the FSDP backend reads (the custom loss / prepare hooks and
-    the teacher they feed) and more than one ``--update-weight-target-module`` name."""
-    for dest in NOT_HONOURED:
+    the teacher they feed, the EMA) and more than one ``--update-weight-target-module`` name."""
+    for dest, why in NOT_HONOURED:
         if getattr(args, dest, None):
             raise ArgumentError(
-                f"{flag_option(dest)} is not honoured by --train-backend megatron (only the "
-                "FSDP backend runs the custom loss/prepare hooks and their teacher)"
+                f"{flag_option(dest)} is not honoured by --train-backend megatron ({why})"
             )
     names = getattr(args, "update_weight_target_module", None) or []
     if len(names) > 1:

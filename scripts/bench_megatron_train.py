@@ -8,6 +8,13 @@ in memory through its bridge) on the same synthetic rollouts (``--tokens-per-gpu
 per optimizer step, THD-packed by miles-core), bf16 with fp32 master weights and reduction.
 Reported per backend: tokens/s per GPU, MFU (``6 N + 6 L h d s`` FLOPs per token against
 ``--peak-tflops``), peak memory. Prints a table and writes JSON; asserts nothing about speed.
+``--variant "FLAGS"`` (repeatable) runs each backend once per variant with those extra flags,
+e.g. ``--variant "" --variant "--use-rollout-logprobs"`` (the samples carry engine-like
+log-probs, so the old-log-prob forward that flag removes is measured on the same data with and
+without it); a variant's flags come last, so ``--recompute-method block
+--recompute-num-layers K`` recomputes K layers instead of every one under
+``--gradient-checkpointing`` (Megatron: uniform, one layer a chunk). ``--profile`` profiles
+one more rollout of each backend and variant (GPU time by kernel category, idle time).
 Megatron runs its local (non-TransformerEngine) spec. ``--attn-implementation varlen|sdpa``
 goes to both backends (unset: each backend's default, varlen on a GPU whose torch ships the
 varlen kernel): varlen attends each packed sample with itself through torch's varlen flash
@@ -19,8 +26,11 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import functools
+import gc
 import json
 import logging
+import shlex
 import statistics
 import sys
 import time
@@ -77,7 +87,9 @@ def resolved_attention(name: str, backend) -> str:
     return str(backend.attn_implementation)
 
 
-def run(name: str, hf_dir: str, shard, args, world: int) -> tuple[list[float], dict]:
+def run(
+    name: str, hf_dir: str, shard, args, world: int, extra: list[str]
+) -> tuple[list[float], dict]:
     from miles_core.args import core_groups, parse_args
     from miles_core.backends import load
 
@@ -95,7 +107,8 @@ def run(name: str, hf_dir: str, shard, args, world: int) -> tuple[list[float], d
             argv += ["--recompute-num-layers", "1"]
     elif args.gradient_checkpointing:
         argv += ["--gradient-checkpointing"]
-    say(f"{name}: building the backend (world {world})")
+    argv += extra
+    say(f"{name}: building the backend (world {world}; extra flags: {shlex.join(extra)})")
     start = time.perf_counter()
     backend = cls()
     backend.init(parse_args(argv, [*core_groups(), *cls.arg_groups()]))
@@ -112,8 +125,16 @@ def run(name: str, hf_dir: str, shard, args, world: int) -> tuple[list[float], d
     finally:
         kernels = counter.close()
     say(f"{name}: attention {attention}; calls per kernel: {kernels}")
+    extras = {"attn_implementation": attention, "attention_kernels": kernels}
+    extras["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    if args.profile:
+        next_rollout = functools.partial(backend.train, args.warmup + args.iters, shard)
+        extras["profile"] = bench.profile_rollout(next_rollout)
     backend.close()
-    return times, {"attn_implementation": attention, "attention_kernels": kernels}
+    del backend
+    gc.collect()
+    torch.cuda.empty_cache()
+    return times, extras
 
 
 def say(message: str) -> None:
@@ -132,6 +153,13 @@ def main() -> None:
         help="attention of packed rows, for both backends (unset: each backend's default)",
     )
     bench.add_timing_flags(parser)
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=None,
+        metavar="FLAGS",
+        help="extra backend flags of one run per backend (repeatable; default: one run, none)",
+    )
     parser.add_argument("--out", default="bench_megatron_train.json")
     parser.add_argument(
         "--stack-dump-s",
@@ -152,6 +180,7 @@ def main() -> None:
     cfg = bench.qwen3_config(size)
     hf_dir = bench.shared_model_dir(cfg, prefix="bench_megatron_")
     results = {}
+    variants = args.variant or [""]
     for name in args.backends.split(","):
         dp = world // args.tp if name == "megatron" else world
         rollout = bench.make_rollout(args.tokens_per_gpu, dp, args.steps, seed=1)
@@ -159,30 +188,38 @@ def main() -> None:
 
         dp_rank = rank // args.tp if name == "megatron" else rank
         shard = partition_for_dp(rollout, dp, keep_groups=True)[dp_rank]
-        torch.cuda.reset_peak_memory_stats()
-        times, attention = run(name, hf_dir, shard, args, world)
-        tokens = rollout.total_tokens / world  # per GPU
-        seconds = statistics.median(times)
-        mean_len = rollout.total_tokens / len(rollout)
-        mfu = tokens * bench.flops_per_token(cfg, mean_len) / seconds / (args.peak_tflops * 1e12)
-        results[name] = {
-            "tokens_per_s_per_gpu": tokens / seconds,
-            "mfu": mfu,
-            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "seconds_per_rollout": seconds,
-            **attention,
-        }
+        for variant in variants:
+            extra = shlex.split(variant)
+            key = f"{name} {variant}".strip()
+            torch.cuda.reset_peak_memory_stats()
+            times, measured = run(name, hf_dir, shard, args, world, extra)
+            tokens = rollout.total_tokens / world  # per GPU
+            seconds = statistics.median(times)
+            mean_len = rollout.total_tokens / len(rollout)
+            flops = tokens * bench.flops_per_token(cfg, mean_len)
+            results[key] = {
+                "backend": name,
+                "extra_flags": variant,
+                "tokens_per_s_per_gpu": tokens / seconds,
+                "mfu": flops / seconds / (args.peak_tflops * 1e12),
+                "seconds_per_rollout": seconds,
+                "seconds_all": times,
+                **measured,
+            }
     if rank == 0:
         print(
-            f"{'backend':10s} {'tok/s/GPU':>10s} {'MFU':>6s} {'peak GiB':>9s} attention"
-            f"  (world {world})"
+            f"{'backend and flags':44s} {'tok/s/GPU':>10s} {'MFU':>6s} {'peak GiB':>9s} "
+            f"attention  (world {world})"
         )
         for name, r in results.items():
             print(
-                f"{name:10s} {r['tokens_per_s_per_gpu']:10.0f} {r['mfu']:6.1%} "
+                f"{name:44s} {r['tokens_per_s_per_gpu']:10.0f} {r['mfu']:6.1%} "
                 f"{r['peak_memory_gib']:9.1f} {r['attn_implementation']} "
                 f"({r['attention_kernels']})"
             )
+        for name, r in results.items():
+            if "profile" in r:
+                bench.print_profile(name, r["profile"])
         Path(args.out).write_text(
             json.dumps(
                 {
@@ -190,6 +227,8 @@ def main() -> None:
                     "tp": args.tp,
                     "size": size,
                     "bf16_peak_tflops_measured": peak,
+                    "tokens_per_gpu": args.tokens_per_gpu,
+                    "steps": args.steps,
                     **results,
                 },
                 indent=2,

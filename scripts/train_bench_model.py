@@ -129,7 +129,9 @@ def shared_model_dir(config, prefix: str) -> str:
 
 def make_rollout(tokens_per_gpu: int, world: int, steps: int, seed: int):
     """Samples of 512..2048 tokens (half of each is the response), ~tokens_per_gpu per GPU per
-    step, groups of 4 with uniform random rewards."""
+    step, groups of 4 with uniform random rewards, each with the log-probs an engine reports
+    (``rollout_log_probs``: every rollout of a real job carries them, and the mismatch metrics
+    and ``--use-rollout-logprobs`` read them)."""
     from miles_core.batch import RolloutBatch, Sample
 
     g = torch.Generator().manual_seed(seed)
@@ -142,6 +144,7 @@ def make_rollout(tokens_per_gpu: int, world: int, steps: int, seed: int):
                 response_length=length // 2,
                 reward=float(torch.rand((), generator=g)),
                 group_index=len(samples) // 4,
+                rollout_log_probs=-2.0 - torch.rand(length // 2, generator=g),
             )
         )
         total += length

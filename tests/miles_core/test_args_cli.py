@@ -40,7 +40,8 @@ def run_cli(*argv: str) -> subprocess.CompletedProcess:
     ("argv", "line"),
     [
         (["--lr", "fast"], "error: argument --lr: invalid float value: 'fast'"),
-        (["--no-such-flag"], "error: unrecognized arguments: --no-such-flag"),
+        (["--no-such-flag"], "error: unrecognized flag --no-such-flag"),
+        (["--lrr", "1"], "error: unrecognized flag --lrr (did you mean --lr?)"),
         (["--fp16", "--bf16"], "error: --fp16 and --bf16 are mutually exclusive"),
         (
             ["--save-trigger-sentinel", "/tmp/x"],

@@ -169,7 +169,7 @@ def test_declared_flag_wins_over_passthrough():
 
 
 def test_bare_prefix_is_not_passthrough():
-    with pytest.raises(ArgumentError, match="unrecognized arguments: --sglang-"):
+    with pytest.raises(ArgumentError, match="unrecognized flag --sglang-"):
         parse_args(["--sglang-"], [SmallArgs])
 
 

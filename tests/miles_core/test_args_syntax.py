@@ -129,7 +129,7 @@ def test_choices():
         (["--sizes", "1,x"], r"argument --sizes: invalid int value: 'x'"),
         (["--names", "a,,b"], r"argument --names: empty list item"),
         (["--names"], r"argument --names: expected at least one argument"),
-        (["--bogus", "1"], r"unrecognized arguments: --bogus 1"),
+        (["--bogus", "1"], r"^unrecognized flag --bogus$"),
         (["--enabled=yes"], r"argument --enabled/--no-enabled: ignored explicit argument 'yes'"),
     ],
 )
@@ -140,8 +140,30 @@ def test_bad_syntax_names_the_flag(argv, message):
 
 def test_no_abbreviations():
     # argparse would otherwise take --coun for --count; a typo must not silently match.
-    with pytest.raises(ArgumentError, match="unrecognized arguments: --coun"):
+    with pytest.raises(
+        ArgumentError, match=r"^unrecognized flag --coun \(did you mean --count\?\)$"
+    ):
         parse("--coun", "4")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--cuont", "4"], "unrecognized flag --cuont (did you mean --count?)"),
+        (["--ratoi=0.5"], "unrecognized flag --ratoi (did you mean --ratio?)"),
+        (
+            ["--cuont", "4", "--zzz"],
+            "unrecognized flag --cuont (did you mean --count?) (and 1 more)",
+        ),
+        (["--enabeld"], "unrecognized flag --enabeld (did you mean --enabled?)"),  # not --no-
+        (["--zzzzzz"], "unrecognized flag --zzzzzz"),  # nothing close: no guess
+        (["4"], "unrecognized arguments: 4"),  # a stray value, not a flag
+    ],
+)
+def test_an_unknown_flag_gets_the_closest_declared_ones(argv, message):
+    with pytest.raises(ArgumentError) as error:
+        parse(*argv)
+    assert str(error.value) == message
 
 
 def test_flag_names_and_help():

@@ -142,6 +142,19 @@ def test_cli_help_lists_every_flag():
     ]  # fmt: skip
     for name in names:
         assert name in shown.stdout
+    text = " ".join(shown.stdout.split())  # argparse wraps the epilog
+    assert shown.stdout.startswith("usage: miles train [flags]")
+    # the default backend's flags, and how to list the other backend's
+    assert "Listed: the flags of --train-backend megatron." in text
+    assert "`miles train --train-backend fsdp --help` lists fsdp's" in text
+
+
+def test_a_misspelt_flag_is_answered_with_the_flag_meant():
+    line = one_error_line(run_cli("train", "--train-backend", "fsdp", "--gradient-checkpointin"))
+    assert (
+        line
+        == "error: unrecognized flag --gradient-checkpointin (did you mean --gradient-checkpointing?)"
+    )
 
 
 # ------------------------------------------------------------------ rollout control (#30)

@@ -70,16 +70,32 @@ def compose(argv: list[str]) -> list:
         return installed_groups()
 
 
+PROG = "miles train"
+
+
+def backend_note(argv: list[str]) -> str:
+    """The ``--help`` epilog's first sentence: whose flags are listed, and how to see the others'."""
+    from miles_core.backends import available
+
+    backend = selected_backend(argv)
+    others = [name for name in available() if name != backend]
+    note = f"Listed: the flags of --train-backend {backend}."
+    if others:
+        note += f" `{PROG} --train-backend {others[0]} --help` lists {others[0]}'s"
+        note += f" (installed: {', '.join(sorted([backend, *others]))})."
+    return note
+
+
 def parse(argv: list[str]) -> Any:
     """Compose the groups for ``argv``'s backend and parse (exits 2 on a bad command line)."""
-    return parse_args_or_exit(argv, compose(argv))
+    return parse_args_or_exit(argv, compose(argv), prog=PROG, epilog=backend_note(argv))
 
 
 def check_job(argv: list[str]) -> tuple[Any, list[str]]:
     """Parse and run the preflight (:mod:`miles_launch.preflight`); every problem is one
     ``error:`` line, then exit status 2. Returns the flags and the plan lines."""
     groups = compose(argv)
-    args = parse_args_or_exit(argv, groups)
+    args = parse_args_or_exit(argv, groups, prog=PROG, epilog=backend_note(argv))
     result = preflight(args, groups)
     if result.problems:
         for problem in result.problems:

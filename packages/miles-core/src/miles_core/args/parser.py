@@ -18,6 +18,7 @@ Every failure is an :class:`ArgumentError` with one line.
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -31,10 +32,36 @@ RESERVED_DESTS = frozenset({"config", "help", "explicit_flags", *PASSTHROUGH_PRE
 
 
 class _RaisingParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors raise ArgumentError instead of printing and exiting."""
+    """An ArgumentParser whose errors raise ArgumentError instead of printing and exiting, and
+    whose unknown flags are answered with the closest declared ones."""
 
     def error(self, message: str) -> NoReturn:
         raise ArgumentError(message)
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(unknown_flag_message(extras, list(self._option_string_actions)))
+        return parsed
+
+
+def unknown_flag_message(extras: Sequence[str], known: Sequence[str]) -> str:
+    """``unrecognized flag --lrr (did you mean --lr?)`` for the first unknown ``--flag`` of
+    ``extras`` (``--flag=value`` too); argparse's own wording for a stray value."""
+    flags = [e.split("=", 1)[0] for e in extras if e.startswith("--")]
+    if not flags:
+        return f"unrecognized arguments: {' '.join(extras)}"
+    unknown = flags[0]
+    candidates = [k for k in known if k.startswith("--")]
+    close: list[str] = []
+    for match in difflib.get_close_matches(unknown, candidates, n=6, cutoff=0.8):
+        base = match.replace("--no-", "--", 1)
+        if all(c.replace("--no-", "--", 1) != base for c in close):  # --x or --no-x, not both
+            close.append(match)
+    close = close[:3]
+    more = f" (and {len(flags) - 1} more)" if len(flags) > 1 else ""
+    hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+    return f"unrecognized flag {unknown}{hint}{more}"
 
 
 class _ListAction(argparse.Action):
@@ -130,12 +157,22 @@ def _add_flag(container: Any, spec: FlagSpec, suppress: bool) -> None:
         container.add_argument(spec.option, type=spec.base_type, choices=spec.choices, **kwargs)
 
 
+PASSTHROUGH_EPILOG = (
+    "Undeclared --sglang-<flag> / --router-<flag> flags are passed to SGLang / the router."
+)
+
+
 def build_parser(
-    groups: Sequence[type[ArgGroup]], *, prog: str | None = None, suppress_defaults: bool = False
+    groups: Sequence[type[ArgGroup]],
+    *,
+    prog: str | None = None,
+    suppress_defaults: bool = False,
+    epilog: str | None = None,
 ) -> argparse.ArgumentParser:
     """One argparse parser with an argument group per ArgGroup (``title``), plus ``--config``.
 
     ``suppress_defaults=True`` leaves unset flags off the namespace (used to find explicit flags).
+    ``epilog`` is printed after the flags, before the pass-through note.
     """
     specs = collect_flags(groups)
     parser = _RaisingParser(
@@ -143,7 +180,7 @@ def build_parser(
         usage="%(prog)s [flags]",
         allow_abbrev=False,
         formatter_class=_HelpFormatter,
-        epilog="Undeclared --sglang-<flag> / --router-<flag> flags are passed to SGLang / the router.",
+        epilog=f"{epilog} {PASSTHROUGH_EPILOG}" if epilog else PASSTHROUGH_EPILOG,
     )
     parser.add_argument(
         "--config",
@@ -160,15 +197,22 @@ def build_parser(
     return parser
 
 
-def parse_args(argv: Sequence[str], groups: Sequence[type[ArgGroup]]) -> argparse.Namespace:
+def parse_args(
+    argv: Sequence[str],
+    groups: Sequence[type[ArgGroup]],
+    *,
+    prog: str | None = None,
+    epilog: str | None = None,
+) -> argparse.Namespace:
     """Parse ``argv`` (without the program name) against ``groups`` and run every group's hooks.
+    ``prog`` names the command in the usage line (``miles train``); ``epilog`` ends ``--help``.
 
     Raises :class:`ArgumentError` (one line) on any bad input.
     """
     argv = list(argv)
     groups = _unique_groups(groups)
     specs = collect_flags(groups)
-    parser = build_parser(groups)
+    parser = build_parser(groups, prog=prog, epilog=epilog)
     declared = {opt for spec in specs.values() for opt in spec.option_strings()}
 
     remaining, passthrough = split_passthrough(argv, declared)
@@ -200,10 +244,16 @@ def format_error(exc: ArgumentError) -> str:
     return "error: " + " ".join(str(exc).split())
 
 
-def parse_args_or_exit(argv: Sequence[str], groups: Sequence[type[ArgGroup]]) -> argparse.Namespace:
+def parse_args_or_exit(
+    argv: Sequence[str],
+    groups: Sequence[type[ArgGroup]],
+    *,
+    prog: str | None = None,
+    epilog: str | None = None,
+) -> argparse.Namespace:
     """:func:`parse_args`, but a bad command line prints one ``error:`` line and exits with 2."""
     try:
-        return parse_args(argv, groups)
+        return parse_args(argv, groups, prog=prog, epilog=epilog)
     except ArgumentError as exc:
         print(format_error(exc), file=sys.stderr)
         sys.exit(2)

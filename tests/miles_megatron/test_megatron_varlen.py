@@ -168,13 +168,14 @@ def test_attn_implementation_resolution(monkeypatch, requested, gpu, config, mod
 
     from miles_core.args import ArgumentError
     from miles_megatron import packed_attention as pa
+    from miles_megatron.args import ATTN_IMPLEMENTATIONS
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
     monkeypatch.setattr("miles_core.varlen_attention.kernel_available", lambda device: gpu)
     cfg = _Config()
     cfg.__dict__.update(config)
     args = SimpleNamespace(attn_implementation=requested)
-    if expected in pa.ATTN_IMPLEMENTATIONS:
+    if expected in ATTN_IMPLEMENTATIONS:
         assert pa.resolve_attn_implementation(args, cfg, model) == expected
         wrapped = torch.nn.Module()
         wrapped.module = torch.nn.Module()

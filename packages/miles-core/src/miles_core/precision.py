@@ -9,15 +9,23 @@ refines this choice (``--fsdp-compute-dtype`` when neither ``--bf16``, ``--no-bf
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-DTYPES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp32": torch.float32,
-}
+
+def _dtypes() -> dict[str, torch.dtype]:
+    import torch  # here, not at the top: parsing a command line must not import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def __getattr__(name: str) -> Any:
+    """``DTYPES`` (name -> torch dtype), built on first use."""
+    if name == "DTYPES":
+        return _dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def train_dtype_name(args: Any) -> str:
@@ -39,4 +47,4 @@ def explicit_dtype_name(args: Any) -> str | None:
 
 def train_dtype(args: Any) -> torch.dtype:
     """The compute dtype of :func:`train_dtype_name`."""
-    return DTYPES[train_dtype_name(args)]
+    return _dtypes()[train_dtype_name(args)]

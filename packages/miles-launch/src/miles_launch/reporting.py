@@ -43,9 +43,10 @@ logger = logging.getLogger(__name__)
 _STARTED = time.monotonic()
 
 
-def start_clock() -> None:
+def start_clock(started: float | None = None) -> None:
+    """Phases count from ``started`` (a ``time.monotonic()``; unset: now)."""
     global _STARTED
-    _STARTED = time.monotonic()
+    _STARTED = time.monotonic() if started is None else started
 
 
 def phase(line: str) -> None:

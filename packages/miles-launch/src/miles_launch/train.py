@@ -26,10 +26,6 @@ from miles_core.args import (
     selected_backend,
 )
 
-from miles_launch.plan import plan_lines
-from miles_launch.preflight import local_gpus, make_outputs, preflight
-from miles_launch.reporting import closing_lines, phase, start_clock
-
 logger = logging.getLogger("miles_launch")
 
 
@@ -96,6 +92,10 @@ def check_job(argv: list[str]) -> tuple[Any, list[str]]:
     ``error:`` line, then exit status 2. Returns the flags and the plan lines."""
     groups = compose(argv)
     args = parse_args_or_exit(argv, groups, prog=PROG, epilog=backend_note(argv))
+    # after the parse: an argument error is reported before torch (which these import) loads
+    from miles_launch.plan import plan_lines
+    from miles_launch.preflight import local_gpus, preflight
+
     result = preflight(args, groups)
     if result.problems:
         for problem in result.problems:
@@ -133,6 +133,8 @@ def run(args: Any) -> list[dict]:
         raise
     finally:
         job.teardown(failed=failed)
+    from miles_launch.reporting import closing_lines
+
     for line in closing_lines(args, records, time.monotonic() - started):
         print(line, flush=True)
     return records
@@ -144,8 +146,12 @@ def main(argv: list[str] | None = None) -> None:
         level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logger.setLevel(logging.INFO)
-    start_clock()
+    started = time.monotonic()
     args, plan = check_job(argv)
+    from miles_launch.preflight import make_outputs
+    from miles_launch.reporting import phase, start_clock
+
+    start_clock(started)
     for line in plan:
         print(line, flush=True)
     if args.dry_run:

@@ -23,7 +23,28 @@ from miles_megatron.arch_args import (
     transformer_engine_available,
 )
 from miles_megatron.generated_flags import check_generated_flags
-from miles_megatron.packed_attention import check_attn_implementation
+
+#: the values the Megatron backend honours
+ATTN_IMPLEMENTATIONS = ("varlen", "sdpa")
+
+
+def check_attn_implementation(args: Any) -> None:
+    """Argument time: a value the Megatron backend cannot honour, and varlen with CP > 1."""
+    value = getattr(args, "attn_implementation", None)
+    if value is None:
+        return
+    if value not in ATTN_IMPLEMENTATIONS:
+        raise ArgumentError(
+            f"--attn-implementation {value}: the Megatron backend attends packed rows with "
+            "varlen (torch's varlen flash kernel) or sdpa (SDPA with a block mask)"
+        )
+    cp = getattr(args, "context_parallel_size", 1)
+    if value == "varlen" and cp > 1:
+        raise ArgumentError(
+            f"--attn-implementation varlen with --context-parallel-size {cp}: context "
+            "parallelism attends through the masked path (--attn-implementation sdpa)"
+        )
+
 
 #: Parallel sizes the critic (--use-critic) is not proven at: its tests cover TP x DP.
 CRITIC_UNPROVEN = (

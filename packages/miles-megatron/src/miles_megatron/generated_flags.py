@@ -8,11 +8,18 @@ or their Optional forms) becomes a kebab-case flag (``moe_router_dtype`` ->
 itself (:data:`BACKEND_OWNED_FIELDS`). Every generated flag defaults to unset: megatron-core's
 own default applies, and only a value given on the command line is passed on
 (:func:`config_overrides`).
+
+Parsing a command line does not import megatron-core (an argument error is reported in a
+second): the fields come from :mod:`miles_megatron.generated_flags_table`, generated from each
+release ``uv.lock`` resolves and held against the installed release by a test. A release the
+table lacks is read from megatron-core itself. Refresh the table after changing the locked
+release: ``python -m miles_megatron.generated_flags --write``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import types
 import typing
 from collections.abc import Iterable
@@ -46,8 +53,13 @@ BACKEND_OWNED_FIELDS = frozenset(
 _SCALARS = (int, float, str, bool)
 
 
-def _flag_annotation(annotation: Any) -> Any | None:
-    """The ``X | None`` annotation a config field's flag gets, or None to skip the field."""
+#: A row of the table: (config class, field, type code, megatron-core's default as text). Type
+#: codes: ``int``, ``float``, ``str``, ``bool``, ``list[int]``, ``list[str]``, ``literal:a|b``.
+Row = tuple[str, str, str, str]
+
+
+def _type_code(annotation: Any) -> str | None:
+    """The type code of a config field's annotation, or None to skip the field."""
     inner = annotation
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
@@ -57,17 +69,26 @@ def _flag_annotation(annotation: Any) -> Any | None:
         inner = members[0]
     inner_origin = typing.get_origin(inner)
     if inner in _SCALARS:
-        return inner | None
+        return inner.__name__
     if inner_origin is Literal:
         values = typing.get_args(inner)
-        if values and all(isinstance(v, str) for v in values):
-            return typing.Optional[inner]  # noqa: UP045  (a Literal cannot use |)
+        if values and all(isinstance(v, str) and "|" not in v for v in values):
+            return "literal:" + "|".join(values)
         return None
     if inner_origin in (list, typing.List):  # noqa: UP006
         (element,) = typing.get_args(inner) or (None,)
         if element in (int, str):
-            return list[element] | None
+            return f"list[{element.__name__}]"
     return None
+
+
+def _flag_annotation(code: str) -> Any:
+    """The ``X | None`` annotation of a type code's flag."""
+    if code.startswith("literal:"):
+        return typing.Optional[Literal[tuple(code.removeprefix("literal:").split("|"))]]  # noqa: UP045
+    if code.startswith("list["):
+        return list[{"int": int, "str": str}[code[5:-1]]] | None
+    return {"int": int, "float": float, "str": str, "bool": bool}[code] | None
 
 
 def _default_text(field: dataclasses.Field) -> str:
@@ -84,34 +105,76 @@ def config_classes() -> list[type]:
     return [TransformerConfig, OptimizerConfig, DistributedDataParallelConfig]
 
 
+def installed_release() -> str | None:
+    """The megatron-core release Python would import (its metadata: no import of it)."""
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def introspected_rows() -> tuple[Row, ...]:
+    """Every flag-able field of the installed megatron-core's config classes (imports it)."""
+    rows = []
+    for cls in config_classes():
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            if field.name.startswith("_"):
+                continue
+            code = _type_code(hints[field.name])
+            if code is not None:
+                rows.append((cls.__name__, field.name, code, _default_text(field)))
+    return tuple(rows)
+
+
+def field_rows() -> tuple[Row, ...]:
+    """The installed release's rows: from the table, else from megatron-core itself."""
+    from miles_megatron.generated_flags_table import TABLES
+
+    release = installed_release()
+    if release in TABLES:
+        return TABLES[release]
+    return introspected_rows()
+
+
 def generated_groups(declared: Iterable[type[ArgGroup]] = ()) -> list[type[ArgGroup]]:
     """One group per megatron-core config class, skipping names already declared."""
     taken = set(collect_flags([*core_groups(), *declared]))
     taken |= BACKEND_OWNED_FIELDS
-    groups = []
-    for cls in config_classes():
-        hints = typing.get_type_hints(cls)
-        triples = []
-        for field in dataclasses.fields(cls):
-            if field.name.startswith("_") or field.name in taken:
-                continue
-            annotation = _flag_annotation(hints[field.name])
-            if annotation is None:
-                continue
-            help_text = (
-                f"megatron-core {cls.__name__}.{field.name} (default {_default_text(field)})."
-            )
-            triples.append((field.name, annotation, flag(None, help=help_text)))
-            taken.add(field.name)
-        groups.append(
-            make_group(
-                f"Generated{cls.__name__}Args",
-                f"megatron-core {cls.__name__} fields",
-                triples,
-                module=__name__,
-            )
+    by_class: dict[str, list] = {}
+    for config, name, code, default in field_rows():
+        triples = by_class.setdefault(config, [])
+        if name in taken:
+            continue
+        help_text = f"megatron-core {config}.{name} (default {default})."
+        triples.append((name, _flag_annotation(code), flag(None, help=help_text)))
+        taken.add(name)
+    return [
+        make_group(
+            f"Generated{config}Args", f"megatron-core {config} fields", triples, module=__name__
         )
-    return groups
+        for config, triples in by_class.items()
+    ]
+
+
+def write_table(path: str | None = None) -> str:
+    """Rewrite the table module with the installed release's rows (the others kept)."""
+    from miles_megatron import generated_flags_table as table
+
+    release = installed_release()
+    if release is None:
+        raise SystemExit("megatron-core is not installed")
+    tables = {**table.TABLES, release: introspected_rows()}
+    lines = [table.__doc__.strip().join(['"""', '"""']), "", "TABLES = {"]
+    for name in sorted(tables):
+        lines.append(f"    {name!r}: (")
+        lines += [f"        {row!r}," for row in tables[name]]
+        lines.append("    ),")
+    lines.append("}")
+    target = path or table.__file__
+    with open(target, "w") as out:
+        out.write("\n".join(lines) + "\n")
+    return target
 
 
 def config_overrides(args: Any, config_cls: type) -> dict[str, Any]:
@@ -182,3 +245,11 @@ def check_generated_flags(args: Any) -> None:
                 raise ArgumentError(
                     f"{option} {value}: the Megatron backend takes {' or '.join(allowed)}"
                 )
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--write"]:
+        raise SystemExit("usage: python -m miles_megatron.generated_flags --write")
+    print(f"wrote megatron-core {installed_release()}'s fields into {write_table()}")

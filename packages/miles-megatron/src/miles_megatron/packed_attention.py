@@ -34,28 +34,8 @@ from miles_core.args import ArgumentError
 
 logger = logging.getLogger(__name__)
 
-#: the values the Megatron backend honours
-ATTN_IMPLEMENTATIONS = ("varlen", "sdpa")
 #: the ``TransformerConfig`` attribute holding the resolved choice
 CONFIG_ATTR = "miles_attn_implementation"
-
-
-def check_attn_implementation(args: Any) -> None:
-    """Argument time: a value the Megatron backend cannot honour, and varlen with CP > 1."""
-    value = getattr(args, "attn_implementation", None)
-    if value is None:
-        return
-    if value not in ATTN_IMPLEMENTATIONS:
-        raise ArgumentError(
-            f"--attn-implementation {value}: the Megatron backend attends packed rows with "
-            "varlen (torch's varlen flash kernel) or sdpa (SDPA with a block mask)"
-        )
-    cp = getattr(args, "context_parallel_size", 1)
-    if value == "varlen" and cp > 1:
-        raise ArgumentError(
-            f"--attn-implementation varlen with --context-parallel-size {cp}: context "
-            "parallelism attends through the masked path (--attn-implementation sdpa)"
-        )
 
 
 def _varlen_blocker(config: Any, model: torch.nn.Module) -> str | None:

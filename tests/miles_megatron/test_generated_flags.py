@@ -1,0 +1,57 @@
+"""The flags generated from megatron-core's config dataclasses come from a checked-in table
+(``miles_megatron.generated_flags_table``), so that parsing a command line imports neither
+megatron-core nor torch: the installed release's table equals what megatron-core itself declares
+(CI runs this on both locked releases), and a bad command line or ``--help`` of a Megatron job
+is answered without importing torch, megatron-core or Ray."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from miles_megatron.generated_flags import field_rows, installed_release, introspected_rows
+from miles_megatron.generated_flags_table import TABLES
+
+
+def test_the_table_is_what_the_installed_megatron_core_declares():
+    release = installed_release()
+    assert release in TABLES, (
+        f"megatron-core {release} has no table: python -m miles_megatron.generated_flags --write"
+    )
+    rows = introspected_rows()
+    assert len(rows) > 100  # the three config classes' flag-able fields
+    assert TABLES[release] == rows, "refresh: python -m miles_megatron.generated_flags --write"
+    assert field_rows() == rows
+
+
+PROBE = """
+import sys
+from miles_launch.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as exit:
+    code = exit.code
+heavy = sorted(m for m in ("torch", "megatron", "ray", "transformers") if m in sys.modules)
+print("HEAVY", code, ",".join(heavy), file=sys.stderr)
+"""
+
+
+def probe(*argv: str) -> tuple[int, str, str]:
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, timeout=300
+    )
+    *lines, last = done.stderr.strip().splitlines()
+    _, code, heavy = (last.split(" ") + [""])[:3]
+    return int(code), heavy, "\n".join(lines)
+
+
+def test_argument_errors_and_help_import_no_heavy_module():
+    for backend in ("megatron", "fsdp"):
+        code, heavy, err = probe("train", "--train-backend", backend, "--lrr", "1")
+        assert code == 2 and heavy == "", (backend, heavy, err)
+        assert err == "error: unrecognized flag --lrr (did you mean --lr?)"
+    # a generated megatron-core flag outside what the backend honours: refused the same way
+    code, heavy, err = probe("train", "--virtual-pipeline-model-parallel-size", "2")
+    assert code == 2 and heavy == "" and "--virtual-pipeline-model-parallel-size" in err, err
+    code, heavy, _ = probe("train", "--help")
+    assert code == 0 and heavy == ""

@@ -113,6 +113,15 @@ def test_demo_smoke_two_rollouts(smoke):
     for r in trained:
         assert 0.0 <= r["train"]["train_rollout_logprob_abs_diff"] < 1.0, r["train"]
         assert r["train"]["train_rollout_is_ratio_std"] >= 0.0
+        t = r["train"]  # the extremes reach the JSONL beside the means
+        assert t["train_rollout_logprob_abs_diff_max"] >= t["train_rollout_logprob_abs_diff"]
+        ratio = t["train_rollout_is_ratio_mean"]
+        assert t["train_rollout_is_ratio_min"] <= ratio <= t["train_rollout_is_ratio_max"]
+        assert (
+            0.0
+            <= t["train_rollout_logprob_abs_diff_sample_max"]
+            <= (t["train_rollout_logprob_abs_diff_max"])
+        )
 
 
 @pytest.mark.extended

@@ -20,6 +20,7 @@ import torch
 from miles_core.advantages import ESTIMATORS
 from miles_core.aggregation import aggregate, segment_mean
 from miles_core.kl import KL_TYPES, kl_estimate
+from miles_core.mismatch import extremes as mismatch_extremes
 from miles_core.mismatch import token_terms as mismatch_terms
 from miles_core.rollout_correction import LEVELS, MODES, rollout_is_weights
 
@@ -235,10 +236,12 @@ def compute_policy_loss(
 
     Metrics (detached, shares of step means): ``loss``, ``pg_loss``, ``pg_clipfrac``,
     ``pg_dual_clipfrac``, ``ppo_kl`` (approximate KL, mean of ``log pi_old - log pi``), and when
-    applicable ``entropy``, ``kl_loss``, ``tis`` (mean weight), ``tis_clipfrac``; with
+    applicable ``entropy``, ``kl_loss``, ``tis`` (mean weight), ``tis_clipfrac``,
+    ``tis_veto_frac``; with
     ``rollout_log_probs``, the train/rollout mismatch of ``old_log_probs`` against them
     (:mod:`miles_core.mismatch`; of the current ``log_probs`` under
-    ``--use-rollout-logprobs``, where ``old_log_probs`` are the engine's).
+    ``--use-rollout-logprobs``, where ``old_log_probs`` are the engine's), whose extremes are
+    not shares but combine as :mod:`miles_core.metric_reduction` says.
     """
 
     def agg(values: torch.Tensor, token_sum: bool = config.token_sum) -> torch.Tensor:
@@ -274,8 +277,12 @@ def compute_policy_loss(
     if rollout_log_probs is not None:
         # the trainer's side: pi_old, or the current policy when pi_old is the engine's own
         train_side = log_probs.detach() if config.use_rollout_logprobs else old_log_probs
-        for name, values in mismatch_terms(train_side, rollout_log_probs).items():
+        terms = mismatch_terms(train_side, rollout_log_probs)
+        for name, values in terms.items():
             metrics[name] = mean(values)
+        metrics.update(
+            mismatch_extremes(terms, loss_mask, sample_ids, num_samples, sample_loss_tokens)
+        )
     if config.use_tis:
         if rollout_log_probs is None:
             raise ValueError("--use-tis needs the rollout log-probs of every sample")

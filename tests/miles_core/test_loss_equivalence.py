@@ -6,7 +6,8 @@ normalization across DP -> denominators -> micro-batches -> THD packing -> packe
 compute_policy_loss), with 1 or 4 micro-batches in-process and with 2 gloo ranks spawned.
 The spawned ranks also reduce the train/rollout mismatch's extremes (maxima and minima over
 ranks, the worst sample's mean with each sample's tokens split over the two ranks as context
-parallelism splits them) against float64 formulas.
+parallelism splits them) and --tis-batch-normalize's mean weight of the step over both ranks'
+samples, against float64 formulas.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from miles_core.metric_reduction import StepMetrics
 from miles_core.micro_batch import agree_num_micro_batches, count_micro_batches, make_micro_batches
 from miles_core.packing import pack_thd, packed_attention_kwargs
 from miles_core.partition import partition_for_dp
+from miles_core.rollout_correction import batch_mean
 from rank_context import in_environ, rank_context
 
 pytestmark = pytest.mark.numeric
@@ -250,6 +252,11 @@ def _dp_worker(rank, world, port, out_dir):
             )
             out[name] = (loss.item(), _grads(model), num, acc.reduce(group)[0])
         out["split_samples"] = _split_sample_metrics(rank, world, group)
+        shard = partition_for_dp(_batch(), world, keep_groups=True)[rank]
+        out["batch_mean"] = {
+            level: batch_mean(shard, LossConfig(**BATCH_MEAN_CONFIG, tis_level=level), group)
+            for level in ("token", "sequence")
+        }
         torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -272,6 +279,24 @@ def _split_sample_metrics(rank, world, group) -> dict[str, float]:
     acc = StepMetrics()
     acc.add(metrics)
     return mismatch.finish(acc.reduce(group, sample_group=group)[0])
+
+
+BATCH_MEAN_CONFIG = dict(use_tis=True, tis_clip=1.5, tis_clip_low=0.5, tis_batch_normalize=True)
+
+
+def batch_mean_reference(batch, level: str) -> float:
+    """float64: w = clamp(exp(d), 0.5, 1.5) with d = log pi_old - log pi_rollout per token
+    (token level) or summed over the sample's trained tokens (sequence level); the mean over
+    the trained tokens, or over the samples with trained tokens."""
+    weights = []
+    for s in batch:
+        d = (s.fields["old_log_probs"].double() - s.rollout_log_probs.double()).tolist()
+        kept = [x for x, m in zip(d, s.loss_mask.tolist()) if m]
+        if level == "token":
+            weights += [min(max(math.exp(x), 0.5), 1.5) for x in kept]
+        elif kept:
+            weights.append(min(max(math.exp(sum(kept)), 0.5), 1.5))
+    return sum(weights) / len(weights)
 
 
 def mismatch_reference(batch) -> dict[str, float]:
@@ -333,3 +358,8 @@ def test_two_dp_ranks_equal_per_sample(tmp_path):
     assert split[0] == split[1]
     for key, value in want.items():
         assert split[0][key] == pytest.approx(value, rel=1e-6, abs=1e-6), key
+    # --tis-batch-normalize: one mean over both ranks' samples, the same on both
+    for level in ("token", "sequence"):
+        assert ranks[0]["batch_mean"][level] == ranks[1]["batch_mean"][level]
+        want_mean = batch_mean_reference(_batch(), level)
+        assert ranks[0]["batch_mean"][level] == pytest.approx(want_mean, rel=1e-12), level

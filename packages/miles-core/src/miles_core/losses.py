@@ -22,7 +22,7 @@ from miles_core.aggregation import aggregate, segment_mean
 from miles_core.kl import KL_TYPES, kl_estimate
 from miles_core.mismatch import extremes as mismatch_extremes
 from miles_core.mismatch import token_terms as mismatch_terms
-from miles_core.rollout_correction import LEVELS, MODES, rollout_is_weights
+from miles_core.rollout_correction import BATCH_MEAN_FIELD, LEVELS, MODES, rollout_is_weights
 
 LOG_RATIO_CLAMP = 20.0
 
@@ -48,6 +48,7 @@ class LossConfig:
     tis_level: str = "token"
     tis_mode: str = "truncate"
     tis_veto_threshold: float | None = None
+    tis_batch_normalize: bool = False
     calculate_per_token_loss: bool = False
     temperature: float = 1.0
     policy_loss: str = "ppo"
@@ -220,6 +221,7 @@ def compute_policy_loss(
     rollout_log_probs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     sample_loss_tokens: torch.Tensor | None = None,
+    tis_batch_mean: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The actor loss of one micro-batch::
 
@@ -233,11 +235,13 @@ def compute_policy_loss(
     ``--calculate-per-token-loss``, token sum over the step's sample count for ``dr_grpo``,
     else sequence mean, which needs ``sample_ids``; ``sample_loss_tokens`` is passed on to it).
     Under ``dr_grpo`` the metrics other than ``loss`` and ``pg_loss`` are sequence means.
+    ``tis_batch_mean`` (per token, ``--tis-batch-normalize``): the step's mean weight ``w`` is
+    divided by (:func:`miles_core.rollout_correction.with_batch_mean`).
 
     Metrics (detached, shares of step means): ``loss``, ``pg_loss``, ``pg_clipfrac``,
     ``pg_dual_clipfrac``, ``ppo_kl`` (approximate KL, mean of ``log pi_old - log pi``), and when
     applicable ``entropy``, ``kl_loss``, ``tis`` (mean weight), ``tis_clipfrac``,
-    ``tis_veto_frac``; with
+    ``tis_veto_frac``, ``tis_batch_mean``; with
     ``rollout_log_probs``, the train/rollout mismatch of ``old_log_probs`` against them
     (:mod:`miles_core.mismatch`; of the current ``log_probs`` under
     ``--use-rollout-logprobs``, where ``old_log_probs`` are the engine's), whose extremes are
@@ -298,6 +302,15 @@ def compute_policy_loss(
             sample_ids=sample_ids,
             num_samples=num_samples,
         )
+        if config.tis_batch_normalize:  # the step's mean weight, on every token
+            if tis_batch_mean is None:
+                raise ValueError(
+                    "--tis-batch-normalize needs the step's mean weight "
+                    "(miles_core.rollout_correction.with_batch_mean)"
+                )
+            # outside the responses (prompts, padding) a packed field is 0: divide by 1 there
+            w = w / torch.where(tis_batch_mean > 0, tis_batch_mean, torch.ones_like(w))
+            metrics["tis_batch_mean"] = mean(tis_batch_mean)
         pg = pg * w
         metrics["tis"] = mean(w).detach()
         metrics["tis_clipfrac"] = mean(changed).detach()
@@ -437,6 +450,7 @@ def packed_score_loss(
         config=config,
         ref_log_probs=fields.get("ref_log_probs"),
         rollout_log_probs=fields.get("rollout_log_probs"),
+        tis_batch_mean=fields.get(BATCH_MEAN_FIELD),
         entropy=entropy if entropy_needs_grad(loss_type, config) else entropy.detach(),
         **common,
     )

@@ -43,6 +43,7 @@ from miles_core.losses import (
 from miles_core.metric_reduction import over_steps
 from miles_core.micro_batch import MicroBatching, split_micro_batches, split_steps
 from miles_core.packing import PackedBatch, pack_thd, packed_attention_kwargs, unpack_response
+from miles_core.rollout_correction import with_batch_mean
 from torch import nn
 
 from miles_fsdp.adaptations.moe import RoutingReplay
@@ -240,6 +241,7 @@ def train_rollout(ctx: RolloutContext, batch: RolloutBatch) -> tuple[dict[str, f
         denominator = loss_denominator(
             step_batch, config.calculate_per_token_loss, group=ctx.cpu_group
         )
+        step_batch = with_batch_mean(step_batch, config, ctx.cpu_group)
         step_micro = micro_batches(ctx, step_batch)
         num_micro += len(step_micro)
         results.append(

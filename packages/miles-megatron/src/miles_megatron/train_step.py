@@ -44,6 +44,7 @@ from miles_core.metric_reduction import StepMetrics, over_steps
 from miles_core.micro_batch import MicroBatching, split_steps
 from miles_core.micro_batch import split_micro_batches as split_for_ranks
 from miles_core.packing import pack_thd
+from miles_core.rollout_correction import with_batch_mean
 
 from miles_megatron.context_parallel import PackedShard, row_pad_multiple
 from miles_megatron.output_head import ScoreHead
@@ -180,6 +181,7 @@ def train_rollout(ctx: TrainContext, rollout_id: int, batch: RolloutBatch) -> di
     for step, step_batch in enumerate(split_steps(batch, num_steps, ctx.dp_group_gloo)):
         if ctx.before_train_step_hook is not None:
             ctx.before_train_step_hook(args, rollout_id, step, model, ctx.optimizer)
+        step_batch = with_batch_mean(step_batch, config, ctx.dp_group_gloo)  # --tis-batch-normalize
         results.append(optimizer_step(ctx, step_batch, config, detach_old))
     metrics = mismatch.finish(over_steps(results))
     metrics["grad_norm"], metrics["lr"] = results[-1]["grad_norm"], results[-1]["lr"]

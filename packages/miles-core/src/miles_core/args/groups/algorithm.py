@@ -18,6 +18,7 @@ TIS_SETTINGS = {
     "tis_level": "token",
     "tis_mode": "truncate",
     "tis_veto_threshold": None,
+    "tis_batch_normalize": False,
 }
 
 
@@ -149,6 +150,12 @@ class AlgorithmArgs(ArgGroup):
         None,
         help="--use-tis: a sample with any trained token whose ratio pi_old / pi_rollout is "
         "below this gets weight 0 (unset: no veto).",
+    )
+    tis_batch_normalize: bool = flag(
+        False,
+        help="--use-tis: divide the weights by their mean over the optimizer step's trained "
+        "tokens (token level) or samples (sequence levels), on all data-parallel ranks, so they "
+        "average to 1 (costs an old-log-prob forward pass with one step per rollout).",
     )
     use_rollout_logprobs: bool = flag(
         False,

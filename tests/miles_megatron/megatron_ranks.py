@@ -227,14 +227,16 @@ def rollout_losses(rank: int, world: int, backend_name: str, hf_dir: str, rollou
 
 
 def rollout_logprob_run(rank: int, world: int, backend_name: str, hf_dir: str, steps: int):
-    """One rollout of ``backend_name`` with ``--use-rollout-logprobs`` and ``steps`` optimizer
-    steps on the masked samples carrying engine log-probs: its metrics and the hooks called."""
+    """One rollout of ``backend_name`` with ``--use-rollout-logprobs`` (and ``--use-opsm``
+    against the engine's log-probs) and ``steps`` optimizer steps on the masked samples
+    carrying engine log-probs: its metrics and the hooks called."""
     from backend_reference import samples
     from miles_core.batch import RolloutBatch
 
     backend = both_backends_backend(
-        world, backend_name, hf_dir, "--use-rollout-logprobs", "--num-steps-per-rollout", str(steps)
-    )
+        world, backend_name, hf_dir, "--use-rollout-logprobs", "--num-steps-per-rollout",
+        str(steps), "--use-opsm", "--opsm-delta", "0",
+    )  # fmt: skip
     metrics = backend.train(0, RolloutBatch(samples(masked=True, engine_log_probs=True)))
     backend.close()
     return metrics, list(HOOK_CALLS)

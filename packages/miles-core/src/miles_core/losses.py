@@ -22,6 +22,7 @@ from miles_core.aggregation import aggregate, segment_mean
 from miles_core.kl import KL_TYPES, kl_estimate
 from miles_core.mismatch import extremes as mismatch_extremes
 from miles_core.mismatch import token_terms as mismatch_terms
+from miles_core.off_policy_masking import opsm_mask
 from miles_core.rollout_correction import BATCH_MEAN_FIELD, LEVELS, MODES, rollout_is_weights
 
 LOG_RATIO_CLAMP = 20.0
@@ -49,6 +50,8 @@ class LossConfig:
     tis_mode: str = "truncate"
     tis_veto_threshold: float | None = None
     tis_batch_normalize: bool = False
+    use_opsm: bool = False
+    opsm_delta: float = 1e-4
     calculate_per_token_loss: bool = False
     temperature: float = 1.0
     policy_loss: str = "ppo"
@@ -225,7 +228,8 @@ def compute_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The actor loss of one micro-batch::
 
-        loss = agg(w * ppo_clip_loss(log_ratio, A))       w: --use-tis's weights, else 1
+        loss = agg(w * o * ppo_clip_loss(log_ratio, A))   w: --use-tis's weights, else 1
+                                                          o: 0 where --use-opsm masks, else 1
                - entropy_coef * agg(entropy)              when entropy is given
                + kl_loss_coef * agg(kl_estimate(log pi, log pi_ref, --kl-loss-type))  --use-kl-loss
 
@@ -241,7 +245,8 @@ def compute_policy_loss(
     Metrics (detached, shares of step means): ``loss``, ``pg_loss``, ``pg_clipfrac``,
     ``pg_dual_clipfrac``, ``ppo_kl`` (approximate KL, mean of ``log pi_old - log pi``), and when
     applicable ``entropy``, ``kl_loss``, ``tis`` (mean weight), ``tis_clipfrac``,
-    ``tis_veto_frac``, ``tis_batch_mean``; with
+    ``tis_veto_frac``, ``tis_batch_mean``, ``opsm_masked_frac``, ``opsm_masked_samples`` (a
+    count: :mod:`miles_core.off_policy_masking`); with
     ``rollout_log_probs``, the train/rollout mismatch of ``old_log_probs`` against them
     (:mod:`miles_core.mismatch`; of the current ``log_probs`` under
     ``--use-rollout-logprobs``, where ``old_log_probs`` are the engine's), whose extremes are
@@ -316,6 +321,16 @@ def compute_policy_loss(
         metrics["tis_clipfrac"] = mean(changed).detach()
         if config.tis_veto_threshold is not None:
             metrics["tis_veto_frac"] = mean(vetoed).detach()
+    if config.use_opsm:
+        if sample_ids is None or num_samples is None:
+            raise ValueError("--use-opsm needs sample_ids and num_samples")
+        masked, masked_samples = opsm_mask(
+            log_probs, old_log_probs, advantages, loss_mask, sample_ids, num_samples,
+            config.opsm_delta,
+        )  # fmt: skip
+        pg = pg * (1.0 - masked)
+        metrics["opsm_masked_frac"] = mean(masked)
+        metrics["opsm_masked_samples"] = masked_samples
     pg_loss = agg(pg)
     loss = pg_loss
     metrics["pg_loss"] = pg_loss.detach()

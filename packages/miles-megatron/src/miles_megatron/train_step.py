@@ -8,9 +8,9 @@ TP peers compute identical log-probs and losses (the fused vocabulary-parallel h
 vocabulary-gathered logits under ``--no-fused-log-probs``); CP ranks compute the terms of their
 own tokens (:mod:`miles_megatron.context_parallel`), shares that add up; metrics are combined
 over the data-parallel x context-parallel group (summed; extremes by maximum or minimum, and
-per-sample values first summed over the CP group: :mod:`miles_core.metric_reduction`). At PP > 1 the micro-batches run megatron's 1F1B schedule
-(:mod:`miles_megatron.schedule`): the loss and metrics exist on the last stage, which
-broadcasts the metrics to the other stages.
+per-sample values first summed over the CP group: :mod:`miles_core.metric_reduction`). At
+PP > 1 the micro-batches run megatron's 1F1B schedule (:mod:`miles_megatron.schedule`): the
+loss and metrics exist on the last stage, which broadcasts the metrics to the other stages.
 
 ``--kl-coef`` (KL in the reward, ``reinforce_plus_plus*`` / ``ppo`` estimators): the token
 rewards get ``-kl_coef * kl_t`` with ``kl_t = kl_estimate(old, ref, --kl-loss-type)`` from the

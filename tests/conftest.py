@@ -110,6 +110,7 @@ KERNEL_INDEPENDENT = {
     "miles_core/test_advantages.py": "elementwise fp32 and float64 formulas, no kernel sums",
     "miles_core/test_losses.py": "elementwise loss formulas against float64, no kernel sums",
     "miles_core/test_mismatch.py": "elementwise fp32 terms and short masked means, no kernel sums",
+    "miles_core/test_off_policy_masking.py": "elementwise PPO terms and short per-sample means",
     "miles_core/test_rollout_correction.py": "elementwise weights and short per-sample sums",
 }
 

@@ -4,6 +4,10 @@ A tiny Qwen3 (sdpa) scores a rollout batch two ways: a float64 reference written
 sample at a time without packing; and the real pipeline (partition -> advantages ->
 normalization across DP -> denominators -> micro-batches -> THD packing -> packed forward ->
 compute_policy_loss), with 1 or 4 micro-batches in-process and with 2 gloo ranks spawned.
+The spawned ranks also reduce the train/rollout mismatch's extremes (maxima and minima over
+ranks, the worst sample's mean with each sample's tokens split over the two ranks as context
+parallelism splits them) and --tis-batch-normalize's mean weight of the step over both ranks'
+samples, against float64 formulas.
 """
 
 from __future__ import annotations
@@ -17,14 +21,17 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from miles_core import mismatch
 from miles_core.advantages import compute_advantages, normalize_advantages
 from miles_core.aggregation import loss_denominator
 from miles_core.batch import RolloutBatch, Sample
 from miles_core.log_probs import entropy_from_logits, token_log_probs
 from miles_core.losses import LossConfig, compute_policy_loss
+from miles_core.metric_reduction import StepMetrics
 from miles_core.micro_batch import agree_num_micro_batches, count_micro_batches, make_micro_batches
 from miles_core.packing import pack_thd, packed_attention_kwargs
 from miles_core.partition import partition_for_dp
+from miles_core.rollout_correction import batch_mean
 from rank_context import in_environ, rank_context
 
 pytestmark = pytest.mark.numeric
@@ -156,10 +163,11 @@ def reference_step(model, batch, cfg: dict) -> torch.Tensor:
 
 
 def pipeline_step(
-    model, batch, cfg: dict, dp_rank, dp_size, max_tokens, min_micro=1, group=None
+    model, batch, cfg: dict, dp_rank, dp_size, max_tokens, min_micro=1, group=None, metrics=None
 ) -> tuple[torch.Tensor, int]:
     """This rank's share of the step loss through the library, with backward per micro-batch;
-    also returns the number of micro-batches it ran."""
+    also returns the number of micro-batches it ran. ``metrics``: a StepMetrics that collects
+    the micro-batches' metrics."""
     config = LossConfig(**cfg)
     shard = partition_for_dp(batch, dp_size, keep_groups=True)[dp_rank]
     adv = compute_advantages(shard, config.advantage_estimator)
@@ -173,7 +181,7 @@ def pipeline_step(
         p = pack_thd(mb, pad_multiple=16)
         logits = model(input_ids=p.input_ids, **packed_attention_kwargs(p, "sdpa")).logits
         lp = token_log_probs(logits, p.targets, config.temperature)
-        loss, metrics = compute_policy_loss(
+        loss, metrics_of_mb = compute_policy_loss(
             lp,
             old_log_probs=p.fields["old_log_probs"],
             advantages=p.fields["advantages"],
@@ -188,6 +196,8 @@ def pipeline_step(
         )
         loss.backward()
         total += loss.detach()
+        if metrics is not None:
+            metrics.add(metrics_of_mb)
     return total, num
 
 
@@ -236,11 +246,79 @@ def _dp_worker(rank, world, port, out_dir):
         out = {}
         for name, cfg in CONFIGS.items():
             model = _model()
-            loss, num = pipeline_step(model, _batch(), cfg, rank, world, 64, group=group)
-            out[name] = (loss.item(), _grads(model), num)
+            acc = StepMetrics()
+            loss, num = pipeline_step(
+                model, _batch(), cfg, rank, world, 64, group=group, metrics=acc
+            )
+            out[name] = (loss.item(), _grads(model), num, acc.reduce(group)[0])
+        out["split_samples"] = _split_sample_metrics(rank, world, group)
+        shard = partition_for_dp(_batch(), world, keep_groups=True)[rank]
+        out["batch_mean"] = {
+            level: batch_mean(shard, LossConfig(**BATCH_MEAN_CONFIG, tis_level=level), group)
+            for level in ("token", "sequence")
+        }
         torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def _split_sample_metrics(rank, world, group) -> dict[str, float]:
+    """The mismatch metrics of the whole batch packed in one row, rank ``r`` holding its
+    positions ``t`` with ``t % world == r`` (as context parallelism splits each sample over the
+    ranks), reduced over ``group`` as Megatron reduces them at CP = ``world``: each sample's
+    mean from the ranks' shares."""
+    p = pack_thd(_batch(), pad_multiple=16)
+    mine = (torch.arange(p.num_tokens) % world == rank).float()[None]
+    old = p.fields["old_log_probs"]
+    _, metrics = compute_policy_loss(
+        old.clone(), old_log_probs=old, advantages=torch.ones_like(old),
+        loss_mask=p.loss_mask * mine, config=LossConfig(), denominator=float(p.num_samples),
+        sample_ids=p.sample_ids, num_samples=p.num_samples,
+        rollout_log_probs=p.fields["rollout_log_probs"], sample_loss_tokens=p.sample_loss_tokens,
+    )  # fmt: skip
+    acc = StepMetrics()
+    acc.add(metrics)
+    return mismatch.finish(acc.reduce(group, sample_group=group)[0])
+
+
+BATCH_MEAN_CONFIG = dict(use_tis=True, tis_clip=1.5, tis_clip_low=0.5, tis_batch_normalize=True)
+
+
+def batch_mean_reference(batch, level: str) -> float:
+    """float64: w = clamp(exp(d), 0.5, 1.5) with d = log pi_old - log pi_rollout per token
+    (token level) or summed over the sample's trained tokens (sequence level); the mean over
+    the trained tokens, or over the samples with trained tokens."""
+    weights = []
+    for s in batch:
+        d = (s.fields["old_log_probs"].double() - s.rollout_log_probs.double()).tolist()
+        kept = [x for x, m in zip(d, s.loss_mask.tolist()) if m]
+        if level == "token":
+            weights += [min(max(math.exp(x), 0.5), 1.5) for x in kept]
+        elif kept:
+            weights.append(min(max(math.exp(sum(kept)), 0.5), 1.5))
+    return sum(weights) / len(weights)
+
+
+def mismatch_reference(batch) -> dict[str, float]:
+    """float64 from the definitions, d = log pi_old - log pi_rollout over the trained tokens:
+    the sequence mean of |d|, the token max of |d|, min and max of exp(d), and the largest
+    sample mean of |d| and of exp(d) - 1 - d (a sample without trained tokens counts 0)."""
+    tokens, sample_abs, sample_k3 = [], [], []
+    for s in batch:
+        d = (s.fields["old_log_probs"].double() - s.rollout_log_probs.double()).tolist()
+        kept = [x for x, m in zip(d, s.loss_mask.tolist()) if m]
+        tokens += kept
+        n = max(len(kept), 1)
+        sample_abs.append(sum(abs(x) for x in kept) / n)
+        sample_k3.append(sum(math.exp(x) - 1 - x for x in kept) / n)
+    return {
+        mismatch.ABS_DIFF: sum(sample_abs) / len(sample_abs),
+        mismatch.ABS_DIFF_MAX: max(abs(x) for x in tokens),
+        mismatch.RATIO_MIN: min(math.exp(x) for x in tokens),
+        mismatch.RATIO_MAX: max(math.exp(x) for x in tokens),
+        mismatch.ABS_DIFF_SAMPLE_MAX: max(sample_abs),
+        mismatch.K3_SAMPLE_MAX: max(sample_k3),
+    }
 
 
 @pytest.mark.slow
@@ -268,3 +346,20 @@ def test_two_dp_ranks_equal_per_sample(tmp_path):
         assert all(r[name][0] != 0 for r in ranks)  # both ranks really carried data
         assert ranks[0][name][2] == ranks[1][name][2] > 1  # same, agreed micro-batch count
         _assert_same(loss, grads, ref_loss, ref_grads)
+    # the mismatch extremes: maxima / minima over the two ranks' micro-batches, the same on both
+    want = mismatch_reference(_batch())
+    extremes = [k for k in want if k != mismatch.ABS_DIFF]
+    for name in CONFIGS:
+        assert ranks[0][name][3] == ranks[1][name][3]
+        for key in extremes:  # fp32 subtractions (and exp) of values ~1; sample means of <= 30
+            assert ranks[0][name][3][key] == pytest.approx(want[key], rel=1e-6, abs=1e-6), key
+    # each sample split over the ranks: its mean is the sum of the ranks' shares
+    split = [r["split_samples"] for r in ranks]
+    assert split[0] == split[1]
+    for key, value in want.items():
+        assert split[0][key] == pytest.approx(value, rel=1e-6, abs=1e-6), key
+    # --tis-batch-normalize: one mean over both ranks' samples, the same on both
+    for level in ("token", "sequence"):
+        assert ranks[0]["batch_mean"][level] == ranks[1]["batch_mean"][level]
+        want_mean = batch_mean_reference(_batch(), level)
+        assert ranks[0]["batch_mean"][level] == pytest.approx(want_mean, rel=1e-12), level

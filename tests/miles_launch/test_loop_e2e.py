@@ -113,6 +113,15 @@ def test_demo_smoke_two_rollouts(smoke):
     for r in trained:
         assert 0.0 <= r["train"]["train_rollout_logprob_abs_diff"] < 1.0, r["train"]
         assert r["train"]["train_rollout_is_ratio_std"] >= 0.0
+        t = r["train"]  # the extremes reach the JSONL beside the means
+        assert t["train_rollout_logprob_abs_diff_max"] >= t["train_rollout_logprob_abs_diff"]
+        ratio = t["train_rollout_is_ratio_mean"]
+        assert t["train_rollout_is_ratio_min"] <= ratio <= t["train_rollout_is_ratio_max"]
+        assert (
+            0.0
+            <= t["train_rollout_logprob_abs_diff_sample_max"]
+            <= (t["train_rollout_logprob_abs_diff_max"])
+        )
 
 
 @pytest.mark.extended
@@ -372,7 +381,8 @@ def test_calculator_example_with_rollout_control(material, tmp_path):
 @pytest.mark.extended
 def test_partial_rollout_carries_groups_between_rollouts(material, tmp_path):
     """``--partial-rollout`` through ``miles train``: what a rollout cuts short the next one
-    resumes first, every rollout is full, and continued samples train."""
+    resumes first, every rollout is full, and continued samples train (their continuation only:
+    ``--mask-offpolicy-in-partial-rollout`` keeps the carried tokens out of the loss)."""
     metrics = tmp_path / "metrics.jsonl"
     result = train(
         material,
@@ -384,6 +394,7 @@ def test_partial_rollout_carries_groups_between_rollouts(material, tmp_path):
         "--dynamic-filter",
         "--over-sampling-batch-size", "8",
         "--partial-rollout",
+        "--mask-offpolicy-in-partial-rollout",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     stats = [r["rollout"] for r in records(metrics)]
@@ -393,3 +404,7 @@ def test_partial_rollout_carries_groups_between_rollouts(material, tmp_path):
         assert after["groups_resumed"] == before["groups_carried"]
     assert sum(s["groups_carried"] for s in stats[:-1]) >= 1
     assert sum(s["samples_continued"] for s in stats) >= 1
+    # a rollout that continued samples trained fewer than all of its tokens (no tool masks here)
+    continued = [s for s in stats if s["samples_continued"]]
+    assert min(s["loss_token_fraction"] for s in continued) < 1.0
+    assert all(s["loss_token_fraction"] == 1.0 for s in stats if not s["samples_continued"])

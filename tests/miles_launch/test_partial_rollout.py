@@ -3,15 +3,16 @@
 The end-to-end test draws through the launcher's own pieces (``draw_groups`` with a
 ``PartialBuffer``, the ``Generator`` aborting the engine): rollout 1 keeps the first group that
 passes and cuts the rest short; the engine's weights are then replaced (``/update_weights_from
-_disk``, as a publish would); rollout 2 continues the carried samples. A continued sample's
-tokens are its carried tokens followed by the continuation, and every rollout log-prob, the
-carried tokens' included, equals a float64 forward pass of the *new* weights.
+_disk``, as a publish would); rollout 2 continues the carried samples, with
+``--mask-offpolicy-in-partial-rollout``. A continued sample's tokens are its carried tokens
+followed by the continuation; the carried tokens keep the log-probs the engine sampled them
+with (the *old* weights') and leave the loss, the continuation's log-probs equal a float64
+forward pass of the *new* weights.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 
 import pytest
 import torch
@@ -19,11 +20,15 @@ from engine_testing import EngineProcess, save_tokenizer, tiny_qwen3
 from launch_testing import one_error_line, parse, run_cli
 from miles_core import backends
 from miles_core.args import ArgumentError
-from miles_core.engine import EngineError
 from miles_launch.job import LauncherState
 from miles_launch.rollout.draw import draw_groups
-from miles_launch.rollout.generate import GeneratedSample, Generator, SamplingConfig
-from miles_launch.rollout.partial import PartialBuffer, rescored_prefix, unfinished
+from miles_launch.rollout.generate import (
+    GeneratedSample,
+    Generator,
+    SamplingConfig,
+    to_rollout_batch,
+)
+from miles_launch.rollout.partial import PartialBuffer, unfinished
 from miles_launch.rollout.prompts import Prompt
 from miles_launch.rollout.rewards import RewardModel
 
@@ -54,10 +59,8 @@ VALID = ("--dynamic-filter", "--rollout-batch-size", "2", "--over-sampling-batch
             "--partial-rollout cannot be used with --custom-rm-batch rollout",
         ),
         ((*VALID, "--rollout-stop", "ab"), "--partial-rollout cannot be used with --rollout-stop"),
-        (
-            (*VALID, "--rollout-temperature", "0.7"),
-            "--partial-rollout requires --rollout-temperature 1 (got 0.7)",
-        ),
+        ((*VALID, "--rollout-temperature", "0.7"), None),  # the carried keep their log-probs
+        ((*VALID, "--mask-offpolicy-in-partial-rollout"), None),
     ],
 )
 def test_partial_rollout_flag_checks(tmp_path, flags, message):
@@ -67,6 +70,13 @@ def test_partial_rollout_flag_checks(tmp_path, flags, message):
     with pytest.raises(ArgumentError) as info:
         parse(tmp_path, "--partial-rollout", *flags)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_masking_carried_tokens_needs_partial_rollout(tmp_path):
+    with pytest.raises(
+        ArgumentError, match="^--mask-offpolicy-in-partial-rollout masks the tokens"
+    ):
+        parse(tmp_path, "--mask-offpolicy-in-partial-rollout")
 
 
 def test_cli_partial_rollout_error_is_one_line_exit_2():
@@ -136,19 +146,6 @@ def test_draw_takes_the_carried_groups_first_and_puts_the_cut_short_back():
     }
 
 
-def test_a_reply_that_does_not_rescore_the_carried_tokens_fails_naming_the_engine():
-    ok = {"input_token_logprobs": [[None, 9, None], [-0.5, 3, None], [-1.5, 4, None]]}
-    assert rescored_prefix(ok, [3, 4], "http://e:1") == [-0.5, -1.5]
-    for meta, word in (
-        ({}, "(none)"),
-        ({"input_token_logprobs": ok["input_token_logprobs"][1:]}, "(2 entries)"),
-        ({"input_token_logprobs": [[None, 9, None], [-0.5, 3, None], [-1.5, 5, None]]}, "other"),
-    ):
-        with pytest.raises(EngineError, match=re.escape(word)) as info:
-            rescored_prefix(meta, [3, 4], "http://e:1")
-        assert "http://e:1" in str(info.value)
-
-
 # ---- two rollouts on the built-in engine ----------------------------------------------------
 N = 2  # samples per prompt
 CFG = SamplingConfig(max_new_tokens=120, temperature=1.0, top_p=1.0, top_k=-1, seed=3)
@@ -167,7 +164,7 @@ def served(tmp_path_factory):
         engine.close()
 
 
-def _rollout(engine, buffer, state, prompts, want, over_sampling, seen):
+def _rollout(engine, buffer, state, prompts, want, over_sampling, seen, mask_carried=False):
     """One synchronous-loop draw with the launcher's pieces; every generated group is also
     appended to ``seen``."""
 
@@ -178,7 +175,9 @@ def _rollout(engine, buffer, state, prompts, want, over_sampling, seen):
 
     def generate(items, carried, need):
         async def run():
-            gen = Generator([engine.url], reward, alive, abort_urls=[engine.url])
+            gen = Generator(
+                [engine.url], reward, alive, abort_urls=[engine.url], mask_carried=mask_carried
+            )
             try:
                 return await gen.groups(items, N, CFG, carried=carried, need=need)
             finally:
@@ -208,7 +207,7 @@ def _log_probs(model, prompt_ids, response_ids) -> torch.Tensor:
 
 
 @pytest.mark.slow
-def test_unfinished_samples_continue_in_the_next_rollout_rescored_by_the_new_policy(served):
+def test_unfinished_samples_continue_in_the_next_rollout_keeping_their_log_probs(served):
     from transformers import AutoModelForCausalLM
 
     engine, tokenizer, root = served
@@ -239,7 +238,7 @@ def test_unfinished_samples_continue_in_the_next_rollout_rescored_by_the_new_pol
 
     # rollout 2: the carried groups first, then fresh prompts; nothing is cut short (want = draw)
     seen2: list = []
-    kept2, info2 = _rollout(engine, buffer, state, prompts, 4, 4, seen2)
+    kept2, info2 = _rollout(engine, buffer, state, prompts, 4, 4, seen2, mask_carried=True)
     n_carried = len(carried)
     assert info2["groups_resumed"] == n_carried and info2["groups_carried"] == 0
     assert buffer.groups == [] and state.data_position == 4 + (4 - n_carried)
@@ -262,12 +261,25 @@ def test_unfinished_samples_continue_in_the_next_rollout_rescored_by_the_new_pol
             assert s.weight_version == 2
             want = _log_probs(new, s.prompt.token_ids, s.response_ids)
             got = torch.tensor(s.rollout_log_probs, dtype=torch.float64)
-            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+            assert len(got) == len(s.response_ids)
+            n = len(prefix)
+            # the continuation: sampled by the new weights
+            torch.testing.assert_close(got[n:], want[n:], rtol=0, atol=1e-5)
+            assert s.loss_mask == ([0] * n + [1] * (len(s.response_ids) - n) if n else None)
             if prefix:
                 continued += 1
-                old = torch.tensor(old_lps[: len(prefix)], dtype=torch.float64)
-                assert not torch.allclose(old, got[: len(prefix)], atol=1e-3)  # re-scored
+                # the carried tokens: the old weights' log-probs as the engine returned them,
+                # not the new policy's
+                assert s.rollout_log_probs[:n] == old_lps[:n]
+                assert not torch.allclose(want[:n], got[:n], atol=1e-3)
     assert continued >= 1
+    # the trainer's batch: the carried tokens out of the loss, every continuation in it
+    batch = to_rollout_batch(kept2)
+    masks = batch.response_field("loss_mask")
+    for s, mask in zip((s for g in kept2 for s in g), masks, strict=True):
+        assert mask.tolist() == [0.0] * s.resumed_tokens + [1.0] * (
+            len(s.response_ids) - s.resumed_tokens
+        )
     # fresh groups of rollout 2 were generated by the new weights only
     for group in kept2[n_carried:]:
         assert all(s.resumed_tokens == 0 and s.weight_version == 2 for s in group)

@@ -98,7 +98,9 @@ def test_each_panel_draws_the_records_metrics():
         del r["train"]["entropy"]
     records[3]["train"] |= {"grad_norm": 0.7, "pg_clipfrac": 0.1, "critic/value_loss": 0.4}
     records[0]["train"] |= {"grad_norm": 0.5, "critic/grad_norm": 2.0, "tis": 1.1,
-                            "train_rollout_logprob_abs_diff": 0.02}  # fmt: skip
+                            "train_rollout_logprob_abs_diff": 0.02,
+                            "train_rollout_logprob_abs_diff_max": 0.9,
+                            "train_rollout_logprob_abs_diff_sample_max": 0.3}  # fmt: skip
     for r in records:
         r["rollout"] |= {"pass@1": 0.25, "pass@2": 0.4, "pass@4": 0.5}
     records[2]["eval"]["held-out"] |= {"pass@1": 0.75, "pass@8": 1.0}
@@ -132,6 +134,11 @@ def test_each_panel_draws_the_records_metrics():
         assert lines(grad) == {"actor": ([0, 3], [0.5, 0.7]), "critic": ([0], [2.0])}
         assert lines(clip) == {"pg_clipfrac": ([3], [0.1])}
         assert lines(value) == {"value_loss": ([3], [0.4])}
-        assert lines(tis) == {"mean weight": ([0], [1.1]), "|log-prob diff| mean": ([0], [0.02])}
+        assert lines(tis) == {
+            "mean weight": ([0], [1.1]),
+            "|log-prob diff| mean": ([0], [0.02]),
+            "|log-prob diff| max": ([0], [0.9]),
+            "worst sample's |diff|": ([0], [0.3]),
+        }
     finally:
         plt.close(fig)

@@ -3,7 +3,8 @@
 :func:`rl_layouts` trains the same RL recipe (reference model and KL loss, entropy bonus, two
 optimizer steps per rollout, so the old log-prob pass runs) at one layout after another in one
 spawn and returns each layout's metrics, final weights and the reference's log-probs (the
-log-prob pass, gathered over CP) of its samples; with a
+log-prob pass, gathered over CP) of its samples (which carry engine log-probs: the train/rollout
+mismatch metrics, extremes included, are among the metrics); with a
 ``save`` directory the last layout saves and a CP = 1 backend loads that checkpoint.
 """
 
@@ -39,7 +40,8 @@ def _one_layout(hf_dir: str, argv: list[str], save: str | None) -> dict[str, Any
     backend = MegatronBackend()
     backend.init(parse(full + (["--save", save] if save else [])))
     layout = backend.data_layout()
-    shards = partition_for_dp(RolloutBatch(samples()), layout.dp_size, keep_groups=True)
+    batch = RolloutBatch(samples(engine_log_probs=True))  # the mismatch metrics are reported
+    shards = partition_for_dp(batch, layout.dp_size, keep_groups=True)
     batch = shards[layout.dp_rank] if layout.consumes_data else None
     metrics = [backend.train(r, batch) for r in range(RL_ROLLOUTS)]
     weights = {k: v.detach().cpu().numpy().copy() for k, v in backend.hf_weights()}

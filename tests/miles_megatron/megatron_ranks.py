@@ -203,28 +203,40 @@ def both_backends_backend(world: int, backend_name: str, hf_dir: str, *extra: st
 
 
 def rollout_losses(rank: int, world: int, backend_name: str, hf_dir: str, rollouts: int):
-    """Per-rollout loss, train/rollout mismatch and importance-ratio std of ``backend_name``
-    ("megatron" at TP=world, or "fsdp") on one batch that carries engine log-probs."""
+    """Per-rollout loss, train/rollout mismatch, importance-ratio std and extremes, and the
+    step's mean TIS weight of ``backend_name`` ("megatron" at TP=world, or "fsdp") on one batch
+    that carries engine log-probs, with token-level TIS normalised over each step's batch."""
     from backend_reference import samples
     from miles_core.batch import RolloutBatch
 
-    backend = both_backends_backend(world, backend_name, hf_dir)
+    tis = ["--use-tis", "--tis-clip", "1.5", "--tis-clip-low", "0.5", "--tis-batch-normalize"]
+    backend = both_backends_backend(world, backend_name, hf_dir, *tis)
     batch = RolloutBatch(samples(engine_log_probs=True))
     metrics = [backend.train(r, batch) for r in range(rollouts)]
     backend.close()
-    keys = ("loss", "train_rollout_logprob_abs_diff", "train_rollout_is_ratio_std")
+    keys = (
+        "loss",
+        "train_rollout_logprob_abs_diff",
+        "train_rollout_is_ratio_std",
+        "train_rollout_logprob_abs_diff_max",
+        "train_rollout_is_ratio_min",
+        "train_rollout_logprob_abs_diff_sample_max",
+        "tis_batch_mean",
+    )
     return [[m[k] for k in keys] for m in metrics], list(HOOK_CALLS)
 
 
 def rollout_logprob_run(rank: int, world: int, backend_name: str, hf_dir: str, steps: int):
-    """One rollout of ``backend_name`` with ``--use-rollout-logprobs`` and ``steps`` optimizer
-    steps on the masked samples carrying engine log-probs: its metrics and the hooks called."""
+    """One rollout of ``backend_name`` with ``--use-rollout-logprobs`` (and ``--use-opsm``
+    against the engine's log-probs) and ``steps`` optimizer steps on the masked samples
+    carrying engine log-probs: its metrics and the hooks called."""
     from backend_reference import samples
     from miles_core.batch import RolloutBatch
 
     backend = both_backends_backend(
-        world, backend_name, hf_dir, "--use-rollout-logprobs", "--num-steps-per-rollout", str(steps)
-    )
+        world, backend_name, hf_dir, "--use-rollout-logprobs", "--num-steps-per-rollout",
+        str(steps), "--use-opsm", "--opsm-delta", "0",
+    )  # fmt: skip
     metrics = backend.train(0, RolloutBatch(samples(masked=True, engine_log_probs=True)))
     backend.close()
     return metrics, list(HOOK_CALLS)

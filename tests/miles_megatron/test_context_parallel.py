@@ -9,7 +9,8 @@ With ranks (gloo, the CPU shim), one 2-rank spawn in the default suite:
   the checkpoint's names from rank 0 and to every rank (test_layouts.check);
 * the RL recipe (reference model + KL loss, entropy bonus, two steps per rollout: the actor's
   old log-prob pass and clipped ratios) at CP = 2 equals TP = 2 (the same data per step, DP = 1)
-  metric for metric, weight for weight; the reference log-probs gathered over CP equal HF's;
+  metric for metric (the train/rollout mismatch's extremes and worst sample included), weight
+  for weight; the reference log-probs gathered over CP equal HF's;
 * a checkpoint saved at CP = 2 loads at CP = 1 bit for bit;
 * ``--loss-type sft_loss`` (sequence mean) at CP = 2 on samples whose loss tokens reach both CP
   ranks equals HF's float64 loss and gradient norm (without ranks: every sequence-mean share
@@ -25,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from miles_core import mismatch
 from miles_core.packing import block_causal_mask, pack_thd
 from miles_megatron.context_parallel import (
     PackedShard,
@@ -37,6 +39,14 @@ from tolerances import FP32_EPS, GRAD_REL_ERR
 #: log-probs, entropies and the loss terms built from them are at most ~8 in magnitude on the
 #: tiny models (log 96 ~ 4.6 plus logit spread); 8 fp32 ulps there bound a reordered sum's error
 VALUE_ATOL = 8 * FP32_EPS * 8
+MISMATCH_KEYS = (
+    mismatch.ABS_DIFF,
+    mismatch.ABS_DIFF_MAX,
+    mismatch.RATIO_MIN,
+    mismatch.RATIO_MAX,
+    mismatch.ABS_DIFF_SAMPLE_MAX,
+    mismatch.K3_SAMPLE_MAX,
+)
 
 
 def test_the_documented_example():
@@ -165,6 +175,7 @@ def test_cp_flag_combinations_not_covered_are_refused_at_parse_time(layout_hf_di
         (["--spec", "mod", "fn"], "--spec"),
         (["--use-tis", "--tis-level", "geometric"], "--tis-level geometric"),
         (["--use-tis", "--tis-level", "sequence"], "--tis-level sequence"),
+        (["--use-opsm", "--num-steps-per-rollout", "2"], "--use-opsm"),
     ):
         with pytest.raises(ArgumentError, match=f"--context-parallel-size 2 with {match}"):
             parse(base + extra)
@@ -181,9 +192,14 @@ def check_rl(result: dict, baseline: str, label: str, hf_dir: str) -> None:
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=GRAD_REL_ERR), (label, step)
         for key in ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss"):
             assert abs(a[key] - b[key]) <= VALUE_ATOL, (label, step, key, a[key], b[key])
+        # maxima and minima over the tokens of all ranks; each sample's mean summed over the CP
+        # ranks that hold parts of it before the worst sample is taken
+        for key in MISMATCH_KEYS:
+            tol = VALUE_ATOL * max(1.0, abs(a[key]))
+            assert abs(a[key] - b[key]) <= tol, (label, step, key, a[key], b[key])
     worst = max(np.abs(base["weights"][k] - got["weights"][k]).max() for k in base["weights"])
     assert worst < 1e-4, (label, worst)  # Adam moves each weight ~lr = 1e-3 per step
-    want = hf_log_probs(hf_dir, samples())
+    want = hf_log_probs(hf_dir, samples(engine_log_probs=True))  # cp_ranks trains on these
     assert sorted(got["ref_log_probs"]) == list(range(len(want)))
     for src, values in got["ref_log_probs"].items():
         diff = (torch.tensor(values) - want[src]).abs().max().item()

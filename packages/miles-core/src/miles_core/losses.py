@@ -20,8 +20,10 @@ import torch
 from miles_core.advantages import ESTIMATORS
 from miles_core.aggregation import aggregate, segment_mean
 from miles_core.kl import KL_TYPES, kl_estimate
+from miles_core.mismatch import extremes as mismatch_extremes
 from miles_core.mismatch import token_terms as mismatch_terms
-from miles_core.rollout_correction import LEVELS, MODES, rollout_is_weights
+from miles_core.off_policy_masking import opsm_mask
+from miles_core.rollout_correction import BATCH_MEAN_FIELD, LEVELS, MODES, rollout_is_weights
 
 LOG_RATIO_CLAMP = 20.0
 
@@ -47,6 +49,9 @@ class LossConfig:
     tis_level: str = "token"
     tis_mode: str = "truncate"
     tis_veto_threshold: float | None = None
+    tis_batch_normalize: bool = False
+    use_opsm: bool = False
+    opsm_delta: float = 1e-4
     calculate_per_token_loss: bool = False
     temperature: float = 1.0
     policy_loss: str = "ppo"
@@ -219,10 +224,12 @@ def compute_policy_loss(
     rollout_log_probs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     sample_loss_tokens: torch.Tensor | None = None,
+    tis_batch_mean: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The actor loss of one micro-batch::
 
-        loss = agg(w * ppo_clip_loss(log_ratio, A))       w: --use-tis's weights, else 1
+        loss = agg(w * o * ppo_clip_loss(log_ratio, A))   w: --use-tis's weights, else 1
+                                                          o: 0 where --use-opsm masks, else 1
                - entropy_coef * agg(entropy)              when entropy is given
                + kl_loss_coef * agg(kl_estimate(log pi, log pi_ref, --kl-loss-type))  --use-kl-loss
 
@@ -232,13 +239,18 @@ def compute_policy_loss(
     ``--calculate-per-token-loss``, token sum over the step's sample count for ``dr_grpo``,
     else sequence mean, which needs ``sample_ids``; ``sample_loss_tokens`` is passed on to it).
     Under ``dr_grpo`` the metrics other than ``loss`` and ``pg_loss`` are sequence means.
+    ``tis_batch_mean`` (per token, ``--tis-batch-normalize``): the step's mean weight ``w`` is
+    divided by (:func:`miles_core.rollout_correction.with_batch_mean`).
 
     Metrics (detached, shares of step means): ``loss``, ``pg_loss``, ``pg_clipfrac``,
     ``pg_dual_clipfrac``, ``ppo_kl`` (approximate KL, mean of ``log pi_old - log pi``), and when
-    applicable ``entropy``, ``kl_loss``, ``tis`` (mean weight), ``tis_clipfrac``; with
+    applicable ``entropy``, ``kl_loss``, ``tis`` (mean weight), ``tis_clipfrac``,
+    ``tis_veto_frac``, ``tis_batch_mean``, ``opsm_masked_frac``, ``opsm_masked_samples`` (a
+    count: :mod:`miles_core.off_policy_masking`); with
     ``rollout_log_probs``, the train/rollout mismatch of ``old_log_probs`` against them
     (:mod:`miles_core.mismatch`; of the current ``log_probs`` under
-    ``--use-rollout-logprobs``, where ``old_log_probs`` are the engine's).
+    ``--use-rollout-logprobs``, where ``old_log_probs`` are the engine's), whose extremes are
+    not shares but combine as :mod:`miles_core.metric_reduction` says.
     """
 
     def agg(values: torch.Tensor, token_sum: bool = config.token_sum) -> torch.Tensor:
@@ -274,8 +286,12 @@ def compute_policy_loss(
     if rollout_log_probs is not None:
         # the trainer's side: pi_old, or the current policy when pi_old is the engine's own
         train_side = log_probs.detach() if config.use_rollout_logprobs else old_log_probs
-        for name, values in mismatch_terms(train_side, rollout_log_probs).items():
+        terms = mismatch_terms(train_side, rollout_log_probs)
+        for name, values in terms.items():
             metrics[name] = mean(values)
+        metrics.update(
+            mismatch_extremes(terms, loss_mask, sample_ids, num_samples, sample_loss_tokens)
+        )
     if config.use_tis:
         if rollout_log_probs is None:
             raise ValueError("--use-tis needs the rollout log-probs of every sample")
@@ -291,11 +307,30 @@ def compute_policy_loss(
             sample_ids=sample_ids,
             num_samples=num_samples,
         )
+        if config.tis_batch_normalize:  # the step's mean weight, on every token
+            if tis_batch_mean is None:
+                raise ValueError(
+                    "--tis-batch-normalize needs the step's mean weight "
+                    "(miles_core.rollout_correction.with_batch_mean)"
+                )
+            # outside the responses (prompts, padding) a packed field is 0: divide by 1 there
+            w = w / torch.where(tis_batch_mean > 0, tis_batch_mean, torch.ones_like(w))
+            metrics["tis_batch_mean"] = mean(tis_batch_mean)
         pg = pg * w
         metrics["tis"] = mean(w).detach()
         metrics["tis_clipfrac"] = mean(changed).detach()
         if config.tis_veto_threshold is not None:
             metrics["tis_veto_frac"] = mean(vetoed).detach()
+    if config.use_opsm:
+        if sample_ids is None or num_samples is None:
+            raise ValueError("--use-opsm needs sample_ids and num_samples")
+        masked, masked_samples = opsm_mask(
+            log_probs, old_log_probs, advantages, loss_mask, sample_ids, num_samples,
+            config.opsm_delta,
+        )  # fmt: skip
+        pg = pg * (1.0 - masked)
+        metrics["opsm_masked_frac"] = mean(masked)
+        metrics["opsm_masked_samples"] = masked_samples
     pg_loss = agg(pg)
     loss = pg_loss
     metrics["pg_loss"] = pg_loss.detach()
@@ -430,6 +465,7 @@ def packed_score_loss(
         config=config,
         ref_log_probs=fields.get("ref_log_probs"),
         rollout_log_probs=fields.get("rollout_log_probs"),
+        tis_batch_mean=fields.get(BATCH_MEAN_FIELD),
         entropy=entropy if entropy_needs_grad(loss_type, config) else entropy.detach(),
         **common,
     )

@@ -6,8 +6,10 @@ both backends.
   (:mod:`miles_core.mismatch`), which is why ``--use-tis`` is refused with it (its weight
   ``pi_old / pi_rollout`` would be exactly 1).
 - ``forward``: a forward pass over the whole rollout before its first optimizer step: more than
-  one step per rollout (each later step's ratio is against the pre-update policy), or the EMA
-  policy (``--old-policy ema``).
+  one step per rollout (each later step's ratio is against the pre-update policy), the EMA
+  policy (``--old-policy ema``), or ``--tis-batch-normalize`` (the step's mean importance
+  weight is needed before the step's first micro-batch:
+  :func:`miles_core.rollout_correction.with_batch_mean`).
 - ``current``: one step per rollout: the old policy *is* the current one, so its log-probs are
   the training forward's, detached (no extra pass; the ratio is 1 and its gradient the policy
   gradient). ``--kl-coef``'s KL in the reward still needs the pre-update log-probs before the
@@ -27,7 +29,7 @@ def source(args: Any) -> str:
     """:data:`ROLLOUT`, :data:`FORWARD` or :data:`CURRENT` for this run's flags."""
     if args.use_rollout_logprobs:
         return ROLLOUT
-    if args.num_steps_per_rollout > 1 or args.old_policy == "ema":
+    if args.num_steps_per_rollout > 1 or args.old_policy == "ema" or args.tis_batch_normalize:
         return FORWARD
     return CURRENT
 

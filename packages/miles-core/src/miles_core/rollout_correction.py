@@ -23,19 +23,35 @@ engine did signals a broken sample). The weights multiply the per-token policy-g
 the metrics are their mean (``tis``), the fraction of tokens whose weight the truncation or the
 mask changed (``tis_clipfrac``) and the fraction vetoed (``tis_veto_frac``).
 
+``--tis-batch-normalize``: the weights, as they enter the loss (after the truncation or mask and
+the veto), are divided by their mean over the optimizer step's trained tokens (``token``
+level) or over its samples with trained tokens, one weight per sample (``sequence`` and
+``geometric`` levels), on all data-parallel ranks together, so that they average to 1 over
+that set (verl's ``rollout_is_batch_normalize``). The mean is computed once per step from the
+step's ``old_log_probs`` and the engine's log-probs, before its first micro-batch
+(:func:`with_batch_mean`), which is why the flag makes the old-policy log-probs come from a
+forward pass (:mod:`miles_core.old_policy`). A step whose mean is 0 (every weight rejected) is
+left as it is. The metric ``tis_batch_mean`` is that mean (averaged over the steps).
+
 The sequence levels need each sample whole in one micro-batch shard: a backend that splits a
 sample's tokens across ranks (Megatron's context parallelism) refuses them.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
-from miles_core.aggregation import segment_sum
+import torch
+import torch.distributed as dist
+
+from miles_core.aggregation import all_reduce_host, segment_sum
+from miles_core.batch import RolloutBatch
 
 LEVELS = ("token", "sequence", "geometric")
 MODES = ("truncate", "mask")
 LOG_RATIO_CLAMP = 20.0
+#: The per-token field :func:`with_batch_mean` attaches: the step's mean weight.
+BATCH_MEAN_FIELD = "tis_batch_mean"
 
 
 def rollout_is_weights(
@@ -92,3 +108,51 @@ def rollout_is_weights(
         vetoed = (segment_sum(low, ids, num_samples) > 0)[owner] & (ids >= 0)
         w = torch.where(vetoed, torch.zeros_like(w), w)
     return w.reshape(shape), changed.to(d.dtype).reshape(shape), vetoed.to(d.dtype).reshape(shape)
+
+
+def batch_mean(batch: RolloutBatch, config: Any, group: Any = None) -> float:
+    """The mean ``--tis-batch-normalize`` divides by (module docstring), over ``batch`` (this
+    rank's part of an optimizer step, carrying ``old_log_probs`` and the engine's log-probs)
+    and the same parts of the other ranks of ``group``, in float64. ``config``: a
+    :class:`~miles_core.losses.LossConfig`. 1.0 where the mean is 0 or there is no trained
+    token."""
+    total = torch.zeros(2, dtype=torch.float64)  # (sum of weights, count)
+    if len(batch):
+        masks = batch.response_field("loss_mask")
+        old = torch.cat(batch.response_field("old_log_probs")).double()
+        rollout = torch.cat(batch.response_field("rollout_log_probs")).double()
+        mask = torch.cat(masks).double()
+        lengths = torch.tensor([m.numel() for m in masks])
+        ids = torch.repeat_interleave(torch.arange(len(masks)), lengths)
+        w, _, _ = rollout_is_weights(
+            old,
+            rollout,
+            level=config.tis_level,
+            mode=config.tis_mode,
+            clip=config.tis_clip,
+            clip_low=config.tis_clip_low,
+            veto_threshold=config.tis_veto_threshold,
+            loss_mask=mask,
+            sample_ids=ids,
+            num_samples=len(masks),
+        )
+        if config.tis_level == "token":
+            total += torch.stack([(w * mask).sum(), mask.sum()])
+        else:  # one weight per sample with trained tokens: all its tokens carry it
+            tokens = segment_sum(mask, ids, len(masks))
+            per_sample = segment_sum(w * mask, ids, len(masks)) / tokens.clamp(min=1)
+            total += torch.stack([per_sample.sum(), (tokens > 0).double().sum()])
+    total = all_reduce_host(total, dist.ReduceOp.SUM, group)
+    weight_sum, count = float(total[0]), float(total[1])
+    return weight_sum / count if weight_sum > 0 and count > 0 else 1.0
+
+
+def with_batch_mean(batch: RolloutBatch, config: Any, group: Any = None) -> RolloutBatch:
+    """``batch`` (one optimizer step's part on this rank) with :data:`BATCH_MEAN_FIELD`, the
+    step's :func:`batch_mean` on every token, under ``--use-tis --tis-batch-normalize``; else
+    ``batch`` itself. A collective over ``group`` (the data-parallel ranks) when on."""
+    if not (config.use_tis and config.tis_batch_normalize):
+        return batch
+    mean = batch_mean(batch, config, group)
+    masks = batch.response_field("loss_mask") if len(batch) else []
+    return batch.with_fields(**{BATCH_MEAN_FIELD: [torch.full_like(m, mean) for m in masks]})

@@ -40,8 +40,10 @@ from miles_core.losses import (
     packed_score_loss,
     packed_value_loss,
 )
+from miles_core.metric_reduction import over_steps
 from miles_core.micro_batch import MicroBatching, split_micro_batches, split_steps
 from miles_core.packing import PackedBatch, pack_thd, packed_attention_kwargs, unpack_response
+from miles_core.rollout_correction import with_batch_mean
 from torch import nn
 
 from miles_fsdp.adaptations.moe import RoutingReplay
@@ -213,7 +215,8 @@ def _with_policy_log_probs(ctx: RolloutContext, batch: RolloutBatch) -> RolloutB
 def train_rollout(ctx: RolloutContext, batch: RolloutBatch) -> tuple[dict[str, float], int, int]:
     """Train on this rank's shard of one rollout; returns (metrics, steps, micro-batches).
 
-    Metrics: the loss parts of :func:`compute_policy_loss` averaged over the steps, ``grad_norm``
+    Metrics: the loss parts of :func:`compute_policy_loss` averaged over the steps (extremes:
+    their maximum or minimum, :func:`~miles_core.metric_reduction.over_steps`), ``grad_norm``
     and ``lr`` of the last step, ``tokens_per_s`` (this rank) and ``peak_memory_gb`` on CUDA.
     """
     args = ctx.args
@@ -238,6 +241,7 @@ def train_rollout(ctx: RolloutContext, batch: RolloutBatch) -> tuple[dict[str, f
         denominator = loss_denominator(
             step_batch, config.calculate_per_token_loss, group=ctx.cpu_group
         )
+        step_batch = with_batch_mean(step_batch, config, ctx.cpu_group)
         step_micro = micro_batches(ctx, step_batch)
         num_micro += len(step_micro)
         results.append(
@@ -255,10 +259,7 @@ def train_rollout(ctx: RolloutContext, batch: RolloutBatch) -> tuple[dict[str, f
         if ctx.profiler is not None:
             ctx.profiler.after_step(ctx.global_step + index)
     elapsed = time.perf_counter() - start
-    metrics: dict[str, float] = {}
-    for key in results[0].parts:
-        metrics[key] = sum(r.parts[key] for r in results) / len(results)
-    mismatch.finish(metrics)
+    metrics = mismatch.finish(over_steps([r.parts for r in results]))
     metrics["grad_norm"] = results[-1].grad_norm
     metrics["lr"] = results[-1].lr
     if ctx.loss_scaler is not None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from miles_core.metric_reduction import StepMetrics
 from torch import nn
 
 from miles_fsdp.loss_scale import LossScaler
@@ -28,30 +28,13 @@ LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]
 
 @dataclass
 class StepResult:
-    """Metrics of one optimizer step; ``parts`` hold DP-summed loss contributions."""
+    """Metrics of one optimizer step; ``parts`` hold the loss's metrics combined over the
+    micro-batches and DP ranks (:mod:`miles_core.metric_reduction`)."""
 
     loss: float
     parts: dict[str, float]
     grad_norm: float
     lr: float
-
-
-def all_reduce_sum(
-    values: dict[str, torch.Tensor], group: Any = None, also: torch.Tensor | None = None
-) -> tuple[dict[str, float], float | None]:
-    """Sum scalar metrics over the data-parallel ranks (one collective for all of them) and
-    read them to the host together with ``also`` (a 0-d tensor read as it is): one host wait."""
-    keys = sorted(values)
-    flat = torch.stack([values[k].detach().float().reshape(()) for k in keys]) if keys else None
-    if flat is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        if dist.get_backend(group) == "nccl" and flat.device.type != "cuda":
-            flat = flat.cuda()
-        dist.all_reduce(flat, group=group)
-    parts = [] if flat is None else [flat]
-    if also is not None:
-        parts.append(also.detach().float().reshape(1).to(parts[0].device if parts else also.device))
-    host = torch.cat(parts).cpu().tolist() if parts else []
-    return dict(zip(keys, host)), (host[-1] if also is not None else None)
 
 
 def optimizer_step(
@@ -74,20 +57,20 @@ def optimizer_step(
     """
     optimizer.zero_grad(set_to_none=True)
     total: torch.Tensor | float = 0.0
-    parts: dict[str, torch.Tensor] = {}
+    parts = StepMetrics()
     scale = loss_scaler.scale if loss_scaler is not None else 1.0
     for mb in micro_batches:
         contribution, mb_parts = loss_of(model, mb)
         (contribution * (dp_size * scale)).backward()
         # accumulated where they live: no host synchronisation per micro-batch
         total = total + contribution.detach().float()
-        for k, v in mb_parts.items():
-            parts[k] = parts[k] + v.detach().float() if k in parts else v.detach().float()
+        parts.add(mb_parts)
     if loss_scaler is not None:
         loss_scaler.unscale_(model)
     norm = clip_grad_norm(model, clip_grad)
     # the metrics' all-reduce and the norm come to the host in one wait, before the step
-    reduced, grad_norm = all_reduce_sum({"step_loss": torch.as_tensor(total), **parts}, also=norm)
+    parts.add({"step_loss": torch.as_tensor(total)})
+    reduced, grad_norm = parts.reduce(also=norm)
     lr = optimizer.param_groups[0]["lr"]
     finite = math.isfinite(grad_norm)
     if finite:  # a skipped step does not advance the LR schedule (as under Megatron)

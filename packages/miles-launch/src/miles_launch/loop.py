@@ -100,6 +100,7 @@ def make_generator(job: Job, check_alive: Callable[[str], Any]) -> Generator:
         tokenizer=job.tokenizer,
         abort_urls=job.engines.urls if job.args.partial_rollout else None,
         passes=group_filter(job.args).passes,
+        mask_carried=job.args.mask_offpolicy_in_partial_rollout,
     )
 
 

@@ -17,9 +17,11 @@ The optimisation:
 * gradient norm: ``grad_norm`` of the actor and (``--use-critic``) the critic;
 * clip fraction: ``pg_clipfrac``, ``pg_dual_clipfrac`` and the critic's ``value_clipfrac``;
 * value loss: the critic's ``value_loss``;
-* train/rollout mismatch: ``train_rollout_logprob_abs_diff`` and ``train_rollout_k3_kl``
-  (whenever the engine returned log-probs; :mod:`miles_core.mismatch`), and with ``--use-tis``
-  the mean weight ``tis`` and ``tis_clipfrac``.
+* train/rollout mismatch: ``train_rollout_logprob_abs_diff``, its token maximum
+  ``train_rollout_logprob_abs_diff_max``, the worst sample's
+  ``train_rollout_logprob_abs_diff_sample_max`` and ``train_rollout_k3_kl`` (whenever the
+  engine returned log-probs; :mod:`miles_core.mismatch`), and with ``--use-tis`` the mean
+  weight ``tis`` and ``tis_clipfrac``.
 
 A panel whose metric the run did not record says so. Bad arguments (no such directory, no
 metrics file, no rollout records) are one ``error:`` line and exit status 2.
@@ -33,7 +35,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from miles_core.mismatch import ABS_DIFF, K3_KL
+from miles_core.mismatch import ABS_DIFF, ABS_DIFF_MAX, ABS_DIFF_SAMPLE_MAX, K3_KL
 
 PHASES = ("gen", "train", "save", "update", "eval")  # drawn in this order, then any others
 
@@ -177,6 +179,8 @@ def run_figure(records: list[dict[str, Any]], title: str) -> Any:
     _plot_lines(value, records, [("train", "critic/value_loss", "value_loss")])
     value.set_ylabel("value loss")
     _plot_lines(tis, records, [("train", ABS_DIFF, "|log-prob diff| mean"),
+                               ("train", ABS_DIFF_MAX, "|log-prob diff| max"),
+                               ("train", ABS_DIFF_SAMPLE_MAX, "worst sample's |diff|"),
                                ("train", K3_KL, "K3 KL"),
                                ("train", "tis", "mean weight"),
                                ("train", "tis_clipfrac", "tis_clipfrac")])  # fmt: skip

@@ -103,8 +103,13 @@ class RolloutArgs(ArgGroup):
     partial_rollout: bool = flag(
         False,
         help="Under --over-sampling-batch-size: once enough groups passed, abort the rest; their "
-        "unfinished samples continue in the next rollout, the carried tokens re-scored under "
-        "the new weights.",
+        "unfinished samples continue in the next rollout, the carried tokens keeping the "
+        "log-probs they were sampled with.",
+    )
+    mask_offpolicy_in_partial_rollout: bool = flag(
+        False,
+        help="--partial-rollout: a continued sample's carried tokens (sampled by an older "
+        "policy) get loss mask 0; only its continuation trains.",
     )
     custom_generate_function_path: str | None = flag(
         None,

@@ -54,6 +54,11 @@ def partial_rollout(args: Any) -> None:
     from miles_launch.rollout.routed_experts import routing_replay_on
 
     if not args.partial_rollout:
+        if args.mask_offpolicy_in_partial_rollout:
+            raise ArgumentError(
+                "--mask-offpolicy-in-partial-rollout masks the tokens --partial-rollout "
+                "carries, which is off (add --partial-rollout)"
+            )
         return
     refused = [
         (
@@ -85,11 +90,6 @@ def partial_rollout(args: Any) -> None:
             bool(args.rollout_stop),
             "cannot be used with --rollout-stop: a stop string spanning the carried tokens and "
             "the continuation would not be seen (--rollout-stop-token-ids can)",
-        ),
-        (
-            args.rollout_temperature != 1.0,
-            f"requires --rollout-temperature 1 (got {args.rollout_temperature}): SGLang "
-            "re-scores the carried tokens without temperature, the generated ones with it",
         ),
         (
             bool(getattr(args, "load_debug_rollout_data", None)),

@@ -279,6 +279,11 @@ def check_context_parallel_flags(args: Any) -> None:
             f"--context-parallel-size {cp} with --tis-level {args.tis_level}: a sequence's "
             "importance weight needs all its tokens, which CP ranks hold parts of"
         )
+    if args.use_opsm:
+        raise ArgumentError(
+            f"--context-parallel-size {cp} with --use-opsm: a sample's mean log-ratio needs all "
+            "its tokens, which CP ranks hold parts of"
+        )
     if getattr(args, "use_lora", False):
         raise ArgumentError(f"--context-parallel-size {cp} with --use-lora is not supported yet")
 

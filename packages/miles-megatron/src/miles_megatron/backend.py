@@ -348,6 +348,11 @@ class MegatronBackend(TrainBackend):
             dp_group_gloo=ps.get_data_parallel_group_gloo(),
             cp_size=ps.get_context_parallel_world_size(),
             dp_cp_group_gloo=ps.get_data_parallel_group_gloo(with_context_parallel=True),
+            cp_group=(
+                ps.get_context_parallel_group()
+                if ps.get_context_parallel_world_size() > 1
+                else None
+            ),
             before_log_prob_hook=self._before_log_prob,
             before_train_step_hook=self._before_train_step,
         )

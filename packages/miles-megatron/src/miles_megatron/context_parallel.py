@@ -29,7 +29,9 @@ global denominator (per-sample counts come from ``sample_loss_tokens``, of the w
 so each rank's loss is its share and the shares add up over the CP group: megatron's schedule
 multiplies the loss by the CP size and its DDP divides the gradients reduced over DP x CP by
 ``dp * cp``, which leaves the gradient of the summed shares (:mod:`miles_megatron.schedule`).
-Metrics are summed over DP x CP. Log-probs for the rollout come back whole through
+Metrics are summed over DP x CP (extremes by maximum or minimum; a per-sample metric's shares
+summed over the CP group before the extreme over samples: :mod:`miles_core.metric_reduction`).
+OPSM and the sequence-level TIS weights need whole samples and are refused. Log-probs for the rollout come back whole through
 :meth:`PackedShard.gather_row`. GSPO's sequence-level ratio is not a sum over tokens and is
 refused at CP > 1.
 """

@@ -6,10 +6,11 @@ the reduced gradients by the data-parallel size, so each rank back-propagates
 ``dp_size * contribution`` and the reduced gradient is exactly ``dL/dw`` for any split.
 TP peers compute identical log-probs and losses (the fused vocabulary-parallel head, or the
 vocabulary-gathered logits under ``--no-fused-log-probs``); CP ranks compute the terms of their
-own tokens (:mod:`miles_megatron.context_parallel`), shares that add up; metrics are summed
-over the data-parallel x context-parallel group. At PP > 1 the micro-batches run megatron's 1F1B schedule
-(:mod:`miles_megatron.schedule`): the loss and metrics exist on the last stage, which
-broadcasts the metrics to the other stages.
+own tokens (:mod:`miles_megatron.context_parallel`), shares that add up; metrics are combined
+over the data-parallel x context-parallel group (summed; extremes by maximum or minimum, and
+per-sample values first summed over the CP group: :mod:`miles_core.metric_reduction`). At
+PP > 1 the micro-batches run megatron's 1F1B schedule (:mod:`miles_megatron.schedule`): the
+loss and metrics exist on the last stage, which broadcasts the metrics to the other stages.
 
 ``--kl-coef`` (KL in the reward, ``reinforce_plus_plus*`` / ``ppo`` estimators): the token
 rewards get ``-kl_coef * kl_t`` with ``kl_t = kl_estimate(old, ref, --kl-loss-type)`` from the
@@ -29,7 +30,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from miles_core import mismatch, old_policy
 from miles_core.advantages import with_advantages
 from miles_core.aggregation import loss_denominator
@@ -40,9 +40,11 @@ from miles_core.losses import (
     packed_score_loss,
     packed_value_loss,
 )
+from miles_core.metric_reduction import StepMetrics, over_steps
 from miles_core.micro_batch import MicroBatching, split_steps
 from miles_core.micro_batch import split_micro_batches as split_for_ranks
 from miles_core.packing import pack_thd
+from miles_core.rollout_correction import with_batch_mean
 
 from miles_megatron.context_parallel import PackedShard, row_pad_multiple
 from miles_megatron.output_head import ScoreHead
@@ -64,7 +66,8 @@ class TrainContext:
     dp_size: int
     dp_group_gloo: Any
     cp_size: int
-    dp_cp_group_gloo: Any  # metrics are summed over it (the DP group at CP = 1)
+    dp_cp_group_gloo: Any  # metrics are combined over it (the DP group at CP = 1)
+    cp_group: Any = None  # the CP group at CP > 1: per-sample metrics are summed over it
     before_log_prob_hook: Any = None
     before_train_step_hook: Any = None
 
@@ -74,16 +77,6 @@ def split_micro_batches(ctx: TrainContext, batch: RolloutBatch) -> list[RolloutB
     one is ``--max-tokens-per-gpu x --context-parallel-size`` (the CP group shares it)."""
     how = MicroBatching.from_args(ctx.args, cp_size=ctx.cp_size)
     return split_for_ranks(batch, how, group=ctx.dp_group_gloo)
-
-
-def _sum_over_ranks(values: dict[str, torch.Tensor], group: Any) -> dict[str, float]:
-    if not values:
-        return {}
-    keys = sorted(values)  # one device-to-host copy for all of them
-    flat = torch.stack([values[k].detach().float().reshape(()) for k in keys]).cpu()
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(flat, group=group)
-    return dict(zip(keys, flat.tolist(), strict=True))
 
 
 def optimizer_step(
@@ -97,16 +90,14 @@ def optimizer_step(
     model = ctx.model
     model.zero_grad_buffer()
     ctx.optimizer.zero_grad()
-    sums: dict[str, torch.Tensor] = {}
+    step_metrics = StepMetrics()
 
     loss_type = getattr(ctx.args, "loss_type", "policy_loss")
     entropy_grad = entropy_needs_grad(loss_type, config)
     critic = loss_type == "value_loss"
 
     def add_metrics(loss: torch.Tensor, metrics: dict[str, torch.Tensor]) -> torch.Tensor:
-        for k, v in {"step_loss": loss, **metrics}.items():  # summed where they are
-            v = v.detach().float()
-            sums[k] = sums[k] + v if k in sums else v
+        step_metrics.add({"step_loss": loss, **metrics})  # combined where they are
         return loss * ctx.dp_size
 
     def on_values(index: int, packed: PackedShard, values: torch.Tensor) -> torch.Tensor:
@@ -141,7 +132,8 @@ def optimizer_step(
     update_ok, grad_norm, _ = ctx.optimizer.step()
     if update_ok:
         ctx.scheduler.step(increment=1)
-    reduced = broadcast_from_last_stage(_sum_over_ranks(sums, ctx.dp_cp_group_gloo))
+    reduced, _ = step_metrics.reduce(ctx.dp_cp_group_gloo, ctx.cp_group)
+    reduced = broadcast_from_last_stage(reduced)
     return {
         **reduced,
         "loss": reduced.pop("step_loss"),
@@ -153,7 +145,8 @@ def optimizer_step(
 def train_rollout(ctx: TrainContext, rollout_id: int, batch: RolloutBatch) -> dict[str, float]:
     """This rank's shard of one rollout: old log-probs, advantages, then the optimizer steps.
 
-    Returns the mean over steps of each loss metric, the last step's ``grad_norm`` and ``lr``,
+    Returns the mean over steps of each loss metric (extremes: their maximum or minimum), the
+    last step's ``grad_norm`` and ``lr``,
     ``steps``, ``tokens_per_s`` (this rank) and ``step_losses``-free scalars only.
     """
     args = ctx.args
@@ -188,14 +181,10 @@ def train_rollout(ctx: TrainContext, rollout_id: int, batch: RolloutBatch) -> di
     for step, step_batch in enumerate(split_steps(batch, num_steps, ctx.dp_group_gloo)):
         if ctx.before_train_step_hook is not None:
             ctx.before_train_step_hook(args, rollout_id, step, model, ctx.optimizer)
+        step_batch = with_batch_mean(step_batch, config, ctx.dp_group_gloo)  # --tis-batch-normalize
         results.append(optimizer_step(ctx, step_batch, config, detach_old))
-    metrics: dict[str, float] = {}
-    for key in results[0]:
-        if key in ("grad_norm", "lr"):
-            metrics[key] = results[-1][key]
-        else:
-            metrics[key] = sum(r[key] for r in results) / len(results)
-    mismatch.finish(metrics)
+    metrics = mismatch.finish(over_steps(results))
+    metrics["grad_norm"], metrics["lr"] = results[-1]["grad_norm"], results[-1]["lr"]
     tokens = sum(len(s.tokens) for s in batch)
     metrics["steps"] = float(len(results))
     metrics["tokens_per_s"] = tokens / max(time.perf_counter() - start, 1e-9)

@@ -17,7 +17,8 @@ connection error.
 Under ``--partial-rollout`` (:mod:`miles_launch.rollout.partial`) a draw stops once enough groups
 passed the filter: the engines' requests are aborted, the groups cut short come back with their
 unfinished samples (``finish_reason`` ``abort``, unrewarded), and the next rollout continues
-them from the carried tokens.
+them from the carried tokens, which keep the log-probs they were sampled with (and with
+``--mask-offpolicy-in-partial-rollout`` leave the loss).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from miles_launch.rollout.custom_generate import (
     parse_reply,
 )
 from miles_launch.rollout.filtering import has_signal
-from miles_launch.rollout.partial import UNFINISHED, rescored_prefix, unfinished
+from miles_launch.rollout.partial import UNFINISHED, unfinished
 from miles_launch.rollout.prompts import Prompt
 from miles_launch.rollout.rewards import RewardInput, RewardModel
 from miles_launch.rollout.routed_experts import RoutedExpertsLayout, decode_sample_routed_experts
@@ -95,7 +96,7 @@ class GeneratedSample:
     reward_input: RewardInput | None = None  # what the reward function was given
     loss_mask: list[int] | None = None  # per response token (custom generation), None: all 1
     reward_given: bool = False  # the custom generate function set ``reward``
-    resumed_tokens: int = 0  # --partial-rollout: leading tokens carried and re-scored
+    resumed_tokens: int = 0  # --partial-rollout: leading tokens carried from a previous rollout
 
 
 def sampling_seed(seed: int, position: int, k: int, resumed_at: int = 0) -> int:
@@ -120,6 +121,7 @@ class Generator:
         tokenizer: Any = None,
         abort_urls: list[str] | None = None,
         passes: Callable[[list[GeneratedSample]], bool] | None = None,
+        mask_carried: bool = False,
     ):
         self.clients = [
             AsyncEngineClient(url, api_key=api_key, timeout=timeout_s, retries=0) for url in urls
@@ -138,6 +140,8 @@ class Generator:
         # --partial-rollout: whether a finished group counts towards ``need`` (the job's
         # dynamic filter rule; default: its rewards are not all equal)
         self.passes = passes or (lambda group: has_signal([s.reward for s in group]))
+        # --mask-offpolicy-in-partial-rollout: a continued sample's carried tokens get loss mask 0
+        self.mask_carried = mask_carried
         self._next = 0
 
     def _client(self) -> AsyncEngineClient:
@@ -210,14 +214,11 @@ class Generator:
         carried: GeneratedSample | None = None,
     ) -> GeneratedSample:
         prefix = list(carried.response_ids) if carried is not None else []
-        # a continuation also re-scores the carried tokens (SGLang's prompt log-probs)
-        rescore = {"logprob_start_len": len(prompt.token_ids) - 1} if prefix else {}
         reply = await client.generate(
             input_ids=list(prompt.token_ids) + prefix,
             sampling_params=params,
             return_logprob=True,
             return_routed_experts=self.routed_experts is not None,
-            **rescore,
         )
         meta = reply["meta_info"]
         if self._aborting and (meta.get("finish_reason") or {}).get("type") == UNFINISHED:
@@ -227,21 +228,17 @@ class Generator:
             prompt=prompt,
             position=position,
             response_ids=prefix + turn.ids,
-            rollout_log_probs=turn.log_probs,
+            # the carried tokens keep the log-probs of the policy that sampled them
+            rollout_log_probs=(list(carried.rollout_log_probs) if prefix else []) + turn.log_probs,
             response_text=(carried.response_text if prefix else "") + turn.text,
             finish_reason=turn.finish_reason,
             weight_version=turn.weight_version,
             resumed_tokens=len(prefix),
         )
+        if prefix and self.mask_carried:  # sampled by an older policy: out of the loss
+            out.loss_mask = [0] * len(prefix) + [1] * len(turn.ids)
         if out.finish_reason == UNFINISHED and self._aborting:
-            # cut short by the draw's abort: carried to the next rollout, which re-scores all
-            # of its tokens (the log-probs kept here, of older policies, are not trained on)
-            out.rollout_log_probs = (
-                list(carried.rollout_log_probs) + turn.log_probs if prefix else turn.log_probs
-            )
-            return out
-        if prefix:
-            out.rollout_log_probs = rescored_prefix(meta, prefix, client.base_url) + turn.log_probs
+            return out  # cut short by the draw's abort: carried to the next rollout
         if out.finish_reason == "abort":
             finish = reply["meta_info"].get("finish_reason") or {}
             raise EngineError(

@@ -11,11 +11,15 @@ first thing the next rollout draws, after the new weights were published:
 * a finished sample is kept as it was generated (its log-probs and ``weight_version`` those of
   the policy that generated it);
 * an unfinished one is sent again as ``prompt + partial response`` with ``max_new_tokens``
-  reduced by the partial length and ``logprob_start_len = len(prompt) - 1``: the engine
-  re-scores the partial tokens under the new weights (SGLang's ``input_token_logprobs``) while
-  it continues the response. The sample trains on ``partial + continuation`` with the re-scored
-  log-probs followed by the continuation's, and the new ``weight_version``: every token's
-  rollout log-prob is the recorded policy's.
+  reduced by the partial length; the engine continues the response under the new weights. The
+  sample trains on ``partial + continuation`` with the log-probs the engine returned when it
+  sampled each token: the partial tokens keep their first record (the older policy's), the
+  continuation has the new policy's, and ``weight_version`` is the new one (its last tokens').
+  So every token's rollout log-prob is that of the policy that sampled it, which is what
+  ``--use-tis`` and the mismatch metrics need (re-scoring the carried tokens under the new
+  weights would make their importance ratio about 1 for tokens an older policy chose).
+  ``--mask-offpolicy-in-partial-rollout`` (slime's flag) gives the carried tokens loss mask 0
+  instead: only the continuation trains.
 
 The buffer lives on the driver: a run resumed from a checkpoint starts with an empty buffer
 (the carried prompts were drawn already and are not drawn again).
@@ -27,8 +31,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles_core.engine import EngineError
-
 #: ``finish_reason`` of a sample cut short by the abort.
 UNFINISHED = "abort"
 
@@ -36,31 +38,6 @@ UNFINISHED = "abort"
 def unfinished(group: Sequence[Any]) -> bool:
     """Whether some sample of ``group`` was cut short (the group is carried, not trained)."""
     return any(s.finish_reason == UNFINISHED for s in group)
-
-
-def rescored_prefix(meta: dict[str, Any], prefix: list[int], url: str) -> list[float]:
-    """The log-probs of the partial response ``prefix`` from a continuation reply's
-    ``input_token_logprobs`` (requested from ``len(prompt) - 1``: the first entry, the prompt's
-    last token, has none). A reply that does not cover exactly ``prefix`` raises."""
-    entries = meta.get("input_token_logprobs")
-    if not entries or len(entries) != len(prefix) + 1 or entries[0][0] is not None:
-        got = "none" if not entries else f"{len(entries)} entries"
-        raise EngineError(
-            f"partial rollout: the engine's input_token_logprobs ({got}) do not cover the "
-            f"{len(prefix)} carried tokens plus the prompt's last one",
-            endpoint="/generate",
-            base_url=url,
-            status_code=None,
-        )
-    ids = [int(entry[1]) for entry in entries[1:]]
-    if ids != prefix:
-        raise EngineError(
-            "partial rollout: input_token_logprobs name other tokens than the carried response",
-            endpoint="/generate",
-            base_url=url,
-            status_code=None,
-        )
-    return [float(entry[0]) for entry in entries[1:]]
 
 
 @dataclass

@@ -18,7 +18,10 @@ TIS_SETTINGS = {
     "tis_level": "token",
     "tis_mode": "truncate",
     "tis_veto_threshold": None,
+    "tis_batch_normalize": False,
 }
+#: --opsm-delta's default (refused when changed without --use-opsm).
+OPSM_DELTA = 1e-4
 
 
 def kl_term_on(args: Any) -> bool:
@@ -150,6 +153,21 @@ class AlgorithmArgs(ArgGroup):
         help="--use-tis: a sample with any trained token whose ratio pi_old / pi_rollout is "
         "below this gets weight 0 (unset: no veto).",
     )
+    tis_batch_normalize: bool = flag(
+        False,
+        help="--use-tis: divide the weights by their mean over the optimizer step's trained "
+        "tokens (token level) or samples (sequence levels), on all data-parallel ranks, so they "
+        "average to 1 (costs an old-log-prob forward pass with one step per rollout).",
+    )
+    use_opsm: bool = flag(
+        False,
+        help="Off-policy sequence masking: a sample with negative advantage whose mean "
+        "log pi_old - log pi over its trained tokens exceeds --opsm-delta leaves the policy "
+        "loss (docs/rl-math.md).",
+    )
+    opsm_delta: float = flag(
+        OPSM_DELTA, help="--use-opsm's threshold on a sample's mean log pi_old - log pi."
+    )
     use_rollout_logprobs: bool = flag(
         False,
         help="The old-policy log-probs of the PPO ratio are the engine's sampled ones (no "
@@ -205,6 +223,7 @@ class AlgorithmArgs(ArgGroup):
                 (args.use_kl_loss, "--use-kl-loss"),
                 (args.use_tis, "--use-tis"),
                 (args.use_rollout_logprobs, "--use-rollout-logprobs"),
+                (args.use_opsm, "--use-opsm"),
                 (args.entropy_coef != 0.0, f"--entropy-coef {args.entropy_coef}"),
                 (args.kl_coef != 0.0, f"--kl-coef {args.kl_coef}"),
             ):
@@ -248,6 +267,22 @@ class AlgorithmArgs(ArgGroup):
                         f"--{dest.replace('_', '-')} {getattr(args, dest)} shapes --use-tis's "
                         "weights, which are off (add --use-tis)"
                     )
+        at_least(args, "opsm_delta", 0.0)
+        if not args.use_opsm and args.opsm_delta != OPSM_DELTA:
+            raise ArgumentError(
+                f"--opsm-delta {args.opsm_delta} shapes --use-opsm, which is off (add --use-opsm)"
+            )
+        if (
+            args.use_opsm
+            and not args.use_rollout_logprobs
+            and args.num_steps_per_rollout == 1
+            and args.old_policy != "ema"
+        ):
+            raise ArgumentError(
+                "--use-opsm with the current policy as pi_old (one step per rollout): every "
+                "sample's mean log pi_old - log pi is 0, nothing would be masked (add "
+                "--use-rollout-logprobs, --num-steps-per-rollout > 1 or --old-policy ema)"
+            )
         if args.use_rollout_logprobs and args.use_tis:
             raise ArgumentError(
                 "--use-tis with --use-rollout-logprobs: the old policy is the engine's, so the "

@@ -297,3 +297,41 @@ def test_a_publish_that_fails_without_a_death_ends_with_every_engine_out(mock_ht
     with pytest.raises(PublishFailed, match="no fit"):
         loop.publish(FakeJob(trainer, engines, recovery))
     assert recovery.in_rotation() == [] and engines.weight_versions() == ["3"]
+
+
+# megatron's parser imports megatron-core (~45 s on the CI machine): extended
+@pytest.mark.parametrize("backend", ["fsdp", pytest.param("megatron", marks=pytest.mark.extended)])
+def test_the_restart_flags_under_each_backend(tmp_path, backend):
+    """Launcher flags: the same on both backends. Unset, the limit is 2, or 0 where engines
+    are not restarted (--colocate, disk-delta); asking for restarts there is refused."""
+    from miles_core import backends
+    from miles_core.args import ArgumentError, entry_point_groups, parse_args
+    from miles_launch.demo import build_tiny_qwen3
+
+    if backend not in backends.available():
+        pytest.skip(f"the {backend} backend is not installed")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hi", "label": "1"}\n')
+    build_tiny_qwen3(tmp_path / "hf")  # megatron's parser reads the architecture
+    groups = entry_point_groups("core", backend, "launch")
+    base = ["--hf-checkpoint", str(tmp_path / "hf"), "--prompt-data", str(prompts)]
+    base += ["--train-backend", backend, "--rollout-engine", "builtin"]
+
+    def parse(*flags):
+        return parse_args([*base, *flags], groups)
+
+    args = parse()
+    assert (args.engine_restart_limit, args.engine_restart_backoff) == (2, 2.0)
+    assert args.engine_health_timeout == 60.0
+    assert parse("--engine-restart-limit", "0").engine_restart_limit == 0
+    assert parse("--colocate").engine_restart_limit == 0
+    disk = ["--update-weight-transfer-mode", "disk-delta", "--update-weight-disk-dir", "d"]
+    assert parse(*disk).engine_restart_limit == 0
+    with pytest.raises(ArgumentError, match=r"--engine-restart-limit 1: .*--colocate"):
+        parse("--colocate", "--engine-restart-limit", "1")
+    with pytest.raises(ArgumentError, match=r"--engine-restart-limit 3: .*disk-delta"):
+        parse(*disk, "--engine-restart-limit", "3")
+    with pytest.raises(ArgumentError, match="--engine-restart-limit must be >= 0"):
+        parse("--engine-restart-limit", "-1")
+    with pytest.raises(ArgumentError, match="--engine-health-timeout must be > 0"):
+        parse("--engine-health-timeout", "0")

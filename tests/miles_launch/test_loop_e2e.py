@@ -256,40 +256,59 @@ def _engine_pids(marker: str) -> list[int]:
     return pids
 
 
-@pytest.mark.extended
-def test_engine_killed_mid_generation_is_a_clear_error(material, tmp_path):
-    hf, prompts = material
-    cmd = [
-        sys.executable, "-m", "miles_launch.train",
-        *demo_flags(hf, prompts, tmp_path / "m.jsonl"),
-        "--rollout-max-response-len", "120", "--num-rollout", "3", "--no-progress",
-    ]  # fmt: skip
+def kill_an_engine_mid_generation(
+    hf: Path, cmd: list[str], engines: int, timeout: float = 300
+) -> tuple[int, str, str]:
+    """Run ``cmd`` (a ``miles train`` job of ``engines`` built-in engines), SIGKILL engine
+    0 once its first generation is under way, and wait for the job's end: (exit status,
+    stdout, stderr)."""
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
     )
     stderr: list[str] = []
+    stdout: list[str] = []
     reader = threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True)
     reader.start()
     try:
         ready = False
         for line in proc.stdout:
+            stdout.append(line)
             if line.startswith("engines ready"):
                 ready = True
                 break
         assert ready, f"the run ended before its engines were ready: {err_tail(stderr)}"
         pids = _engine_pids(str(hf))
-        assert len(pids) == 1, (pids, err_tail(stderr))
+        assert len(pids) == engines, (pids, err_tail(stderr))
+        victim = next(pid for pid in pids if _engine_log(pid) == "engine-0")
         # Kill it once its generation is under way (a state, not a delay: on any machine the
         # kill lands while /generate requests are in flight)
-        assert _wait_for_requests(pids[0], deadline=time.monotonic() + 120), err_tail(stderr)
-        os.kill(pids[0], signal.SIGKILL)
-        proc.stdout.read()
-        code = proc.wait(timeout=300)
+        assert _wait_for_requests(victim, deadline=time.monotonic() + 120), err_tail(stderr)
+        os.kill(victim, signal.SIGKILL)
+        stdout.append(proc.stdout.read())
+        code = proc.wait(timeout=timeout)
     finally:
         if proc.poll() is None:
             proc.kill()
     reader.join(timeout=30)
-    err = "".join(stderr)
+    return code, "".join(stdout), "".join(stderr)
+
+
+def _engine_log(pid: int) -> str:
+    """``engine-K``: the name of the log the engine of ``pid`` writes to (its stdout)."""
+    return Path(os.readlink(f"/proc/{pid}/fd/1")).stem
+
+
+@pytest.mark.extended
+def test_engine_killed_mid_generation_is_a_clear_error(material, tmp_path):
+    """--engine-restart-limit 0: a dead engine ends the run, as before restarts existed."""
+    hf, prompts = material
+    cmd = [
+        sys.executable, "-m", "miles_launch.train",
+        *demo_flags(hf, prompts, tmp_path / "m.jsonl"),
+        "--rollout-max-response-len", "120", "--num-rollout", "3", "--no-progress",
+        "--engine-restart-limit", "0",
+    ]  # fmt: skip
+    code, _, err = kill_an_engine_mid_generation(hf, cmd, engines=1)
     assert code == 1, err[-3000:]
     assert re.search(
         r"error: engine 0 \(http://127\.0\.0\.1:\d+, pid \d+\) killed by SIGKILL "
@@ -298,6 +317,45 @@ def test_engine_killed_mid_generation_is_a_clear_error(material, tmp_path):
     ), err[-3000:]
     assert "last lines of" in err and "engine-0.log" in err
     assert "Traceback" not in err.split("error: engine 0")[1]
+
+
+@pytest.mark.extended
+def test_a_killed_engine_is_restarted_and_the_rollout_completes(material, tmp_path):
+    """Two engines; engine 0 is SIGKILLed with requests in flight. The groups it held go to
+    engine 1, the rollout completes with every sample (one group of n per prompt, one weight
+    version each), engine 0 is restarted on its placement and, after the next publish, holds
+    the trainer's weights bit for bit (--update-weight-verify reads every tensor back through
+    /get_weights_by_name) and generates the next rollout beside engine 1."""
+    hf, prompts = material
+    dump = tmp_path / "rollout_{rollout_id}.pt"
+    cmd = [
+        sys.executable, "-m", "miles_launch.train",
+        *demo_flags(hf, prompts, tmp_path / "m.jsonl"), *SMALL,
+        "--rollout-num-gpus", "2", "--rollout-max-response-len", "120", "--num-rollout", "2",
+        "--update-weight-verify", "--engine-restart-backoff", "0",
+        "--save-debug-rollout-data", str(dump), "--no-progress",
+    ]  # fmt: skip
+    code, out, err = kill_an_engine_mid_generation(hf, cmd, engines=2)
+    assert code == 0, err[-3000:]
+    rs = records(tmp_path / "m.jsonl")
+    assert [r["rollout_id"] for r in rs] == [0, 1]
+    assert rs[0]["rollout"]["engine_restarts"] == 1, rs[0]["rollout"]
+    assert rs[1]["rollout"]["engine_restarts"] == 0
+    reissued = rs[0]["rollout"]["requests_reissued"]
+    assert reissued > 0 and reissued % 4 == 0  # whole groups of --n-samples-per-prompt 4
+    for r in rs:
+        assert r["rollout"]["num_samples"] == 16
+        assert len(r["rollout"]["generated_with_versions"]) == 1
+        data = torch.load(str(dump).format(rollout_id=r["rollout_id"]), weights_only=True)
+        groups = [s["group_index"] for s in data["samples"]]
+        assert sorted(groups) == sorted(list(range(4)) * 4), groups  # every sample once
+    assert re.search(r"engine 0 \(http://127\.0\.0\.1:\d+, pid \d+\) killed by SIGKILL during "
+                     r"generation: restarting it", err), err[-3000:]  # fmt: skip
+    assert "engine 0 restarted at http://127.0.0.1:" in err
+    # every publish after the restart reached both engines and was read back bit for bit
+    verified = re.findall(r"weight version (\d+) verified: \d+ tensors on (\d+) engines", err)
+    assert verified and all(engines == "2" for _, engines in verified), verified
+    assert verified[-1][0] == str(rs[-1]["weight_version"])
 
 
 @pytest.mark.extended
@@ -313,7 +371,7 @@ def test_trainer_rank_failure_tears_down_with_one_error(material, tmp_path):
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     result = train((broken, prompts), tmp_path / "m.jsonl", "--num-rollout", "1", timeout=300)
     assert result.returncode == 1, result.stderr[-3000:]
-    assert re.search(r"^error: trainer rank \d failed in init\(\): ", result.stderr, re.M)
+    assert re.search(r"^error: trainer rank \d on [\d.]+ failed in init\(\): ", result.stderr, re.M)
     assert "model.safetensors" in result.stderr.split("error: trainer rank")[1]
     assert _engine_pids(str(broken)) == []
 

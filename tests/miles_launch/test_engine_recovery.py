@@ -35,9 +35,12 @@ class FakeEngine:
         self.seeds: set[int] = set()  # the sampling seeds of every request sent here
         self.dead = False
         self.died = asyncio.Event()
+        self.hung: asyncio.Event | None = None  # set: /health waits for it (a hung engine)
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         if request.url.path.startswith("/health"):
+            if self.hung is not None:
+                await self.hung.wait()
             return httpx.Response(200 if not self.dead else 503)
         body = json.loads(request.content)
         self.seeds.add(body["sampling_params"]["sampling_seed"])
@@ -235,6 +238,30 @@ def test_the_restart_limit_ends_the_run_in_one_line(mock_http):
     first = str(failure.value).splitlines()[0]
     assert first.startswith("engine 0 (http://a, pid 1) killed by SIGKILL during generation")
     assert "--engine-restart-limit 0 spent" in first
+
+
+def test_an_engine_whose_health_does_not_answer_is_restarted_as_hung(mock_http, caplog):
+    fakes = mock_http
+    fakes["http://a"] = FakeEngine("a")
+    fakes["http://b"] = FakeEngine("b")
+    engines = FakeEngineSet(fakes)
+    recovery = EngineRecovery(engines, 2, backoff_s=0.0, health_timeout_s=2.0)
+
+    async def watch() -> None:
+        fakes["http://a"].hung = asyncio.Event()
+        deadline = asyncio.get_running_loop().time() + 30
+        while not engines.restarted:
+            assert asyncio.get_running_loop().time() < deadline
+            await recovery.acheck("during generation")
+            await asyncio.sleep(0.05)
+        fakes["http://a"].hung.set()
+        await asyncio.gather(*recovery._probes.values())
+
+    asyncio.run(watch())
+    recovery.settle()
+    assert "did not answer /health for" in caplog.text and "(hung)" in caplog.text
+    assert recovery.in_rotation() == ["http://b"]
+    assert recovery.metrics()["engine_restarts"] == 1
 
 
 class FakeTrainer:

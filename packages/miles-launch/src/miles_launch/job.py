@@ -236,6 +236,8 @@ class Job:
                 else:
                     self.trainer.close()
         finally:
+            if self.recovery is not None:
+                self.recovery.close()
             if self.engines is not None:
                 self.engines.shutdown()
         if self.placement is not None:

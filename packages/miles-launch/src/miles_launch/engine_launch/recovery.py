@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 #: How long a failed request waits for its engine's death to become visible (a killed engine
 #: drops its connections a moment before its exit status can be read, longer on a busy host).
 DEATH_GRACE_S = 15.0
-#: Seconds between two ``/health`` probes of one engine during generation.
+#: Seconds between two ``/health`` probes of one engine during generation (at most; a quarter
+#: of ``--engine-health-timeout`` when that is shorter).
 PROBE_INTERVAL_S = 5.0
 
 
@@ -77,6 +78,9 @@ class EngineRecovery:
         self._failures: list[BaseException] = []  # what a restart raised
         self._healthy_at: dict[str, float] = {}  # url -> last /health 200 (monotonic)
         self._probes: dict[str, asyncio.Task] = {}
+        self._watched_at = 0.0  # the last watch tick: between generations nobody probes
+        self._unregistered: set[str] = set()  # restarted engines the router does not know yet
+        self._closed = False
 
     # ------------------------------------------------------------------ the rotation
     def in_rotation(self) -> list[str]:
@@ -122,6 +126,10 @@ class EngineRecovery:
         (probes run in the background, one per engine at a time). A dead or hung engine goes
         out of rotation and is restarted; what cannot be restarted raises :class:`EngineDied`."""
         self._raise_failures()
+        now = time.monotonic()
+        if now - self._watched_at > 2 * PROBE_INTERVAL_S:  # a new generation phase
+            self._healthy_at.clear()
+        self._watched_at = now
         for k, proc in enumerate(list(self.engines.engines)):
             if k in self._threads:
                 continue
@@ -147,7 +155,7 @@ class EngineRecovery:
         task = self._probes.get(url)
         if task is not None and not task.done():
             return
-        if task is not None and now - last < PROBE_INTERVAL_S:
+        if task is not None and now - last < min(PROBE_INTERVAL_S, self.health_timeout_s / 4):
             return
 
         async def probe() -> None:
@@ -193,7 +201,11 @@ class EngineRecovery:
     def _restart(self, k: int, delay: float) -> None:
         try:
             time.sleep(delay)
+            if self._closed:
+                return
             engine = self.engines.restart(k)
+            with self._lock:
+                self._unregistered.add(engine.url)
             logger.warning("%s restarted at %s (pid %d); it serves after the next publish",
                            engine.name, engine.url, engine.pid)  # fmt: skip
         except BaseException as error:  # handed to whoever waits (settle, acheck)
@@ -202,9 +214,7 @@ class EngineRecovery:
     def _raise_failures(self) -> None:
         if self._failures:
             error = self._failures[0]
-            if isinstance(error, EngineDied):
-                raise EngineDied(f"{error} (while restarting it)")
-            raise error
+            raise EngineDied(f"restarting an engine failed: {error}") from error
 
     def settle(self) -> None:
         """Wait for the restarts under way; raise what one of them raised."""
@@ -259,8 +269,11 @@ class EngineRecovery:
                 + ", ".join(f"{e.url} {v}" for e, v in zip(self.engines.engines, versions))
             )
         urls = [e.url for e in self.engines.engines]
+        with self._lock:
+            restarted, self._unregistered = self._unregistered, set()
         for url in urls:
-            self.engines.register(url)
+            if url in restarted:
+                self.engines.register(url)
         with self._lock:
             self._serving = set(urls)
         self._healthy_at.clear()
@@ -287,6 +300,15 @@ class EngineRecovery:
             code = self.engines.exit_code(self.engines.engines[k])
             self.lost(k, f"{exit_description(code)} while receiving weights")
         self.settle()
+
+    def close(self) -> None:
+        """At teardown: no restart starts any more; wait (bounded) for those under way, so
+        the engine set's shutdown stops what they started."""
+        self._closed = True
+        with self._lock:
+            threads = list(self._threads.values())
+        for thread in threads:
+            thread.join(timeout=60)
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict[str, int]:

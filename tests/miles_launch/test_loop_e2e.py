@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from miles_core import backends
+from miles_core.checkpoint_layout import read_tracker, resolve_load
 from miles_launch.demo import build_tiny_qwen3, demo_flags, write_demo_prompts
 from train_runs import dcp_tensors
 
@@ -374,6 +375,82 @@ def test_trainer_rank_failure_tears_down_with_one_error(material, tmp_path):
     assert re.search(r"^error: trainer rank \d on [\d.]+ failed in init\(\): ", result.stderr, re.M)
     assert "model.safetensors" in result.stderr.split("error: trainer rank")[1]
     assert _engine_pids(str(broken)) == []
+
+
+def _ranks_in(method: str) -> list[int]:
+    """Pids of trainer rank processes running ``method`` now (Ray titles a worker
+    ``ray::TrainerRank.<method>`` while it runs one)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                title = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if title.startswith(f"ray::TrainerRank.{method}".encode()):
+                pids.append(int(entry))
+    return pids
+
+
+@pytest.mark.extended
+def test_trainer_rank_killed_in_train_ends_in_one_line_and_the_run_resumes(material, tmp_path):
+    """A rank SIGKILLed while it trains (after the first rollout's checkpoint): the run ends
+    with one line naming the rank, its host and the phase; the last checkpoint is whole, and
+    --load continues from it at its rollout and data position. (That a resumed run trains
+    bit for bit as an uninterrupted one is test_resume_matches_an_uninterrupted_run's.)"""
+    hf, prompts = material
+    save = tmp_path / "ckpt"
+    cmd = [
+        sys.executable, "-m", "miles_launch.train",
+        *demo_flags(hf, prompts, tmp_path / "a.jsonl"), *SMALL,
+        "--num-rollout", "3", "--save", str(save), "--save-interval", "1", "--no-progress",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    stderr: list[str] = []
+    reader = threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True)
+    reader.start()
+    try:
+        for line in proc.stdout:  # rollout 0 reported: its checkpoint is written
+            if line.startswith("rollout 1/3 |"):
+                break
+        else:
+            pytest.fail(f"the run ended before its first rollout: {err_tail(stderr)}")
+        deadline = time.monotonic() + 300
+        while not (victims := _ranks_in("train")):
+            assert time.monotonic() < deadline and proc.poll() is None, err_tail(stderr)
+            time.sleep(0.02)
+        os.kill(victims[0], signal.SIGKILL)
+        proc.stdout.read()
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(timeout=30)
+    err = "".join(stderr)
+    assert code == 1, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, err[-3000:]
+    assert re.match(
+        r"^error: trainer rank \d on [\d.]+ failed in train\(\): its process died \(", errors[0]
+    ), errors[0]
+    assert "Traceback" not in err.split(errors[0])[1]
+    tracker = read_tracker(save)
+    assert tracker in (1, 2)  # the kill landed in the second rollout's training (or the third's)
+    resolved = resolve_load(save)
+    assert resolved.iteration == tracker and resolved.meta.next_rollout_id == tracker
+    resumed = train(
+        material, tmp_path / "b.jsonl", *SMALL, "--num-rollout", "3",
+        "--load", str(save), "--save", str(tmp_path / "again"),
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rb = records(tmp_path / "b.jsonl")
+    assert [r["rollout_id"] for r in rb] == list(range(tracker, 3))
+    assert rb[0]["data_position"] == 4 * tracker
+    ra = records(tmp_path / "a.jsonl")
+    drawn = [p for r in ra[:tracker] + rb for p in r["prompt_ids"]]
+    assert len(drawn) == len(set(drawn)) == 12  # each position drawn once, none again
 
 
 @pytest.mark.extended

@@ -234,8 +234,15 @@ class TrainerGroup:
         return ray.get(refs)
 
     def _failure_line(self, rank: int, method: str, cause: BaseException) -> str:
+        """``trainer rank R on HOST failed in METHOD(): ...``; a dead process in one line
+        (Ray's own description of it takes several)."""
+        from ray.exceptions import RayActorError
+
         host = self.hosts[rank] if rank < len(self.hosts) else None
         where = f"trainer rank {rank}" + (f" on {host}" if host else "")
+        if isinstance(cause, RayActorError):
+            detail = " ".join(str(cause).split())
+            return f"{where} failed in {method}(): its process died ({detail[:300]})"
         return f"{where} failed in {method}(): {type(cause).__name__}: {cause}"
 
     def _all_failed_alike(self, refs: list) -> bool:

@@ -12,7 +12,9 @@ sets ``return_routed_experts`` and the reply's routed experts travel with the sa
 (``Sample.routed_experts``, see :mod:`miles_launch.rollout.routed_experts`). While requests
 are in flight every engine process is polled each second: an engine that dies raises
 :class:`~miles_launch.engine_launch.process.EngineDied` with its log tail instead of a bare
-connection error.
+connection error. With engine restarts (``--engine-restart-limit``) the watch is the
+:class:`~miles_launch.engine_launch.recovery.EngineRecovery`'s instead: requests go to the
+engines in its rotation, and a group that failed because its engine died is sent again whole.
 
 Under ``--partial-rollout`` (:mod:`miles_launch.rollout.partial`) a draw stops once enough groups
 passed the filter: the engines' requests are aborted, the groups cut short come back with their

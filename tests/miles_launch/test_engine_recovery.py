@@ -33,6 +33,7 @@ class FakeEngine:
         self.hold = hold  # requests held open until this many arrived, then the engine dies
         self.arrived = 0
         self.seeds: set[int] = set()  # the sampling seeds of every request sent here
+        self.controls: list[str] = []  # paths of the synchronous control calls
         self.dead = False
         self.died = asyncio.Event()
         self.hung: asyncio.Event | None = None  # set: /health waits for it (a hung engine)
@@ -65,6 +66,13 @@ class FakeEngine:
     def kill(self) -> None:
         self.dead = True
         self.died.set()
+
+    def control(self, request: httpx.Request) -> httpx.Response:
+        """The synchronous control calls (the recovery's pause of a stale engine)."""
+        if self.dead:
+            raise httpx.ConnectError("connection refused", request=request)
+        self.controls.append(request.url.path)
+        return httpx.Response(200, json={"success": True, "message": "ok"})
 
 
 class Poll:
@@ -141,9 +149,15 @@ def mock_http(monkeypatch):
         kwargs["transport"] = httpx.MockTransport(fakes[url.rstrip("/")].handle)
         return real(url, *args, **kwargs)
 
+    def sync_client(url, *args, **kwargs):
+        kwargs["transport"] = httpx.MockTransport(fakes[url.rstrip("/")].control)
+        return real_sync(url, *args, **kwargs)
+
     real = generate.AsyncEngineClient
+    real_sync = recovery_module.EngineClient
     monkeypatch.setattr(generate, "AsyncEngineClient", client)
     monkeypatch.setattr(recovery_module, "AsyncEngineClient", client)
+    monkeypatch.setattr(recovery_module, "EngineClient", sync_client)
     monkeypatch.setattr(recovery_module, "DEATH_GRACE_S", 5.0)
     return fakes
 
@@ -264,6 +278,32 @@ def test_an_engine_whose_health_does_not_answer_is_restarted_as_hung(mock_http, 
     assert recovery.metrics()["engine_restarts"] == 1
 
 
+def test_fully_async_requests_wait_for_the_publish_retry_under_way(mock_http):
+    """--fully-async (no republish): while the driver's publish is being retried the rotation
+    is empty, and a group's next request waits for it rather than failing the run."""
+    import threading
+    import time
+
+    fakes = mock_http
+    fakes["http://a"] = FakeEngine("a", version="3")
+    engines = FakeEngineSet(fakes)
+    recovery = make_recovery(engines)
+    recovery.before_publish()
+    with recovery._lock:  # as publish_failed leaves it while the retry runs
+        recovery._serving.clear()
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(asyncio.run(recovery.rotation())))
+    waiter.start()
+    deadline = time.monotonic() + 30
+    while not recovery._rotation_changed._waiters:  # the request is waiting (a state)
+        assert time.monotonic() < deadline and waiter.is_alive()
+        time.sleep(0.01)
+    fakes["http://a"].version = "4"
+    recovery.published()  # the retry completed
+    waiter.join(timeout=30)
+    assert got == [["http://a"]]
+
+
 class FakeTrainer:
     """``update_weights`` as the trainer group does it: the publish of version ``v`` sets
     every engine's version only when it completes; ``fail`` makes the next one die half-way."""
@@ -307,6 +347,7 @@ def test_a_publish_broken_by_a_death_is_retried_and_nothing_serves_in_between(mo
     trainer.fail = "death"
     loop.publish(FakeJob(trainer, engines, recovery))
     assert seen == [[]]  # engine a held part of the failed publish: out of rotation too
+    assert fakes["http://a"].controls == ["/pause_generation"]  # and paused until the retry
     assert trainer.calls == [["http://a", "http://b"], ["http://a", "http://b-r1"]]
     assert engines.weight_versions() == ["4", "4"]
     assert sorted(recovery.in_rotation()) == ["http://a", "http://b-r1"]
@@ -324,6 +365,7 @@ def test_a_publish_that_fails_without_a_death_ends_with_every_engine_out(mock_ht
     with pytest.raises(PublishFailed, match="no fit"):
         loop.publish(FakeJob(trainer, engines, recovery))
     assert recovery.in_rotation() == [] and engines.weight_versions() == ["3"]
+    assert fakes["http://a"].controls == ["/pause_generation"]  # left paused: it never serves
 
 
 # megatron's parser imports megatron-core (~45 s on the CI machine): extended

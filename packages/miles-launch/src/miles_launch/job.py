@@ -224,6 +224,7 @@ class Job:
                 args.engine_restart_limit,
                 args.engine_restart_backoff,
                 args.engine_health_timeout,
+                pause_mode=args.pause_generation_mode,
             )
 
     def teardown(self, failed: bool = False) -> None:

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from miles_core.engine import AsyncEngineClient, EngineError
+from miles_core.engine import AsyncEngineClient, EngineClient, EngineError
 
 from miles_launch.engine_launch.process import EngineDied, exit_description
 
@@ -61,8 +61,10 @@ class EngineRecovery:
         backoff_s: float,
         health_timeout_s: float,
         republish: Callable[[], None] | None = None,
+        pause_mode: str = "retract",
     ) -> None:
         self.engines = engines
+        self.pause_mode = pause_mode  # --pause-generation-mode: how stale engines are held
         self.limit = limit
         self.backoff_s = backoff_s
         self.health_timeout_s = health_timeout_s
@@ -71,6 +73,8 @@ class EngineRecovery:
         self.reissued = 0  # requests sent again, over the run
         self._reported = (0, 0)  # the counters at the last metrics()
         self._lock = threading.Lock()
+        self._rotation_changed = threading.Condition(self._lock)
+        self._publishing = False  # a publish (or its retry) is under way
         self._republishing = threading.Lock()
         self._serving = {e.url for e in engines.engines}  # in rotation
         self._retired: set[str] = set()  # URLs of engines that died (their requests fail)
@@ -109,6 +113,12 @@ class EngineRecovery:
             if urls:
                 return urls
             self.settle()
+            with self._lock:  # --fully-async: the driver's publish under way brings them back
+                while self._publishing and not self._serving:
+                    self._rotation_changed.wait()
+            urls = self.in_rotation()
+            if urls:
+                return urls
             if self.republish is None:
                 raise EngineDied(
                     "every engine was lost during generation, and under --fully-async the "
@@ -258,6 +268,8 @@ class EngineRecovery:
         """A publish goes to every engine: wait until the restarted ones serve their
         ``/health``."""
         self.settle()
+        with self._lock:
+            self._publishing = True
 
     def published(self) -> str:
         """After a publish that completed: every engine must report one version (the one the
@@ -276,6 +288,8 @@ class EngineRecovery:
                 self.engines.register(url)
         with self._lock:
             self._serving = set(urls)
+            self._publishing = False
+            self._rotation_changed.notify_all()
         self._healthy_at.clear()
         return versions[0]
 
@@ -285,6 +299,7 @@ class EngineRecovery:
         retry follows); without a dead engine the failure is not one a retry mends: raised."""
         with self._lock:
             self._serving.clear()
+        self._hold(self.engines.engines)
         dead = []
         deadline = time.monotonic() + DEATH_GRACE_S
         while not dead:
@@ -295,11 +310,26 @@ class EngineRecovery:
                 break
             time.sleep(0.25)
         if not dead:
+            with self._lock:
+                self._publishing = False
+                self._rotation_changed.notify_all()
             raise error
         for k in dead:
             code = self.engines.exit_code(self.engines.engines[k])
             self.lost(k, f"{exit_description(code)} while receiving weights")
         self.settle()
+
+    def _hold(self, procs: list[Any]) -> None:
+        """Pause generation on every live engine of ``procs`` (best effort): the failed round
+        resumed them, and what they hold is not a complete version; the retry's round pauses
+        and resumes them again."""
+        for proc in procs:
+            try:
+                with EngineClient(proc.url, api_key=self.engines.api_key, timeout=30.0,
+                                  retries=0) as client:  # fmt: skip
+                    client.pause_generation(self.pause_mode)
+            except EngineError as failure:  # a dead engine: restarted below
+                logger.debug("holding %s after a failed publish: %s", proc.url, failure)
 
     def close(self) -> None:
         """At teardown: no restart starts any more; wait (bounded) for those under way, so

@@ -150,23 +150,38 @@ def test_lr_zero_gives_no_rise(tmp_path):
     assert last < first + 0.1, out
 
 
+#: the resume tests' job: 3 rollouts, saving at 2 and 3
+RESUMABLE = [*SMALL, "--save-interval", "2", "--num-rollout", "3"]
+
+
+@pytest.fixture(scope="module")
+def straight_run(material, tmp_path_factory) -> Path:
+    """The uninterrupted run the resume tests compare with: ``a.jsonl`` and ``ckpt/``."""
+    root = tmp_path_factory.mktemp("straight")
+    a = train(material, root / "a.jsonl", *RESUMABLE, "--save", str(root / "ckpt"))
+    assert a.returncode == 0, a.stderr[-3000:]
+    return root
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = dcp_tensors(a), dcp_tensors(b)
+    assert wa.keys() == wb.keys() and len(wa) > 0
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
 @pytest.mark.extended
-def test_resume_matches_an_uninterrupted_run(material, tmp_path):
+def test_resume_matches_an_uninterrupted_run(material, straight_run, tmp_path):
     """3 rollouts straight (saving at 2 and 3) vs a restart from that run's checkpoint at 2
     (``--ckpt-step 2``, while its tracker says 3) that trains the third rollout again."""
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    common = [*SMALL, "--save-interval", "2"]
-    a = train(
-        material, tmp_path / "a.jsonl", *common, "--num-rollout", "3", "--save", str(straight)
-    )
-    assert a.returncode == 0, a.stderr[-3000:]
+    straight, resumed = straight_run / "ckpt", tmp_path / "resumed"
     b = train(
-        material, tmp_path / "b.jsonl", *common, "--num-rollout", "3",
+        material, tmp_path / "b.jsonl", *RESUMABLE,
         "--save", str(resumed), "--load", str(straight), "--ckpt-step", "2",
     )  # fmt: skip
     assert b.returncode == 0, b.stderr[-3000:]
 
-    ra, rb = records(tmp_path / "a.jsonl"), records(tmp_path / "b.jsonl")
+    ra, rb = records(straight_run / "a.jsonl"), records(tmp_path / "b.jsonl")
     assert [r["rollout_id"] for r in ra] == [0, 1, 2] and [r["rollout_id"] for r in rb] == [2]
     assert rb[0]["prompt_ids"] == ra[2]["prompt_ids"]
     assert [r["data_position"] for r in ra] == [0, 4, 8] and rb[0]["data_position"] == 8
@@ -174,12 +189,10 @@ def test_resume_matches_an_uninterrupted_run(material, tmp_path):
         "next_rollout_id": 2,
         "data_position": 8,
     }
-    wa = dcp_tensors(straight / "iter_0000003" / "model")  # the last rollout's save
-    wb = dcp_tensors(resumed / "iter_0000003" / "model")
-    assert wa.keys() == wb.keys() and len(wa) > 0
-    for name in wa:
-        assert torch.equal(wa[name], wb[name]), name
+    # the last rollout's save
+    assert_same_weights(straight / "iter_0000003" / "model", resumed / "iter_0000003" / "model")
     # and training moved the weights (the comparison is not between two untouched models)
+    wa = dcp_tensors(straight / "iter_0000003" / "model")
     w0 = dcp_tensors(straight / "iter_0000002" / "model")
     assert any(not torch.equal(w0[n], wa[n]) for n in wa)
 
@@ -393,17 +406,19 @@ def _ranks_in(method: str) -> list[int]:
 
 
 @pytest.mark.extended
-def test_trainer_rank_killed_in_train_ends_in_one_line_and_the_run_resumes(material, tmp_path):
-    """A rank SIGKILLed while it trains (after the first rollout's checkpoint): the run ends
-    with one line naming the rank, its host and the phase; the last checkpoint is whole, and
-    --load continues from it at its rollout and data position. (That a resumed run trains
-    bit for bit as an uninterrupted one is test_resume_matches_an_uninterrupted_run's.)"""
+def test_trainer_rank_killed_in_train_ends_in_one_line_and_resumes_bit_for_bit(
+    material, straight_run, tmp_path
+):
+    """The straight run's job again, a rank SIGKILLed while it trains the third rollout (after
+    the checkpoint of the second): the run ends with one line naming the rank, its host and the
+    phase; the checkpoint at 2 is whole, and --load from it trains the third rollout to the
+    straight run's weights bit for bit."""
     hf, prompts = material
     save = tmp_path / "ckpt"
     cmd = [
         sys.executable, "-m", "miles_launch.train",
-        *demo_flags(hf, prompts, tmp_path / "a.jsonl"), *SMALL,
-        "--num-rollout", "3", "--save", str(save), "--save-interval", "1", "--no-progress",
+        *demo_flags(hf, prompts, tmp_path / "k.jsonl"), *RESUMABLE,
+        "--save", str(save), "--no-progress",
     ]  # fmt: skip
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
@@ -412,13 +427,13 @@ def test_trainer_rank_killed_in_train_ends_in_one_line_and_the_run_resumes(mater
     reader = threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True)
     reader.start()
     try:
-        for line in proc.stdout:  # rollout 0 reported: its checkpoint is written
-            if line.startswith("rollout 1/3 |"):
+        for line in proc.stdout:  # rollout 1 reported: the checkpoint at 2 is written
+            if line.startswith("rollout 2/3 |"):
                 break
         else:
-            pytest.fail(f"the run ended before its first rollout: {err_tail(stderr)}")
+            pytest.fail(f"the run ended before its second rollout: {err_tail(stderr)}")
         deadline = time.monotonic() + 300
-        while not (victims := _ranks_in("train")):
+        while not (victims := _ranks_in("train")):  # a state: the third rollout's training
             assert time.monotonic() < deadline and proc.poll() is None, err_tail(stderr)
             time.sleep(0.02)
         os.kill(victims[0], signal.SIGKILL)
@@ -436,21 +451,23 @@ def test_trainer_rank_killed_in_train_ends_in_one_line_and_the_run_resumes(mater
         r"^error: trainer rank \d on [\d.]+ failed in train\(\): its process died \(", errors[0]
     ), errors[0]
     assert "Traceback" not in err.split(errors[0])[1]
-    tracker = read_tracker(save)
-    assert tracker in (1, 2)  # the kill landed in the second rollout's training (or the third's)
+    assert read_tracker(save) == 2 and not (save / "iter_0000003").exists()
     resolved = resolve_load(save)
-    assert resolved.iteration == tracker and resolved.meta.next_rollout_id == tracker
+    assert resolved.iteration == 2 and resolved.meta.next_rollout_id == 2
+
     resumed = train(
-        material, tmp_path / "b.jsonl", *SMALL, "--num-rollout", "3",
+        material, tmp_path / "r.jsonl", *RESUMABLE,
         "--load", str(save), "--save", str(tmp_path / "again"),
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    rb = records(tmp_path / "b.jsonl")
-    assert [r["rollout_id"] for r in rb] == list(range(tracker, 3))
-    assert rb[0]["data_position"] == 4 * tracker
-    ra = records(tmp_path / "a.jsonl")
-    drawn = [p for r in ra[:tracker] + rb for p in r["prompt_ids"]]
-    assert len(drawn) == len(set(drawn)) == 12  # each position drawn once, none again
+    (r,) = records(tmp_path / "r.jsonl")
+    straight = records(straight_run / "a.jsonl")
+    assert (r["rollout_id"], r["data_position"]) == (2, 8)
+    assert r["prompt_ids"] == straight[2]["prompt_ids"]
+    assert_same_weights(
+        straight_run / "ckpt" / "iter_0000003" / "model",
+        tmp_path / "again" / "iter_0000003" / "model",
+    )
 
 
 @pytest.mark.extended

@@ -8,7 +8,8 @@ router (or registers with an external one, and removes them from it at shutdown)
 the two the job initialises the trainer (disaggregated), so that engine start-up and trainer
 start-up overlap. Any engine that exits, at start or later, raises
 :class:`~miles_launch.engine_launch.process.EngineDied` with its log tail
-(:meth:`EngineSet.check_alive`).
+(:meth:`EngineSet.check_alive`), unless the run restarts engines
+(:mod:`~miles_launch.engine_launch.recovery`, which calls :meth:`EngineSet.restart`).
 
 With ``--update-weight-transfer-mode disk-delta`` a ``miles-sync pull`` agent runs beside each
 engine, on the engine's bundle (so on its host), started with it and stopped with it; a puller

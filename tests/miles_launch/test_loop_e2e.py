@@ -291,7 +291,7 @@ def kill_an_engine_mid_generation(
                 ready = True
                 break
         assert ready, f"the run ended before its engines were ready: {err_tail(stderr)}"
-        pids = _engine_pids(str(hf))
+        pids = [pid for pid in _engine_pids(str(hf)) if _descends_from(pid, proc.pid)]
         assert len(pids) == engines, (pids, err_tail(stderr))
         victim = next(pid for pid in pids if _engine_log(pid) == "engine-0")
         # Kill it once its generation is under way (a state, not a delay: on any machine the
@@ -390,9 +390,28 @@ def test_trainer_rank_failure_tears_down_with_one_error(material, tmp_path):
     assert _engine_pids(str(broken)) == []
 
 
-def _ranks_in(method: str) -> list[int]:
-    """Pids of trainer rank processes running ``method`` now (Ray titles a worker
-    ``ray::TrainerRank.<method>`` while it runs one)."""
+def _parent(pid: int) -> int:
+    """The parent pid of ``pid`` (0 when it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def _descends_from(pid: int, root: int) -> bool:
+    while pid > 1:
+        if pid == root:
+            return True
+        pid = _parent(pid)
+    return False
+
+
+def _ranks_in(method: str, job: int) -> list[int]:
+    """Pids of the trainer rank processes of the job whose driver is ``job`` (its local Ray's
+    raylet, and so its workers, descend from it) running ``method`` now: Ray titles a worker
+    ``ray::TrainerRank.<method>`` while it runs one. Other jobs on the machine are left
+    alone."""
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -401,7 +420,8 @@ def _ranks_in(method: str) -> list[int]:
             except OSError:
                 continue
             if title.startswith(f"ray::TrainerRank.{method}".encode()):
-                pids.append(int(entry))
+                if _descends_from(int(entry), job):
+                    pids.append(int(entry))
     return pids
 
 
@@ -433,7 +453,9 @@ def test_trainer_rank_killed_in_train_ends_in_one_line_and_resumes_bit_for_bit(
         else:
             pytest.fail(f"the run ended before its second rollout: {err_tail(stderr)}")
         deadline = time.monotonic() + 300
-        while not (victims := _ranks_in("train")):  # a state: the third rollout's training
+        while not (
+            victims := _ranks_in("train", proc.pid)
+        ):  # a state: the third rollout's training
             assert time.monotonic() < deadline and proc.poll() is None, err_tail(stderr)
             time.sleep(0.02)
         os.kill(victims[0], signal.SIGKILL)

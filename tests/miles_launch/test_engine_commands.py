@@ -216,3 +216,35 @@ def test_disk_delta_puller_command_sits_beside_its_engine(tmp_path):
     assert pull.update_weight_disk_dir == str(shared)
     assert pull.update_weight_local_checkpoint_dir == str(tmp_path / "local" / "engine-1-30001")
     assert pull.engine_url == "http://10.0.0.6:30001"
+
+
+def test_a_restarted_engine_leaves_the_router_at_once_and_joins_after_its_publish(tmp_path):
+    """SGLang behind a router: a dead engine is removed before its restart, and the restarted
+    one (new port) is added only once a publish gave it the current weights."""
+    from miles_launch.engine_launch.engine_set import EngineSet
+
+    handler = type("Router", (_RemovingRouter,), {"new_api": True, "seen": []})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        args = parse(
+            tmp_path,
+            "--rollout-engine", "sglang",
+            "--sglang-router-ip", "127.0.0.1",
+            "--sglang-router-port", str(port),
+        )  # fmt: skip
+        engines = EngineSet(args, placement=None)
+        engines.router_url = external_router_url(args)
+        engines.register("http://10.0.0.5:30001")
+        engines.unregister("http://10.0.0.5:30001")  # restart: the dead one goes first
+        engines.register("http://10.0.0.5:30002")  # after the publish to the new one
+        engines.register("http://10.0.0.5:30002")  # once only
+        assert engines.registered == ["http://10.0.0.5:30002"]
+    finally:
+        server.shutdown()
+    assert handler.seen == [
+        ("workers", "http://10.0.0.5:30001"),
+        ("delete", "http://10.0.0.5:30001"),
+        ("workers", "http://10.0.0.5:30002"),
+    ]

@@ -124,6 +124,7 @@ def _job(args, engine, next_rollout_id=0):
         ),
         reward=RewardModel.from_args(args),
         reporter=Reporter(SimpleNamespace(progress=False), 4),
+        recovery=None,  # --engine-restart-limit 0
         eval_prompts={
             "math": [Prompt(0, "ab", None, (1, 2)), Prompt(1, "cde", None, (3, 4, 5))],
             "code": [Prompt(0, "z", None, (26,))],

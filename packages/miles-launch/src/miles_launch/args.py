@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from miles_core.args import ArgGroup, ArgumentError, flag
-from miles_core.args.checks import at_least, option, requires, within
+from miles_core.args.checks import at_least, greater_than, option, requires, within
 
 from miles_launch.debug_args import DebugDataArgs
 from miles_launch.rollout_args import RolloutArgs
@@ -162,6 +162,25 @@ class EngineLaunchArgs(ArgGroup):
     engine_startup_timeout: float = flag(
         600.0, metavar="S", help="Seconds an engine (or the router) may take to become healthy."
     )
+    engine_restart_limit: int | None = flag(
+        None,
+        metavar="N",
+        help="Engine restarts the run may make: an engine that dies or hangs is restarted on its "
+        "placement, its requests go to the other engines, and it serves again once a publish "
+        "gave it the current weights. 0: a dead engine ends the run. Unset: 2, or 0 under "
+        "--colocate and --update-weight-transfer-mode disk-delta (where a restart is refused).",
+    )
+    engine_restart_backoff: float = flag(
+        2.0,
+        metavar="S",
+        help="Seconds before an engine is restarted, doubled for each restart already made.",
+    )
+    engine_health_timeout: float = flag(
+        60.0,
+        metavar="S",
+        help="During generation, an engine whose /health has not answered 200 for S seconds "
+        "counts as hung: it is stopped and restarted (--engine-restart-limit).",
+    )
 
     @classmethod
     def validate(cls, args: Any) -> None:
@@ -175,6 +194,12 @@ class EngineLaunchArgs(ArgGroup):
             raise ArgumentError("--sglang-router-ip and --sglang-router-port go together")
         within(args, "sglang_mem_fraction_static", 0.01, 1.0)
         at_least(args, "sglang_context_length", 1)
+        at_least(args, "engine_restart_limit", 0)
+        at_least(args, "engine_restart_backoff", 0.0)
+        greater_than(args, "engine_health_timeout", 0.0)
+        if args.engine_restart_limit:
+            for reason in restart_refusals(args):
+                raise ArgumentError(f"--engine-restart-limit {args.engine_restart_limit}: {reason}")
         if args.rollout_engine == "builtin" and args.rollout_num_gpus_per_engine > 1:
             raise ArgumentError(
                 f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}: the built-in "
@@ -183,12 +208,31 @@ class EngineLaunchArgs(ArgGroup):
 
     @classmethod
     def resolve_defaults(cls, args: Any) -> None:
+        if args.engine_restart_limit is None:
+            args.engine_restart_limit = 0 if restart_refusals(args) else DEFAULT_RESTART_LIMIT
         if args.rollout_engine is None:
             args.rollout_engine = "sglang" if sglang_importable() else "builtin"
         if args.colocate and args.sglang_mem_fraction_static is None:
             args.sglang_mem_fraction_static = 0.8
         if args.colocate and args.rollout_engine == "sglang":
             args.sglang_passthrough.setdefault("cuda-graph-backend-prefill", "disabled")
+
+
+#: ``--engine-restart-limit`` where restarts are possible and the flag is unset
+DEFAULT_RESTART_LIMIT = 2
+
+
+def restart_refusals(args: Any) -> list[str]:
+    """Why this job's engines cannot be restarted ([] when they can): colocated engines share
+    the trainer's memory cycle, and a disk-delta puller's chain belongs to its engine."""
+    reasons = []
+    if args.colocate:
+        reasons.append("engines are not restarted under --colocate (set it to 0)")
+    if args.update_weight_transfer_mode == "disk-delta":
+        reasons.append(
+            "engines are not restarted under --update-weight-transfer-mode disk-delta (set it to 0)"
+        )
+    return reasons
 
 
 def sglang_importable() -> bool:

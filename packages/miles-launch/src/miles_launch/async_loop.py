@@ -42,6 +42,7 @@ from miles_launch.loop import (
     eval_before_training,
     make_generator,
     publish,
+    recovery_metrics,
     rollout_stats,
     sampling_config,
     save_debug_rollout,
@@ -143,8 +144,10 @@ class Producer:
         await self.job.engines.acheck_alive(when)
 
     async def _watch(self) -> None:
+        recovery = self.job.recovery  # with engine restarts: restarts rather than raising
+        check = self.job.engines.acheck_alive if recovery is None else recovery.acheck
         while not self.stop.is_set():
-            await self.job.engines.acheck_alive("during generation")
+            await check("during generation")
             await asyncio.sleep(1.0)
 
     def take(self, count: int) -> list[list[GeneratedSample]]:
@@ -252,6 +255,7 @@ def run_async(job: Job) -> list[dict[str, Any]]:
                 stats["stale_groups_dropped"] = stale_dropped
             if args.rollout_max_prompt_len is not None:
                 stats["prompts_too_long"] = job.prompts_too_long
+            stats.update(recovery_metrics(job))
             record = {
                 "rollout_id": rollout_id,
                 "prompt_ids": [g[0].prompt.index for g in groups],

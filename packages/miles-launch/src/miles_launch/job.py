@@ -26,6 +26,7 @@ from miles_core.checkpoint_layout import atomic_write_text, iteration_dir_name, 
 
 from miles_launch.engine_launch.api_key import ensure_api_key
 from miles_launch.engine_launch.engine_set import EngineSet
+from miles_launch.engine_launch.recovery import EngineRecovery
 from miles_launch.placement import (
     Layout,
     Placement,
@@ -112,6 +113,8 @@ class Job:
     started_ray: bool = False
     prompts_too_long: int = 0  # dropped by --rollout-max-prompt-len
     partial: PartialBuffer = field(default_factory=PartialBuffer)  # --partial-rollout
+    recovery: EngineRecovery | None = None  # --engine-restart-limit > 0
+    published_weights: str | None = None  # what the last publish sent (None: --rollout-weights)
 
     @classmethod
     def setup(cls, args: Any) -> Job:
@@ -215,6 +218,14 @@ class Job:
             self.engines.start()
         self.engines.wait_ready()
         phase("engines healthy")
+        if args.engine_restart_limit:
+            self.recovery = EngineRecovery(
+                self.engines,
+                args.engine_restart_limit,
+                args.engine_restart_backoff,
+                args.engine_health_timeout,
+                pause_mode=args.pause_generation_mode,
+            )
 
     def teardown(self, failed: bool = False) -> None:
         import ray
@@ -226,6 +237,8 @@ class Job:
                 else:
                     self.trainer.close()
         finally:
+            if self.recovery is not None:
+                self.recovery.close()
             if self.engines is not None:
                 self.engines.shutdown()
         if self.placement is not None:

@@ -51,7 +51,7 @@ from miles_launch.rollout.generate import (
     to_rollout_batch,
 )
 from miles_launch.rollout.routed_experts import routed_experts_layout
-from miles_launch.trainer_group import TrainerFailure
+from miles_launch.trainer_group import PublishFailed, TrainerFailure
 
 logger = logging.getLogger(__name__)
 
@@ -88,12 +88,14 @@ def eval_sampling_config(args: Any) -> SamplingConfig:
 
 def make_generator(job: Job, check_alive: Callable[[str], Any]) -> Generator:
     """The job's generator (engines, reward, routing replay, custom generate function, and
-    under ``--partial-rollout`` the engines it aborts)."""
+    under ``--partial-rollout`` the engines it aborts). With engine restarts its watch is the
+    recovery's, and it sends to the engines in rotation."""
     path = job.args.custom_generate_function_path
     return Generator(
         job.engines.generation_urls,
         job.reward,
-        check_alive,
+        check_alive if job.recovery is None else job.recovery.acheck,
+        recovery=job.recovery,
         routed_experts=routed_experts_layout(job.args),
         api_key=job.engines.api_key,
         custom_generate=load_generate_function(path) if path else None,
@@ -351,12 +353,34 @@ class ColocatedCycle:
 
 def publish(job: Job, weights: str | None = None) -> None:
     """``update_weights`` on every rank (``weights``: ``actor``/``ema``, default the backend's
-    ``--rollout-weights``); when it fails because an engine died, say so."""
-    try:
-        job.trainer.update_weights(job.engines.urls, weights)
-    except TrainerFailure:
-        job.engines.explain_failure("while receiving weights")
-        raise
+    ``--rollout-weights``); when it fails because an engine died, say so. With engine restarts
+    (:mod:`~miles_launch.engine_launch.recovery`) it goes to every engine, restarted ones
+    included, and a publish an engine's death broke is retried after its restart: it returns
+    once every engine holds the same complete version."""
+    job.published_weights = weights
+    recovery = job.recovery
+    if recovery is None:
+        try:
+            job.trainer.update_weights(job.engines.urls, weights)
+        except TrainerFailure:
+            job.engines.explain_failure("while receiving weights")
+            raise
+        return
+    while True:
+        recovery.before_publish()
+        try:
+            job.trainer.update_weights(job.engines.urls, weights)
+        except PublishFailed as failure:
+            recovery.publish_failed(failure)  # raises unless a restart can mend it
+            continue
+        recovery.published()
+        return
+
+
+def recovery_metrics(job: Job) -> dict[str, int]:
+    """``engine_restarts`` and ``requests_reissued`` since the previous rollout's record (none
+    without engine restarts)."""
+    return {} if job.recovery is None else job.recovery.metrics()
 
 
 def save_rollout(job: Job, rollout_id: int, trigger: SaveTrigger | None) -> bool:
@@ -406,6 +430,8 @@ def run_sync(job: Job) -> list[dict[str, Any]]:
     args, trainer, engines = job.args, job.trainer, job.engines
     trigger = SaveTrigger(args.save_trigger_sentinel) if args.save_trigger_sentinel else None
     cycle = ColocatedCycle(args, [trainer], engines)
+    if job.recovery is not None:  # an engine restarted mid-rollout gets the weights at once
+        job.recovery.republish = lambda: publish(job, job.published_weights)
     t0 = time.monotonic()
     cycle.first_publish(lambda: publish(job))
     version = engines.weight_versions()[0]
@@ -416,7 +442,8 @@ def run_sync(job: Job) -> list[dict[str, Any]]:
         times: dict[str, float] = {}
         position = job.state.data_position
         t = time.monotonic()
-        engines.check_alive("before generation")
+        if job.recovery is None:  # with restarts, the generation's watch handles a death
+            engines.check_alive("before generation")
         groups, filter_info = collect_rollout(job, rollout_id)
         times["gen"] = time.monotonic() - t
         batch = to_rollout_batch(groups)
@@ -435,7 +462,11 @@ def run_sync(job: Job) -> list[dict[str, Any]]:
             "rollout_id": rollout_id,
             "data_position": position,
             "prompt_ids": [g[0].prompt.index for g in groups],
-            "rollout": {**rollout_stats(groups, args.pass_threshold), **filter_info},
+            "rollout": {
+                **rollout_stats(groups, args.pass_threshold),
+                **filter_info,
+                **recovery_metrics(job),
+            },
             "train": train_metrics,
             "time": times,
             "weight_version": version,

@@ -19,6 +19,7 @@ from typing import Any
 from miles_core.batch import RolloutBatch
 from miles_core.partition import partition_for_dp
 from miles_sync.engine_group import NODE_IP_ENV
+from miles_sync.errors import PublishError
 
 from miles_launch.placement import TRAINER_SHARE, Placement, node_ip
 
@@ -48,6 +49,12 @@ class TrainerFailure(RuntimeError):
     """A trainer rank raised or died; all ranks were torn down."""
 
 
+class PublishFailed(TrainerFailure):
+    """``update_weights`` raised :class:`~miles_sync.errors.PublishError` on every rank: the
+    ranks agree that the publish did not complete, their state is whole and they were kept
+    (a retry publishes the same version); the engines may hold part of it."""
+
+
 class TrainerRank:
     """What runs in each trainer actor (``ray.remote``-wrapped by :class:`TrainerGroup`)."""
 
@@ -58,6 +65,10 @@ class TrainerRank:
         self.use_gpu = use_gpu
         self.backend = None
         self.critic = None  # --use-critic: a second backend instance in role "critic"
+
+    def host(self) -> str:
+        """This rank's node address (named when the rank fails)."""
+        return node_ip()
 
     def master_endpoint(self) -> tuple[str, int]:
         """A free TCP port on this actor's node (rank 0 hosts the rendezvous store)."""
@@ -187,6 +198,7 @@ class TrainerGroup:
         self.layouts: list[Any] = []
         self.num_steps = 1  # --num-steps-per-rollout, from init
         self.alive = True
+        self.hosts: list[str | None] = [None] * self.world_size  # node address per rank
 
     # ------------------------------------------------------------------ lock-step calls
     def call(self, method: str, *args: Any, per_rank: list[tuple] | None = None) -> list[Any]:
@@ -201,6 +213,9 @@ class TrainerGroup:
         return self._gather(method, refs)
 
     def _gather(self, method: str, refs: list) -> list[Any]:
+        """The results of ``refs`` (one per rank, in rank order). The first rank that fails
+        tears every rank down, and :class:`TrainerFailure` names it, its host and ``method``;
+        except a publish every rank failed alike (:class:`PublishFailed`, ranks kept)."""
         import ray
 
         index = {ref: r for r, ref in enumerate(refs)}
@@ -211,16 +226,44 @@ class TrainerGroup:
                 ray.get(done[0])
             except Exception as error:  # a rank raised, or its process died
                 rank = index[done[0]]
-                self.teardown()
                 cause = getattr(error, "cause", None) or error
-                raise TrainerFailure(
-                    f"trainer rank {rank} failed in {method}(): {type(cause).__name__}: {cause}"
-                ) from error
+                if isinstance(cause, PublishError) and self._all_failed_alike(refs):
+                    raise PublishFailed(self._failure_line(rank, method, cause)) from error
+                self.teardown()
+                raise TrainerFailure(self._failure_line(rank, method, cause)) from error
         return ray.get(refs)
+
+    def _failure_line(self, rank: int, method: str, cause: BaseException) -> str:
+        """``trainer rank R on HOST failed in METHOD(): ...``; a dead process in one line
+        (Ray's own description of it takes several)."""
+        from ray.exceptions import RayActorError
+
+        host = self.hosts[rank] if rank < len(self.hosts) else None
+        where = f"trainer rank {rank}" + (f" on {host}" if host else "")
+        if isinstance(cause, RayActorError):
+            detail = " ".join(str(cause).split())
+            return f"{where} failed in {method}(): its process died ({detail[:300]})"
+        return f"{where} failed in {method}(): {type(cause).__name__}: {cause}"
+
+    def _all_failed_alike(self, refs: list) -> bool:
+        """Whether every rank raised :class:`PublishError` (waits for all of them: a rank
+        still in the publish's collectives returns once rank 0's error reached it)."""
+        import ray
+
+        for ref in refs:
+            try:
+                ray.get(ref)
+            except Exception as error:
+                if not isinstance(getattr(error, "cause", None) or error, PublishError):
+                    return False
+            else:
+                return False
+        return True
 
     # ------------------------------------------------------------------ the contract
     def init(self, args: Any) -> int:
         """Process groups and ``backend.init`` on every rank; the next rollout id."""
+        self.hosts = self._gather("host", [actor.host.remote() for actor in self.actors])
         ((master_addr, master_port),) = self._gather(
             "master_endpoint", [self.actors[0].master_endpoint.remote()]
         )

@@ -8,7 +8,8 @@ router (or registers with an external one, and removes them from it at shutdown)
 the two the job initialises the trainer (disaggregated), so that engine start-up and trainer
 start-up overlap. Any engine that exits, at start or later, raises
 :class:`~miles_launch.engine_launch.process.EngineDied` with its log tail
-(:meth:`EngineSet.check_alive`).
+(:meth:`EngineSet.check_alive`), unless the run restarts engines
+(:mod:`~miles_launch.engine_launch.recovery`, which calls :meth:`EngineSet.restart`).
 
 With ``--update-weight-transfer-mode disk-delta`` a ``miles-sync pull`` agent runs beside each
 engine, on the engine's bundle (so on its host), started with it and stopped with it; a puller
@@ -89,24 +90,63 @@ class EngineSet:
             endpoints.append(host.endpoint.remote())
             host_options.append(options)
         endpoints = ray.get(endpoints)
-        for k, bundles in enumerate(layout.engine_bundles()):
-            host, (ip, port), options = hosts[k], endpoints[k], host_options[k]
-            env = {}
-            if layout.use_gpu:
-                gpus = [g for b in bundles for g in self.placement.info(b).gpu_ids]
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
-            if self.args.rollout_engine != "sglang":
-                env.update(builtin_engine_env(self.args))
-            cmd = self.engine_command(ip, port)
-            secret = (
-                sglang_secret_config(self.args) if self.args.rollout_engine == "sglang" else None
-            )
-            pid, log_path = ray.get(host.start.remote(cmd, env, secret))
-            url = f"http://{ip}:{port}"
-            self.engines.append(EngineProcess(f"engine {k}", url, host, pid, log_path))
-            logger.info("engine %d: %s (pid %d, log %s)", k, url, pid, log_path)
+        for k in range(len(hosts)):
+            engine = self._launch(k, hosts[k], endpoints[k])
+            self.engines.append(engine)
             if self.args.update_weight_transfer_mode == "disk-delta":
-                self._start_puller(k, url, options)
+                self._start_puller(k, engine.url, host_options[k])
+
+    def _launch(self, k: int, host: Any, endpoint: tuple[str, int]) -> EngineProcess:
+        """Engine ``k``'s process on its host actor, serving at ``endpoint`` (ip, port)."""
+        import ray
+
+        ip, port = endpoint
+        env = {}
+        if self.placement.layout.use_gpu:
+            bundles = self.placement.layout.engine_bundles()[k]
+            gpus = [g for b in bundles for g in self.placement.info(b).gpu_ids]
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+        if self.args.rollout_engine != "sglang":
+            env.update(builtin_engine_env(self.args))
+        cmd = self.engine_command(ip, port)
+        secret = sglang_secret_config(self.args) if self.args.rollout_engine == "sglang" else None
+        pid, log_path = ray.get(host.start.remote(cmd, env, secret))
+        url = f"http://{ip}:{port}"
+        logger.info("engine %d: %s (pid %d, log %s)", k, url, pid, log_path)
+        return EngineProcess(f"engine {k}", url, host, pid, log_path)
+
+    def restart(self, k: int) -> EngineProcess:
+        """Stop engine ``k``'s process (dead or hung) and start a new one on the same host actor
+        (the same bundles and GPUs) at a new port; returns it once ``/health`` answers. The
+        new engine serves the checkpoint's weights: it is not registered with the router here
+        (:meth:`register` does, once a publish gave it the current weights)."""
+        import ray
+
+        old = self.engines[k]
+        self.unregister(old.url)
+        ray.get(old.host.stop.remote(), timeout=60)
+        engine = self._launch(k, old.host, ray.get(old.host.endpoint.remote()))
+        self.engines[k] = engine
+        self.wait_healthy([engine])
+        return engine
+
+    def register(self, url: str) -> None:
+        """Put a (restarted) engine behind the router, own or external (SGLang only)."""
+        if self.router_url is None or url in self.registered:
+            return
+        register_worker(self.router_url, url, api_key=self.api_key)
+        self.registered.append(url)
+
+    def unregister(self, url: str) -> None:
+        """Take an engine out of the router, so it routes nothing more to it (best effort)."""
+        if self.router_url is None:
+            return
+        try:
+            deregister_worker(self.router_url, url, api_key=self.api_key)
+        except Exception as error:  # a router without the worker, or unreachable
+            logger.warning("removing %s from the router: %s", url, error)
+        if url in self.registered:
+            self.registered.remove(url)
 
     def _start_puller(self, k: int, engine_url: str, options: dict[str, Any]) -> None:
         """``miles-sync pull`` for engine ``k``, on the engine's bundle (so on its host)."""
@@ -186,7 +226,7 @@ class EngineSet:
                     raise EngineDied(
                         f"{names} not healthy after --engine-startup-timeout "
                         f"{self.args.engine_startup_timeout:.0f}s; log: {waiting[0].log_path}\n"
-                        + self._tail(waiting[0])
+                        + self.log_tail(waiting[0])
                     )
                 time.sleep(0.5)
         finally:
@@ -194,7 +234,7 @@ class EngineSet:
                 client.close()
 
     # ------------------------------------------------------------------ watching
-    def _tail(self, proc: EngineProcess) -> str:
+    def log_tail(self, proc: EngineProcess) -> str:
         import ray
 
         try:
@@ -209,8 +249,14 @@ class EngineSet:
         if code is not None:
             raise EngineDied(
                 f"{proc.name} ({proc.url}, pid {proc.pid}) {exit_description(code)} {when}; "
-                f"last lines of {proc.log_path}:\n{self._tail(proc)}"
+                f"last lines of {proc.log_path}:\n{self.log_tail(proc)}"
             )
+
+    def exit_code(self, proc: EngineProcess) -> int | None:
+        """The process's exit status, or None while it runs."""
+        import ray
+
+        return ray.get(proc.host.poll.remote())
 
     def check_alive(self, when: str = "during the run") -> None:
         """Raise :class:`EngineDied` if any engine (or the router) has exited."""

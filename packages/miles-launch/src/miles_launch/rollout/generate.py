@@ -12,7 +12,9 @@ sets ``return_routed_experts`` and the reply's routed experts travel with the sa
 (``Sample.routed_experts``, see :mod:`miles_launch.rollout.routed_experts`). While requests
 are in flight every engine process is polled each second: an engine that dies raises
 :class:`~miles_launch.engine_launch.process.EngineDied` with its log tail instead of a bare
-connection error.
+connection error. With engine restarts (``--engine-restart-limit``) the watch is the
+:class:`~miles_launch.engine_launch.recovery.EngineRecovery`'s instead: requests go to the
+engines in its rotation, and a group that failed because its engine died is sent again whole.
 
 Under ``--partial-rollout`` (:mod:`miles_launch.rollout.partial`) a draw stops once enough groups
 passed the filter: the engines' requests are aborted, the groups cut short come back with their
@@ -122,10 +124,16 @@ class Generator:
         abort_urls: list[str] | None = None,
         passes: Callable[[list[GeneratedSample]], bool] | None = None,
         mask_carried: bool = False,
+        recovery: Any = None,
     ):
         self.clients = [
             AsyncEngineClient(url, api_key=api_key, timeout=timeout_s, retries=0) for url in urls
         ]
+        # --engine-restart-limit: an EngineRecovery; requests go to the engines in its rotation,
+        # and a group that failed because its engine died is re-issued there
+        self.recovery = recovery
+        self._rotation_clients: dict[str, AsyncEngineClient] = {}
+        self._client_options = dict(api_key=api_key, timeout=timeout_s, retries=0)
         self.reward = reward
         self.check_alive = check_alive  # async: raises EngineDied
         self.routed_experts = routed_experts  # None: routing replay off
@@ -148,6 +156,17 @@ class Generator:
         client = self.clients[self._next % len(self.clients)]
         self._next += 1
         return client
+
+    async def _pick(self) -> AsyncEngineClient:
+        """The next engine, round robin (with restarts: over those in rotation now)."""
+        if self.recovery is None:
+            return self._client()
+        urls = await self.recovery.rotation()
+        url = urls[self._next % len(urls)]
+        self._next += 1
+        if url not in self._rotation_clients:
+            self._rotation_clients[url] = AsyncEngineClient(url, **self._client_options)
+        return self._rotation_clients[url]
 
     def sampling_params(
         self, cfg: SamplingConfig, position: int, k: int, resumed_at: int = 0
@@ -181,7 +200,7 @@ class Generator:
             return [carried]
         prefix = carried.response_ids if carried is not None else []
         params = self.sampling_params(cfg, position, k, len(prefix))
-        client = self._client()
+        client = await self._pick()
         if self.custom_generate is not None:
             outs = await self._custom(client, prompt, position, k, params)
         else:
@@ -308,7 +327,18 @@ class Generator:
                 on_sample()
             return result
 
-        samples = [s for out in await all_or_cancel(one(k) for k in range(n)) for s in out]
+        while True:
+            try:
+                outs = await all_or_cancel(one(k) for k in range(n))
+                break
+            except EngineError as error:
+                # an engine died: the whole group again (its samples then come from one weight
+                # version; the finished ones are dropped, so none is counted twice)
+                recovery = self.recovery
+                if recovery is None or not await recovery.explained(error, "during generation"):
+                    raise
+                recovery.count_reissued(n)
+        samples = [s for out in outs for s in out]
         if self.reward.batch == "group" and not unfinished(samples):
             await self.score(samples)
         return samples
@@ -386,7 +416,7 @@ class Generator:
                 await asyncio.gather(task, return_exceptions=True)
 
     async def aclose(self) -> None:
-        for client in self.clients + self.abort_clients:
+        for client in self.clients + self.abort_clients + list(self._rotation_clients.values()):
             await client.aclose()
 
 

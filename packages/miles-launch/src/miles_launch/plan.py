@@ -6,6 +6,9 @@ alone, before exiting 0 without starting Ray)::
       engines: 1 builtin engine x 1 GPU, disaggregated (their own bundles)
       weights: broadcast to the engines after every rollout
       offload: none (trainer and engines keep their memory)
+      memory: trainer GPU ~0.0 GiB at peak (training), not checked: no local GPU and no ...
+      memory: engine GPU: built-in engine, weights 0.0 GiB plus a KV cache that grows ...
+      memory: host per trainer node: no trainer state (nothing offloaded)
       rollouts: 12 x 8 prompts x 8 samples, responses up to 8 tokens, reward --rm-type ...
       checkpoints: none (no --save)
       outputs: metrics demo_output/metrics.jsonl; engine logs demo_output/logs
@@ -18,6 +21,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from miles_launch.memory_plan import job_memory, memory_lines
 from miles_launch.placement import Layout, nodes_needed, plan_layout
 
 
@@ -178,6 +182,7 @@ def plan_lines(args: Any, use_gpu: bool, notes: list[str] = ()) -> list[str]:
         engines_line(args, layout),
         weights_line(args),
         offload_line(args),
+        *memory_lines(job_memory(args, use_gpu)),
         rollouts_line(args),
         checkpoints_line(args),
         *notes,

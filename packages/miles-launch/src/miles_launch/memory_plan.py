@@ -51,8 +51,9 @@ Per host: the trainer's sleep backups (``--offload-train``, cpu target), CPU-off
 CPU-offloaded reference/teacher, and the disk-delta writer's copy of the weights on rank 0's node.
 
 Limits: allocator fragmentation and workspace (cuBLAS, NCCL buffers, the CUDA context: ~0.5-1
-GiB) are not counted; the gradients are counted whole during backward (true from the second
-micro-batch of a step); MoE activations assume balanced routing; LoRA adapters are not counted
+GiB) are not counted; FSDP's gradients are counted whole during backward unless every step is
+provably one micro-batch per rank (``--micro-batch-size``, or the token budget with
+``--rollout-max-prompt-len``), true from a step's second micro-batch on; MoE activations assume balanced routing; LoRA adapters are not counted
 (the base is, in the compute dtype). ``scripts/bench_memory_plan.py`` measures the estimate
 against ``torch.cuda.max_memory_allocated`` on a GPU node.
 """
@@ -110,6 +111,7 @@ class TrainerLayout:
     teacher: str = "none"
     teacher_shape: ModelShape | None = None
     offload_train: str = "none"  # "none" | "cpu" | "disk"
+    one_micro_batch: bool = False  # each optimizer step is one micro-batch per rank
     publish_buffer: int = 512 * 2**20
 
     @property
@@ -288,7 +290,13 @@ def trainer_estimate(shape: ModelShape, lay: TrainerLayout) -> tuple[Estimate, E
     gpu.terms["log-prob head"] = head
     if gathered:
         gpu.terms["gathered"] = gathered
-    gpu.phases["training"] = static + gathered + act + head
+    # FSDP's gradients exist whole from a step's second micro-batch on; a step of one
+    # micro-batch peaks in its backward before they do, or in the optimizer step after.
+    # Megatron's DDP gradient buffer is allocated once and kept.
+    fsdp_single = lay.backend == "fsdp" and lay.one_micro_batch
+    grads = gpu_terms.get("gradients", 0.0) if fsdp_single else 0.0
+    gpu.phases["training"] = static - grads + gathered + act + head
+    gpu.phases["optimizer step"] = static
     weights = shape.total_params() * lay.compute_bytes
     publish = 2 * min(lay.publish_buffer, weights) + shape.embedding_params() * lay.compute_bytes
     awake = 0.0 if lay.offload_train != "none" else static
@@ -310,6 +318,7 @@ def trainer_layout(args: Any, on_cuda: bool) -> TrainerLayout | None:
     ranks = args.actor_num_nodes * args.actor_num_gpus_per_node
     tokens = args.max_tokens_per_gpu or _longest_sample(args) * args.micro_batch_size
     common = dict(
+        one_micro_batch=_one_micro_batch(args, ranks, tokens),
         ranks=ranks,
         tokens=tokens,
         fused_head=args.fused_log_probs,
@@ -363,6 +372,24 @@ def trainer_layout(args: Any, on_cuda: bool) -> TrainerLayout | None:
             **common,
         )
     return None
+
+
+def _one_micro_batch(args: Any, ranks: int, tokens: int) -> bool:
+    """Whether every optimizer step is provably one micro-batch on each data-parallel rank:
+    without ``--use-dynamic-batch-size``, a step's samples on a rank fit ``--micro-batch-size``;
+    with it, they fit the token budget at their longest (``--rollout-max-prompt-len`` given)."""
+    model_parallel = 1
+    if args.train_backend == "megatron":
+        model_parallel = (
+            args.tensor_model_parallel_size
+            * args.pipeline_model_parallel_size
+            * args.context_parallel_size
+        )
+    per_step = args.rollout_batch_size * args.n_samples_per_prompt / args.num_steps_per_rollout
+    per_rank = math.ceil(per_step / max(1, ranks // model_parallel))
+    if not args.use_dynamic_batch_size:
+        return per_rank <= args.micro_batch_size
+    return bool(args.rollout_max_prompt_len) and per_rank * _longest_sample(args) <= tokens
 
 
 def _longest_sample(args: Any) -> int:

@@ -234,17 +234,20 @@ def activation_bytes(shape: ModelShape, lay: TrainerLayout, recompute: str | Non
     full = dense * (layer(False) if dense else 0) + sparse * (layer(True) if sparse else 0)
     one = max(layer(False) if dense else 0, layer(True) if sparse else 0)
     checkpoint = c * h / (tp if lay.sequence_parallel else 1)
+    # ``stored``: what each micro-batch in flight keeps; ``working``: the layers being recomputed
+    # (one micro-batch's backward at a time)
+    working = 0.0
     if recompute == "full":
         n = max(1, lay.recompute_layers)
         if lay.backend == "megatron" and lay.recompute_method == "block":
             kept = max(0.0, per_stage - n)
-            saved = n * checkpoint + kept * full / per_stage + one
+            stored, working = n * checkpoint + kept * full / per_stage, one
         else:
-            saved = math.ceil(per_stage / n) * checkpoint + n * one
+            stored, working = math.ceil(per_stage / n) * checkpoint, n * one
     else:  # selective recomputes core attention only: with flash kernels, nothing large
-        saved = full
+        stored = full
     in_flight = lay.pp if lay.backend == "megatron" else 1
-    return t * (saved * in_flight + (8 + 3 * c) * h)
+    return t * (stored * in_flight + working + (8 + 3 * c) * h)
 
 
 def head_bytes(shape: ModelShape, lay: TrainerLayout) -> float:

@@ -465,13 +465,13 @@ def job_memory(args: Any, use_gpu: bool) -> JobMemory | None:
     if replay:
         engine, engine_bytes = "engines: none", 0.0
     elif args.rollout_engine == "sglang":
-        share = f"{fraction}" if fraction is not None else "SGLang's default fraction"
         engine_bytes = fraction * device[0] if fraction is not None and device else weights
-        engine = (
-            f"engine GPU: SGLang --sglang-mem-fraction-static {share} of the device"
-            + (f" ({size(engine_bytes)})" if fraction is not None and device else "")
-            + f", its weights {size(weights)} of it"
-        )
+        if fraction is None:
+            share = "SGLang's own --mem-fraction-static (--sglang-mem-fraction-static unset)"
+        else:
+            share = f"--sglang-mem-fraction-static {fraction}"
+            share += f" ({size(engine_bytes)})" if device else ""
+        engine = f"engine GPU: SGLang, {share} of the device; its weights {size(weights)} of it"
     else:
         engine_bytes = weights
         engine = (

@@ -386,3 +386,60 @@ def test_scale_of_a_large_job_is_sane():
     state = 16 * shape.total_params() / 8
     assert math.isclose(sum(gpu.terms[k] for k in ("parameters", "gradients", "optimizer")), state)
     assert 20 * GiB < gpu.peak < 40 * GiB
+
+
+def parsed(tmp_path: Path, backend: str, *flags: str):
+    """``miles train``'s flags for ``backend`` parsed with every group (no preflight), on a
+    Qwen3-shaped config.json written under ``tmp_path``."""
+    from miles_core.args import entry_point_groups, parse_args
+    from transformers import Qwen3Config
+
+    Qwen3Config(**SMALL, head_dim=16).save_pretrained(tmp_path)
+    (tmp_path / "p.jsonl").write_text('{"prompt": "x"}\n')
+    argv = ["--train-backend", backend, "--hf-checkpoint", str(tmp_path)]
+    argv += ["--prompt-data", str(tmp_path / "p.jsonl"), "--rollout-engine", "builtin"]
+    return parse_args([*argv, *flags], entry_point_groups("core", backend, "launch"))
+
+
+def test_colocated_job_has_a_generation_phase_and_sleep_backups(tmp_path):
+    """--colocate: the trainer sleeps to pinned host memory (its parameters and optimizer state
+    are the host's), SGLang's fraction of the GPU (0.8 under --colocate) is the generation
+    phase, and the engine releases its memory while the trainer trains."""
+    from miles_launch.memory_plan import job_memory
+
+    args = parsed(
+        tmp_path, "fsdp", "--colocate", "--actor-num-gpus-per-node", "2",
+        "--gpu-memory-gib", "10", "--max-tokens-per-gpu", "64", "--rollout-engine", "sglang",
+    )  # fmt: skip
+    job = job_memory(args, use_gpu=False)
+    t, host = job.trainer, job.host_per_rank
+    assert t.phases["generation"] == pytest.approx(0.8 * 10 * GiB)  # the trainer sleeps
+    assert t.peak_phase == "generation" and not job.exceeds()
+    backups = t.terms["parameters"] + t.terms["optimizer"]
+    assert host.terms == {"sleep backups": backups}
+    assert job.host_per_node == 2 * backups
+    awake, _ = trainer_estimate(
+        ModelShape.from_hf_dir(tmp_path),
+        TrainerLayout(backend="fsdp", ranks=2, tokens=64, on_cuda=False, compute_bytes=2),
+    )
+    assert t.phases["training"] == pytest.approx(awake.phases["training"])
+
+
+@pytest.mark.extended
+def test_megatron_layout_from_its_flags(tmp_path):
+    """Megatron's own flags (generated from megatron-core's configs) reach the layout."""
+    from miles_launch.memory_plan import job_memory, trainer_layout
+
+    args = parsed(
+        tmp_path, "megatron", "--actor-num-gpus-per-node", "8", "--rollout-num-gpus", "1",
+        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--recompute-granularity",
+        "full", "--recompute-method", "block", "--recompute-num-layers", "2",
+        "--optimizer-cpu-offload", "--no-grad-reduce-in-fp32", "--max-tokens-per-gpu", "128",
+    )  # fmt: skip
+    lay = trainer_layout(args, on_cuda=True)
+    assert (lay.backend, lay.tp, lay.dp, lay.sequence_parallel) == ("megatron", 2, 4, True)
+    assert (lay.recompute, lay.recompute_method, lay.recompute_layers) == ("full", "block", 2)
+    assert (lay.grad_bytes, lay.optimizer_host_fraction) == (2, 1.0)
+    job = job_memory(args, use_gpu=False)
+    assert "optimizer" not in job.trainer.terms
+    assert set(job.host_per_rank.terms) == {"optimizer (--optimizer-cpu-offload)"}

@@ -443,3 +443,21 @@ def test_megatron_layout_from_its_flags(tmp_path):
     job = job_memory(args, use_gpu=False)
     assert "optimizer" not in job.trainer.terms
     assert set(job.host_per_rank.terms) == {"optimizer (--optimizer-cpu-offload)"}
+
+
+def test_engine_weights_over_its_fraction_are_refused(tmp_path):
+    """SGLang's weights must fit its --sglang-mem-fraction-static of the GPU."""
+    from miles_core.args import ArgumentError
+    from miles_launch.memory_plan import check_memory, job_memory
+
+    flags = ["--rollout-engine", "sglang", "--sglang-mem-fraction-static", "0.05"]
+    flags += ["--gpu-memory-gib", str(1 / 1024), "--max-tokens-per-gpu", "8"]
+    args = parsed(tmp_path, "fsdp", *flags)  # 1 MiB: the engine may use 51 KiB
+    job = job_memory(args, use_gpu=False)
+    assert job.engine_weights == 2 * ModelShape.from_hf_dir(tmp_path).total_params()
+    assert job.engine_exceeds() and job.engine_room == pytest.approx(0.05 * 2**20)
+    assert not job.exceeds()  # the trainer fits
+    with pytest.raises(ArgumentError, match="--sglang-mem-fraction-static.*--ignore-memory-plan"):
+        check_memory(args, use_gpu=False)
+    args.ignore_memory_plan = True
+    check_memory(args, use_gpu=False)

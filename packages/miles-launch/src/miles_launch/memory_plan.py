@@ -43,10 +43,12 @@ bytes (2 for bf16) and the shards each backend cuts:
   buckets and the largest tensor (the embedding) on top of what the trainer holds then (nothing
   when it sleeps).
 
-The trainer GPU's peak is the largest of its phases: training (everything above), publishing,
-and, colocated, generation (the engine's fraction plus whatever the trainer keeps awake). The
-engine: SGLang takes ``--sglang-mem-fraction-static`` of its GPU (its weights must fit in it);
-the built-in engine its weights plus a KV cache that grows with the batch (not bounded here).
+The trainer GPU's peak is the largest of its phases: training (everything above), the optimizer
+step, publishing, and, colocated, generation (the engine's fraction plus whatever the trainer
+keeps awake). The engine: SGLang takes ``--sglang-mem-fraction-static`` of its GPU (its weights
+must fit in it); the built-in engine its weights plus a KV cache that grows with the batch (not
+bounded here). :func:`check_memory` refuses a trainer GPU over the device, and engine weights
+over the engine's room on a GPU of the same size.
 Per host: the trainer's sleep backups (``--offload-train``, cpu target), CPU-offloaded state,
 CPU-offloaded reference/teacher, and the disk-delta writer's copy of the weights on rank 0's node.
 
@@ -417,9 +419,17 @@ class JobMemory:
     activations_without_recompute: float
     tokens: int
     head: str
+    engine_weights: float = 0.0  # one engine GPU's share of the weights
+    engine_room: float | None = None  # what the engine may hold on its GPU, when known
 
     def exceeds(self) -> bool:
         return self.device is not None and self.trainer.peak > self.device[0]
+
+    def engine_exceeds(self) -> bool:
+        """The engine's weights alone exceed its room (SGLang's fraction of the device, or the
+        device for the built-in engine): the engine could not start. Engine GPUs are taken to
+        be the trainer's kind."""
+        return self.engine_room is not None and self.engine_weights > self.engine_room
 
 
 def device_memory(args: Any, use_gpu: bool) -> tuple[float, str] | None:
@@ -462,9 +472,11 @@ def job_memory(args: Any, use_gpu: bool) -> JobMemory | None:
     replay = bool(args.load_debug_rollout_data)
     weights = engine_weights(shape) / args.rollout_num_gpus_per_engine
     fraction = args.sglang_mem_fraction_static
+    room = None
     if replay:
         engine, engine_bytes = "engines: none", 0.0
     elif args.rollout_engine == "sglang":
+        room = fraction * device[0] if fraction is not None and device else None
         engine_bytes = fraction * device[0] if fraction is not None and device else weights
         if fraction is None:
             share = "SGLang's own --mem-fraction-static (--sglang-mem-fraction-static unset)"
@@ -473,7 +485,7 @@ def job_memory(args: Any, use_gpu: bool) -> JobMemory | None:
             share += f" ({size(engine_bytes)})" if device else ""
         engine = f"engine GPU: SGLang, {share} of the device; its weights {size(weights)} of it"
     else:
-        engine_bytes = weights
+        engine_bytes, room = weights, device[0] if device else None
         engine = (
             f"engine GPU: built-in engine, weights {size(weights)} plus a KV cache that "
             "grows with the batch (not bounded here)"
@@ -509,6 +521,8 @@ def job_memory(args: Any, use_gpu: bool) -> JobMemory | None:
         activations_without_recompute=activation_bytes(shape, lay, "none"),
         tokens=lay.tokens,
         head="fused" if lay.fused_head else "dense",
+        engine_weights=0.0 if replay else weights,
+        engine_room=room,
     )
 
 
@@ -565,21 +579,34 @@ def memory_lines(job: JobMemory | None) -> list[str]:
 
 def check_memory(args: Any, use_gpu: bool) -> None:
     """Refuse (an ``ArgumentError`` naming ``--ignore-memory-plan``) a job whose trainer GPU
-    estimate exceeds the device."""
+    estimate exceeds the device, or whose engine's weights exceed the engine's room on it."""
     from miles_core.args import ArgumentError
 
     if args.ignore_memory_plan:
         return
     job = job_memory(args, use_gpu)
-    if job is None or not job.exceeds():
+    if job is None:
         return
-    t = job.trainer
-    biggest = sorted(t.terms.items(), key=lambda kv: -kv[1])[:3]
-    raise ArgumentError(
-        f"the memory plan estimates {size(t.peak)} per trainer GPU at its peak ({t.peak_phase}; "
-        "the largest terms: "
-        + ", ".join(f"{k} {size(v)}" for k, v in biggest)
-        + f") and the GPU has {size(job.device[0])} ({job.device[1]}): lower "
-        "--max-tokens-per-gpu, recompute activations, add trainer GPUs or offload, or pass "
-        "--ignore-memory-plan to start anyway"
-    )
+    device = f"{size(job.device[0])} ({job.device[1]})" if job.device else ""
+    if job.exceeds():
+        t = job.trainer
+        biggest = sorted(t.terms.items(), key=lambda kv: -kv[1])[:3]
+        raise ArgumentError(
+            f"the memory plan estimates {size(t.peak)} per trainer GPU at its peak "
+            f"({t.peak_phase}; the largest terms: "
+            + ", ".join(f"{k} {size(v)}" for k, v in biggest)
+            + f") and the GPU has {device}: lower --max-tokens-per-gpu, recompute activations, "
+            "add trainer GPUs or offload, or pass --ignore-memory-plan to start anyway"
+        )
+    if job.engine_exceeds():
+        way = (
+            "raise --sglang-mem-fraction-static or --rollout-num-gpus-per-engine"
+            if args.rollout_engine == "sglang"
+            else "the built-in engine serves on one GPU: use --rollout-engine sglang with "
+            "--rollout-num-gpus-per-engine"
+        )
+        raise ArgumentError(
+            f"the memory plan: an engine GPU's share of the weights, {size(job.engine_weights)}, "
+            f"exceeds the {size(job.engine_room)} the engine may use on a GPU of {device}: "
+            f"{way}, or pass --ignore-memory-plan to start anyway"
+        )

@@ -107,7 +107,8 @@ def backend_argv(name: str, hf_dir: str, args, recompute: bool, cuda: bool) -> l
 def estimate(name: str, argv: list[str], world: int, cuda: bool) -> dict:
     """The memory plan's trainer-GPU estimate of these flags, by term and phase (bytes)."""
     from miles_core.args import entry_point_groups, parse_args
-    from miles_launch.memory_plan import trainer_estimate, trainer_layout
+    from miles_launch.memory_estimate import trainer_estimate
+    from miles_launch.memory_plan import trainer_layout
     from miles_launch.model_shape import ModelShape
 
     hf_dir = argv[argv.index("--hf-checkpoint") + 1]

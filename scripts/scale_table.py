@@ -1,5 +1,5 @@
 """The per-GPU trainer memory table of docs/scale.md, from the memory plan's own arithmetic
-(``miles_launch.memory_plan``, what ``miles train`` prints): 8B to 1T-parameter models on 8 to
+(``miles_launch.memory_estimate``, what ``miles train`` prints): 8B to 1T-parameter models on 8 to
 1024 GPUs, in the layouts a user would pick.
 
     python scripts/scale_table.py [--tokens 16384] [--gpu-memory-gib 80] > table.md
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from miles_launch.memory_plan import GiB, TrainerLayout, trainer_estimate
+from miles_launch.memory_estimate import GiB, TrainerLayout, trainer_estimate
 from miles_launch.model_shape import ModelShape
 
 QWEN = dict(model_type="qwen3", vocab=151936, head_dim=128, tied=False, qk_norm=True)

@@ -1,4 +1,5 @@
-"""The memory plan (miles_launch.model_shape, miles_launch.memory_plan): its arithmetic against
+"""The memory plan (miles_launch.model_shape, miles_launch.memory_estimate, miles_launch.memory_plan):
+its arithmetic against
 independent references on the CPU, and its refusal through the real ``miles train`` command line.
 
 * parameters: ``ModelShape.total_params()`` of a config.json written by ``save_pretrained``
@@ -24,7 +25,7 @@ import pytest
 import torch
 from miles_launch.cli import main as cli_main
 from miles_launch.demo import build_tiny_qwen3, demo_flags, write_demo_prompts
-from miles_launch.memory_plan import (
+from miles_launch.memory_estimate import (
     GiB,
     TrainerLayout,
     activation_bytes,

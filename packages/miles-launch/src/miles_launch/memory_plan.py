@@ -1,314 +1,38 @@
 """The memory plan: an estimate of peak memory per GPU and per host, from ``config.json`` and the
-flags alone, printed in the plan (``--dry-run`` and the first lines of every run) and checked
-against the GPU before Ray starts::
+flags alone (no model is loaded), printed in the plan (``--dry-run`` and the first lines of every
+run) and checked against the GPU by the preflight, before Ray starts::
 
-    memory: trainer GPU ~61.3 GiB peak (training) of 79.1 GiB (CUDA device 0): parameters 15.0,
-        gradients 15.0, optimizer 30.0, activations 5.9 at 16384 tokens (recompute; 78.1
-        without), log-prob head 3.5 (fused), gathered 1.5
-    memory: engine GPU: SGLang --sglang-mem-fraction-static 0.8 of the device (64.0 GiB)
-    memory: host per node: 8 trainer rank(s) x 60.0 GiB (sleep backups) = 480.0 GiB
+    memory: trainer GPU ~64.0 GiB at peak (generation), fits 80.0 GiB (--gpu-memory-gib); training: parameters 3.8 GiB, ...
+    memory: engines: colocated, in the trainer GPU's phases (SGLang, --sglang-mem-fraction-static 0.8 (64.0 GiB) of the device; ...)
+    memory: host per trainer node ~91.5 GiB: 8 rank(s) x (sleep backups 11.4 GiB)
 
-One code path for both backends (``--train-backend fsdp`` / ``megatron``); per trainer GPU, with
-``P`` the parameters (:class:`~miles_launch.model_shape.ModelShape`), ``c`` the compute dtype's
-bytes (2 for bf16) and the shards each backend cuts:
-
-* **FSDP** (``S`` = ranks / ``--dp-replicate-size`` shards): parameters ``P m / S`` (``m`` = 4
-  with fp32 masters, ``c`` under ``--no-keep-fp32-master``), gradients ``P m / S``, AdamW's two
-  moments ``2 P m / S``; the gathered units: the root (tied embedding) and two layers in ``c``
-  (the one running and the one prefetched) and the largest unit's unsharded gradient
-  (``c`` + its fp32 copy for the reduce-scatter). ``--fsdp-cpu-offload`` puts parameters,
-  gradients and moments in host memory.
-* **Megatron** (``TP``/``PP``/``CP``/``EP``/``ETP``; ``DP = ranks / (TP PP CP)``): on the
-  fullest pipeline stage, bf16 parameters ``c P_local`` and the DDP gradient buffer ``4 P_local``
-  (``2`` under ``--no-grad-reduce-in-fp32``), with ``P_local`` = the stage's dense parameters / TP
-  plus its routed experts / (EP ETP); the distributed optimizer's fp32 master and two moments,
-  ``12 P_dense / (TP PP DP CP)`` + ``12 P_experts / (EP ETP PP EDP)``. ``--optimizer-cpu-offload``
-  moves ``--optimizer-offload-fraction`` of it to the host.
-* ``--stream-optimizer-state-to-disk``: masters and moments in files; at most 3 buckets of
-  ``--stream-optimizer-bucket-numel`` on the GPU.
-* **Activations** of one micro-batch of ``--max-tokens-per-gpu`` tokens (each CP rank holds that
-  many): every layer's saved tensors (:meth:`ModelShape.layer_activation_bytes` says which) without
-  recompute; with ``--gradient-checkpointing`` (FSDP) or ``--recompute-granularity full``
-  (Megatron) the checkpointed inputs (``c h`` per token per checkpoint) plus the recomputed
-  layers. Megatron divides by TP under ``--sequence-parallel`` (without it only the head- and
-  MLP-sized tensors), and its first pipeline stage holds ``PP`` micro-batches in flight. Plus the
-  final norm and the head's input gradient, ``(8 + 3c) h`` per token.
-* **Log-prob head**: dense (``--no-fused-log-probs``): 18 bytes per ``[tokens, V / TP]`` element
-  (the bf16 logits, their fp32 copy and log-softmax, and the two fp32 gradients: ~2.5 GiB per
-  1k tokens at V = 151,936, as measured); fused: four chunks of fp32 logits
-  (:data:`miles_core.log_prob_head.CUDA_CHUNK_BYTES` each on a GPU) and the weight's fp32
-  gradient accumulator ``4 V h / TP``.
-* the reference (``--ref-load``), teacher and EMA copies, a critic's state (``--use-critic``: its
-  parameters, gradients and optimizer again), and **publishing**: two ``--update-weight-buffer-size``
-  buckets and the largest tensor (the embedding) on top of what the trainer holds then (nothing
-  when it sleeps).
-
-The trainer GPU's peak is the largest of its phases: training (everything above), the optimizer
-step, publishing, and, colocated, generation (the engine's fraction plus whatever the trainer
-keeps awake). The engine: SGLang takes ``--sglang-mem-fraction-static`` of its GPU (its weights
-must fit in it); the built-in engine its weights plus a KV cache that grows with the batch (not
-bounded here). :func:`check_memory` refuses a trainer GPU over the device, and engine weights
-over the engine's room on a GPU of the same size.
-Per host: the trainer's sleep backups (``--offload-train``, cpu target), CPU-offloaded state,
-CPU-offloaded reference/teacher, and the disk-delta writer's copy of the weights on rank 0's node.
-
-Limits: allocator fragmentation and workspace (cuBLAS, NCCL buffers, the CUDA context: ~0.5-1
-GiB) are not counted; FSDP's gradients are counted whole during backward unless every step is
-provably one micro-batch per rank (``--micro-batch-size``, or the token budget with
-``--rollout-max-prompt-len``), true from a step's second micro-batch on; MoE activations assume balanced routing; LoRA adapters are not counted
-(the base is, in the compute dtype). ``scripts/bench_memory_plan.py`` measures the estimate
-against ``torch.cuda.max_memory_allocated`` on a GPU node.
+:func:`trainer_layout` reads the flags of either backend into a
+:class:`~miles_launch.memory_estimate.TrainerLayout`; the arithmetic is
+:mod:`miles_launch.memory_estimate`'s. :func:`job_memory` adds the engine (SGLang's
+``--sglang-mem-fraction-static`` of its GPU; the built-in engine's weights) and, under
+``--colocate``, the phases trainer and engine share: training (plus the engine unless
+``--offload-rollout``), generation (the engine plus the trainer unless ``--offload-train``),
+publishing (plus the engine's weights). The device: ``--gpu-memory-gib``, else the local CUDA
+device when the job runs here, else none (the estimate is printed unchecked).
+:func:`check_memory` refuses a trainer GPU over the device, and engine weights over the engine's
+room on a GPU of the same size, unless ``--ignore-memory-plan``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from miles_launch.memory_estimate import (
+    Estimate,
+    GiB,
+    TrainerLayout,
+    activation_bytes,
+    trainer_estimate,
+)
 from miles_launch.model_shape import ConfigError, ModelShape
-
-GiB = 2**30
-#: Float32 logits of one fused-head chunk on a GPU and on the CPU
-#: (``miles_core.log_prob_head.CUDA_CHUNK_BYTES`` / ``DEFAULT_CHUNK_BYTES``, read at use).
-FUSED_HEAD_CHUNKS = 4
-#: Bytes per ``[tokens, V]`` element of the dense head (see the module docstring).
-DENSE_HEAD_BYTES = 18
-#: Streamed optimizer buckets resident on the device at once.
-STREAMED_BUCKETS = 3
-
-
-@dataclass(frozen=True)
-class TrainerLayout:
-    """What the estimate reads from the flags, so that a table (``scripts/scale_table.py``) can
-    build one without a command line. Sizes are counts; bytes are per element."""
-
-    backend: str  # "fsdp" | "megatron"
-    ranks: int
-    tokens: int  # tokens of one micro-batch per GPU
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    etp: int = 1
-    sequence_parallel: bool = False
-    dp_replicate: int = 1
-    recompute: str = "none"  # "none" | "full" | "selective"
-    recompute_method: str = "uniform"  # Megatron full: "uniform" | "block"
-    recompute_layers: int = 1
-    fused_head: bool = True
-    on_cuda: bool = True
-    compute_bytes: int = 2
-    master_bytes: int = 4
-    grad_bytes: int = 4  # Megatron's DDP buffer (fp32 unless --no-grad-reduce-in-fp32)
-    optimizer_host_fraction: float = 0.0  # Megatron --optimizer-cpu-offload
-    fsdp_cpu_offload: bool = False
-    stream_bucket_numel: int = 0  # > 0: --stream-optimizer-state-to-disk
-    stream_moment_bytes: int = 4
-    lora: bool = False
-    ema: bool = False
-    critic: bool = False
-    ref: str = "none"  # "none" | "gpu" | "host"
-    teacher: str = "none"
-    teacher_shape: ModelShape | None = None
-    offload_train: str = "none"  # "none" | "cpu" | "disk"
-    one_micro_batch: bool = False  # each optimizer step is one micro-batch per rank
-    publish_buffer: int = 512 * 2**20
-
-    @property
-    def model_parallel(self) -> int:
-        return self.tp * self.pp * self.cp
-
-    @property
-    def dp(self) -> int:
-        return max(1, self.ranks // self.model_parallel)
-
-    @property
-    def expert_dp(self) -> int:
-        return max(1, self.ranks // (self.etp * self.ep * self.pp))
-
-
-@dataclass
-class Estimate:
-    """Bytes by term (in print order) and the peak of each phase of one device or host."""
-
-    terms: dict[str, float] = field(default_factory=dict)
-    phases: dict[str, float] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def peak(self) -> float:
-        return max(self.phases.values(), default=sum(self.terms.values()))
-
-    @property
-    def peak_phase(self) -> str:
-        return max(self.phases, key=self.phases.get) if self.phases else "all"
-
-
-# ---------------------------------------------------------------------- the trainer's state
-def _local_params(shape: ModelShape, lay: TrainerLayout) -> tuple[float, float]:
-    """``(dense, experts)`` parameters one rank holds on the fullest pipeline stage (Megatron),
-    or its FSDP shard."""
-    if lay.backend == "fsdp":
-        shards = lay.ranks // lay.dp_replicate
-        total = shape.total_params()
-        return (total - shape.expert_params()) / shards, shape.expert_params() / shards
-    per_stage = math.ceil(shape.layers / lay.pp)
-    sparse = shape.sparse_layers * per_stage / shape.layers
-    dense_layers = per_stage - sparse
-    layers = dense_layers * shape.layer_params(False) + sparse * (
-        shape.layer_params(True) - shape.routed_expert_params()
-    )
-    embeddings = shape.embedding_params() * (1 if lay.pp > 1 or shape.tied else 2)
-    dense = (layers + embeddings) / lay.tp + shape.hidden
-    experts = sparse * shape.routed_expert_params() / (lay.ep * lay.etp)
-    return dense, experts
-
-
-def state_terms(shape: ModelShape, lay: TrainerLayout) -> tuple[dict[str, float], dict[str, float]]:
-    """Per trainer GPU and per trainer rank's host: parameters, gradients, optimizer (module
-    docstring)."""
-    dense, experts = _local_params(shape, lay)
-    local = dense + experts
-    gpu: dict[str, float] = {}
-    host: dict[str, float] = {}
-    c = lay.compute_bytes
-    if lay.lora:  # the frozen base in the compute dtype; adapters not counted
-        gpu["parameters"] = local * c
-        return gpu, host
-    if lay.backend == "fsdp":
-        m = lay.master_bytes
-        gpu["parameters"], gpu["gradients"] = local * m, local * m
-        moments = 2 * local * m
-        if lay.fsdp_cpu_offload:
-            host["parameters, gradients, optimizer (--fsdp-cpu-offload)"] = 4 * local * m
-            gpu.pop("parameters"), gpu.pop("gradients")
-            moments = 0.0
-    else:
-        gpu["parameters"], gpu["gradients"] = local * c, local * lay.grad_bytes
-        sharded = dense / (lay.dp * lay.cp) + experts / lay.expert_dp
-        moments = 12 * sharded
-        if lay.optimizer_host_fraction:
-            host["optimizer (--optimizer-cpu-offload)"] = moments * lay.optimizer_host_fraction
-            moments *= 1 - lay.optimizer_host_fraction
-    if lay.stream_bucket_numel:
-        bucket = lay.stream_bucket_numel * (lay.master_bytes + 2 * lay.stream_moment_bytes)
-        moments = min(moments, STREAMED_BUCKETS * bucket)
-    if moments:
-        gpu["optimizer"] = moments
-    return gpu, host
-
-
-def _gathered(shape: ModelShape, lay: TrainerLayout) -> float:
-    """FSDP's unsharded units (module docstring); Megatron holds its parameters whole."""
-    if (
-        lay.backend != "fsdp"
-        or lay.ranks // lay.dp_replicate == 1
-        and lay.master_bytes == lay.compute_bytes
-    ):
-        return 0.0
-    c = lay.compute_bytes
-    layer = max(
-        shape.layer_params(False) if shape.dense_layers else 0,
-        shape.layer_params(True) if shape.sparse_layers else 0,
-    )
-    root = shape.embedding_params() if shape.tied else 0
-    unit = max(layer, shape.embedding_params())
-    return (root + 2 * layer) * c + unit * (c + 4)
-
-
-# ---------------------------------------------------------------------- activations
-def activation_bytes(shape: ModelShape, lay: TrainerLayout, recompute: str | None = None) -> float:
-    """Saved activations of one micro-batch of ``lay.tokens`` tokens on the fullest stage (module
-    docstring); ``recompute`` overrides the layout's ("none", "full", "selective")."""
-    recompute = lay.recompute if recompute is None else recompute
-    c, h, t = lay.compute_bytes, shape.hidden, lay.tokens
-    per_stage = math.ceil(shape.layers / lay.pp)
-    sparse = shape.sparse_layers * per_stage / shape.layers
-    dense = per_stage - sparse
-    tp = lay.tp if lay.backend == "megatron" else 1
-
-    def layer(kind: bool) -> float:
-        hidden_part, split_part = shape.layer_activation_split(kind, c)
-        return (hidden_part / (tp if lay.sequence_parallel else 1)) + split_part / tp
-
-    full = dense * (layer(False) if dense else 0) + sparse * (layer(True) if sparse else 0)
-    one = max(layer(False) if dense else 0, layer(True) if sparse else 0)
-    checkpoint = c * h / (tp if lay.sequence_parallel else 1)
-    # ``stored``: what each micro-batch in flight keeps; ``working``: the layers being recomputed
-    # (one micro-batch's backward at a time)
-    working = 0.0
-    if recompute == "full":
-        n = max(1, lay.recompute_layers)
-        if lay.backend == "megatron" and lay.recompute_method == "block":
-            kept = max(0.0, per_stage - n)
-            stored, working = n * checkpoint + kept * full / per_stage, one
-        else:
-            stored, working = math.ceil(per_stage / n) * checkpoint, n * one
-    else:  # selective recomputes core attention only: with flash kernels, nothing large
-        stored = full
-    in_flight = lay.pp if lay.backend == "megatron" else 1
-    return t * (stored * in_flight + working + (8 + 3 * c) * h)
-
-
-def head_bytes(shape: ModelShape, lay: TrainerLayout) -> float:
-    """The log-prob head's temporaries (module docstring)."""
-    from miles_core.log_prob_head import CUDA_CHUNK_BYTES, DEFAULT_CHUNK_BYTES
-
-    vocab = shape.vocab / (lay.tp if lay.backend == "megatron" else 1)
-    dense = lay.tokens * vocab * DENSE_HEAD_BYTES
-    if not lay.fused_head:
-        return dense
-    chunk = CUDA_CHUNK_BYTES if lay.on_cuda else DEFAULT_CHUNK_BYTES
-    return min(dense, FUSED_HEAD_CHUNKS * chunk) + 4 * vocab * shape.hidden
-
-
-# ---------------------------------------------------------------------- the whole trainer GPU
-def trainer_estimate(shape: ModelShape, lay: TrainerLayout) -> tuple[Estimate, Estimate]:
-    """``(trainer GPU, trainer rank's host)`` estimates of a layout; the GPU's phases are
-    ``training`` and ``publishing`` (the caller adds the engine's under ``--colocate``)."""
-    gpu_terms, host_terms = state_terms(shape, lay)
-    gpu = Estimate(terms=dict(gpu_terms))
-    host = Estimate(terms=dict(host_terms))
-    shards = lay.ranks // lay.dp_replicate if lay.backend == "fsdp" else lay.tp * lay.pp
-    for role, where, role_shape in (
-        ("reference", lay.ref, shape),
-        ("teacher", lay.teacher, lay.teacher_shape or shape),
-    ):
-        if where != "none":
-            copy = role_shape.total_params() * lay.compute_bytes / shards
-            (gpu if where == "gpu" else host).terms[role] = copy
-    if lay.ema:
-        gpu.terms["EMA"] = sum(_local_params(shape, lay)) * lay.master_bytes
-    if lay.critic:
-        critic = replace(shape, vocab=1, tied=False)
-        critic_gpu, critic_host = state_terms(critic, lay)
-        gpu.terms["critic"] = sum(critic_gpu.values())
-        if critic_host:
-            host.terms["critic"] = sum(critic_host.values())
-    static = sum(gpu.terms.values())
-    gathered = _gathered(shape, lay)
-    act = activation_bytes(shape, lay)
-    head = head_bytes(shape, lay)
-    gpu.terms["activations"] = act
-    gpu.terms["log-prob head"] = head
-    if gathered:
-        gpu.terms["gathered"] = gathered
-    # FSDP's gradients exist whole from a step's second micro-batch on; a step of one
-    # micro-batch peaks in its backward before they do, or in the optimizer step after.
-    # Megatron's DDP gradient buffer is allocated once and kept.
-    fsdp_single = lay.backend == "fsdp" and lay.one_micro_batch
-    grads = gpu_terms.get("gradients", 0.0) if fsdp_single else 0.0
-    gpu.phases["training"] = static - grads + gathered + act + head
-    gpu.phases["optimizer step"] = static
-    weights = shape.total_params() * lay.compute_bytes
-    publish = 2 * min(lay.publish_buffer, weights) + shape.embedding_params() * lay.compute_bytes
-    awake = 0.0 if lay.offload_train != "none" else static
-    gpu.phases["publishing"] = awake + publish
-    if lay.offload_train == "cpu":
-        host.terms["sleep backups"] = static - gpu_terms.get("gradients", 0.0)
-    return gpu, host
 
 
 # ---------------------------------------------------------------------- from the flags
@@ -374,7 +98,8 @@ def trainer_layout(args: Any, on_cuda: bool) -> TrainerLayout | None:
             recompute_layers=args.recompute_num_layers or 1,
             grad_bytes=2 if args.grad_reduce_in_fp32 is False else 4,
             optimizer_host_fraction=fraction,
-            **common,
+            # its reference is a host copy of the rank's shards, swapped in for its pass
+            **{**common, "ref": "host" if args.ref_mode == "ref" else "none"},
         )
     return None
 

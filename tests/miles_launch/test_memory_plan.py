@@ -462,3 +462,20 @@ def test_engine_weights_over_its_fraction_are_refused(tmp_path):
         check_memory(args, use_gpu=False)
     args.ignore_memory_plan = True
     check_memory(args, use_gpu=False)
+
+
+def test_role_copies():
+    """EMA: a copy of the fp32 shards; the reference: the model in bf16 over the shards; the
+    critic: its own parameters, gradients and AdamW state, without the LM head."""
+    shape = ModelShape(
+        model_type="qwen3", layers=2, hidden=64, intermediate=128, vocab=1000, heads=4,
+        kv_heads=2, head_dim=16, tied=False,
+    )  # fmt: skip
+    lay = TrainerLayout(backend="fsdp", ranks=4, tokens=8, ema=True, ref="gpu", critic=True)
+    gpu, host = trainer_estimate(shape, lay)
+    p = shape.total_params()
+    assert gpu.terms["EMA"] == gpu.terms["parameters"] == 4 * p / 4
+    assert gpu.terms["reference"] == 2 * p / 4
+    assert gpu.terms["critic"] == 16 * (p - shape.head_params()) / 4
+    _, host = trainer_estimate(shape, TrainerLayout(backend="fsdp", ranks=4, tokens=8, ref="host"))
+    assert host.terms == {"reference": 2 * p / 4}

@@ -273,7 +273,7 @@ def trainer_estimate(shape: ModelShape, lay: TrainerLayout) -> tuple[Estimate, E
     if lay.ema:
         gpu.terms["EMA"] = sum(_local_params(shape, lay)) * lay.master_bytes
     if lay.critic:
-        critic = replace(shape, vocab=1, tied=False)
+        critic = replace(shape, tied=True)  # the input embedding, no LM head (its value head: h)
         critic_gpu, critic_host = state_terms(critic, lay)
         gpu.terms["critic"] = sum(critic_gpu.values())
         if critic_host:

@@ -6,14 +6,15 @@ alone, before exiting 0 without starting Ray)::
       engines: 1 builtin engine x 1 GPU, disaggregated (their own bundles)
       weights: broadcast to the engines after every rollout
       offload: none (trainer and engines keep their memory)
-      memory: trainer GPU ~0.0 GiB at peak (training), not checked: no local GPU and no ...
-      memory: engine GPU: built-in engine, weights 0.0 GiB plus a KV cache that grows ...
+      memory: trainer GPU ~1.3 MiB at peak (training), not checked (no local GPU, no ...); ...
+      memory: engine GPU: built-in engine, weights 154.8 KiB plus a KV cache that grows ...
       memory: host per trainer node: no trainer state (nothing offloaded)
       rollouts: 12 x 8 prompts x 8 samples, responses up to 8 tokens, reward --rm-type ...
       checkpoints: none (no --save)
       outputs: metrics demo_output/metrics.jsonl; engine logs demo_output/logs
 
-Pure arithmetic over the parsed flags (and the preflight's notes): nothing is started.
+Pure arithmetic over the parsed flags (and the preflight's notes): nothing is started. The
+``memory:`` lines are :mod:`miles_launch.memory_plan`'s.
 """
 
 from __future__ import annotations

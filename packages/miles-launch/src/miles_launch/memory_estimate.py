@@ -258,7 +258,8 @@ def head_bytes(shape: ModelShape, lay: TrainerLayout) -> float:
 # ---------------------------------------------------------------------- the whole trainer GPU
 def trainer_estimate(shape: ModelShape, lay: TrainerLayout) -> tuple[Estimate, Estimate]:
     """``(trainer GPU, trainer rank's host)`` estimates of a layout; the GPU's phases are
-    ``training`` and ``publishing`` (the caller adds the engine's under ``--colocate``)."""
+    ``training``, ``optimizer step`` and ``publishing`` (the caller adds the engine's under
+    ``--colocate``)."""
     gpu_terms, host_terms = state_terms(shape, lay)
     gpu = Estimate(terms=dict(gpu_terms))
     host = Estimate(terms=dict(host_terms))

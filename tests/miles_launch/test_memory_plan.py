@@ -479,3 +479,20 @@ def test_role_copies():
     assert gpu.terms["critic"] == 16 * (p - shape.head_params()) / 4
     _, host = trainer_estimate(shape, TrainerLayout(backend="fsdp", ranks=4, tokens=8, ref="host"))
     assert host.terms == {"reference": 2 * p / 4}
+
+
+def test_a_model_type_it_does_not_count_is_printed_unchecked(tmp_path):
+    """A hybrid model (Mamba layers, here nemotron_h) gets no estimate, said so, and no refusal."""
+    import json
+
+    from miles_launch.memory_plan import check_memory, plan_memory_lines
+
+    args = parsed(tmp_path, "fsdp", "--gpu-memory-gib", "0.0001")
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "nemotron_h"}))
+    (line,) = plan_memory_lines(args, use_gpu=False)
+    assert line.startswith("memory: no estimate (model_type nemotron_h is not one whose layers")
+    assert line.endswith("; not checked")
+    check_memory(args, use_gpu=False)
+    with pytest.raises(ValueError, match="model_type nemotron_h"):
+        ModelShape.from_hf_dir(tmp_path)

@@ -180,18 +180,24 @@ def engine_weights(shape: ModelShape) -> float:
     return 2.0 * shape.total_params()
 
 
-def job_memory(args: Any, use_gpu: bool) -> JobMemory | None:
-    """The estimate of the parsed job (None: no config.json to read, or a backend it does not
-    know)."""
+class NoEstimate(Exception):
+    """The job has no estimate (the message says why: no config.json, a model type or backend
+    the plan does not count)."""
+
+
+def job_memory(args: Any, use_gpu: bool) -> JobMemory:
+    """The estimate of the parsed job; raises :class:`NoEstimate`."""
     if not args.hf_checkpoint:
-        return None
+        raise NoEstimate("no --hf-checkpoint")
     try:
         shape = ModelShape.from_hf_dir(args.hf_checkpoint)
-    except (OSError, ValueError, ConfigError):
-        return None
+    except OSError as exc:
+        raise NoEstimate(f"{args.hf_checkpoint}/config.json not read ({exc.strerror})") from None
+    except (ValueError, ConfigError) as exc:  # ConfigError is a ValueError; so is bad JSON
+        raise NoEstimate(str(exc)) from None
     lay = trainer_layout(args, use_gpu)
     if lay is None:
-        return None
+        raise NoEstimate(f"--train-backend {args.train_backend} is not one the plan counts")
     trainer, host = trainer_estimate(shape, lay)
     device = device_memory(args, use_gpu)
     replay = bool(args.load_debug_rollout_data)
@@ -259,10 +265,16 @@ def size(value: float) -> str:
     return f"{value / 2**10:.1f} KiB"
 
 
-def memory_lines(job: JobMemory | None) -> list[str]:
+def plan_memory_lines(args: Any, use_gpu: bool) -> list[str]:
+    """The plan's memory lines of the parsed job, or one saying why there is no estimate."""
+    try:
+        return memory_lines(job_memory(args, use_gpu))
+    except NoEstimate as exc:
+        return [f"memory: no estimate ({exc}); not checked"]
+
+
+def memory_lines(job: JobMemory) -> list[str]:
     """The plan's memory lines (module docstring): the trainer GPU, the engine, the host."""
-    if job is None:
-        return ["memory: no estimate (no config.json read, or a backend the plan does not know)"]
     t = job.trainer
     if job.device is None:
         against = "not checked (no local GPU, no --gpu-memory-gib)"
@@ -309,9 +321,10 @@ def check_memory(args: Any, use_gpu: bool) -> None:
 
     if args.ignore_memory_plan:
         return
-    job = job_memory(args, use_gpu)
-    if job is None:
-        return
+    try:
+        job = job_memory(args, use_gpu)
+    except NoEstimate:
+        return  # the plan says why
     device = f"{size(job.device[0])} ({job.device[1]})" if job.device else ""
     if job.exceeds():
         t = job.trainer

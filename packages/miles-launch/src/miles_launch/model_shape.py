@@ -2,7 +2,7 @@
 counts the memory plan (:mod:`miles_launch.memory_plan`) multiplies: parameters by kind and the
 bytes one layer saves for backward per token.
 
-Covered: dense Llama/Qwen2/Qwen3-style models (grouped-query attention, SwiGLU MLP, RMSNorm,
+Covered (:data:`KNOWN_TYPES`): dense Llama/Mistral/Qwen2/Qwen3 models (grouped-query attention, SwiGLU MLP, RMSNorm,
 optional q/k norms and attention biases, tied or untied embeddings) and their MoE variants
 (Qwen2/Qwen3-MoE, Mixtral: routed experts, an optional shared expert, dense layers by
 ``mlp_only_layers`` / ``decoder_sparse_step`` / ``first_k_dense_replace``), and DeepSeek-V3-style
@@ -17,6 +17,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+#: The model types whose layers this module counts (tested against the HF models' numel; Mistral
+#: and Kimi K2 are Llama's and DeepSeek-V3's layers). Others (hybrid linear-attention or Mamba
+#: layers, ...) raise :class:`ConfigError`: the plan prints no estimate rather than a wrong one.
+KNOWN_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral",
+    "deepseek_v3",
+    "kimi_k2",
+)
 #: Model types whose attention normalises q and k per head (Qwen3's ``q_norm`` / ``k_norm``).
 QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 #: Model types whose q/k/v projections carry a bias and ``o_proj`` none, whatever the config says.
@@ -69,6 +83,11 @@ class ModelShape:
             return int(config[key])
 
         model_type = str(config.get("model_type", ""))
+        if model_type not in KNOWN_TYPES:
+            raise ConfigError(
+                f"model_type {model_type or '(none)'} is not one whose layers the memory plan "
+                f"counts ({', '.join(KNOWN_TYPES)})"
+            )
         layers, hidden, heads = (
             need("num_hidden_layers"),
             need("hidden_size"),

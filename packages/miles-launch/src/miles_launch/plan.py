@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from miles_launch.memory_plan import job_memory, memory_lines
+from miles_launch.memory_plan import plan_memory_lines
 from miles_launch.placement import Layout, nodes_needed, plan_layout
 
 
@@ -183,7 +183,7 @@ def plan_lines(args: Any, use_gpu: bool, notes: list[str] = ()) -> list[str]:
         engines_line(args, layout),
         weights_line(args),
         offload_line(args),
-        *memory_lines(job_memory(args, use_gpu)),
+        *plan_memory_lines(args, use_gpu),
         rollouts_line(args),
         checkpoints_line(args),
         *notes,

@@ -496,3 +496,14 @@ def test_a_model_type_it_does_not_count_is_printed_unchecked(tmp_path):
     check_memory(args, use_gpu=False)
     with pytest.raises(ValueError, match="model_type nemotron_h"):
         ModelShape.from_hf_dir(tmp_path)
+
+
+def test_disk_sleep_holds_its_ring_on_the_host(tmp_path):
+    from miles_launch.memory_plan import job_memory
+
+    args = parsed(
+        tmp_path, "fsdp", "--colocate", "--offload-train-target", "disk",
+        "--offload-train-disk-chunk-mb", "64",
+    )  # fmt: skip
+    job = job_memory(args, use_gpu=False)
+    assert job.host_per_rank.terms == {"disk sleep's pinned ring": 4 * 64 * 2**20}

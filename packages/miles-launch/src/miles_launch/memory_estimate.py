@@ -42,7 +42,8 @@ step, publishing, and, colocated, generation (the engine's fraction plus whateve
 keeps awake). The engine: SGLang takes ``--sglang-mem-fraction-static`` of its GPU (its weights
 must fit in it); the built-in engine its weights plus a KV cache that grows with the batch (not
 bounded here); :mod:`miles_launch.memory_plan` adds the engine's phases.
-Per host: the trainer's sleep backups (``--offload-train``, cpu target), CPU-offloaded state,
+Per host: the trainer's sleep backups (``--offload-train``: the cpu target's copy, the disk
+target's pinned ring of ``--offload-train-disk-chunk-mb`` chunks), CPU-offloaded state,
 CPU-offloaded reference/teacher, and the disk-delta writer's copy of the weights on rank 0's node.
 
 Limits: allocator fragmentation and workspace (cuBLAS, NCCL buffers, the CUDA context: ~0.5-1
@@ -68,6 +69,9 @@ FUSED_HEAD_CHUNKS = 4
 DENSE_HEAD_BYTES = 18
 #: Streamed optimizer buckets resident on the device at once.
 STREAMED_BUCKETS = 3
+#: Pinned staging chunks of the disk sleep target per rank (miles-offload's
+#: ``OffloadTarget.ring_chunks``; miles-launch does not import miles-offload).
+DISK_RING_CHUNKS = 4
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,7 @@ class TrainerLayout:
     teacher: str = "none"
     teacher_shape: ModelShape | None = None
     offload_train: str = "none"  # "none" | "cpu" | "disk"
+    disk_chunk_bytes: int = 256 * 2**20  # --offload-train-disk-chunk-mb
     one_micro_batch: bool = False  # each optimizer step is one micro-batch per rank
     publish_buffer: int = 512 * 2**20
 
@@ -300,4 +305,6 @@ def trainer_estimate(shape: ModelShape, lay: TrainerLayout) -> tuple[Estimate, E
     gpu.phases["publishing"] = awake + publish
     if lay.offload_train == "cpu":
         host.terms["sleep backups"] = static - gpu_terms.get("gradients", 0.0)
+    elif lay.offload_train == "disk":
+        host.terms["disk sleep's pinned ring"] = DISK_RING_CHUNKS * lay.disk_chunk_bytes
     return gpu, host

@@ -62,6 +62,7 @@ def trainer_layout(args: Any, on_cuda: bool) -> TrainerLayout | None:
         critic=args.use_critic,
         ref=("none" if args.ref_mode != "ref" else "host" if args.ref_cpu_offload else "gpu"),
         offload_train=args.offload_train_target if args.offload_train else "none",
+        disk_chunk_bytes=args.offload_train_disk_chunk_mb * 2**20,
         publish_buffer=args.update_weight_buffer_size,
     )
     if args.train_backend == "fsdp":
@@ -310,7 +311,7 @@ def memory_lines(job: JobMemory) -> list[str]:
             + "".join(f"; {note}" for note in host.notes)
         )
     else:
-        lines.append("memory: host per trainer node: no trainer state (nothing offloaded)")
+        lines.append("memory: host per trainer node: no trainer state (nothing offloaded to it)")
     return lines
 
 

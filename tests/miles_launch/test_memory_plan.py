@@ -205,9 +205,12 @@ def test_activation_formula_by_hand():
     # recompute: each layer's bf16 input, and one layer recomputed in backward
     full = TrainerLayout(backend="fsdp", ranks=1, tokens=1000, recompute="full")
     assert activation_bytes(shape, full) == 1000 * (28 * 2048 + 71744 + outside)
-    # Megatron TP 2 without sequence parallelism: the hidden-sized part stays whole
+    # megatron-core's layer: norms 2 x (8 + 2) x 1024 = 20480; q/k norms 8 x 3072 = 24576;
+    # attention 2 x 4096 + 2 x 3072 + 2 x 2048 + 4 x 16 + 4 x 2 x 128 = 19520; MLP 5 x 2 x 3072
+    # = 30720: 95296 bytes; at TP 2 without sequence parallelism the norms stay whole
+    assert shape.layer_activation_bytes(False, layers="megatron") == 95296
     mega = TrainerLayout(backend="megatron", ranks=2, tokens=1000, tp=2)
-    assert activation_bytes(shape, mega) == 1000 * (28 * (16384 + (71744 - 16384) / 2) + outside)
+    assert activation_bytes(shape, mega) == 1000 * (28 * (20480 + (95296 - 20480) / 2) + outside)
     # the dense head: 18 bytes per [tokens, V] element; the fused one its chunks and dW in fp32
     dense = TrainerLayout(backend="fsdp", ranks=1, tokens=16384, fused_head=False)
     assert head_bytes(shape, dense) == 16384 * 151936 * 18

@@ -21,7 +21,8 @@ bytes (2 for bf16) and the shards each backend cuts:
 * ``--stream-optimizer-state-to-disk``: masters and moments in files; at most 3 buckets of
   ``--stream-optimizer-bucket-numel`` on the GPU.
 * **Activations** of one micro-batch of ``--max-tokens-per-gpu`` tokens (each CP rank holds that
-  many): every layer's saved tensors (:meth:`ModelShape.layer_activation_bytes` says which) without
+  many): every layer's saved tensors (:meth:`ModelShape.layer_activation_bytes` says which: HF's
+  layers for FSDP, megatron-core's for Megatron) without
   recompute; with ``--gradient-checkpointing`` (FSDP) or ``--recompute-granularity full``
   (Megatron) the checkpointed inputs (``c h`` per token per checkpoint) plus the recomputed
   layers. Megatron divides by TP under ``--sequence-parallel`` (without it only the head- and
@@ -225,8 +226,10 @@ def activation_bytes(shape: ModelShape, lay: TrainerLayout, recompute: str | Non
     dense = per_stage - sparse
     tp = lay.tp if lay.backend == "megatron" else 1
 
+    layers = "megatron" if lay.backend == "megatron" else "hf"
+
     def layer(kind: bool) -> float:
-        hidden_part, split_part = shape.layer_activation_split(kind, c)
+        hidden_part, split_part = shape.layer_activation_split(kind, c, layers)
         return (hidden_part / (tp if lay.sequence_parallel else 1)) + split_part / tp
 
     full = dense * (layer(False) if dense else 0) + sparse * (layer(True) if sparse else 0)

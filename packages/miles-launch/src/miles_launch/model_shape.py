@@ -215,29 +215,42 @@ class ModelShape:
         return self.total_params() - unused
 
     # ------------------------------------------------------------------ activations
-    def layer_activation_bytes(self, sparse: bool, compute_bytes: int = 2) -> int:
+    def layer_activation_bytes(
+        self, sparse: bool, compute_bytes: int = 2, layers: str = "hf"
+    ) -> int:
         """Bytes one decoder layer saves for backward per token, without recompute.
 
-        Counted tensor by tensor as a HF decoder layer's autograd saves them (``c`` the compute
-        dtype's bytes, 2 for bf16; the norms upcast to fp32):
+        Counted tensor by tensor as autograd saves them (``c`` the compute dtype's bytes, 2 for
+        bf16; ``q``, ``k``, ``v`` the widths ``n_q d``, ``n_kv d``, ``n_kv d``). ``layers="hf"``:
+        HF's decoder layer (what the FSDP backend trains):
 
         * each of the two RMSNorms over ``h``: its fp32 input (``4h``), its normalised output
           (``c h``, saved by the weight multiply) and the product, the next projection's input
           (``c h``): ``(4 + 2c) h``;
-        * q/k norms (Qwen3): fp32 input and normalised output of q and k: ``(4 + c)(n_q + n_kv) d``;
+        * q/k norms (Qwen3): fp32 input and normalised output: ``(4 + c)(q + k)``;
         * attention: q and k after rotary, v, the output (the flash kernel's saved output, also
-          ``o_proj``'s input), and its fp32 log-sum-exp: ``c (2 n_q + 2 n_kv) d + 4 n_q``;
-        * dense MLP: gate and up outputs, SiLU(gate) and the product (``down_proj``'s input):
-          ``4 c I``;
+          the output projection's input), and its fp32 log-sum-exp: ``c (2q + 2k) + 4 n_q``;
+        * dense MLP: gate and up outputs, SiLU(gate) and the product: ``4 c I``;
         * sparse MLP: the router's fp32 logits and probabilities (``8 E``), and per routed copy of
           the token (``k`` of them): its gathered input, the expert MLP's ``4 c I_moe`` and its
           output before the routing-weight multiply: ``k c (2h + 4 I_moe)``; a shared expert adds
           ``4 c I_shared``.
 
+        ``layers="megatron"``: megatron-core's local layer (the Megatron backend): each RMSNorm
+        keeps its fp32 input and fp32 normalised output besides its ``c h`` output,
+        ``(8 + c) h``; q/k norms both in fp32, ``8 (q + k)``; attention the fused QKV output,
+        q and k after rotary, the output, the log-sum-exp and the rotary tables:
+        ``c (q + 2k) + c (q + k) + c q + 4 n_q + 4 c d``; the dense MLP the fused gate/up output
+        and three ``I``-wide tensors, ``5 c I``; its MoE layer is counted as HF's (not measured).
+        Its sdpa path (``--attn-implementation sdpa``, the CPU's) adds a ``T x T`` mask, not
+        counted (varlen, a GPU's default, has none).
+
         MLA counts q/k at ``qk_nope + qk_rope`` and v at ``v_head_dim`` per head. Checked against
-        the sum of the unique storages autograd saves for a tiny HF Qwen3 layer
-        (``tests/miles_launch/test_memory_plan.py``); Megatron's local layers save about the same
-        set (the GPU validation, ``scripts/bench_memory_plan.py``, measures both).
+        the unique storages autograd saves for one micro-batch (bf16, on the CPU): HF's Qwen3
+        layer within 0.3% and Qwen3-MoE layer within 0.6%
+        (``tests/miles_launch/test_memory_plan.py``), megatron-core's Qwen3 layer within 2%
+        (``tests/miles_megatron/test_memory_plan_activations.py``). ``scripts/bench_memory_plan.py``
+        measures both backends on a GPU node.
         """
         c, h = compute_bytes, self.hidden
         if self.kv_lora_rank:
@@ -246,26 +259,41 @@ class ModelShape:
                 self.v_head_dim,
                 self.heads,
             )
+            rotary = self.qk_rope_head_dim
         else:
             qk_dim, v_dim, kv_heads = self.head_dim, self.head_dim, self.kv_heads
+            rotary = self.head_dim
         q, k, v = self.heads * qk_dim, kv_heads * qk_dim, kv_heads * v_dim
-        norms = 2 * (4 + 2 * c) * h
-        qk_norm = (4 + c) * (q + k) if self.qk_norm else 0
-        attention = c * (q + k + v + self.heads * v_dim) + 4 * self.heads
+        out = self.heads * v_dim
+        norms = self._norm_bytes(c, layers)
+        if layers == "megatron":
+            qk_norm = 8 * (q + k) if self.qk_norm else 0
+            attention = c * (q + k + v) + c * (q + k) + c * out + 4 * self.heads + 4 * c * rotary
+            dense_mlp = 5 * c * self.intermediate
+        else:
+            qk_norm = (4 + c) * (q + k) if self.qk_norm else 0
+            attention = c * (q + k + v + out) + 4 * self.heads
+            dense_mlp = 4 * c * self.intermediate
         if sparse:
             mlp = 8 * self.experts + self.experts_per_token * c * (
                 2 * h + 4 * self.moe_intermediate
             )
             mlp += 4 * c * self.shared_intermediate
         else:
-            mlp = 4 * c * self.intermediate
+            mlp = dense_mlp
         return norms + qk_norm + attention + mlp
 
-    def layer_activation_split(self, sparse: bool, compute_bytes: int = 2) -> tuple[int, int]:
+    def _norm_bytes(self, c: int, layers: str) -> int:
+        """The two hidden-sized RMSNorms' saved bytes per token (with the projection inputs)."""
+        return 2 * ((8 + c) if layers == "megatron" else (4 + 2 * c)) * self.hidden
+
+    def layer_activation_split(
+        self, sparse: bool, compute_bytes: int = 2, layers: str = "hf"
+    ) -> tuple[int, int]:
         """:meth:`layer_activation_bytes` as ``(hidden-sized part, head/MLP-sized part)``: tensor
         parallelism without sequence parallelism divides only the second."""
-        total = self.layer_activation_bytes(sparse, compute_bytes)
-        hidden_part = 2 * (4 + 2 * compute_bytes) * self.hidden
+        total = self.layer_activation_bytes(sparse, compute_bytes, layers)
+        hidden_part = self._norm_bytes(compute_bytes, layers)
         return hidden_part, total - hidden_part
 
 

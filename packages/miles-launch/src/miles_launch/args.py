@@ -261,6 +261,10 @@ class OutputArgs(ArgGroup):
     wandb_run_name: str | None = flag(None, help="W&B run name.")
 
 
+#: The backends the memory plan (:mod:`miles_launch.memory_plan`) estimates.
+MEMORY_PLAN_BACKENDS = ("fsdp", "megatron")
+
+
 @dataclass
 class JobArgs(ArgGroup):
     title: ClassVar[str] = "job (preflight and plan)"
@@ -276,9 +280,34 @@ class JobArgs(ArgGroup):
         "fresh and says so).",
     )
 
+    gpu_memory_gib: float | None = flag(
+        None,
+        metavar="GIB",
+        help="Memory of one trainer GPU, in GiB, that the plan's memory estimate is checked "
+        "against (unset: the local CUDA device's; a driver without one, e.g. a cluster head "
+        "with --ray-address, prints the estimate unchecked).",
+    )
+    ignore_memory_plan: bool = flag(
+        False,
+        help="Start even when the plan's memory estimate per trainer GPU exceeds the GPU's "
+        "memory (docs/miles-launch.md says what the estimate counts).",
+    )
+
     @classmethod
     def validate(cls, args: Any) -> None:
         requires(args, "load_required", "load")
+        if args.gpu_memory_gib is not None and args.gpu_memory_gib <= 0:
+            raise ArgumentError(f"--gpu-memory-gib must be > 0, got {args.gpu_memory_gib}")
+        if args.train_backend not in MEMORY_PLAN_BACKENDS:
+            given = {
+                "gpu_memory_gib": args.gpu_memory_gib is not None,
+                "ignore_memory_plan": args.ignore_memory_plan,
+            }
+            for dest in (dest for dest, on in given.items() if on):
+                raise ArgumentError(
+                    f"{option(dest)}: the memory plan estimates --train-backend "
+                    f"{' and '.join(MEMORY_PLAN_BACKENDS)}, not {args.train_backend}"
+                )
 
 
 def launch_groups() -> list[type[ArgGroup]]:

@@ -6,11 +6,15 @@ alone, before exiting 0 without starting Ray)::
       engines: 1 builtin engine x 1 GPU, disaggregated (their own bundles)
       weights: broadcast to the engines after every rollout
       offload: none (trainer and engines keep their memory)
+      memory: trainer GPU ~1.3 MiB at peak (training), not checked (no local GPU, no ...); ...
+      memory: engine GPU: built-in engine, weights 154.8 KiB plus a KV cache that grows ...
+      memory: host per trainer node: no trainer state (nothing offloaded to it)
       rollouts: 12 x 8 prompts x 8 samples, responses up to 8 tokens, reward --rm-type ...
       checkpoints: none (no --save)
       outputs: metrics demo_output/metrics.jsonl; engine logs demo_output/logs
 
-Pure arithmetic over the parsed flags (and the preflight's notes): nothing is started.
+Pure arithmetic over the parsed flags (and the preflight's notes): nothing is started. The
+``memory:`` lines are :mod:`miles_launch.memory_plan`'s.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from miles_launch.memory_plan import plan_memory_lines
 from miles_launch.placement import Layout, nodes_needed, plan_layout
 
 
@@ -178,6 +183,7 @@ def plan_lines(args: Any, use_gpu: bool, notes: list[str] = ()) -> list[str]:
         engines_line(args, layout),
         weights_line(args),
         offload_line(args),
+        *plan_memory_lines(args, use_gpu),
         rollouts_line(args),
         checkpoints_line(args),
         *notes,

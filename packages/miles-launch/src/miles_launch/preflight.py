@@ -27,7 +27,9 @@ notes a run prints at startup (a ``--load`` that starts fresh). Checked, in this
   so, or refuses under ``--load-required``;
 * the machine: every flag group's ``preflight`` hook (the backend's decides whether it runs
   here: Megatron needs a CUDA device, FSDP does not), and a local job's bundles against this
-  machine's GPUs.
+  machine's GPUs;
+* memory: the memory plan's estimate per trainer GPU (:mod:`miles_launch.memory_plan`) against
+  ``--gpu-memory-gib`` or the local GPU, unless ``--ignore-memory-plan``.
 
 Nothing here starts a process or writes a file that outlives the check.
 """
@@ -47,6 +49,7 @@ from miles_core.args import ArgGroup, ArgumentError
 from miles_core.checkpoint_layout import TRACKER_FILENAME, CheckpointError, resolve_load
 from miles_core.user_functions import check_function_flags
 
+from miles_launch.memory_plan import check_memory
 from miles_launch.rollout.prompts import PromptDataError, check_record, read_records
 from miles_launch.rollout_args import eval_sets
 
@@ -73,6 +76,7 @@ def preflight(args: Any, groups: Sequence[type[ArgGroup]]) -> PreflightResult:
         lambda: check_loads(args, result.notes),
         *[lambda group=group: group.preflight(args) for group in groups],
         lambda: check_local_devices(args),
+        lambda: check_memory(args, local_gpus() > 0 and not args.ray_address),
     ]
     for check in checks:
         try:

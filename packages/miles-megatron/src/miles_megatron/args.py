@@ -30,7 +30,7 @@ ATTN_IMPLEMENTATIONS = ("varlen", "sdpa")
 
 def check_attn_implementation(args: Any) -> None:
     """Argument time: a value the Megatron backend cannot honour, and varlen with CP > 1."""
-    value = getattr(args, "attn_implementation", None)
+    value = args.attn_implementation
     if value is None:
         return
     if value not in ATTN_IMPLEMENTATIONS:
@@ -38,7 +38,7 @@ def check_attn_implementation(args: Any) -> None:
             f"--attn-implementation {value}: the Megatron backend attends packed rows with "
             "varlen (torch's varlen flash kernel) or sdpa (SDPA with a block mask)"
         )
-    cp = getattr(args, "context_parallel_size", 1)
+    cp = args.context_parallel_size
     if value == "varlen" and cp > 1:
         raise ArgumentError(
             f"--attn-implementation varlen with --context-parallel-size {cp}: context "

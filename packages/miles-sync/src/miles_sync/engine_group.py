@@ -52,13 +52,6 @@ def node_address(toward: str) -> str:
         return s.getsockname()[0]
 
 
-def free_port(host: str = "") -> int:
-    """A TCP port that is free now on ``host`` (for the group's store)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def default_backend() -> str:
     """nccl when CUDA is available, else gloo."""
     return "nccl" if torch.cuda.is_available() else "gloo"
@@ -69,18 +62,32 @@ def engine_rank_offset(engine_index: int, gpus_per_engine: int) -> int:
     return 1 + engine_index * gpus_per_engine
 
 
+def host_store(
+    master_address: str, master_port: int, world_size: int, timeout: datetime.timedelta
+) -> Any:
+    """Rank 0's store, listening before any engine is told where: port 0 lets the OS pick a
+    free one (``store.port``), so no other process can take it between the pick and the bind."""
+    return dist.TCPStore(
+        master_address,
+        master_port,
+        world_size,
+        is_master=True,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
+
+
 def join_as_master(
-    master_address: str,
-    master_port: int,
+    store: Any,
     world_size: int,
     group_name: str,
     backend: str,
     timeout: datetime.timedelta,
 ) -> Any:
-    """Rank 0's side: host the store and build the group on ``PrefixStore(group_name, store)``."""
+    """Rank 0's side: build the group on ``PrefixStore(group_name, store)`` (the store of
+    :func:`host_store`)."""
     from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
 
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=True, timeout=timeout)
     store = dist.PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(
         world_size, 0, [], Backend(backend), store, group_name=group_name, timeout=timeout
@@ -151,9 +158,16 @@ def form_engine_group(
     """
     backend = backend or default_backend()
     master_address = master_address or node_address(engines[0].base_url)
-    port = master_port or free_port(master_address)
     world_size = 1 + len(engines) * gpus_per_engine
     timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        store = host_store(master_address, master_port or 0, world_size, timeout)
+    except Exception as error:
+        raise PublishError(
+            f"weight-update group {group_name!r}: its store could not listen on "
+            f"{master_address}:{master_port or 0}: {error}"
+        ) from error
+    port = store.port
     pool = concurrent.futures.ThreadPoolExecutor(max(1, len(engines)))
     try:
         joins = {
@@ -170,7 +184,7 @@ def form_engine_group(
             for i, engine in enumerate(engines)
         }
         try:
-            pg = join_as_master(master_address, port, world_size, group_name, backend, timeout)
+            pg = join_as_master(store, world_size, group_name, backend, timeout)
         except Exception as error:
             failed = [
                 f"{joins[f].base_url}: {f.exception()}"

@@ -1,5 +1,5 @@
 """The flags generated from megatron-core's config dataclasses come from a checked-in table
-(``miles_megatron.generated_flags_table``), so that parsing a command line imports neither
+(``miles_megatron.megatron_core_fields``, a module per release), so that parsing a command line imports neither
 megatron-core nor torch: the installed release's table equals what megatron-core itself declares
 (CI runs this on both locked releases), and a bad command line or ``--help`` of a Megatron job
 is answered without importing torch, megatron-core or Ray."""
@@ -10,17 +10,18 @@ import subprocess
 import sys
 
 from miles_megatron.generated_flags import field_rows, installed_release, introspected_rows
-from miles_megatron.generated_flags_table import TABLES
+from miles_megatron.megatron_core_fields import rows_of
 
 
 def test_the_table_is_what_the_installed_megatron_core_declares():
     release = installed_release()
-    assert release in TABLES, (
-        f"megatron-core {release} has no table: python -m miles_megatron.generated_flags --write"
+    table = rows_of(release)
+    assert table is not None, (
+        f"megatron-core {release} has no module: python -m miles_megatron.generated_flags --write"
     )
     rows = introspected_rows()
     assert len(rows) > 100  # the three config classes' flag-able fields
-    assert TABLES[release] == rows, "refresh: python -m miles_megatron.generated_flags --write"
+    assert table == rows, "refresh: python -m miles_megatron.generated_flags --write"
     assert field_rows() == rows
 
 

@@ -10,16 +10,17 @@ own default applies, and only a value given on the command line is passed on
 (:func:`config_overrides`).
 
 Parsing a command line does not import megatron-core (an argument error is reported in a
-second): the fields come from :mod:`miles_megatron.generated_flags_table`, generated from each
-release ``uv.lock`` resolves and held against the installed release by a test. A release the
-table lacks is read from megatron-core itself. Refresh the table after changing the locked
-release: ``python -m miles_megatron.generated_flags --write``.
+second): the fields come from :mod:`miles_megatron.megatron_core_fields`, generated from each
+release ``uv.lock`` resolves (one module per release) and held against the installed release by
+a test. A release without a module is read from megatron-core itself. After changing the locked
+release, write its module: ``python -m miles_megatron.generated_flags --write``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import os
 import types
 import typing
 from collections.abc import Iterable
@@ -33,6 +34,9 @@ from miles_core.args import (
     flag,
     make_group,
 )
+
+from miles_megatron import megatron_core_fields as fields
+from miles_megatron.megatron_core_fields import rows_of
 
 #: Fields the backend derives from other flags; never flags of their own.
 BACKEND_OWNED_FIELDS = frozenset(
@@ -53,7 +57,7 @@ BACKEND_OWNED_FIELDS = frozenset(
 _SCALARS = (int, float, str, bool)
 
 
-#: A row of the table: (config class, field, type code, megatron-core's default as text). Type
+#: A row: (config class, field, type code, megatron-core's default as text). Type
 #: codes: ``int``, ``float``, ``str``, ``bool``, ``list[int]``, ``list[str]``, ``literal:a|b``.
 Row = tuple[str, str, str, str]
 
@@ -128,13 +132,9 @@ def introspected_rows() -> tuple[Row, ...]:
 
 
 def field_rows() -> tuple[Row, ...]:
-    """The installed release's rows: from the table, else from megatron-core itself."""
-    from miles_megatron.generated_flags_table import TABLES
-
-    release = installed_release()
-    if release in TABLES:
-        return TABLES[release]
-    return introspected_rows()
+    """The installed release's rows: from its checked-in module, else from megatron-core."""
+    rows = rows_of(installed_release())
+    return introspected_rows() if rows is None else rows
 
 
 def generated_groups(declared: Iterable[type[ArgGroup]] = ()) -> list[type[ArgGroup]]:
@@ -157,21 +157,22 @@ def generated_groups(declared: Iterable[type[ArgGroup]] = ()) -> list[type[ArgGr
     ]
 
 
-def write_table(path: str | None = None) -> str:
-    """Rewrite the table module with the installed release's rows (the others kept)."""
-    from miles_megatron import generated_flags_table as table
-
+def write_release_module() -> str:
+    """Write the installed release's rows into its module of
+    :mod:`miles_megatron.megatron_core_fields` (the other releases' modules are left)."""
     release = installed_release()
     if release is None:
         raise SystemExit("megatron-core is not installed")
-    tables = {**table.TABLES, release: introspected_rows()}
-    lines = [table.__doc__.strip().join(['"""', '"""']), "", "TABLES = {"]
-    for name in sorted(tables):
-        lines.append(f"    {name!r}: (")
-        lines += [f"        {row!r}," for row in tables[name]]
-        lines.append("    ),")
-    lines.append("}")
-    target = path or table.__file__
+    lines = [
+        f'"""megatron-core {release}\'s config fields that become flags (written by',
+        "``python -m miles_megatron.generated_flags --write``; see the package docstring).",
+        '"""',
+        "",
+        "ROWS = (",
+    ]
+    lines += [f"    {row!r}," for row in introspected_rows()]
+    lines.append(")")
+    target = os.path.join(os.path.dirname(fields.__file__), fields.release_module(release) + ".py")
     with open(target, "w") as out:
         out.write("\n".join(lines) + "\n")
     return target
@@ -252,4 +253,4 @@ if __name__ == "__main__":
 
     if sys.argv[1:] != ["--write"]:
         raise SystemExit("usage: python -m miles_megatron.generated_flags --write")
-    print(f"wrote megatron-core {installed_release()}'s fields into {write_table()}")
+    print(f"wrote megatron-core {installed_release()}'s fields into {write_release_module()}")

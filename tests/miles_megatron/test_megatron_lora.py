@@ -192,10 +192,17 @@ def test_merged_publish_is_bit_exact_in_bf16(bf16_dir, rank_runs):
 # ---------------------------------------------------------------- fast: flags and targets
 
 
-def test_publish_lora_adapter_requires_use_lora():
+def test_publish_lora_adapter_requires_use_lora(tmp_path):
     with pytest.raises(ArgumentError, match="--publish-lora-adapter requires --use-lora"):
         parse(["--publish-lora-adapter"])
-    assert parse(["--publish-lora-adapter", "--use-lora"]).publish_lora_adapter
+    # the frozen base comes from --hf-checkpoint: refused at argument time without one
+    with pytest.raises(ArgumentError, match="--use-lora needs --hf-checkpoint"):
+        parse(["--publish-lora-adapter", "--use-lora"])
+    from megatron_tiny_models import hf_config
+
+    hf_config("qwen3", False).save_pretrained(tmp_path)  # the parser reads the architecture
+    argv = ["--publish-lora-adapter", "--use-lora", "--hf-checkpoint", str(tmp_path)]
+    assert parse(argv).publish_lora_adapter
 
 
 @pytest.mark.parametrize(

@@ -170,6 +170,9 @@ REFUSED = [
     ("megatron", ["--update-weight-target-module", "a", "b"], "--update-weight-target-module: the Megatron backend trains a causal LM, one component, got 2"),
     ("megatron", ["--custom-loss-function-path", "m:f"], "--custom-loss-function-path is not honoured by --train-backend megatron"),
     ("megatron", ["--custom-prepare-path", "m:f"], "--custom-prepare-path is not honoured by --train-backend megatron"),
+    # the backend's LoRA and reference limits, found only at its init before (minutes in)
+    ("megatron", ["--use-lora", "--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2"], "--use-lora with --pipeline-model-parallel-size 2 is not supported by --train-backend megatron yet"),
+    ("megatron", ["--use-lora", "--kl-coef", "0.1"], "--kl-coef 0.1 under --train-backend megatron needs a reference model (--ref-load)"),
     ("megatron", ["--teacher-load", "REF", "--custom-loss-function-path", "m:f"], "--teacher-load is not honoured by --train-backend megatron"),
     ("megatron", ["--optimizer", "sgd"], "--optimizer sgd: the Megatron backend takes adam"),
     ("megatron", ["--virtual-pipeline-model-parallel-size", "2"], "--virtual-pipeline-model-parallel-size: megatron-core's TransformerConfig.virtual_pipeline_model_parallel_size is not among the fields the Megatron backend honours"),
@@ -206,11 +209,13 @@ def test_a_flag_the_backend_would_ignore_is_refused_in_one_line(
 #: A value that makes each declared not-honoured flag active on the command line.
 ACTIVE_VALUE = {"teacher_load": "REF", "custom_loss_function_path": "m:f"}
 ACTIVE_VALUE["custom_prepare_path"] = "m:f"
+ACTIVE_VALUE["ref_lora_adapter_path"] = "REF"
 #: What else a flag needs before a backend would read it (else the shared checks refuse it first).
 CONTEXT = {
     "teacher_load": ["--custom-loss-function-path", "m:f"],  # the custom loss reads the teacher
     "rematerialize_param_from_master_weight": ["--colocate"],  # it acts during sleep
     "use_ema": ["--rollout-weights", "ema"],  # --use-ema needs a consumer of the EMA
+    "ref_lora_adapter_path": ["--ref-load", "REF"],  # the reference's adapters
 }
 
 

@@ -149,6 +149,7 @@ class MegatronArgs(ArgGroup):
                 stacklevel=2,
             )
         check_not_honoured(args)
+        check_lora_and_reference_flags(args)
         check_generated_flags(args)
         check_context_parallel_flags(args)
         check_attn_implementation(args)
@@ -235,6 +236,11 @@ NOT_HONOURED = (
     ("custom_loss_function_path", _HOOKS),
     ("custom_prepare_path", _HOOKS),
     (
+        "ref_lora_adapter_path",
+        "its reference is --ref-load's weights or, with --ref-mode lora_base, the actor without "
+        "its adapters",
+    ),
+    (
         "use_ema",
         "it keeps no EMA of the actor: --rollout-weights, --eval-weights and --old-policy ema "
         "need the FSDP backend",
@@ -255,6 +261,24 @@ def check_not_honoured(args: Any) -> None:
         raise ArgumentError(
             f"--update-weight-target-module: the Megatron backend trains a causal LM, one "
             f"component, got {len(names)} ({', '.join(names)})"
+        )
+
+
+def check_lora_and_reference_flags(args: Any) -> None:
+    """What the Megatron backend's LoRA and reference model do not cover, refused before any rank
+    starts (they were found only at the backend's init)."""
+    if args.use_lora and not args.hf_checkpoint:
+        raise ArgumentError("--use-lora needs --hf-checkpoint (the frozen base weights)")
+    if args.use_lora and args.pipeline_model_parallel_size > 1:
+        raise ArgumentError(
+            f"--use-lora with --pipeline-model-parallel-size {args.pipeline_model_parallel_size}"
+            " is not supported by --train-backend megatron yet (adapter export and "
+            "--publish-lora-adapter cover one stage)"
+        )
+    if args.kl_coef > 0 and args.ref_mode != "ref":
+        raise ArgumentError(
+            f"--kl-coef {args.kl_coef} under --train-backend megatron needs a reference model "
+            "(--ref-load)"
         )
 
 

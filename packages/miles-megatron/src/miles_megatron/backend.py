@@ -103,8 +103,6 @@ class MegatronBackend(TrainBackend):
 
     # ------------------------------------------------------------------ init
     def init(self, args: Any, role: str = "actor") -> int:
-        if getattr(args, "kl_coef", 0.0) and not wants_reference(args):
-            raise ArgumentError("megatron backend: --kl-coef needs a reference model (--ref-load)")
         if role not in ("actor", "critic"):
             raise ArgumentError(
                 f"the megatron backend trains roles 'actor' and 'critic', not {role!r}"
@@ -114,15 +112,6 @@ class MegatronBackend(TrainBackend):
 
             args = critic_args(args)
         self.role = role
-        if args.use_lora and not args.hf_checkpoint:
-            raise ArgumentError("--use-lora needs --hf-checkpoint (the frozen base weights)")
-        if args.use_lora and args.pipeline_model_parallel_size > 1:
-            raise ArgumentError(
-                "megatron backend: --use-lora with --pipeline-model-parallel-size > 1 is not "
-                "supported yet (adapter export and --publish-lora-adapter cover one stage)"
-            )
-        if getattr(args, "ref_lora_adapter_path", None):
-            raise ArgumentError("megatron backend: --ref-lora-adapter-path is not supported yet")
         self.args = args
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -1,4 +1,5 @@
-"""Fixtures of the built-in engine tests (``test_builtin_engine_*.py``).
+"""Fixtures of the built-in engine tests (``test_builtin_engine_*.py``), and ``material``: the
+demo's tiny model and prompts the ``miles train`` end-to-end modules run on (one per module).
 
 One built-in engine server serves all of those modules (session scope: each server start costs
 a subprocess with torch, transformers and a model load). It serves a tiny Qwen3 saved to disk
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 from engine_testing import EngineProcess, save_tokenizer, tiny_qwen3
+from miles_launch.demo import build_tiny_qwen3, write_demo_prompts
 
 #: The shared engine's API key: its tests (the fuzz test among them) run with a key set, as a
 #: job's engines do; ``engine.client`` sends it.
@@ -50,3 +52,10 @@ def engine(builtin_server):
     """The shared server; a failed pause test must not leave it paused for the next ones."""
     yield builtin_server
     builtin_server.post("/continue_generation")
+
+
+@pytest.fixture(scope="module")
+def material(tmp_path_factory):
+    """(the demo's tiny Qwen3 directory, its prompts file)."""
+    root = tmp_path_factory.mktemp("demo")
+    return build_tiny_qwen3(root / "tiny-qwen3"), write_demo_prompts(root / "prompts.jsonl")

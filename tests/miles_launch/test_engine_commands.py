@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -163,32 +164,38 @@ class _RemovingRouter(_Router):
         super().do_POST()
 
 
-@pytest.mark.parametrize("new_api", [True, False])
-def test_engine_set_removes_its_workers_from_an_external_router_at_shutdown(tmp_path, new_api):
-    """The engines this job registered leave the external router when the job stops (before,
-    the router kept sending requests to stopped engines)."""
+@contextlib.contextmanager
+def behind_a_router(tmp_path, new_api: bool):
+    """``(handler, engines)``: a stand-in router that also removes workers (``handler.seen``
+    records its calls), and a job's SGLang :class:`EngineSet` pointed at it; stopped after."""
     from miles_launch.engine_launch.engine_set import EngineSet
 
     handler = type("Router", (_RemovingRouter,), {"new_api": new_api, "seen": []})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        port = server.server_address[1]
         args = parse(
             tmp_path,
             "--rollout-engine", "sglang",
             "--sglang-router-ip", "127.0.0.1",
-            "--sglang-router-port", str(port),
+            "--sglang-router-port", str(server.server_address[1]),
         )  # fmt: skip
         engines = EngineSet(args, placement=None)
         engines.router_url = external_router_url(args)
+        yield handler, engines
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.parametrize("new_api", [True, False])
+def test_engine_set_removes_its_workers_from_an_external_router_at_shutdown(tmp_path, new_api):
+    """The engines this job registered leave the external router when the job stops (before,
+    the router kept sending requests to stopped engines)."""
+    with behind_a_router(tmp_path, new_api) as (handler, engines):
         for url in ("http://10.0.0.5:30001", "http://10.0.0.6:30001"):
             register_worker(engines.router_url, url)
             engines.registered.append(url)
         engines.shutdown()
-    finally:
-        server.shutdown()
     route, removal = ("workers", "delete") if new_api else ("add_worker", "remove_worker")
     assert [kind for kind, _ in handler.seen] == [route, route, removal, removal]
     assert [url for kind, url in handler.seen if kind == removal] == [
@@ -221,28 +228,12 @@ def test_disk_delta_puller_command_sits_beside_its_engine(tmp_path):
 def test_a_restarted_engine_leaves_the_router_at_once_and_joins_after_its_publish(tmp_path):
     """SGLang behind a router: a dead engine is removed before its restart, and the restarted
     one (new port) is added only once a publish gave it the current weights."""
-    from miles_launch.engine_launch.engine_set import EngineSet
-
-    handler = type("Router", (_RemovingRouter,), {"new_api": True, "seen": []})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        port = server.server_address[1]
-        args = parse(
-            tmp_path,
-            "--rollout-engine", "sglang",
-            "--sglang-router-ip", "127.0.0.1",
-            "--sglang-router-port", str(port),
-        )  # fmt: skip
-        engines = EngineSet(args, placement=None)
-        engines.router_url = external_router_url(args)
+    with behind_a_router(tmp_path, new_api=True) as (handler, engines):
         engines.register("http://10.0.0.5:30001")
         engines.unregister("http://10.0.0.5:30001")  # restart: the dead one goes first
         engines.register("http://10.0.0.5:30002")  # after the publish to the new one
         engines.register("http://10.0.0.5:30002")  # once only
         assert engines.registered == ["http://10.0.0.5:30002"]
-    finally:
-        server.shutdown()
     assert handler.seen == [
         ("workers", "http://10.0.0.5:30001"),
         ("delete", "http://10.0.0.5:30001"),

@@ -12,21 +12,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from miles_launch.demo import build_tiny_qwen3, write_demo_prompts
-from test_loop_e2e import SMALL, _rollout_lines, demo, records, train
+from demo_jobs import REQUIRES, SMALL, demo, records, rollout_lines, train
 from train_runs import dcp_tensors
 
-pytestmark = [pytest.mark.slow, pytest.mark.extended]
+pytestmark = [pytest.mark.slow, pytest.mark.extended, *REQUIRES]
 PPO = [
     "--advantage-estimator", "ppo", "--use-critic", "--critic-lr", "1e-2",
     "--normalize-advantages", "--gamma", "1.0", "--lambd", "0.95", "--value-clip", "0.5",
 ]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def material(tmp_path_factory):
-    root = tmp_path_factory.mktemp("demo")
-    return build_tiny_qwen3(root / "tiny-qwen3"), write_demo_prompts(root / "prompts.jsonl")
 
 
 def numeric(train: dict) -> dict:
@@ -93,8 +86,8 @@ def test_colocated_ppo_matches_the_disaggregated_run(tmp_path):
     _, _, apart = demo(tmp_path / "apart", *flags)
     _, _, together = demo(tmp_path / "together", "--colocate", *flags)
     assert "colocated" in together
-    assert _rollout_lines(together) == _rollout_lines(apart)
-    assert len(_rollout_lines(together)) == 2  # "rollout 1: ...", "rollout 2: ..."
+    assert rollout_lines(together) == rollout_lines(apart)
+    assert len(rollout_lines(together)) == 2  # "rollout 1: ...", "rollout 2: ..."
     rows = records(tmp_path / "together" / "metrics.jsonl")
     assert "loss" not in rows[0]["train"] and "critic/value_loss" in rows[0]["train"]
     assert "loss" in rows[1]["train"] and "critic/value_loss" in rows[1]["train"]

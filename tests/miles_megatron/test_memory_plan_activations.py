@@ -2,7 +2,7 @@
 against what megatron-core's local Qwen3 layer saves through the Megatron backend in one
 micro-batch: the difference between a 4-layer and a 2-layer model, per layer per token, less the
 sdpa path's ``T x T`` bf16 mask (a GPU's varlen path has none), within 2% (HF's layers are held
-to theirs in tests/miles_launch/test_memory_plan.py)."""
+to theirs in tests/miles_launch/test_memory_estimate.py)."""
 
 from __future__ import annotations
 

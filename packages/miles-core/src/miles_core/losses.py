@@ -23,7 +23,13 @@ from miles_core.kl import KL_TYPES, kl_estimate
 from miles_core.mismatch import extremes as mismatch_extremes
 from miles_core.mismatch import token_terms as mismatch_terms
 from miles_core.off_policy_masking import opsm_mask
-from miles_core.rollout_correction import BATCH_MEAN_FIELD, LEVELS, MODES, rollout_is_weights
+from miles_core.rollout_correction import (
+    BATCH_MEAN_FIELD,
+    LEVELS,
+    MODES,
+    configured_weights,
+    rollout_is_weights,
+)
 
 LOG_RATIO_CLAMP = 20.0
 
@@ -295,14 +301,10 @@ def compute_policy_loss(
     if config.use_tis:
         if rollout_log_probs is None:
             raise ValueError("--use-tis needs the rollout log-probs of every sample")
-        w, changed, vetoed = rollout_is_weights(
+        w, changed, vetoed = configured_weights(
+            config,
             old_log_probs,
             rollout_log_probs,
-            level=config.tis_level,
-            mode=config.tis_mode,
-            clip=config.tis_clip,
-            clip_low=config.tis_clip_low,
-            veto_threshold=config.tis_veto_threshold,
             loss_mask=loss_mask,
             sample_ids=sample_ids,
             num_samples=num_samples,

@@ -110,6 +110,23 @@ def rollout_is_weights(
     return w.reshape(shape), changed.to(d.dtype).reshape(shape), vetoed.to(d.dtype).reshape(shape)
 
 
+def configured_weights(
+    config: Any, old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, **where: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`rollout_is_weights` at ``config``'s (a :class:`~miles_core.losses.LossConfig`)
+    level, mode, clips and veto; ``where``: its ``loss_mask``, ``sample_ids``, ``num_samples``."""
+    return rollout_is_weights(
+        old_log_probs,
+        rollout_log_probs,
+        level=config.tis_level,
+        mode=config.tis_mode,
+        clip=config.tis_clip,
+        clip_low=config.tis_clip_low,
+        veto_threshold=config.tis_veto_threshold,
+        **where,
+    )
+
+
 def batch_mean(batch: RolloutBatch, config: Any, group: Any = None) -> float:
     """The mean ``--tis-batch-normalize`` divides by (module docstring), over ``batch`` (this
     rank's part of an optimizer step, carrying ``old_log_probs`` and the engine's log-probs)
@@ -124,17 +141,8 @@ def batch_mean(batch: RolloutBatch, config: Any, group: Any = None) -> float:
         mask = torch.cat(masks).double()
         lengths = torch.tensor([m.numel() for m in masks])
         ids = torch.repeat_interleave(torch.arange(len(masks)), lengths)
-        w, _, _ = rollout_is_weights(
-            old,
-            rollout,
-            level=config.tis_level,
-            mode=config.tis_mode,
-            clip=config.tis_clip,
-            clip_low=config.tis_clip_low,
-            veto_threshold=config.tis_veto_threshold,
-            loss_mask=mask,
-            sample_ids=ids,
-            num_samples=len(masks),
+        w, _, _ = configured_weights(
+            config, old, rollout, loss_mask=mask, sample_ids=ids, num_samples=len(masks)
         )
         if config.tis_level == "token":
             total += torch.stack([(w * mask).sum(), mask.sum()])

@@ -248,7 +248,7 @@ class ModelShape:
         MLA counts q/k at ``qk_nope + qk_rope`` and v at ``v_head_dim`` per head. Checked against
         the unique storages autograd saves for one micro-batch (bf16, on the CPU): HF's Qwen3
         layer within 0.3% and Qwen3-MoE layer within 0.6%
-        (``tests/miles_launch/test_memory_plan.py``), megatron-core's Qwen3 layer within 2%
+        (``tests/miles_launch/test_memory_estimate.py``), megatron-core's Qwen3 layer within 2%
         (``tests/miles_megatron/test_memory_plan_activations.py``). ``scripts/bench_memory_plan.py``
         measures both backends on a GPU node.
         """

@@ -404,3 +404,11 @@ def test_the_restart_flags_under_each_backend(tmp_path, backend):
         parse("--engine-restart-limit", "-1")
     with pytest.raises(ArgumentError, match="--engine-health-timeout must be > 0"):
         parse("--engine-health-timeout", "0")
+    # without restarts nothing is watched or restarted: their settings would do nothing
+    for flag, no_restarts in (
+        ("--engine-restart-backoff", ["--engine-restart-limit", "0"]),
+        ("--engine-health-timeout", ["--colocate"]),
+    ):
+        with pytest.raises(ArgumentError, match=f"^{flag} acts on engine restarts"):
+            parse(*no_restarts, flag, "5")
+    assert parse("--engine-restart-backoff", "5").engine_restart_backoff == 5.0

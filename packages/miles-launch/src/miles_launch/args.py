@@ -200,6 +200,13 @@ class EngineLaunchArgs(ArgGroup):
         if args.engine_restart_limit:
             for reason in restart_refusals(args):
                 raise ArgumentError(f"--engine-restart-limit {args.engine_restart_limit}: {reason}")
+        else:  # no engine is watched or restarted: these would do nothing
+            for dest in ("engine_restart_backoff", "engine_health_timeout"):
+                if dest in args.explicit_flags:
+                    raise ArgumentError(
+                        f"{option(dest)} acts on engine restarts, and this job makes none "
+                        "(--engine-restart-limit 0)"
+                    )
         if args.rollout_engine == "builtin" and args.rollout_num_gpus_per_engine > 1:
             raise ArgumentError(
                 f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}: the built-in "

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import miles_launch.train as train_module
 import pytest
 from memory_shapes import SMALL
+from miles_core.args import ArgumentError
 from miles_launch.cli import main as cli_main
 from miles_launch.demo import build_tiny_qwen3, demo_flags, write_demo_prompts
 from miles_launch.memory_estimate import GiB, TrainerLayout, trainer_estimate
@@ -76,6 +77,17 @@ def test_job_over_the_gpu_is_refused_unless_ignored(job, capsys):
     assert code == 0 and "fits 80.0 GiB (--gpu-memory-gib)" in out, err
 
 
+def test_ignore_memory_plan_is_refused_where_nothing_is_checked(job, capsys):
+    """Without a CUDA device or --gpu-memory-gib the plan is printed unchecked: the flag that
+    skips the check would be inert, so it is an argument error naming it."""
+    run, reached = job
+    code, out, err = run(capsys, "--ignore-memory-plan")
+    lines = err.strip().splitlines()
+    assert code == 2 and not reached and len(lines) == 1, err
+    assert lines[0].startswith("error: --ignore-memory-plan: the plan checks nothing here")
+    assert "--gpu-memory-gib" in lines[0]
+
+
 def test_gpu_memory_gib_must_be_positive(job, capsys):
     run, reached = job
     code, out, err = run(capsys, "--gpu-memory-gib", "0")
@@ -83,7 +95,6 @@ def test_gpu_memory_gib_must_be_positive(job, capsys):
 
 
 def test_memory_flags_refused_for_a_backend_without_an_estimate():
-    from miles_core.args import ArgumentError
     from miles_launch.args import JobArgs
 
     args = SimpleNamespace(
@@ -156,7 +167,6 @@ def test_megatron_layout_from_its_flags(tmp_path):
 
 def test_engine_weights_over_its_fraction_are_refused(tmp_path):
     """SGLang's weights must fit its --sglang-mem-fraction-static of the GPU."""
-    from miles_core.args import ArgumentError
     from miles_launch.memory_plan import check_memory, job_memory
 
     flags = ["--rollout-engine", "sglang", "--sglang-mem-fraction-static", "0.05"]
@@ -185,6 +195,9 @@ def test_a_model_type_it_does_not_count_is_printed_unchecked(tmp_path):
     assert line.startswith("memory: no estimate (model_type nemotron_h is not one whose layers")
     assert line.endswith("; not checked")
     check_memory(args, use_gpu=False)
+    args.ignore_memory_plan = True  # nothing is checked, so the flag would change nothing
+    with pytest.raises(ArgumentError, match="--ignore-memory-plan: the plan checks nothing here"):
+        check_memory(args, use_gpu=False)
     with pytest.raises(ValueError, match="model_type nemotron_h"):
         ModelShape.from_hf_dir(tmp_path)
 

@@ -317,15 +317,27 @@ def memory_lines(job: JobMemory) -> list[str]:
 
 def check_memory(args: Any, use_gpu: bool) -> None:
     """Refuse (an ``ArgumentError`` naming ``--ignore-memory-plan``) a job whose trainer GPU
-    estimate exceeds the device, or whose engine's weights exceed the engine's room on it."""
+    estimate exceeds the device, or whose engine's weights exceed the engine's room on it; and
+    ``--ignore-memory-plan`` itself where nothing is checked (no estimate, or no device memory
+    known), since it would change nothing there."""
     from miles_core.args import ArgumentError
 
-    if args.ignore_memory_plan:
-        return
     try:
         job = job_memory(args, use_gpu)
-    except NoEstimate:
+    except NoEstimate as exc:
+        if args.ignore_memory_plan:  # nothing is checked: the flag would be inert
+            raise ArgumentError(
+                f"--ignore-memory-plan: the plan checks nothing here: {exc}"
+            ) from None
         return  # the plan says why
+    if args.ignore_memory_plan:
+        if job.device is None:
+            raise ArgumentError(
+                "--ignore-memory-plan: the plan checks nothing here: no trainer GPU memory is "
+                "known (no local CUDA device, or a driver with --ray-address); pass "
+                "--gpu-memory-gib to check against one"
+            )
+        return
     device = f"{size(job.device[0])} ({job.device[1]})" if job.device else ""
     if job.exceeds():
         t = job.trainer

@@ -55,6 +55,15 @@ def test_profile_window_must_be_ordered():
         parse("--profile-step-start", "5", "--profile-step-end", "5")
 
 
+def test_gradient_checkpointing_layers_need_checkpointing():
+    with pytest.raises(ArgumentError, match="--gradient-checkpointing-layers needs --gradient-ch"):
+        parse("--gradient-checkpointing-layers", "2")
+    with pytest.raises(ArgumentError, match="--gradient-checkpointing-layers must be >= 1, got 0"):
+        parse("--gradient-checkpointing", "--gradient-checkpointing-layers", "0")
+    flags = ("--gradient-checkpointing", "--gradient-checkpointing-layers", "2")
+    assert parse(*flags).gradient_checkpointing_layers == 2
+
+
 def test_mesh_shape():
     assert mesh_shape(8, 2).dp_shard == 4
     with pytest.raises(ValueError, match="does not divide the world size 8"):

@@ -14,10 +14,16 @@ from tiny_models import save_tiny_model
 pytestmark = pytest.mark.slow
 
 
-def _two_steps(hf_dir, data, sleep_between=False, **flags):
+def _two_steps(hf_dir, data, sleep_between=False, calls=None, **flags):
+    """Two optimizer steps; ``calls`` (when given) counts each decoder layer's MLP forwards."""
     backend = FSDPBackend()
     backend.init(make_args(hf_checkpoint=hf_dir, **flags))
     model = backend.model
+    if calls is not None:
+        for index, layer in enumerate(model.model.layers):  # the MLP runs again in a recompute
+            layer.mlp.register_forward_pre_hook(
+                lambda *_, i=index: calls.__setitem__(i, calls.get(i, 0) + 1)
+            )
     on = (
         model.is_activation_checkpointing
         if hasattr(type(model), "is_activation_checkpointing")
@@ -53,10 +59,20 @@ def test_gradient_checkpointing_trains_identically(one_rank_group, tmp_path):
     hf_dir = str(save_tiny_model(tmp_path / "m"))
     data = torch.randint(0, 64, (4, 10), generator=torch.Generator().manual_seed(5))
     base_losses, base = _two_steps(hf_dir, data)
+    calls: dict[int, int] = {}
     losses, params = _two_steps(hf_dir, data, gradient_checkpointing=True)
     assert losses == base_losses
     for name, value in base.items():
         assert torch.equal(value, params[name]), name
+    # --gradient-checkpointing-layers 1 of the 2 layers: layer 0 runs its forward again in
+    # backward, layer 1 does not; the training is the same either way
+    losses, params = _two_steps(
+        hf_dir, data, gradient_checkpointing=True, gradient_checkpointing_layers=1, calls=calls
+    )
+    assert losses == base_losses
+    for name, value in base.items():
+        assert torch.equal(value, params[name]), name
+    assert calls == {0: 2 * 2 * 2, 1: 2 * 2}, calls  # 2 steps x 2 micro-batches (x 2: recompute)
 
 
 @pytest.mark.parametrize("target", ["cpu", "disk"])

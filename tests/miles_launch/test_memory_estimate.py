@@ -172,6 +172,12 @@ def test_activation_formula_by_hand():
     # recompute: each layer's bf16 input, and one layer recomputed in backward
     full = TrainerLayout(backend="fsdp", ranks=1, tokens=1000, recompute="full")
     assert activation_bytes(shape, full) == 1000 * (28 * 2048 + 71744 + outside)
+    # --gradient-checkpointing-layers 10: those keep their input, the other 18 everything
+    block = TrainerLayout(
+        backend="fsdp", ranks=1, tokens=1000, recompute="full", recompute_method="block",
+        recompute_layers=10,
+    )  # fmt: skip
+    assert activation_bytes(shape, block) == 1000 * (10 * 2048 + 18 * 71744 + 71744 + outside)
     # megatron-core's layer: norms 2 x (8 + 2) x 1024 = 20480; q/k norms 8 x 3072 = 24576;
     # attention 2 x 4096 + 2 x 3072 + 2 x 2048 + 4 x 16 + 4 x 2 x 128 = 19520; MLP 5 x 2 x 3072
     # = 30720: 95296 bytes; at TP 2 without sequence parallelism the norms stay whole

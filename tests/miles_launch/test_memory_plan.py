@@ -165,6 +165,22 @@ def test_megatron_layout_from_its_flags(tmp_path):
     assert set(job.host_per_rank.terms) == {"optimizer (--optimizer-cpu-offload)"}
 
 
+def test_fsdp_partial_checkpointing_reaches_the_layout(tmp_path):
+    """--gradient-checkpointing-layers N is the estimate's block recompute of N layers; past the
+    model's layers it is refused (SMALL has 3)."""
+    from miles_fsdp.args import FSDPArgs
+    from miles_launch.memory_plan import trainer_layout
+
+    flags = ["--gradient-checkpointing", "--gradient-checkpointing-layers", "1"]
+    lay = trainer_layout(parsed(tmp_path, "fsdp", *flags), on_cuda=True)
+    assert (lay.recompute, lay.recompute_method, lay.recompute_layers) == ("full", "block", 1)
+    args = parsed(
+        tmp_path, "fsdp", "--gradient-checkpointing", "--gradient-checkpointing-layers", "4"
+    )
+    with pytest.raises(ArgumentError, match="--gradient-checkpointing-layers 4: the model has 3"):
+        FSDPArgs.preflight(args)
+
+
 def test_engine_weights_over_its_fraction_are_refused(tmp_path):
     """SGLang's weights must fit its --sglang-mem-fraction-static of the GPU."""
     from miles_launch.memory_plan import check_memory, job_memory

@@ -62,6 +62,13 @@ class FSDPArgs(ArgGroup):
     gradient_checkpointing: bool = flag(
         False, help="Recompute activations in backward (HF gradient checkpointing, non-reentrant)."
     )
+    gradient_checkpointing_layers: int | None = flag(
+        None,
+        metavar="N",
+        help="With --gradient-checkpointing: recompute only the first N decoder layers and keep "
+        "the rest's activations (Megatron's --recompute-method block --recompute-num-layers N): "
+        "less recompute where memory allows (unset: every layer).",
+    )
     keep_fp32_master: bool = flag(
         True,
         help="Keep fp32 master weights and optimizer state (--no-keep-fp32-master holds them in "
@@ -134,6 +141,15 @@ class FSDPArgs(ArgGroup):
                 f"--fsdp-compute-dtype {args.fsdp_compute_dtype} contradicts {given} "
                 f"({named}); give one of them"
             )
+        layers = args.gradient_checkpointing_layers
+        if layers is not None:
+            if not args.gradient_checkpointing:
+                raise ArgumentError(
+                    "--gradient-checkpointing-layers needs --gradient-checkpointing (without it "
+                    "no layer is recomputed)"
+                )
+            if layers < 1:
+                raise ArgumentError(f"--gradient-checkpointing-layers must be >= 1, got {layers}")
         if args.profile_step_end <= args.profile_step_start:
             raise ArgumentError(
                 f"--profile-step-end ({args.profile_step_end}) must exceed "
@@ -147,6 +163,17 @@ class FSDPArgs(ArgGroup):
         the CPU too: no device check)."""
         from pathlib import Path
 
+        layers = args.gradient_checkpointing_layers
+        config = Path(args.hf_checkpoint or "") / "config.json"
+        if layers is not None and args.hf_checkpoint and config.is_file():
+            import json
+
+            total = json.loads(config.read_text()).get("num_hidden_layers")
+            if isinstance(total, int) and layers > total:
+                raise ArgumentError(
+                    f"--gradient-checkpointing-layers {layers}: the model has {total} decoder "
+                    f"layers ({config})"
+                )
         for flag_name in ("ref_load", "teacher_load"):
             path = getattr(args, flag_name, None)
             if path and not (Path(path) / "config.json").is_file():

@@ -137,6 +137,7 @@ class FSDPBackend(TrainBackend):
                 cpu_offload=args.fsdp_cpu_offload,
                 fixups=(value_head_fixup(args.seed),),
                 gradient_checkpointing=args.gradient_checkpointing,
+                checkpoint_layers=args.gradient_checkpointing_layers,
                 instance_patches=(install_value_head,),
             )
         else:
@@ -151,6 +152,7 @@ class FSDPBackend(TrainBackend):
                 if self.lora is not None
                 else (),
                 gradient_checkpointing=args.gradient_checkpointing,
+                checkpoint_layers=args.gradient_checkpointing_layers,
             )
         self.model = build_model(plan, trained)
         self.frozen = {

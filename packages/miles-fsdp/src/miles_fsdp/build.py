@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from miles_fsdp.adaptations import Adaptation
 from miles_fsdp.adaptations.moe import RoutingReplay, apply_moe_kernel, install_routing_replay
@@ -71,6 +72,8 @@ class RoleSpec:
     #: the role's own post-load fixups ``(model, config)``, after the architecture's
     fixups: tuple[Callable[[nn.Module, Any], None], ...] = ()
     gradient_checkpointing: bool = False
+    #: ``--gradient-checkpointing-layers``: only the first N decoder layers recompute
+    checkpoint_layers: int | None = None
     #: the role's own skeleton patches ``(model, config)`` on meta, after the architecture's
     #: (the critic's value head)
     instance_patches: tuple[Callable[[nn.Module, Any], None], ...] = ()
@@ -91,11 +94,18 @@ def placement(device: torch.device, cpu_offload: bool) -> Placement:
     return Placement(params=torch.device("cpu") if cpu_offload else device, buffers=device)
 
 
-def enable_gradient_checkpointing(model: nn.Module) -> None:
+def enable_gradient_checkpointing(model: nn.Module, layers: int | None = None) -> None:
+    """HF gradient checkpointing (non-reentrant) of every decoder layer, or of the first
+    ``layers`` only (``--gradient-checkpointing-layers``): the others keep their activations."""
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24
         model.activation_checkpointing_enable({"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable({"use_reentrant": False})
+    if layers is None:
+        return
+    decoder = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for module in decoder[layers:]:
+        module.gradient_checkpointing = False
 
 
 def build_model(plan: BuildPlan, spec: RoleSpec) -> nn.Module:
@@ -117,7 +127,7 @@ def build_model(plan: BuildPlan, spec: RoleSpec) -> nn.Module:
     if not spec.trainable:
         model.requires_grad_(False)
     elif spec.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
+        enable_gradient_checkpointing(model, spec.checkpoint_layers)
     apply_fsdp(model, plan.mesh, precision, cpu_offload=spec.cpu_offload)
     state = buffers = None
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -91,7 +91,7 @@ class TrainerLayout:
     sequence_parallel: bool = False
     dp_replicate: int = 1
     recompute: str = "none"  # "none" | "full" | "selective"
-    recompute_method: str = "uniform"  # Megatron full: "uniform" | "block"
+    recompute_method: str = "uniform"  # full: "uniform" | "block" (FSDP: the first N layers)
     recompute_layers: int = 1
     fused_head: bool = True
     on_cuda: bool = True
@@ -240,7 +240,7 @@ def activation_bytes(shape: ModelShape, lay: TrainerLayout, recompute: str | Non
     working = 0.0
     if recompute == "full":
         n = max(1, lay.recompute_layers)
-        if lay.backend == "megatron" and lay.recompute_method == "block":
+        if lay.recompute_method == "block":  # Megatron's block, FSDP's first N layers
             kept = max(0.0, per_stage - n)
             stored, working = n * checkpoint + kept * full / per_stage, one
         else:

@@ -73,6 +73,8 @@ def trainer_layout(args: Any, on_cuda: bool) -> TrainerLayout | None:
             backend="fsdp",
             dp_replicate=args.dp_replicate_size,
             recompute="full" if args.gradient_checkpointing else "none",
+            recompute_method="block" if args.gradient_checkpointing_layers else "uniform",
+            recompute_layers=args.gradient_checkpointing_layers or 1,
             master_bytes=4 if args.keep_fp32_master else c,
             fsdp_cpu_offload=args.fsdp_cpu_offload,
             teacher=(

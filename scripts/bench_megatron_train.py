@@ -206,6 +206,10 @@ def main() -> None:
                 "seconds_all": times,
                 **measured,
             }
+            r = results[key]
+            say(f"{key or name}: {r['tokens_per_s_per_gpu']:.0f} tok/s/GPU, MFU {r['mfu']:.1%}, "
+                f"peak {r['peak_memory_gib']:.1f} GiB, rollouts {times}")  # fmt: skip
+            write_report(args, world, size, peak, results, rank)
     if rank == 0:
         print(
             f"{'backend and flags':44s} {'tok/s/GPU':>10s} {'MFU':>6s} {'peak GiB':>9s} "
@@ -220,21 +224,23 @@ def main() -> None:
         for name, r in results.items():
             if "profile" in r:
                 bench.print_profile(name, r["profile"])
-        Path(args.out).write_text(
-            json.dumps(
-                {
-                    "world": world,
-                    "tp": args.tp,
-                    "size": size,
-                    "bf16_peak_tflops_measured": peak,
-                    "tokens_per_gpu": args.tokens_per_gpu,
-                    "steps": args.steps,
-                    **results,
-                },
-                indent=2,
-            )
-        )
     dist.destroy_process_group()
+
+
+def write_report(args, world: int, size: str, peak: float, results: dict, rank: int) -> None:
+    """The JSON report so far (written after every run, so a run cut short keeps the rest)."""
+    if rank != 0:
+        return
+    report = {
+        "world": world,
+        "tp": args.tp,
+        "size": size,
+        "bf16_peak_tflops_measured": peak,
+        "tokens_per_gpu": args.tokens_per_gpu,
+        "steps": args.steps,
+        **results,
+    }
+    Path(args.out).write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -130,10 +130,10 @@ def _install_alone(wheels: dict[str, Path], root: str, extra: str, venv: Path) -
 
 
 def _miles_help(venv: Path) -> str:
-    """``miles train --help`` from the venv, after checking the native extension imports there."""
+    """``miles train --help-all`` from the venv, after checking the native extension imports there."""
     native = _run([str(venv / "bin" / "python"), "-c", NATIVE_CHECK]).stdout
     assert native.startswith("miles_native (") and "CUDA" not in native, native
-    return _run([str(venv / "bin" / "miles"), "train", "--help"]).stdout
+    return _run([str(venv / "bin" / "miles"), "train", "--help-all"]).stdout
 
 
 NATIVE_CHECK = "import miles_native; print(miles_native.build_info())"

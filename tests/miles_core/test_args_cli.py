@@ -66,8 +66,8 @@ def test_good_command_line_exits_normally(tmp_path):
     assert proc.stdout.strip() == "ok 2e-06"
 
 
-def test_help_lists_every_flag():
-    proc = run_cli("--help")
+def test_help_all_lists_every_flag():
+    proc = run_cli("--help-all")
     assert proc.returncode == 0
     for spec in collect_flags(core_groups()).values():
         assert spec.option in proc.stdout

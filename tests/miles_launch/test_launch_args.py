@@ -133,8 +133,8 @@ def test_cli_unknown_backend_and_command_exit_2():
     assert "unknown command 'serve'" in one_error_line(run_cli("serve"))
 
 
-def test_cli_help_lists_every_flag():
-    shown = run_cli("train", "--help")
+def test_cli_help_all_lists_every_flag():
+    shown = run_cli("train", "--help-all")
     assert shown.returncode == 0
     names = [
         "--actor-num-gpus-per-node", "--rollout-num-gpus", "--prompt-data", "--fully-async",

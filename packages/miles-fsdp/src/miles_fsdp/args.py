@@ -53,6 +53,7 @@ class FSDPArgs(ArgGroup):
     )
     fsdp_cpu_offload: bool = flag(
         False,
+        common=True,
         help="FSDP2 CPUOffloadPolicy: parameters, gradients and optimizer state in host memory; "
         "the optimizer step runs on the CPU.",
     )
@@ -60,7 +61,9 @@ class FSDPArgs(ArgGroup):
         "gloo", help="Process-group backend for CPU collectives of --fsdp-cpu-offload."
     )
     gradient_checkpointing: bool = flag(
-        False, help="Recompute activations in backward (HF gradient checkpointing, non-reentrant)."
+        False,
+        common=True,
+        help="Recompute activations in backward (HF gradient checkpointing, non-reentrant).",
     )
     gradient_checkpointing_layers: int | None = flag(
         None,

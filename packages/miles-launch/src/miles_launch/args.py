@@ -25,18 +25,22 @@ logger = logging.getLogger(__name__)
 class LaunchPlacementArgs(ArgGroup):
     title: ClassVar[str] = "placement (launcher)"
 
-    actor_num_nodes: int = flag(1, metavar="N", help="Nodes of the trainer.")
+    actor_num_nodes: int = flag(1, metavar="N", common=True, help="Nodes of the trainer.")
     actor_num_gpus_per_node: int = flag(
-        1, metavar="N", help="Trainer ranks (GPUs, or CPU bundles without a GPU) per node."
+        1,
+        metavar="N",
+        common=True,
+        help="Trainer ranks (GPUs, or CPU bundles without a GPU) per node.",
     )
     rollout_num_gpus: int | None = flag(
         None,
         metavar="N",
+        common=True,
         help="GPUs of all engines together (unset: one engine of --rollout-num-gpus-per-engine). "
         "Ignored under --colocate: the engines use the trainer's GPUs.",
     )
     rollout_num_gpus_per_engine: int = flag(
-        1, metavar="N", help="GPUs per engine (SGLang --tp-size)."
+        1, metavar="N", common=True, help="GPUs per engine (SGLang --tp-size)."
     )
     num_gpus_per_node: int = flag(
         8, metavar="N", help="GPUs per node (set it on nodes with fewer than 8 usable GPUs)."
@@ -137,6 +141,7 @@ class EngineLaunchArgs(ArgGroup):
 
     rollout_engine: Literal["sglang", "builtin"] | None = flag(
         None,
+        common=True,
         help="Inference engine: SGLang (python -m sglang.launch_server) or the built-in "
         "transformers engine (unset: sglang when importable, else builtin).",
     )
@@ -147,6 +152,7 @@ class EngineLaunchArgs(ArgGroup):
     sglang_mem_fraction_static: float | None = flag(
         None,
         metavar="F",
+        common=True,
         help="SGLang --mem-fraction-static (unset: 0.8 under --colocate, else SGLang's default).",
     )
     sglang_context_length: int | None = flag(
@@ -256,6 +262,7 @@ class OutputArgs(ArgGroup):
     metrics_jsonl: str | None = flag(
         None,
         metavar="PATH",
+        common=True,
         help="Append one JSON object per rollout (metrics, timings, prompt ids, weight version).",
     )
     progress: bool = flag(
@@ -263,7 +270,9 @@ class OutputArgs(ArgGroup):
         help="Progress bars for generation and training on stderr, when stderr is a terminal "
         "(a log gets the per-rollout lines only).",
     )
-    use_wandb: bool = flag(False, help="Log the per-rollout metrics to Weights & Biases.")
+    use_wandb: bool = flag(
+        False, common=True, help="Log the per-rollout metrics to Weights & Biases."
+    )
     wandb_project: str = flag("miles", help="W&B project.")
     wandb_run_name: str | None = flag(None, help="W&B run name.")
 
@@ -278,6 +287,7 @@ class JobArgs(ArgGroup):
 
     dry_run: bool = flag(
         False,
+        common=True,
         help="Check the job (flags, files, this machine), print its plan and exit 0 without "
         "starting Ray, a trainer rank or an engine.",
     )

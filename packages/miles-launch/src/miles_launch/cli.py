@@ -8,7 +8,7 @@ import sys
 USAGE = """usage: miles <command> [flags]
 
 commands:
-  train    run an RL job (miles train --help lists every flag)
+  train    run an RL job (miles train --help: the common flags; --help-all: every flag)
   plot     draw a run's metrics JSONL as a PNG (miles plot RUN_DIR)
 """
 

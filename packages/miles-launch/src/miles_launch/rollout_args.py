@@ -26,28 +26,40 @@ class RolloutArgs(ArgGroup):
     prompt_data: str | None = flag(
         None,
         metavar="FILE",
+        common=True,
         help="Prompt set: JSONL (one JSON object per line) or .parquet (one record per row).",
     )
-    input_key: str = flag("prompt", help="Key of the prompt in each --prompt-data record.")
-    label_key: str | None = flag("label", help="Key of the label (reward reference), if any.")
+    input_key: str = flag(
+        "prompt", common=True, help="Key of the prompt in each --prompt-data record."
+    )
+    label_key: str | None = flag(
+        "label", common=True, help="Key of the label (reward reference), if any."
+    )
     metadata_key: str | None = flag(
         "metadata",
         help="Key of an optional object passed to the reward function as RewardInput.metadata.",
     )
     apply_chat_template: bool = flag(
-        False, help="Wrap each prompt as a user message with the tokenizer's chat template."
+        False,
+        common=True,
+        help="Wrap each prompt as a user message with the tokenizer's chat template.",
     )
     rollout_shuffle: bool = flag(True, help="Shuffle the prompts each epoch (seeded by --seed).")
-    num_rollout: int = flag(1, metavar="N", help="Rollouts (generate + train) to run in total.")
-    rollout_batch_size: int = flag(8, metavar="N", help="Prompts per rollout.")
-    n_samples_per_prompt: int = flag(4, metavar="N", help="Responses sampled per prompt (a group).")
+    num_rollout: int = flag(
+        1, metavar="N", common=True, help="Rollouts (generate + train) to run in total."
+    )
+    rollout_batch_size: int = flag(8, metavar="N", common=True, help="Prompts per rollout.")
+    n_samples_per_prompt: int = flag(
+        4, metavar="N", common=True, help="Responses sampled per prompt (a group)."
+    )
     rollout_top_p: float = flag(1.0, help="Top-p of rollout sampling.")
     rollout_top_k: int = flag(-1, help="Top-k of rollout sampling (-1: all tokens).")
     rollout_max_response_len: int = flag(
-        1024, metavar="N", help="Most tokens generated per response."
+        1024, metavar="N", common=True, help="Most tokens generated per response."
     )
     rm_type: Literal["math", "label-char-fraction"] | None = flag(
         None,
+        common=True,
         help="Built-in reward: math (exact match of the final answer with the label) or "
         "label-char-fraction (share of the --rollout-max-response-len positions holding a "
         "character of the label; the demo's).",
@@ -55,6 +67,7 @@ class RolloutArgs(ArgGroup):
     custom_rm_path: str | None = flag(
         None,
         metavar="MODULE:FUNC",
+        common=True,
         help="Reward function f(RewardInput) -> float or dict (sync or async); replaces --rm-type.",
     )
     custom_rm_batch: Literal["sample", "group", "rollout"] = flag(
@@ -136,10 +149,13 @@ class RolloutArgs(ArgGroup):
         help="Seed of rollout sampling (per-sample sampling_seed) and of the prompt shuffle "
         "(unset: --seed).",
     )
-    eval_interval: int | None = flag(None, metavar="N", help="Evaluate every N rollouts.")
+    eval_interval: int | None = flag(
+        None, metavar="N", common=True, help="Evaluate every N rollouts."
+    )
     eval_prompt_data: list[str] | None = flag(
         None,
         metavar="NAME PATH",
+        common=True,
         help="Named evaluation sets, NAME PATH [NAME PATH ...] (files as --prompt-data).",
     )
     n_samples_per_eval_prompt: int = flag(
@@ -168,6 +184,7 @@ class RolloutArgs(ArgGroup):
     )
     fully_async: bool = flag(
         False,
+        common=True,
         help="Keep generating while the trainer steps (disaggregated only); weights are "
         "published every --update-weights-interval rollouts.",
     )

@@ -21,6 +21,8 @@ from miles_core.args import (
     ArgumentError,
     entry_point_groups,
     format_error,
+    group_help_name,
+    help_request,
     installed_groups,
     parse_args_or_exit,
     selected_backend,
@@ -52,33 +54,71 @@ def run_errors() -> tuple[type[BaseException], ...]:
     )
 
 
+PROG = "miles train"
+
+
 def compose(argv: list[str]) -> list:
     """The flag groups of ``argv``'s backend (exits 2 when it is not installed)."""
     backend = selected_backend(argv)
     try:
-        return entry_point_groups("core", backend, "launch")
+        groups = entry_point_groups("core", backend, "launch")
     except ArgumentError as error:
-        if not {"-h", "--help"} & set(argv):
+        if help_request(argv) is None:
             print(format_error(error), file=sys.stderr)
             sys.exit(2)
-        # --help still lists every flag of what is installed
+        # the help still lists the flags of what is installed
         print(f"note: --train-backend {backend} is not installed ({error})\n")
         return installed_groups()
+    refuse_other_backends_group(argv, groups)
+    return groups
 
 
-PROG = "miles train"
+def refuse_other_backends_group(argv: list[str], groups: list) -> None:
+    """``--help GROUP`` of a group another backend adds: one line naming that backend, exit 2."""
+    request = help_request(argv)
+    if request is None or request.form != "group":
+        return
+    if request.group in {group_help_name(group) for group in groups}:
+        return
+    from miles_core.backends import available
+
+    for name in sorted(available()):
+        try:
+            theirs = {group_help_name(group) for group in entry_point_groups(name)}
+        except ArgumentError:
+            continue
+        if request.group in theirs:
+            print(
+                f"error: --help {request.group}: a group of --train-backend {name} "
+                f"(`{PROG} --train-backend {name} --help {request.group}`)",
+                file=sys.stderr,
+            )
+            sys.exit(2)
 
 
-def backend_note(argv: list[str]) -> str:
-    """The ``--help`` epilog's first sentence: whose flags are listed, and how to see the others'."""
+def backend_note(argv: list[str]) -> str | None:
+    """The help's closing note: whose flags are listed, and which groups each installed backend
+    adds (``None`` unless ``argv`` asks for help: a job need not import the other backend's)."""
+    if help_request(argv) is None:
+        return None
     from miles_core.backends import available
 
     backend = selected_backend(argv)
-    others = [name for name in available() if name != backend]
+    installed = sorted(available())
+    others = [name for name in installed if name != backend]
     note = f"Listed: the flags of --train-backend {backend}."
     if others:
         note += f" `{PROG} --train-backend {others[0]} --help` lists {others[0]}'s"
-        note += f" (installed: {', '.join(sorted([backend, *others]))})."
+        note += f" (installed: {', '.join(sorted({backend, *installed}))})."
+    adds = []
+    for name in installed:
+        try:
+            names = [group_help_name(group) for group in entry_point_groups(name)]
+        except ArgumentError:  # a backend without argument groups adds none
+            continue
+        adds.append(f"--train-backend {name} adds {', '.join(names)}")
+    if adds:
+        note += " Backend groups: " + "; ".join(adds) + "."
     return note
 
 

@@ -60,10 +60,11 @@ class MegatronArgs(ArgGroup):
     spec: list[str] | None = flag(
         None,
         metavar="MODULE FUNCTION",
+        common=True,
         help="Custom layer spec: FUNCTION(args, config, vp_stage) in MODULE returns a ModuleSpec.",
     )
     sequence_parallel: bool = flag(
-        False, help="Sequence parallelism inside TP groups (recommended with TP > 1)."
+        False, common=True, help="Sequence parallelism inside TP groups (recommended with TP > 1)."
     )
     custom_megatron_init_path: str | None = flag(
         None,

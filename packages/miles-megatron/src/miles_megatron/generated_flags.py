@@ -34,6 +34,7 @@ from miles_core.args import (
     flag,
     make_group,
 )
+from miles_core.args.help import kebab_case
 
 from miles_megatron import megatron_core_fields as fields
 from miles_megatron.megatron_core_fields import rows_of
@@ -151,7 +152,11 @@ def generated_groups(declared: Iterable[type[ArgGroup]] = ()) -> list[type[ArgGr
         taken.add(name)
     return [
         make_group(
-            f"Generated{config}Args", f"megatron-core {config} fields", triples, module=__name__
+            f"Generated{config}Args",
+            f"megatron-core {config} fields",
+            triples,
+            module=__name__,
+            help_name=kebab_case(config),
         )
         for config, triples in by_class.items()
     ]

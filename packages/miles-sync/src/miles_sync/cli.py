@@ -8,33 +8,58 @@ when the newest version was refused).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from miles_core.args import ArgGroup, ArgumentError, flag, parse_args_or_exit
-from miles_core.args.groups.placement import PlacementArgs
+from miles_core.args.flags import FLAG_METADATA_KEY
 from miles_core.args.groups.sync import SyncArgs
 
-from miles_sync.errors import DeltaError
-from miles_sync.puller import Puller, PullerConfig
+USAGE = """usage: miles-sync <command> [flags]
 
-USAGE = "usage: miles-sync pull --update-weight-disk-dir DIR --update-weight-local-checkpoint-dir DIR --engine-url URL [--once]"
+commands:
+  pull    keep an engine's local checkpoint up to date from a disk-delta directory
+          (miles-sync pull --update-weight-disk-dir DIR --update-weight-local-checkpoint-dir DIR
+          --engine-url URL [--once]; miles-sync pull --help lists its flags)
+"""
+
+
+def _sync_flag(name: str) -> Any:
+    """SyncArgs' declaration of flag ``name`` (its help, metavar, default), for a group that
+    reads it without the rest of SyncArgs; on the short ``--help``."""
+    declared = SyncArgs.__dataclass_fields__[name]
+    meta = dataclasses.replace(declared.metadata[FLAG_METADATA_KEY], common=True)
+    return dataclasses.field(default=declared.default, metadata={FLAG_METADATA_KEY: meta})
 
 
 @dataclass
 class PullArgs(ArgGroup):
+    """The flags ``miles-sync pull`` reads, and only those."""
+
     title: ClassVar[str] = "disk-delta puller (miles-sync pull)"
 
+    update_weight_disk_dir: str | None = _sync_flag("update_weight_disk_dir")
+    update_weight_local_checkpoint_dir: str | None = _sync_flag(
+        "update_weight_local_checkpoint_dir"
+    )
     engine_url: str | None = flag(
-        None, metavar="URL", help="The engine this puller serves (names its report file)."
+        None,
+        metavar="URL",
+        common=True,
+        help="The engine this puller serves (names its report file).",
     )
     pull_poll_interval: float = flag(0.5, metavar="S", help="Seconds between looks for a version.")
-    once: bool = flag(False, help="Bring the local checkpoint up to date once and exit.")
+    once: bool = flag(
+        False, common=True, help="Bring the local checkpoint up to date once and exit."
+    )
 
     @classmethod
     def validate(cls, args: Any) -> None:
+        if not args.update_weight_disk_dir:
+            raise ArgumentError("miles-sync pull requires --update-weight-disk-dir")
         if not args.engine_url:
             raise ArgumentError("miles-sync pull requires --engine-url")
         if not args.update_weight_local_checkpoint_dir:
@@ -44,18 +69,26 @@ class PullArgs(ArgGroup):
 
 
 def parse_pull_args(argv: list[str]) -> Any:
-    """The pull subcommand's flags (the disk-delta mode is implied)."""
-    if "--update-weight-transfer-mode" not in argv:
-        argv = ["--update-weight-transfer-mode", "disk-delta", *argv]
-    return parse_args_or_exit(argv, [PlacementArgs, SyncArgs, PullArgs])
+    """The pull subcommand's flags (exits 2 on a bad command line, 0 after a help)."""
+    return parse_args_or_exit(argv, [PullArgs], prog="miles-sync pull", passthrough=False)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0
     if not argv or argv[0] != "pull":
-        print(USAGE, file=sys.stderr)
+        if argv:
+            print(f"error: unknown command {argv[0]!r} (commands: pull)", file=sys.stderr)
+        else:
+            print(USAGE, end="", file=sys.stderr)
         return 2
     args = parse_pull_args(argv[1:])
+    # after the parse: a help or a bad flag is answered without loading the puller
+    from miles_sync.errors import DeltaError
+    from miles_sync.puller import Puller, PullerConfig
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     puller = Puller(
         PullerConfig(

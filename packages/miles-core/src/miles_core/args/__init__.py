@@ -23,6 +23,7 @@ from miles_core.args.flags import (
 )
 from miles_core.args.groups import core_groups
 from miles_core.args.groups.placement import selected_backend
+from miles_core.args.help import group_help_name, help_request
 from miles_core.args.parser import (
     build_parser,
     collect_flags,
@@ -44,6 +45,8 @@ __all__ = [
     "flag",
     "format_error",
     "group_flags",
+    "group_help_name",
+    "help_request",
     "installed_groups",
     "make_group",
     "parse_args",

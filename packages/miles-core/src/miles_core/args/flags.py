@@ -37,6 +37,7 @@ class FlagMeta:
     choices: tuple[Any, ...] | None = None
     metavar: str | None = None
     tristate: bool = False
+    common: bool = False
 
 
 def flag(
@@ -46,12 +47,14 @@ def flag(
     choices: typing.Sequence[Any] | None = None,
     metavar: str | None = None,
     tristate: bool = False,
+    common: bool = False,
 ) -> Any:
     """A dataclass field that is a command-line flag.
 
     ``default`` is the value when neither the command line nor ``--config`` sets it. A list
     default is copied per instance. ``tristate=True`` is implied by a ``bool | None`` annotation
-    and requires ``default=None``.
+    and requires ``default=None``. ``common=True`` puts the flag on the short ``--help`` screen
+    (the handful of its group a new user writes; ``--help-all`` lists every flag).
     """
     if not help:
         raise ValueError("flag() needs a help text")
@@ -61,6 +64,7 @@ def flag(
             choices=tuple(choices) if choices is not None else None,
             metavar=metavar,
             tristate=tristate,
+            common=common,
         )
     }
     if isinstance(default, list):
@@ -90,6 +94,8 @@ class ArgGroup:
     """
 
     title: ClassVar[str] = ""
+    #: The group's name for ``--help GROUP`` (unset: the class name, kebab-case, less ``Args``).
+    help_name: ClassVar[str] = ""
 
     @classmethod
     def validate(cls, args: Any) -> None:
@@ -218,6 +224,7 @@ def make_group(
     fields: typing.Sequence[tuple[str, Any, Any]],
     *,
     module: str | None = None,
+    help_name: str = "",
 ) -> type[ArgGroup]:
     """Build an :class:`ArgGroup` from ``(field_name, annotation, flag(...))`` triples.
 
@@ -225,7 +232,10 @@ def make_group(
     writing the class by hand would duplicate that library's list of fields.
     """
     group = dataclasses.make_dataclass(
-        name, [tuple(f) for f in fields], bases=(ArgGroup,), namespace={"title": title}
+        name,
+        [tuple(f) for f in fields],
+        bases=(ArgGroup,),
+        namespace={"title": title, "help_name": help_name},
     )
     if module is not None:
         group.__module__ = module

@@ -25,10 +25,13 @@ from typing import Any, NoReturn
 
 from miles_core.args.config_file import find_config_path, load_config
 from miles_core.args.flags import ArgGroup, ArgumentError, FlagSpec, group_flags
+from miles_core.args.help import HELP_ALL, HelpRequest, find_group, help_request, short_help
 from miles_core.args.passthrough import PASSTHROUGH_PREFIXES, split_passthrough
 
 #: Namespace attributes the framework sets itself; no group may declare them.
-RESERVED_DESTS = frozenset({"config", "help", "explicit_flags", *PASSTHROUGH_PREFIXES.values()})
+RESERVED_DESTS = frozenset(
+    {"config", "help", "help_all", "explicit_flags", *PASSTHROUGH_PREFIXES.values()}
+)
 
 
 class _RaisingParser(argparse.ArgumentParser):
@@ -100,7 +103,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         if action.default is None:
             return action.help or ""
-        return super()._get_help_string(action)
+        return super()._get_help_string(action) or ""
 
 
 def _unique_groups(groups: Sequence[type[ArgGroup]]) -> list[type[ArgGroup]]:
@@ -160,6 +163,8 @@ def _add_flag(container: Any, spec: FlagSpec, suppress: bool) -> None:
 PASSTHROUGH_EPILOG = (
     "Undeclared --sglang-<flag> / --router-<flag> flags are passed to SGLang / the router."
 )
+CONFIG_HELP = "YAML file of flag values (kebab-case or snake_case keys); the command line wins"
+USAGE = "%(prog)s [flags]"
 
 
 def build_parser(
@@ -168,26 +173,45 @@ def build_parser(
     prog: str | None = None,
     suppress_defaults: bool = False,
     epilog: str | None = None,
+    options: bool = True,
+    passthrough: bool = True,
 ) -> argparse.ArgumentParser:
-    """One argparse parser with an argument group per ArgGroup (``title``), plus ``--config``.
+    """One argparse parser with an argument group per ArgGroup (``title``), plus ``--config``
+    and the help flags (``options=False``: the groups' flags only, for ``--help GROUP``).
 
     ``suppress_defaults=True`` leaves unset flags off the namespace (used to find explicit flags).
-    ``epilog`` is printed after the flags, before the pass-through note.
+    ``epilog`` is printed after the flags, before the pass-through note (``passthrough=False``:
+    a command that passes nothing through, without the note).
     """
+    epilog = " ".join(e for e in (epilog, PASSTHROUGH_EPILOG if passthrough else None) if e)
     specs = collect_flags(groups)
     parser = _RaisingParser(
         prog=prog,
-        usage="%(prog)s [flags]",
+        usage=USAGE,
         allow_abbrev=False,
+        add_help=False,
         formatter_class=_HelpFormatter,
-        epilog=f"{epilog} {PASSTHROUGH_EPILOG}" if epilog else PASSTHROUGH_EPILOG,
+        epilog=epilog or None,
     )
-    parser.add_argument(
-        "--config",
-        metavar="FILE.yaml",
-        default=argparse.SUPPRESS if suppress_defaults else None,
-        help="YAML file of flag values (kebab-case or snake_case keys); the command line wins",
-    )
+    if options:
+        # parse_args answers the help flags before argparse sees them (miles_core.args.help)
+        parser.add_argument(
+            "-h",
+            "--help",
+            nargs="?",
+            metavar="GROUP",
+            default=argparse.SUPPRESS,
+            help="the common flags of every group; with GROUP, every flag of that group",
+        )
+        parser.add_argument(
+            HELP_ALL, action="store_true", default=argparse.SUPPRESS, help="every flag"
+        )
+        parser.add_argument(
+            "--config",
+            metavar="FILE.yaml",
+            default=argparse.SUPPRESS if suppress_defaults else None,
+            help=CONFIG_HELP,
+        )
     sections: dict[type[ArgGroup], Any] = {}
     for spec in specs.values():
         if spec.group not in sections:
@@ -197,37 +221,73 @@ def build_parser(
     return parser
 
 
+def help_text(
+    request: HelpRequest,
+    groups: Sequence[type[ArgGroup]],
+    *,
+    prog: str | None = None,
+    epilog: str | None = None,
+    passthrough: bool = True,
+) -> str:
+    """What ``--help`` / ``--help GROUP`` / ``--help-all`` print (:mod:`miles_core.args.help`);
+    an unknown GROUP is an :class:`ArgumentError` naming the groups."""
+    if request.form == "all":
+        return build_parser(groups, prog=prog, epilog=epilog, passthrough=passthrough).format_help()
+    if request.form == "group":
+        group = find_group(groups, request.group or "")
+        collect_flags(groups)  # the same "declared twice" error as a parse
+        parser = build_parser([group], prog=prog, options=False, passthrough=False)
+        parser.epilog = f"`{parser.prog} --help`: the common flags of every group."
+        return parser.format_help()
+    parser = build_parser(groups, prog=prog)
+    config_note = f"--config FILE.yaml: {CONFIG_HELP}."
+    passthrough_note = PASSTHROUGH_EPILOG if passthrough else None
+    notes = [note for note in (epilog, config_note, passthrough_note) if note]
+    return short_help(groups, parser.format_usage().strip(), notes, parser.prog)
+
+
 def parse_args(
     argv: Sequence[str],
     groups: Sequence[type[ArgGroup]],
     *,
     prog: str | None = None,
     epilog: str | None = None,
+    passthrough: bool = True,
 ) -> argparse.Namespace:
     """Parse ``argv`` (without the program name) against ``groups`` and run every group's hooks.
     ``prog`` names the command in the usage line (``miles train``); ``epilog`` ends ``--help``.
+    ``passthrough=False``: undeclared ``--sglang-*`` / ``--router-*`` flags are unknown flags
+    (a command that starts no engine).
+    A help flag (:mod:`miles_core.args.help`) prints its help and exits 0 before anything else.
 
     Raises :class:`ArgumentError` (one line) on any bad input.
     """
     argv = list(argv)
     groups = _unique_groups(groups)
+    request = help_request(argv)
+    if request is not None:
+        text = help_text(request, groups, prog=prog, epilog=epilog, passthrough=passthrough)
+        print(text, end="")
+        sys.exit(0)
     specs = collect_flags(groups)
-    parser = build_parser(groups, prog=prog, epilog=epilog)
+    parser = build_parser(groups, prog=prog, epilog=epilog, passthrough=passthrough)
     declared = {opt for spec in specs.values() for opt in spec.option_strings()}
 
-    remaining, passthrough = split_passthrough(argv, declared)
+    remaining, passed = split_passthrough(argv, declared) if passthrough else (argv, {})
     config_path = find_config_path(remaining)
     config_values: dict[str, Any] = {}
     if config_path is not None:
         config_values, config_passthrough = load_config(config_path, specs)
         for dest, values in config_passthrough.items():
-            passthrough[dest] = {**values, **passthrough[dest]}
+            if values and not passthrough:
+                raise ArgumentError(f"{config_path}: unknown key {next(iter(values))!r}")
+            passed[dest] = {**values, **passed.get(dest, {})}
         parser.set_defaults(**config_values)
 
     args = parser.parse_args(remaining)
     explicit = vars(build_parser(groups, suppress_defaults=True).parse_args(remaining))
     args.explicit_flags = frozenset((set(explicit) | set(config_values)) - {"config"})
-    for dest, values in passthrough.items():
+    for dest, values in passed.items():
         setattr(args, dest, values)
 
     for group in groups:
@@ -250,10 +310,11 @@ def parse_args_or_exit(
     *,
     prog: str | None = None,
     epilog: str | None = None,
+    passthrough: bool = True,
 ) -> argparse.Namespace:
     """:func:`parse_args`, but a bad command line prints one ``error:`` line and exits with 2."""
     try:
-        return parse_args(argv, groups, prog=prog, epilog=epilog)
+        return parse_args(argv, groups, prog=prog, epilog=epilog, passthrough=passthrough)
     except ArgumentError as exc:
         print(format_error(exc), file=sys.stderr)
         sys.exit(2)

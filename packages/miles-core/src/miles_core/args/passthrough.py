@@ -9,9 +9,12 @@ parsed as a normal flag and never passed through. Values are the tokens that fol
 
 from __future__ import annotations
 
+from typing import Literal
+
 PASSTHROUGH_PREFIXES = {"--sglang-": "sglang_passthrough", "--router-": "router_passthrough"}
 
-PassthroughValue = str | list[str] | bool
+#: ``True`` for a flag without a value (a YAML ``false`` drops the flag: config_file)
+PassthroughValue = str | list[str] | Literal[True]
 
 
 def _prefix_of(token: str) -> str | None:

@@ -64,6 +64,7 @@ class AlgorithmArgs(ArgGroup):
 
     global_batch_size: int | None = flag(
         None,
+        common=True,
         help="Samples per optimizer step: sets --num-steps-per-rollout to --rollout-batch-size x "
         "--n-samples-per-prompt / N (which N must divide) at argument time (unset: "
         "--num-steps-per-rollout decides).",
@@ -74,13 +75,15 @@ class AlgorithmArgs(ArgGroup):
         "this many consecutive slices, one per step, whatever the data-parallel layout.",
     )
     micro_batch_size: int = flag(
-        1, help="Samples per micro-batch when --use-dynamic-batch-size is off."
+        1, common=True, help="Samples per micro-batch when --use-dynamic-batch-size is off."
     )
     use_dynamic_batch_size: bool = flag(
-        False, help="Form micro-batches by token count under --max-tokens-per-gpu."
+        False, common=True, help="Form micro-batches by token count under --max-tokens-per-gpu."
     )
     max_tokens_per_gpu: int | None = flag(
-        None, help="Token budget of one micro-batch per GPU (x CP with context parallelism)."
+        None,
+        common=True,
+        help="Token budget of one micro-batch per GPU (x CP with context parallelism).",
     )
     loss_type: Literal["policy_loss", "sft_loss", "value_loss", "nft"] = flag(
         "policy_loss",
@@ -98,6 +101,7 @@ class AlgorithmArgs(ArgGroup):
         "ppo",
     ] = flag(
         "grpo",
+        common=True,
         help="Advantage estimator (docs/rl-math.md gives each formula; ppo needs a critic's "
         "values).",
     )
@@ -118,7 +122,9 @@ class AlgorithmArgs(ArgGroup):
     )
     gamma: float = flag(1.0, help="Discount for reinforce_plus_plus returns and GAE.")
     lambd: float = flag(1.0, help="GAE lambda (ppo).")
-    eps_clip: float = flag(0.2, help="PPO clip range: ratio in [1 - eps, 1 + eps-high].")
+    eps_clip: float = flag(
+        0.2, common=True, help="PPO clip range: ratio in [1 - eps, 1 + eps-high]."
+    )
     eps_clip_high: float | None = flag(None, help="Upper PPO clip range (unset: --eps-clip).")
     eps_clip_c: float | None = flag(
         None, help="Dual-clip bound c > 1 for negative advantages (unset: off)."
@@ -127,8 +133,8 @@ class AlgorithmArgs(ArgGroup):
     kl_coef: float = flag(
         0.0, help="KL penalty folded into the reward (exclusive with --use-kl-loss)."
     )
-    use_kl_loss: bool = flag(False, help="Add a KL loss against the reference model.")
-    kl_loss_coef: float = flag(0.0, help="Weight of the KL loss.")
+    use_kl_loss: bool = flag(False, common=True, help="Add a KL loss against the reference model.")
+    kl_loss_coef: float = flag(0.0, common=True, help="Weight of the KL loss.")
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = flag(
         "k1", help="KL estimator of the KL loss (k3 = low_var_kl, clamped to +-10)."
     )

@@ -17,6 +17,7 @@ class CheckpointArgs(ArgGroup):
     hf_checkpoint: str | None = flag(
         None,
         metavar="DIR",
+        common=True,
         help="HuggingFace model directory (config, tokenizer, weights): the model the engines "
         "boot from, and the whole model input of the FSDP backend.",
     )
@@ -30,15 +31,18 @@ class CheckpointArgs(ArgGroup):
         "GPU, else varlen on a GPU whose torch ships it, else sdpa); Megatron takes varlen and "
         "sdpa (unset: varlen on such a GPU, else sdpa).",
     )
-    save: str | None = flag(None, metavar="DIR", help="Directory to write checkpoints into.")
+    save: str | None = flag(
+        None, metavar="DIR", common=True, help="Directory to write checkpoints into."
+    )
     load: str | None = flag(
         None,
         metavar="DIR",
+        common=True,
         help="Checkpoint directory to resume from: the parent of the iter_* directories, never "
         "one iteration (latest_checkpointed_iteration.txt picks the step).",
     )
     save_interval: int | None = flag(
-        None, metavar="N", help="Save every N rollouts (requires --save)."
+        None, metavar="N", common=True, help="Save every N rollouts (requires --save)."
     )
     ckpt_step: int | None = flag(
         None,

@@ -39,10 +39,13 @@ class CriticArgs(ArgGroup):
 
     use_critic: bool = flag(
         False,
+        common=True,
         help="Train a critic (value model) beside the actor; its values feed GAE "
         "(--advantage-estimator ppo, which needs it).",
     )
-    critic_lr: float | None = flag(None, help="Learning rate of the critic (unset: --lr).")
+    critic_lr: float | None = flag(
+        None, common=True, help="Learning rate of the critic (unset: --lr)."
+    )
     critic_lr_warmup_iters: int | None = flag(
         None, help="Warm-up steps of the critic's learning rate (unset: --lr-warmup-iters)."
     )

@@ -29,16 +29,19 @@ class OffloadArgs(ArgGroup):
 
     offload_train: bool | None = flag(
         None,
+        common=True,
         help="Put the trainer to sleep (device memory freed) during generation. Unset: on "
         "with --colocate, off otherwise.",
     )
     offload_rollout: bool | None = flag(
         None,
+        common=True,
         help="Release the engines' memory during training. Unset: on with --colocate, off "
         "otherwise.",
     )
     offload_train_target: Literal["cpu", "disk"] = flag(
         "cpu",
+        common=True,
         help="Where the sleeping trainer goes: pinned host memory, or files under "
         "--offload-train-disk-dir (disk requires --offload-train).",
     )

@@ -13,21 +13,25 @@ from miles_core.args.flags import ArgGroup, ArgumentError, flag
 class OptimizerArgs(ArgGroup):
     title: ClassVar[str] = "optimizer and precision"
 
-    lr: float = flag(1e-6, help="Peak learning rate.")
+    lr: float = flag(1e-6, common=True, help="Peak learning rate.")
     min_lr: float = flag(0.0, help="Learning rate at the end of the decay.")
-    lr_warmup_iters: int = flag(0, help="Optimizer steps of linear warmup from 0 to --lr.")
+    lr_warmup_iters: int = flag(
+        0, common=True, help="Optimizer steps of linear warmup from 0 to --lr."
+    )
     lr_decay_style: Literal["constant", "cosine", "linear"] = flag(
-        "constant", help="Decay from --lr to --min-lr after warmup."
+        "constant", common=True, help="Decay from --lr to --min-lr after warmup."
     )
     lr_decay_iters: int | None = flag(
         None,
         help="Optimizer steps over which the LR decays (unset: the whole run, when known).",
     )
-    weight_decay: float = flag(0.01, help="AdamW decoupled weight decay.")
+    weight_decay: float = flag(0.01, common=True, help="AdamW decoupled weight decay.")
     adam_beta1: float = flag(0.9, help="AdamW beta1.")
     adam_beta2: float = flag(0.999, help="AdamW beta2.")
     adam_eps: float = flag(1e-8, help="AdamW epsilon.")
-    clip_grad: float = flag(1.0, help="Clip the global gradient norm to this value (0: off).")
+    clip_grad: float = flag(
+        1.0, common=True, help="Clip the global gradient norm to this value (0: off)."
+    )
     fp16: bool = flag(False, help="Train in fp16 (with loss scaling, see --loss-scale).")
     loss_scale: float | None = flag(
         None, help="fp16: a fixed loss scale (unset: dynamic scaling from --initial-loss-scale)."

@@ -21,11 +21,16 @@ PARALLEL_SIZE_DESTS = (
 class ParallelArgs(ArgGroup):
     title: ClassVar[str] = "parallel sizes"
 
-    tensor_model_parallel_size: int = flag(1, metavar="TP", help="Tensor-parallel size.")
-    pipeline_model_parallel_size: int = flag(1, metavar="PP", help="Pipeline-parallel size.")
+    tensor_model_parallel_size: int = flag(
+        1, metavar="TP", common=True, help="Tensor-parallel size."
+    )
+    pipeline_model_parallel_size: int = flag(
+        1, metavar="PP", common=True, help="Pipeline-parallel size."
+    )
     context_parallel_size: int = flag(
         1,
         metavar="CP",
+        common=True,
         help="Context-parallel size (the token budget is CP x --max-tokens-per-gpu).",
     )
     expert_model_parallel_size: int = flag(1, metavar="EP", help="Expert-parallel size.")

@@ -24,11 +24,13 @@ class PlacementArgs(ArgGroup):
 
     colocate: bool = flag(
         False,
+        common=True,
         help="Put the engines on the trainer's GPUs; they take turns. Turns --offload-train and "
         "--offload-rollout on and publishes weights over IPC.",
     )
     train_backend: str = flag(
         "megatron",
+        common=True,
         help="Training backend (an installed 'miles.backends' entry point: megatron or fsdp).",
     )
 

@@ -20,6 +20,7 @@ class ReportingArgs(ArgGroup):
     tensorboard_dir: str | None = flag(
         None,
         metavar="DIR",
+        common=True,
         help="Write TensorBoard scalars (launcher: per rollout; backends: per rank) and "
         "profiler traces under this directory.",
     )

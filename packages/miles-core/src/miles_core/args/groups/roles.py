@@ -42,7 +42,10 @@ class RolesArgs(ArgGroup):
     title: ClassVar[str] = "model roles: reference, teacher, LoRA, EMA"
 
     ref_load: str | None = flag(
-        None, metavar="DIR", help="Independent frozen reference model (implies --ref-mode ref)."
+        None,
+        metavar="DIR",
+        common=True,
+        help="Independent frozen reference model (implies --ref-mode ref).",
     )
     ref_mode: Literal["none", "lora_base", "ref"] | None = flag(
         None,
@@ -57,14 +60,17 @@ class RolesArgs(ArgGroup):
     teacher_load: str | None = flag(
         None,
         metavar="DIR",
+        common=True,
         help="Frozen teacher model, read by custom prepare/loss hooks (needs one of them).",
     )
     teacher_lora_adapter_path: list[str] | None = flag(
         None, metavar="DIR", help="PEFT adapter directories of the teacher, one per component."
     )
     teacher_cpu_offload: bool = flag(False, help="Keep the teacher's shards on the CPU.")
-    use_lora: bool = flag(False, help="Train LoRA adapters (PEFT) instead of the full model.")
-    lora_rank: int = flag(16, help="LoRA rank r (must equal a loaded adapter's r).")
+    use_lora: bool = flag(
+        False, common=True, help="Train LoRA adapters (PEFT) instead of the full model."
+    )
+    lora_rank: int = flag(16, common=True, help="LoRA rank r (must equal a loaded adapter's r).")
     lora_alpha: float = flag(
         32.0, help="LoRA alpha; scale alpha / r (must equal a loaded adapter's lora_alpha)."
     )

@@ -29,6 +29,7 @@ class SyncArgs(ArgGroup):
 
     update_weight_transfer_mode: TransferMode | None = flag(
         None,
+        common=True,
         help="How weights reach the engines. Unset: ipc with --colocate, else broadcast. "
         "p2p: every trainer rank sends its share; disk-delta: changed tensors through "
         "--update-weight-disk-dir.",

@@ -1,0 +1,47 @@
+"""The type check of .ci/run (mypy, configured in pyproject.toml) sees through the config groups:
+a misspelt field of an argument-group dataclass is an error, the right one has the declared type."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from miles_core.args.groups import OptimizerArgs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SNIPPET = """\
+from miles_core.args.groups import OptimizerArgs
+
+
+def peak_lr(cfg: OptimizerArgs) -> float:
+    reveal_type(cfg.lr)
+    return cfg.lrr
+"""
+
+
+def test_mypy_reports_a_misspelt_field_of_a_config_group(tmp_path):
+    from mypy import api
+
+    assert "lr" in OptimizerArgs.__dataclass_fields__  # the field the snippet misspells
+    snippet = tmp_path / "uses_config.py"
+    snippet.write_text(SNIPPET)
+    stdout, stderr, status = api.run(
+        [
+            str(snippet),
+            "--config-file", str(ROOT / "pyproject.toml"),
+            "--cache-dir", str(tmp_path / "mypy_cache"),
+        ]
+    )  # fmt: skip
+    assert stderr == ""
+    assert status == 1, stdout
+    lines = stdout.splitlines()
+    # the right spelling: mypy reads the group's annotation (flag() itself returns Any)
+    assert f'{snippet}:5: note: Revealed type is "float"' in lines, stdout
+    # the misspelt one is an error on its line, and the only one
+    assert any(
+        line.startswith(f"{snippet}:6: error:")
+        and '"OptimizerArgs" has no attribute "lrr"' in line
+        and "[attr-defined]" in line
+        for line in lines
+    ), stdout
+    assert sum(": error:" in line for line in lines) == 1, stdout

@@ -40,3 +40,27 @@ def one_step(rank: int, world: int, hf_dir: str, runs: dict[str, list[str]], out
         results[label] = {"metrics": metrics, "grads": grads}
     if rank == 0:
         torch.save(results, out)
+
+
+def fsdp_step(rank: int, world: int, hf_dir: str, extra: list[str], out: str) -> None:
+    """:func:`one_step`'s step on the FSDP backend (fp32, the same samples and flags): its
+    metrics and the gradients of :data:`GRAD_NAMES`' HF parameters, saved to ``out``."""
+    from backend_reference import samples
+    from miles_core.args import core_groups, parse_args
+    from miles_core.batch import RolloutBatch
+    from miles_fsdp.args import fsdp_groups
+    from miles_fsdp.backend import FSDPBackend
+    from torch.distributed.tensor import DTensor
+
+    argv = ["--hf-checkpoint", hf_dir, "--advantage-estimator", "grpo", "--lr", "0", "--no-bf16"]
+    argv += ["--clip-grad", "1e6", "--micro-batch-size", "2", "--attn-implementation", "sdpa"]
+    backend = FSDPBackend()
+    backend.init(parse_args([*argv, *extra], [*core_groups(), *fsdp_groups()]))
+    metrics = backend.train(0, RolloutBatch(samples()))
+    params = dict(backend.model.named_parameters())
+    grads = {}
+    for name in GRAD_NAMES.values():
+        g = params[name].grad
+        grads[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().float().clone()
+    backend.close()
+    torch.save({"metrics": metrics, "grads": grads}, out)

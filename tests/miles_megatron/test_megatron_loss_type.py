@@ -92,11 +92,11 @@ def reference_reinforce(hf_dir: str):
     return _finish(model, loss / sum(s.response_length for s in data))
 
 
-def _check_step(got: dict, loss: float, norm: float, grads: dict) -> None:
+def _check_step(got: dict, loss: float, norm: float, grads: dict, names=GRAD_NAMES) -> None:
     m = got["metrics"]
     assert abs(m["loss"] - loss) <= 1e-5 * abs(loss), (m["loss"], loss)
     assert abs(m["grad_norm"] - norm) <= 2 * GRAD_REL_ERR * norm, (m["grad_norm"], norm)
-    for mname, hname in GRAD_NAMES.items():
+    for mname, hname in names.items():
         want = grads[hname]
         mine = got["grads"][mname][: want.shape[0]]  # megatron pads the vocabulary's rows
         assert_within(mine.reshape(want.shape), want, grad_atol(want), mname)
@@ -119,3 +119,43 @@ def test_custom_loss_hook_step_matches_float64_formula(steps, hf_dir, run):
     assert m["calls"] == 2.0 and abs(m["token_share"] - 1.0) <= 1e-6
     assert abs(m["reinforce"] - loss) <= 1e-5 * abs(loss) and "pg_loss" not in m
     assert abs(loss) > 1e-2  # not a loss that vanishes whatever the log-probs
+
+
+@pytest.mark.extended
+def test_custom_loss_hook_at_tp2_matches_float64_formula(hf_dir, tmp_path):
+    """TP = 2 with sequence parallelism: the logits hook gets the vocabulary gathered over TP,
+    the scores hook the fused vocabulary-parallel head's; both give the formula's loss, grad norm
+    and (replicated) final-norm gradient on each rank."""
+    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    runs = {run: [*RUNS[run], *tp2] for run in ("hook_logits", "hook_scores")}
+    out = tmp_path / "tp2.pt"
+    spawn_ranks(one_step, 2, hf_dir, runs, str(out), timeout=400)
+    got = torch.load(out, weights_only=True)
+    loss, norm, grads = reference_reinforce(hf_dir)
+    replicated = {"decoder.final_layernorm.weight": "model.norm.weight"}
+    for run in runs:
+        _check_step(got[run], loss, norm, grads, replicated)
+        assert got[run]["metrics"]["calls"] == 2.0
+
+
+@pytest.mark.extended
+def test_custom_loss_hook_gives_fsdp_the_same_step(steps, hf_dir, tmp_path):
+    """The same hook (logits) and flags on the FSDP backend: the same loss, parts and
+    gradients as Megatron's, each within the fp32 bound of the float64 formula's."""
+    from loss_type_ranks import fsdp_step
+
+    out = tmp_path / "fsdp.pt"
+    spawn_ranks(fsdp_step, 1, hf_dir, RUNS["hook_logits"], str(out), timeout=300, shim=False)
+    fsdp = torch.load(out, weights_only=True)
+    megatron = steps["hook_logits"]
+    loss, norm, grads = reference_reinforce(hf_dir)
+    f, m = fsdp["metrics"], megatron["metrics"]
+    assert f["calls"] == m["calls"] == 2.0  # the same micro-batches
+    assert abs(f["token_share"] - m["token_share"]) <= 2e-6  # each within 1e-6 of 1
+    assert abs(f["reinforce"] - m["reinforce"]) <= 2e-5 * abs(loss)  # each 1e-5 * |loss| off
+    assert abs(fsdp["metrics"]["grad_norm"] - norm) <= 2 * GRAD_REL_ERR * norm
+    for mname, hname in GRAD_NAMES.items():
+        want = grads[hname]
+        mine = megatron["grads"][mname][: want.shape[0]].reshape(want.shape)
+        assert_within(fsdp["grads"][hname], want, grad_atol(want), hname)
+        assert_within(fsdp["grads"][hname], mine, 2 * grad_atol(want), mname)

@@ -61,6 +61,7 @@ def test_the_second_parameter_picks_logits_or_scores(hooks_module):
     contribution, parts = logits(ctx, x, None, None, 5.0)
     assert contribution.item() == 3.0 and contribution.requires_grad
     assert {k: (v.shape, v.item()) for k, v in parts.items()} == {
+        "loss": (torch.Size([]), 3.0),  # the contribution, added
         "n": (torch.Size([]), 1.0),
         "t": (torch.Size([]), 2.0),
     }
@@ -76,6 +77,7 @@ def test_the_second_parameter_picks_logits_or_scores(hooks_module):
         (lambda lp: (lp.sum(), [1.0]), "parts is a list, expected a dict"),
         (lambda lp: (lp.sum(), {"x": lp}), "part 'x' is a torch.float32 tensor of shape (1, 4)"),
         (lambda lp: (lp.sum(), {"x": "1"}), "part 'x' is a str"),
+        (lambda lp: (lp.sum(), {"loss": 1.0}), "a part named 'loss' would hide the contribution"),
     ],
 )
 def test_what_a_hook_returns_is_checked(hooks_module, result, message):

@@ -28,7 +28,8 @@ It replaces the actor's built-in loss (``--loss-type policy_loss``) for every mi
 step loss (divide the sum of its terms by ``denominator`` so shares add up over micro-batches
 and ranks); the backend back-propagates it exactly as it does the built-in loss. ``parts`` maps
 names to scalars (tensors or numbers) logged like the built-in loss's parts (summed over the
-micro-batches and data-parallel ranks, extremes by name: :mod:`miles_core.metric_reduction`).
+micro-batches and data-parallel ranks, extremes by name: :mod:`miles_core.metric_reduction`);
+the contribution itself is logged as ``loss`` (a part of that name is refused).
 """
 
 from __future__ import annotations
@@ -124,9 +125,13 @@ class LossHook:
             )
         if not isinstance(parts, dict):
             raise TypeError(f"{FLAG} {self.spec}: parts is {_kind(parts)}, expected a dict")
-        return contribution, {
-            name: _scalar(self.spec, name, value, contribution) for name, value in parts.items()
-        }
+        if "loss" in parts:
+            raise ValueError(
+                f"{FLAG} {self.spec}: a part named 'loss' would hide the "
+                "contribution, logged under that name; rename it"
+            )
+        checked = {name: _scalar(self.spec, name, v, contribution) for name, v in parts.items()}
+        return contribution, {"loss": contribution.detach().float(), **checked}
 
 
 def _scalar(spec: str, name: Any, value: Any, like: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,8 @@ HOOK_ARGV = ["--calculate-per-token-loss", "--rollout-temperature", "0.8"]
 
 def one_step(rank: int, world: int, hf_dir: str, runs: dict[str, list[str]], out: str) -> None:
     """For each ``label -> extra flags`` of ``runs``, one optimizer step of a fresh actor (lr 0,
-    no clipping): its metrics and the gradients of :data:`GRAD_NAMES`, saved to ``out``."""
+    no clipping): its metrics and this rank's gradients of :data:`GRAD_NAMES` (those on its
+    pipeline stage), saved to ``{out}.{rank}`` (tensors do not travel back through the queue)."""
     from backend_reference import samples
     from megatron_ranks import parse
     from miles_core.batch import RolloutBatch
@@ -35,11 +36,12 @@ def one_step(rank: int, world: int, hf_dir: str, runs: dict[str, list[str]], out
         backend.init(parse(argv))
         metrics = backend.train(0, RolloutBatch(samples()))
         params = dict(unwrap(backend.model).named_parameters())
-        grads = {n: params[n].main_grad.detach().float().cpu().clone() for n in GRAD_NAMES}
+        grads = {
+            n: params[n].main_grad.detach().float().cpu().clone() for n in GRAD_NAMES if n in params
+        }
         backend.close()
         results[label] = {"metrics": metrics, "grads": grads}
-    if rank == 0:
-        torch.save(results, out)
+    torch.save(results, f"{out}.{rank}")
 
 
 def fsdp_step(rank: int, world: int, hf_dir: str, extra: list[str], out: str) -> None:

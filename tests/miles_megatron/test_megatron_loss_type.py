@@ -43,7 +43,7 @@ def steps(hf_dir, tmp_path_factory) -> dict:
     """Every run of :data:`RUNS`, one step each, in one spawned rank."""
     out = tmp_path_factory.mktemp("loss_type") / "steps.pt"
     spawn_ranks(one_step, 1, hf_dir, RUNS, str(out), timeout=400)
-    return torch.load(out, weights_only=True)
+    return torch.load(f"{out}.0", weights_only=True)
 
 
 def _hf(hf_dir: str):
@@ -122,20 +122,24 @@ def test_custom_loss_hook_step_matches_float64_formula(steps, hf_dir, run):
 
 
 @pytest.mark.extended
-def test_custom_loss_hook_at_tp2_matches_float64_formula(hf_dir, tmp_path):
-    """TP = 2 with sequence parallelism: the logits hook gets the vocabulary gathered over TP,
-    the scores hook the fused vocabulary-parallel head's; both give the formula's loss, grad norm
-    and (replicated) final-norm gradient on each rank."""
+def test_custom_loss_hook_at_tp2_and_pp2_matches_float64_formula(hf_dir, tmp_path):
+    """Two ranks, one spawn: TP = 2 with sequence parallelism (the logits hook gets the
+    vocabulary gathered over TP, the scores hook the fused vocabulary-parallel head's), then
+    PP = 2 (the hook runs on the last stage, which broadcasts the metrics): each gives the
+    formula's loss and grad norm on every rank and its (TP-replicated) final-norm gradient."""
     tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     runs = {run: [*RUNS[run], *tp2] for run in ("hook_logits", "hook_scores")}
-    out = tmp_path / "tp2.pt"
-    spawn_ranks(one_step, 2, hf_dir, runs, str(out), timeout=400)
-    got = torch.load(out, weights_only=True)
+    runs["pp2"] = [*RUNS["hook_logits"], "--pipeline-model-parallel-size", "2"]
+    spawn_ranks(one_step, 2, hf_dir, runs, str(tmp_path / "ranks.pt"), timeout=400)
+    ranks = [torch.load(tmp_path / f"ranks.pt.{r}", weights_only=True) for r in range(2)]
     loss, norm, grads = reference_reinforce(hf_dir)
-    replicated = {"decoder.final_layernorm.weight": "model.norm.weight"}
-    for run in runs:
-        _check_step(got[run], loss, norm, grads, replicated)
-        assert got[run]["metrics"]["calls"] == 2.0
+    final_norm = {"decoder.final_layernorm.weight": "model.norm.weight"}
+    for rank, got in enumerate(ranks):
+        for run in runs:
+            last_stage = run != "pp2" or rank == 1
+            _check_step(got[run], loss, norm, grads, final_norm if last_stage else {})
+            assert got[run]["metrics"]["calls"] == 2.0, (rank, run)
+    assert "decoder.final_layernorm.weight" not in ranks[0]["pp2"]["grads"]  # the first stage
 
 
 @pytest.mark.extended

@@ -188,3 +188,11 @@ class RolesArgs(ArgGroup):
             for path in value if isinstance(value, list) else [value] if value else []:
                 if not Path(path).is_dir():
                     raise ArgumentError(f"{option(dest)} {path}: no such directory")
+
+    @classmethod
+    def preflight(cls, args: Any) -> None:
+        """The loss hook's signature (its second parameter names logits or scores), checked
+        by the driver before any rank starts."""
+        from miles_core.custom_loss import LossHook
+
+        LossHook.from_args(args)

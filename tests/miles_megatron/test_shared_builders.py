@@ -169,6 +169,9 @@ REFUSED = [
     ("fsdp", ["--update-weight-target-module", "a", "b"], "--update-weight-target-module: the FSDP backend trains a causal LM, one component, got 2"),
     ("megatron", ["--update-weight-target-module", "a", "b"], "--update-weight-target-module: the Megatron backend trains a causal LM, one component, got 2"),
     ("megatron", ["--custom-prepare-path", "m:f"], "--custom-prepare-path is not honoured by --train-backend megatron"),
+    ("megatron", ["--actor-num-gpus-per-node", "2", "--context-parallel-size", "2", "--custom-loss-function-path", "m:f"], "--context-parallel-size 2 with --custom-loss-function-path: the hook gets a whole packed row"),
+    ("fsdp", ["--loss-type", "sft_loss", "--custom-loss-function-path", "m:f"], "--custom-loss-function-path replaces the actor's --loss-type policy_loss"),
+    ("megatron", ["--loss-type", "sft_loss", "--custom-loss-function-path", "m:f"], "--custom-loss-function-path replaces the actor's --loss-type policy_loss"),
     # the backend's LoRA and reference limits, found only at its init before (minutes in)
     ("megatron", ["--use-lora", "--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2"], "--use-lora with --pipeline-model-parallel-size 2 is not supported by --train-backend megatron yet"),
     ("megatron", ["--use-lora", "--kl-coef", "0.1"], "--kl-coef 0.1 under --train-backend megatron needs a reference model (--ref-load)"),

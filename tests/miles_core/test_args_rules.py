@@ -129,6 +129,12 @@ RULES = [
         "--custom-loss-function-path",
     ),
     (["--teacher-lora-adapter-path", "/a"], "--teacher-lora-adapter-path requires --teacher-load"),
+    # roles: the custom loss replaces the actor's policy loss, not another --loss-type
+    (
+        ["--custom-loss-function-path", "m:f", "--loss-type", "sft_loss"],
+        "--custom-loss-function-path replaces the actor's --loss-type policy_loss (its batch "
+        "carries the old and reference log-probs), not sft_loss",
+    ),
     (["--teacher-cpu-offload"], "--teacher-cpu-offload requires --teacher-load"),
     # roles: LoRA and components
     (["--lora-adapter-path", "/a"], "--lora-adapter-path requires --use-lora"),

@@ -76,7 +76,7 @@ def test_loss_hook_parameter_name_chooses_logits_or_scores(tmp_path):
         args = make_args(hf_checkpoint=str(tmp_path), custom_loss_function_path=path)
         return Hooks.from_args(args, HookContext(args, torch.device("cpu")))
 
-    assert hooks("distill_loss").loss_wants_logits
-    assert not hooks("distill_scores_loss").loss_wants_logits
+    assert hooks("distill_loss").loss.wants_logits
+    assert not hooks("distill_scores_loss").loss.wants_logits
     with pytest.raises(ArgumentError, match="--custom-loss-function-path .* logits or scores"):
         hooks("misnamed_loss")

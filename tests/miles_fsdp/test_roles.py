@@ -107,8 +107,8 @@ def test_hooks_load_by_module_and_name():
         make_args(custom_loss_function_path="hook_programs:distill_loss"),
         HookContext(args=None, device=torch.device("cpu")),
     )
-    assert hooks.prepare is None and hooks.loss.__name__ == "distill_loss"
-    assert hooks.loss_wants_logits
+    assert hooks.prepare is None and hooks.loss.fn.__name__ == "distill_loss"
+    assert hooks.loss.wants_logits
 
 
 @pytest.mark.parametrize(

@@ -130,6 +130,11 @@ def test_sharded_weights_with_a_missing_shard(job, hf_dir, capsys):
             "error: --custom-loss-function-path no_such_module_pf:loss: cannot import "
             "no_such_module_pf (No module named 'no_such_module_pf')",
         ),
+        (  # imports, but its second parameter names neither logits nor scores
+            ["--custom-loss-function-path", "json:dumps"],
+            "error: --custom-loss-function-path json:dumps: the second parameter must be named "
+            "logits or scores (got skipkeys)",
+        ),
         (
             ["--custom-advantage-function-path", "json:no_such_function"],
             "error: --custom-advantage-function-path json:no_such_function: json has no "

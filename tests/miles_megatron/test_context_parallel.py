@@ -176,6 +176,7 @@ def test_cp_flag_combinations_not_covered_are_refused_at_parse_time(layout_hf_di
         (["--use-tis", "--tis-level", "geometric"], "--tis-level geometric"),
         (["--use-tis", "--tis-level", "sequence"], "--tis-level sequence"),
         (["--use-opsm", "--num-steps-per-rollout", "2"], "--use-opsm"),
+        (["--custom-loss-function-path", "m:f"], "--custom-loss-function-path"),
     ):
         with pytest.raises(ArgumentError, match=f"--context-parallel-size 2 with {match}"):
             parse(base + extra)

@@ -168,8 +168,10 @@ REFUSED = [
     ("fsdp", ["--colocate", "--rematerialize-param-from-master-weight"], "--rematerialize-param-from-master-weight is not honoured by --train-backend fsdp"),
     ("fsdp", ["--update-weight-target-module", "a", "b"], "--update-weight-target-module: the FSDP backend trains a causal LM, one component, got 2"),
     ("megatron", ["--update-weight-target-module", "a", "b"], "--update-weight-target-module: the Megatron backend trains a causal LM, one component, got 2"),
-    ("megatron", ["--custom-loss-function-path", "m:f"], "--custom-loss-function-path is not honoured by --train-backend megatron"),
     ("megatron", ["--custom-prepare-path", "m:f"], "--custom-prepare-path is not honoured by --train-backend megatron"),
+    ("megatron", ["--actor-num-gpus-per-node", "2", "--context-parallel-size", "2", "--custom-loss-function-path", "m:f"], "--context-parallel-size 2 with --custom-loss-function-path: the hook gets a whole packed row"),
+    ("fsdp", ["--loss-type", "sft_loss", "--custom-loss-function-path", "m:f"], "--custom-loss-function-path replaces the actor's --loss-type policy_loss"),
+    ("megatron", ["--loss-type", "sft_loss", "--custom-loss-function-path", "m:f"], "--custom-loss-function-path replaces the actor's --loss-type policy_loss"),
     # the backend's LoRA and reference limits, found only at its init before (minutes in)
     ("megatron", ["--use-lora", "--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2"], "--use-lora with --pipeline-model-parallel-size 2 is not supported by --train-backend megatron yet"),
     ("megatron", ["--use-lora", "--kl-coef", "0.1"], "--kl-coef 0.1 under --train-backend megatron needs a reference model (--ref-load)"),
@@ -207,8 +209,7 @@ def test_a_flag_the_backend_would_ignore_is_refused_in_one_line(
 
 
 #: A value that makes each declared not-honoured flag active on the command line.
-ACTIVE_VALUE = {"teacher_load": "REF", "custom_loss_function_path": "m:f"}
-ACTIVE_VALUE["custom_prepare_path"] = "m:f"
+ACTIVE_VALUE = {"teacher_load": "REF", "custom_prepare_path": "m:f"}
 ACTIVE_VALUE["ref_lora_adapter_path"] = "REF"
 #: What else a flag needs before a backend would read it (else the shared checks refuse it first).
 CONTEXT = {
@@ -264,6 +265,10 @@ def test_the_honoured_forms_of_those_flags_parse(job_dir):
     parse(
         job_dir, "fsdp", "--teacher-load", str(job_dir / "hf"), "--custom-loss-function-path", "m:f"
     )
+    for backend in ("fsdp", "megatron"):  # both run the custom loss hook
+        assert parse(
+            job_dir, backend, "--custom-loss-function-path", "m:f"
+        ).custom_loss_function_path
 
 
 def test_both_backends_take_the_contracts_update_weights_and_compute_values():

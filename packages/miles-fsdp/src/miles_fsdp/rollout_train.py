@@ -33,6 +33,7 @@ from miles_core.advantages import with_advantages
 from miles_core.aggregation import loss_denominator
 from miles_core.args.groups.algorithm import kl_term_on
 from miles_core.batch import RolloutBatch
+from miles_core.custom_loss import TokenScores
 from miles_core.log_prob_head import dense_log_probs
 from miles_core.losses import (
     LossConfig,
@@ -48,7 +49,6 @@ from torch import nn
 
 from miles_fsdp.adaptations.moe import RoutingReplay
 from miles_fsdp.critic import values_of
-from miles_fsdp.hooks import TokenScores
 from miles_fsdp.output_head import scoring
 from miles_fsdp.roles import ref_mode, reference_forward
 from miles_fsdp.train_step import StepResult, optimizer_step
@@ -164,7 +164,7 @@ def _loss_of(
     ``--custom-loss-function-path`` hook when one is set, else ``sft_loss`` or ``policy_loss``
     (:func:`~miles_core.losses.packed_score_loss`, as the Megatron backend computes them)."""
     hook = ctx.hooks.loss if ctx.hooks is not None else None
-    hook_wants_logits = hook is not None and ctx.hooks.loss_wants_logits
+    hook_wants_logits = hook is not None and hook.wants_logits
 
     def loss_of(model: nn.Module, mb: RolloutBatch):
         packed = pack_thd(mb).to(ctx.device)

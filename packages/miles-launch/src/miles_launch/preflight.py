@@ -18,7 +18,8 @@ notes a run prints at startup (a ``--load`` that starts fresh). Checked, in this
   weights at least;
 * user functions: every flag that names one (``MODULE:FUNC``: the reward, the custom generate,
   advantage, loss, prepare and filter functions, the Megatron hooks) imports and names a
-  function;
+  function; the loss hook's second parameter is named ``logits`` or ``scores`` (the roles
+  group's ``preflight``);
 * prompts: every record of ``--prompt-data`` and of each ``--eval-prompt-data`` set holds
   ``--input-key`` and, when ``--rm-type`` reads labels, ``--label-key`` (the first bad record
   named by file and line);
@@ -82,7 +83,9 @@ def preflight(args: Any, groups: Sequence[type[ArgGroup]]) -> PreflightResult:
         try:
             check()
         except (ArgumentError, PromptDataError) as exc:
-            result.problems.append(" ".join(str(exc).split()))
+            line = " ".join(str(exc).split())
+            if line not in result.problems:  # e.g. a hook that does not import, found twice
+                result.problems.append(line)
     return result
 
 

@@ -230,11 +230,10 @@ def check_ref_load(args: Any) -> None:
         )
 
 
-_HOOKS = "only the FSDP backend runs the custom loss/prepare hooks and their teacher"
+_HOOKS = "only the FSDP backend runs the custom prepare hook and the teacher"
 #: Shared flags the Megatron backend does not read, with the reason: refused at argument time.
 NOT_HONOURED = (
     ("teacher_load", _HOOKS),
-    ("custom_loss_function_path", _HOOKS),
     ("custom_prepare_path", _HOOKS),
     (
         "ref_lora_adapter_path",
@@ -250,8 +249,8 @@ NOT_HONOURED = (
 
 
 def check_not_honoured(args: Any) -> None:
-    """Refuse the shared flags only the FSDP backend reads (the custom loss / prepare hooks and
-    the teacher they feed, the EMA) and more than one ``--update-weight-target-module`` name."""
+    """Refuse the shared flags only the FSDP backend reads (the custom prepare hook and the
+    teacher, the EMA) and more than one ``--update-weight-target-module`` name."""
     for dest, why in NOT_HONOURED:
         if getattr(args, dest, None):
             raise ArgumentError(
@@ -303,6 +302,11 @@ def check_context_parallel_flags(args: Any) -> None:
         raise ArgumentError(
             f"--context-parallel-size {cp} with --tis-level {args.tis_level}: a sequence's "
             "importance weight needs all its tokens, which CP ranks hold parts of"
+        )
+    if getattr(args, "custom_loss_function_path", None):
+        raise ArgumentError(
+            f"--context-parallel-size {cp} with --custom-loss-function-path: the hook gets a "
+            "whole packed row, which CP ranks hold parts of"
         )
     if args.use_opsm:
         raise ArgumentError(

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 from miles_core.args import ArgumentError
 from miles_core.contract import DataLayout, TrainBackend
+from miles_core.custom_loss import LossHook
 from miles_core.user_functions import load_function
 
 from miles_megatron.arch_args import resolve_model_args
@@ -113,6 +114,7 @@ class MegatronBackend(TrainBackend):
             args = critic_args(args)
         self.role = role
         self.args = args
+        self._loss_hook = LossHook.from_args(args)  # the actor's: critic_args clears the flag
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -344,6 +346,7 @@ class MegatronBackend(TrainBackend):
             ),
             before_log_prob_hook=self._before_log_prob,
             before_train_step_hook=self._before_train_step,
+            loss_hook=self._loss_hook,
         )
 
     # ------------------------------------------------------------------ weights

@@ -96,3 +96,18 @@ class ScoreHead:
             return output[..., 0], output[..., 1]
         logits = output[..., : self.vocab_size].float()
         return dense_log_probs(logits, packed.targets, self.temperature, self.entropy_grad)
+
+
+@dataclass
+class LogitsHead:
+    """The last stage's output as the ``[1, T, V]`` logits of the real vocabulary (gathered over
+    TP: ``parallel_output=False``), for a ``--custom-loss-function-path`` hook taking
+    ``logits`` (:mod:`miles_core.custom_loss`)."""
+
+    vocab_size: int
+
+    def context(self, model: torch.nn.Module, packed: PackedBatch, last_stage: bool):
+        return contextlib.nullcontext()
+
+    def scores(self, output: torch.Tensor, packed: PackedBatch) -> tuple[torch.Tensor]:
+        return (output[..., : self.vocab_size],)

@@ -33,13 +33,13 @@ import torch.distributed as dist
 from miles_core.packing import PackedBatch
 
 from miles_megatron.context_parallel import PackedShard, shard_micro_batches
-from miles_megatron.output_head import ScoreHead
+from miles_megatron.output_head import LogitsHead, ScoreHead
 from miles_megatron.packed_attention import attn_implementation_of, varlen_mask
 from miles_megatron.value_head import ValueScores
 
 #: ``on_scores(index, shard, *head.scores(...))`` -> this rank's share of the loss (training)
-#: or None: ``(log_probs, entropy)`` of :class:`ScoreHead`, ``(values,)`` of the critic's
-#: :class:`ValueScores`.
+#: or None: ``(log_probs, entropy)`` of :class:`ScoreHead`, ``(logits,)`` of :class:`LogitsHead`,
+#: ``(values,)`` of the critic's :class:`ValueScores`.
 ScoresCallback = Callable[..., torch.Tensor | None]
 
 
@@ -59,7 +59,7 @@ def stage_forward(model: torch.nn.Module, shard: PackedShard) -> torch.Tensor:
 def run_schedule(
     model: torch.nn.Module,
     micro_batches: Sequence[PackedBatch],
-    head: ScoreHead | ValueScores,
+    head: ScoreHead | LogitsHead | ValueScores,
     on_scores: ScoresCallback,
     forward_only: bool,
 ) -> None:

@@ -21,6 +21,13 @@ head's scores (:mod:`miles_megatron.value_head`) and miles-core's clipped value 
 (:func:`~miles_core.losses.compute_value_loss`) against the GAE returns of its own ``values``
 (computed by :meth:`MegatronBackend.compute_values` before the update); it reads no old or
 reference log-probs.
+
+A ``--custom-loss-function-path`` hook (miles-core's :mod:`~miles_core.custom_loss`, the FSDP
+backend's signature and checks) replaces the actor's loss on the last stage: it gets the
+micro-batch's packed row, its ``[1, T, V]`` logits (gathered over TP) or its fused
+:class:`~miles_core.custom_loss.TokenScores`, the step's ``LossConfig`` and denominator, and its
+contribution is back-propagated like the built-in loss's. Its context carries no roles.
+CP > 1 is refused at argument time (the hook sees whole rows).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from miles_core import mismatch, old_policy
 from miles_core.advantages import with_advantages
 from miles_core.aggregation import loss_denominator
 from miles_core.batch import RolloutBatch
+from miles_core.custom_loss import LossHook, LossHookContext, TokenScores
 from miles_core.losses import (
     LossConfig,
     entropy_needs_grad,
@@ -47,7 +55,7 @@ from miles_core.packing import pack_thd
 from miles_core.rollout_correction import with_batch_mean
 
 from miles_megatron.context_parallel import PackedShard, row_pad_multiple
-from miles_megatron.output_head import ScoreHead
+from miles_megatron.output_head import LogitsHead, ScoreHead
 from miles_megatron.packed_forward import rollout_log_probs
 from miles_megatron.schedule import broadcast_from_last_stage, run_schedule
 from miles_megatron.value_head import ValueScores
@@ -70,6 +78,7 @@ class TrainContext:
     cp_group: Any = None  # the CP group at CP > 1: per-sample metrics are summed over it
     before_log_prob_hook: Any = None
     before_train_step_hook: Any = None
+    loss_hook: LossHook | None = None  # --custom-loss-function-path (the actor's)
 
 
 def split_micro_batches(ctx: TrainContext, batch: RolloutBatch) -> list[RolloutBatch]:
@@ -117,6 +126,13 @@ def optimizer_step(
         )
         return add_metrics(loss, metrics)
 
+    hook, hook_ctx = ctx.loss_hook, LossHookContext(ctx.args, ctx.device)
+
+    def on_hook(index: int, packed: PackedShard, *outputs: torch.Tensor) -> torch.Tensor:
+        given = outputs[0] if hook.wants_logits else TokenScores(*outputs)
+        # the whole row: CP = 1 (refused at argument time otherwise)
+        return add_metrics(*hook(hook_ctx, given, packed.full, config, denominator))
+
     multiple = row_pad_multiple()
     packed = [
         pack_thd(mb, pad_multiple=multiple).to(ctx.device)
@@ -124,9 +140,11 @@ def optimizer_step(
     ]
     if critic:
         run_schedule(model, packed, ValueScores(), on_values, forward_only=False)
+    elif hook is not None and hook.wants_logits:
+        run_schedule(model, packed, LogitsHead(ctx.vocab_size), on_hook, forward_only=False)
     else:
         head = ScoreHead(ctx.vocab_size, config.temperature, ctx.args.fused_log_probs, entropy_grad)
-        run_schedule(model, packed, head, on_scores, forward_only=False)
+        run_schedule(model, packed, head, on_hook if hook else on_scores, forward_only=False)
     finalize_model_grads([model])
     lr = ctx.optimizer.param_groups[0]["lr"]
     update_ok, grad_norm, _ = ctx.optimizer.step()

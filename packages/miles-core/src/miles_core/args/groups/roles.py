@@ -111,7 +111,9 @@ class RolesArgs(ArgGroup):
         None, metavar="MODULE:FUNC", help="Hook that prepares model inputs (gets the roles)."
     )
     custom_loss_function_path: str | None = flag(
-        None, metavar="MODULE:FUNC", help="Custom loss function (gets the roles)."
+        None,
+        metavar="MODULE:FUNC",
+        help="The actor's loss in place of --loss-type policy_loss (docs/rl-math.md).",
     )
 
     @classmethod
@@ -138,6 +140,12 @@ class RolesArgs(ArgGroup):
             raise ArgumentError(
                 "--teacher-load has no built-in consumer: it requires --custom-prepare-path "
                 "or --custom-loss-function-path"
+            )
+        loss_type = getattr(args, "loss_type", "policy_loss")
+        if args.custom_loss_function_path and loss_type != "policy_loss":
+            raise ArgumentError(
+                f"--custom-loss-function-path replaces the actor's --loss-type policy_loss "
+                f"(its batch carries the old and reference log-probs), not {loss_type}"
             )
         requires(args, "teacher_lora_adapter_path", "teacher_load")
         requires(args, "teacher_cpu_offload", "teacher_load")
@@ -186,3 +194,11 @@ class RolesArgs(ArgGroup):
             for path in value if isinstance(value, list) else [value] if value else []:
                 if not Path(path).is_dir():
                     raise ArgumentError(f"{option(dest)} {path}: no such directory")
+
+    @classmethod
+    def preflight(cls, args: Any) -> None:
+        """The loss hook's signature (its second parameter names logits or scores), checked
+        by the driver before any rank starts."""
+        from miles_core.custom_loss import LossHook
+
+        LossHook.from_args(args)

@@ -38,10 +38,16 @@ RESUMABLE = [*SMALL, "--save-interval", "2", "--num-rollout", "3"]
 
 
 def train(
-    material, metrics: Path, *flags: str, timeout: float = 600
+    material, metrics: Path, *flags: str, timeout: float = 600, without: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess:
+    """``miles train`` with the demo's flags (less the flags named in ``without``, with their
+    values) and ``flags``."""
     hf, prompts = material
-    cmd = [sys.executable, "-m", "miles_launch.train", *demo_flags(hf, prompts, metrics), *flags]
+    demo = demo_flags(hf, prompts, metrics)
+    for name in without:
+        at = demo.index(name)
+        del demo[at : at + 2]
+    cmd = [sys.executable, "-m", "miles_launch.train", *demo, *flags]
     return subprocess.run(
         cmd + ["--no-progress"], capture_output=True, text=True, timeout=timeout, cwd=ROOT
     )

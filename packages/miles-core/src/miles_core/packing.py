@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from miles_core.batch import RolloutBatch
+from miles_core.batch_invariant import HF_ATTENTION_NAME as BATCH_INVARIANT_NAME
 from miles_core.varlen_attention import HF_ATTENTION_NAME
 
 PAD_MULTIPLE = 128
@@ -208,8 +209,10 @@ def packed_attention_kwargs(
     * ``flash_attention_2`` / ``flash_attention_3`` and ``miles_varlen`` (torch's varlen flash
       kernel, :mod:`miles_core.varlen_attention`): ``position_ids`` plus the varlen kwargs
       ``cu_seq_lens_q/k`` and ``max_length_q/k`` (no mask is materialised).
-    * ``sdpa``: ``position_ids`` plus a boolean 4-D block-diagonal causal ``attention_mask``
-      (:func:`block_causal_mask`; transformers passes 4-D masks through unchanged).
+    * ``sdpa`` and ``miles_batch_invariant`` (``--true-on-policy``,
+      :mod:`miles_core.batch_invariant`): ``position_ids`` plus a boolean 4-D block-diagonal
+      causal ``attention_mask`` (:func:`block_causal_mask`; transformers passes 4-D masks
+      through unchanged).
     * ``eager``: the same mask as an additive float mask of ``dtype`` (0 or dtype's min).
 
     Always ``use_cache=False``. The mask costs ``T^2`` bytes; prefer flash attention on GPUs.
@@ -223,7 +226,7 @@ def packed_attention_kwargs(
             max_length_q=packed.max_seqlen,
             max_length_k=packed.max_seqlen,
         )
-    elif attn_implementation == "sdpa":
+    elif attn_implementation in ("sdpa", BATCH_INVARIANT_NAME):
         kwargs["attention_mask"] = block_causal_mask(packed).to(packed.position_ids.device)
     elif attn_implementation == "eager":
         allowed = block_causal_mask(packed).to(packed.position_ids.device)
@@ -232,6 +235,6 @@ def packed_attention_kwargs(
     else:
         raise ValueError(
             f"packed sequences support attn_implementation flash_attention_2, flash_attention_3, "
-            f"{HF_ATTENTION_NAME}, sdpa or eager, got {attn_implementation!r}"
+            f"{HF_ATTENTION_NAME}, {BATCH_INVARIANT_NAME}, sdpa or eager, got {attn_implementation!r}"
         )
     return kwargs

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from miles_core import batch_invariant
 from miles_core.args import ArgumentError
 from miles_core.contract import DataLayout, TrainBackend
 from miles_core.optimizer import optimizer_config
@@ -109,7 +110,11 @@ class FSDPBackend(TrainBackend):
         for policy in self.adaptation.precision_policies:
             precision = policy(self.config, precision)
         self.precision: PrecisionConfig = precision
-        self.attn_implementation = resolve_attn_implementation(args.attn_implementation)
+        if args.true_on_policy:  # miles_core.batch_invariant: CPU only, its own attention
+            batch_invariant.refuse_cuda(self.device)
+            self.attn_implementation = batch_invariant.register_hf()
+        else:
+            self.attn_implementation = resolve_attn_implementation(args.attn_implementation)
         self.moe_kernel = resolve_moe_kernel(
             getattr(args, "moe_kernel", None), self.config.model_type, self.device.type
         )

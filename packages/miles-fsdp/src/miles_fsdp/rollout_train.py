@@ -22,13 +22,14 @@ here re-derives a formula. Flow of :func:`train_rollout` for this rank's shard:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from miles_core import mismatch, old_policy
+from miles_core import batch_invariant, mismatch, old_policy
 from miles_core.advantages import with_advantages
 from miles_core.aggregation import loss_denominator
 from miles_core.args.groups.algorithm import kl_term_on
@@ -218,7 +219,14 @@ def train_rollout(ctx: RolloutContext, batch: RolloutBatch) -> tuple[dict[str, f
     Metrics: the loss parts of :func:`compute_policy_loss` averaged over the steps (extremes:
     their maximum or minimum, :func:`~miles_core.metric_reduction.over_steps`), ``grad_norm``
     and ``lr`` of the last step, ``tokens_per_s`` (this rank) and ``peak_memory_gb`` on CUDA.
+    Under ``--true-on-policy`` all of it runs in :func:`miles_core.batch_invariant.mode`.
     """
+    on_policy = getattr(ctx.args, "true_on_policy", False)
+    with batch_invariant.mode() if on_policy else contextlib.nullcontext():
+        return _train_rollout(ctx, batch)
+
+
+def _train_rollout(ctx: RolloutContext, batch: RolloutBatch) -> tuple[dict[str, float], int, int]:
     args = ctx.args
     config = LossConfig.from_args(args)
     start = time.perf_counter()

@@ -245,6 +245,11 @@ NOT_HONOURED = (
         "it keeps no EMA of the actor: --rollout-weights, --eval-weights and --old-policy ema "
         "need the FSDP backend",
     ),
+    (
+        "true_on_policy",
+        "its forward has no batch-invariant kernels; the FSDP backend with the built-in engine "
+        "runs the mode on CPU",
+    ),
 )
 
 

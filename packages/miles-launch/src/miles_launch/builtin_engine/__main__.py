@@ -58,6 +58,12 @@ def parse_args(argv: list[str] | None = None):
         help="keep a CPU copy of released weights",
     )
     p.add_argument("--enable-return-routed-experts", action="store_true")
+    p.add_argument(
+        "--true-on-policy",
+        action="store_true",
+        help="batch-invariant forward (miles_core.batch_invariant): each token's log-prob is "
+        "bitwise what the FSDP trainer computes under --true-on-policy (CPU, float32 only)",
+    )
     p.add_argument("--log-level", default="warning")
     ns = p.parse_args(argv)
     if ns.tp_size != 1:
@@ -70,6 +76,15 @@ def parse_args(argv: list[str] | None = None):
         _fail(f"--device {ns.device!r}: use cpu, cuda or cuda:N")
     if ns.context_length is not None and ns.context_length < 2:
         _fail(f"--context-length must be >= 2, got {ns.context_length}")
+    if ns.true_on_policy:
+        if ns.device != "cpu":
+            _fail(
+                f"--true-on-policy runs on CPU only (--device {ns.device}): the GPU's "
+                "batch-invariant kernels are not built yet"
+            )
+        if ns.dtype not in ("auto", "float32"):
+            _fail(f"--true-on-policy computes in float32, got --dtype {ns.dtype}")
+        ns.dtype = "float32"
     ns.tokenizer_path = ns.tokenizer_path or ns.model_path
     ns.api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
     if not ns.api_key and not is_loopback(ns.host):
@@ -130,13 +145,20 @@ def build_state(config):
         torch.cuda.set_device(device)  # NCCL weight-update groups use the current device
     dtype = config.dtype if config.dtype == "auto" else getattr(torch, config.dtype)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path)
-    model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype).to(device).eval()
+    extra = {}
+    if config.true_on_policy:
+        from miles_core import batch_invariant
+
+        extra["attn_implementation"] = batch_invariant.register_hf()
+    model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype, **extra)
+    model = model.to(device).eval()
     scheduler = Scheduler(
         model,
         tokenizer,
         device,
         max_running_requests=config.max_running_requests,
         enable_routed_experts=config.enable_return_routed_experts,
+        true_on_policy=config.true_on_policy,
     )
     scheduler.start()
     weights = WeightStore(model, device, cpu_backup=config.enable_weights_cpu_backup)

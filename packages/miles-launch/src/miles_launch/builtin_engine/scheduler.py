@@ -21,6 +21,7 @@ choosing or appending one request's token ends that request (``finish_reason`` a
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import threading
@@ -30,6 +31,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
+from miles_core import batch_invariant
 from transformers import DynamicCache
 
 from miles_launch.builtin_engine import batch_cache
@@ -65,6 +67,7 @@ class Scheduler:
         device: torch.device,
         max_running_requests: int = 64,
         enable_routed_experts: bool = False,
+        true_on_policy: bool = False,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -72,6 +75,8 @@ class Scheduler:
         self.max_running = max_running_requests
         self.eos_ids = eos_ids(model, tokenizer)
         self.recorder = RoutedExpertsRecorder(model) if enable_routed_experts else None
+        # --true-on-policy: every step runs in the batch-invariant mode (on this thread)
+        self._step_mode = batch_invariant.mode if true_on_policy else contextlib.nullcontext
         # transformers >= 5.2x names the cache argument ``cache``; older ones ``past_key_values``.
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -214,7 +219,7 @@ class Scheduler:
                         control.future.set_exception(exc)
                 continue
             try:
-                with torch.no_grad():
+                with torch.no_grad(), self._step_mode():
                     self._step()
             except Exception as exc:  # a fault outside any one request: end what is running
                 logger.exception("engine step failed")

@@ -96,6 +96,7 @@ class EngineConfig:
     enable_memory_saver: bool = False
     enable_weights_cpu_backup: bool = False
     enable_return_routed_experts: bool = False
+    true_on_policy: bool = False
 
 
 class ApiError(Exception):

@@ -2,7 +2,8 @@
 
 The built-in engine serves the HF model with transformers on one device; ``--sglang-*``
 passthrough flags do not apply to it (they are logged and ignored). Under
-``--use-rollout-routing-replay`` it runs with ``--enable-return-routed-experts``. The API key travels in the environment
+``--use-rollout-routing-replay`` it runs with ``--enable-return-routed-experts``, under
+``--true-on-policy`` with ``--true-on-policy`` (:mod:`miles_core.batch_invariant`). The API key travels in the environment
 (:func:`builtin_engine_env`), not on the command line.
 """
 
@@ -52,4 +53,6 @@ def builtin_engine_command(
         cmd.append("--enable-memory-saver")
     if routing_replay_on(args):
         cmd.append("--enable-return-routed-experts")
+    if getattr(args, "true_on_policy", False):
+        cmd.append("--true-on-policy")
     return cmd

@@ -179,6 +179,12 @@ class AlgorithmArgs(ArgGroup):
         help="The old-policy log-probs of the PPO ratio are the engine's sampled ones (no "
         "old-log-prob forward pass; the ratio also corrects the train/rollout mismatch).",
     )
+    true_on_policy: bool = flag(
+        False,
+        help="The engine's sampled log-probs and the trainer's are bitwise equal: both sides "
+        "run batch-invariant ops (miles_core.batch_invariant); implies --use-rollout-logprobs. "
+        "FSDP backend with the built-in engine, on CPU in float32.",
+    )
     calculate_per_token_loss: bool = flag(
         False, help="Average the loss over tokens (default: per sample, then over samples)."
     )
@@ -191,6 +197,19 @@ class AlgorithmArgs(ArgGroup):
         "[T, V] logits (miles_core.log_prob_head); --no-fused-log-probs materialises the "
         "logits (the dense path, for debugging).",
     )
+
+    @classmethod
+    def resolve_defaults(cls, args: Any) -> None:
+        if args.true_on_policy:
+            # the old policy is the engine's (its log-probs are bitwise the trainer's), and the
+            # trainer scores from the logits with the engine's log_softmax, not the fused head
+            if args.fused_log_probs and "fused_log_probs" in getattr(args, "explicit_flags", ()):
+                raise ArgumentError(
+                    "--fused-log-probs with --true-on-policy: the mode scores from the logits "
+                    "with the engine's log_softmax (drop --fused-log-probs)"
+                )
+            args.use_rollout_logprobs = True
+            args.fused_log_probs = False
 
     @classmethod
     def validate(cls, args: Any) -> None:
@@ -226,6 +245,7 @@ class AlgorithmArgs(ArgGroup):
             )
         if args.loss_type == "sft_loss":
             for given, what in (
+                (args.true_on_policy, "--true-on-policy"),
                 (args.use_kl_loss, "--use-kl-loss"),
                 (args.use_tis, "--use-tis"),
                 (args.use_rollout_logprobs, "--use-rollout-logprobs"),

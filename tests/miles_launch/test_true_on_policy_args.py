@@ -1,0 +1,87 @@
+"""--true-on-policy on the command line: what it implies, where it is refused (one line naming
+the flag and why), and the engine flag the launcher passes."""
+
+from __future__ import annotations
+
+import pytest
+from launch_testing import parse
+from miles_core import backends
+from miles_core.args import ArgumentError, entry_point_groups, parse_args
+from miles_launch.engine_launch.builtin_launcher import builtin_engine_command
+
+ON = ("--true-on-policy", "--rollout-engine", "builtin")
+
+
+def test_it_implies_the_engine_log_probs_and_the_dense_head_and_reaches_the_engine(tmp_path):
+    args = parse(tmp_path, *ON)
+    assert args.use_rollout_logprobs and not args.fused_log_probs
+    cmd = builtin_engine_command(args, host="127.0.0.1", port=5, device="cpu", python="py")
+    assert cmd[-1] == "--true-on-policy"
+    plain = parse(tmp_path, "--rollout-engine", "builtin")
+    assert "--true-on-policy" not in builtin_engine_command(plain, host="h", port=5, device="cpu")
+    assert not plain.use_rollout_logprobs and plain.fused_log_probs
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ("--true-on-policy", "--rollout-engine", "sglang"),
+            "--true-on-policy with --rollout-engine sglang: SGLang's on-policy switches",
+        ),
+        ((*ON, "--fused-log-probs"), "--fused-log-probs with --true-on-policy"),
+        ((*ON, "--loss-type", "sft_loss"), "--loss-type sft_loss ignores --true-on-policy"),
+    ],
+)
+def test_refused_where_not_honoured(tmp_path, flags, message):
+    with pytest.raises(ArgumentError, match=message):
+        parse(tmp_path, *flags)
+
+
+@pytest.mark.skipif("fsdp" not in backends.available(), reason="the FSDP backend is not installed")
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (("--attn-implementation", "sdpa"), "--attn-implementation sdpa with --true-on-policy"),
+        ((), "--true-on-policy computes in fp32 on CPU, and the compute dtype is bf16"),
+        (("--fsdp-compute-dtype", "fp32", "--bf16"), "contradicts --bf16"),
+    ],
+)
+def test_the_fsdp_backend_refuses_another_attention_or_dtype(tmp_path, flags, message):
+    parse(tmp_path)  # writes the prompts and the HF directory
+    common = [
+        "--hf-checkpoint",
+        str(tmp_path / "hf"),
+        "--prompt-data",
+        str(tmp_path / "prompts.jsonl"),
+    ]
+    groups = entry_point_groups("core", "launch", "fsdp")
+    with pytest.raises(ArgumentError, match=message):
+        parse_args([*common, *ON, *flags], groups)
+    args = parse_args([*common, *ON, "--fsdp-compute-dtype", "fp32"], groups)
+    assert args.attn_implementation is None  # the backend takes the mode's own attention
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (("--device", "cuda"), "--true-on-policy runs on CPU only"),
+        (("--dtype", "bfloat16"), "--true-on-policy computes in float32, got --dtype bfloat16"),
+    ],
+)
+def test_the_engine_refuses_a_gpu_and_another_dtype(flags, message):
+    from miles_launch.builtin_engine.__main__ import parse_args as engine_args
+
+    with pytest.raises(ArgumentError, match=message):
+        engine_args(["--model-path", "m", "--true-on-policy", *flags])
+
+
+def test_preflight_refuses_a_machine_with_gpus(tmp_path, monkeypatch):
+    import miles_launch.preflight as preflight_module
+
+    args = parse(tmp_path, *ON)
+    monkeypatch.setattr(preflight_module, "local_gpus", lambda: 1)
+    with pytest.raises(ArgumentError, match="batch-invariant kernels are not built yet"):
+        preflight_module.check_true_on_policy(args)
+    monkeypatch.setattr(preflight_module, "local_gpus", lambda: 0)
+    preflight_module.check_true_on_policy(args)

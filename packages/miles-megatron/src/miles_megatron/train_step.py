@@ -129,6 +129,7 @@ def optimizer_step(
     hook, hook_ctx = ctx.loss_hook, LossHookContext(ctx.args, ctx.device)
 
     def on_hook(index: int, packed: PackedShard, *outputs: torch.Tensor) -> torch.Tensor:
+        assert hook is not None  # only scheduled with a hook
         given = outputs[0] if hook.wants_logits else TokenScores(*outputs)
         # the whole row: CP = 1 (refused at argument time otherwise)
         return add_metrics(*hook(hook_ctx, given, packed.full, config, denominator))

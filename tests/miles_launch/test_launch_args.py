@@ -151,10 +151,10 @@ def test_cli_help_all_lists_every_flag():
 
 def test_a_misspelt_flag_is_answered_with_the_flag_meant():
     line = one_error_line(run_cli("train", "--train-backend", "fsdp", "--gradient-checkpointin"))
-    assert (
-        line
-        == "error: unrecognized flag --gradient-checkpointin (did you mean --gradient-checkpointing?)"
-    )
+    assert line == (
+        "error: unrecognized flag --gradient-checkpointin (did you mean --gradient-checkpointing "
+        "or --gradient-checkpointing-layers?)"
+    )  # the closest first
 
 
 # ------------------------------------------------------------------ rollout control (#30)

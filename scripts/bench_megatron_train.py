@@ -130,6 +130,7 @@ def run(
     if args.profile:
         next_rollout = functools.partial(backend.train, args.warmup + args.iters, shard)
         extras["profile"] = bench.profile_rollout(next_rollout)
+        del next_rollout  # it holds the backend: the next variant needs its memory back
     backend.close()
     del backend
     gc.collect()

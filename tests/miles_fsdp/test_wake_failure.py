@@ -5,6 +5,9 @@ raised from miles-offload's test hook just before the k-th allocation of the rea
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from miles_fsdp.backend import FSDPBackend
@@ -81,10 +84,23 @@ def test_a_failed_wake_names_the_phase_and_bytes_and_a_retry_restores(
     for at, stage in ((1, "parameters"), (n_params + n_buffers + 1, "optimizer state")):
         backend.sleep()
         hook = _FailAt(at)
+        made: list[weakref.ref] = []  # every tensor the failed wake allocated
+        real_empty = torch.empty
+
+        def recording_empty(*args, _made=made, _real=real_empty, **kwargs):
+            t = _real(*args, **kwargs)
+            _made.append(weakref.ref(t))
+            return t
+
         monkeypatch.setattr(allocation, "fault_hook", hook)
+        monkeypatch.setattr(torch, "empty", recording_empty)
         with pytest.raises(WakeFailed) as failure:
             backend.wake_up()
+        monkeypatch.setattr(torch, "empty", real_empty)
         monkeypatch.setattr(allocation, "fault_hook", None)
+        gc.collect()  # released, even while the error (and its traceback's frames) is held
+        assert all(ref() is None for ref in made)
+        assert len(made) > at if target == "cpu" else not made  # (disk re-grows storages)
         assert len(hook.asked) == at + 1  # the real wake ran up to the failing allocation
         asked = hook.asked[at]
         message = str(failure.value)
@@ -92,7 +108,7 @@ def test_a_failed_wake_names_the_phase_and_bytes_and_a_retry_restores(
         assert message.startswith(f"wake of actor failed allocating its {stage} (")
         assert f"{asked} bytes" in message and "OutOfMemoryError" in message
         assert failure.value.nbytes == asked and failure.value.stage == stage
-        assert backend.asleep  # restorable: what came back was released again
+        assert backend.asleep  # restorable
         for p in backend.model.parameters():
             local = _local(p)
             if target == "disk":  # every storage freed again; the file holds the values

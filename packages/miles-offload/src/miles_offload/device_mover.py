@@ -277,7 +277,8 @@ class DeviceMover:
                     stats.bytes_copied += sum(e.nbytes for e in entries)
                     placed.append((group, entries, fresh))
             except AllocationFailed as failed:
-                del placed
+                placed.clear()  # the error's traceback keeps this frame: drop the tensors now
+                fresh = None
                 self._undo_wake()
                 raise WakeFailed(self._role_of(group), self._stage_of(group, failed.key),
                                  failed, self.device) from failed.cause  # fmt: skip

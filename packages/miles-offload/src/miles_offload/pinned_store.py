@@ -157,6 +157,8 @@ class PinnedStore:
                 t = allocation.allocate(e.key, e.source.shape, e.source.dtype, device)
             except allocation.AllocationFailed:
                 engine.synchronize()
+                out.clear()  # the error's traceback keeps this frame: drop the tensors now
+                t = None
                 raise
             out.append(t)
             if e.nbytes:

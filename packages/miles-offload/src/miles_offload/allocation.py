@@ -56,6 +56,18 @@ class MoveFailed(RuntimeError):
             f"({type(failed.cause).__name__}: {first[:200]})"
         )
 
+    def __reduce__(self):
+        # a trainer rank's error crosses processes (Ray pickles it): keep message and fields
+        fields = (str(self), self.role, self.stage, self.key, self.nbytes)
+        return (_rebuild, (type(self), *fields))
+
+
+def _rebuild(cls: type[MoveFailed], message: str, role, stage, key, nbytes) -> MoveFailed:
+    error = cls.__new__(cls)
+    RuntimeError.__init__(error, message)
+    error.role, error.stage, error.key, error.nbytes = role, stage, key, nbytes
+    return error
+
 
 class WakeFailed(MoveFailed):
     """A wake's device allocation failed; the state is asleep and restorable."""

@@ -85,6 +85,7 @@ class Trainer:
         config.engine_timeout_s = 30
         self.publisher = WeightPublisher(config)
         self.kill_after: int | None = None  # kill the engine after this many tensors, once
+        self.refuse_after: int | None = None  # a tensor the engine refuses, after this many
 
     def source(self):
         for i, item in enumerate(self.model.state_dict().items()):
@@ -92,6 +93,8 @@ class Trainer:
                 self.kill_after = None
                 self.engines.engines[0].engine.proc.kill()
                 self.engines.engines[0].engine.proc.wait()
+            if i == self.refuse_after:
+                yield "model.not_a_weight", torch.zeros(4)  # its bucket is refused
             yield item
 
     def update_weights(self, urls, weights=None):
@@ -149,6 +152,57 @@ def test_an_engine_killed_between_buckets_is_restarted_and_gets_the_same_version
         got = engine_weights(engines.urls[0], model)
         for name, tensor in model.state_dict().items():
             assert torch.equal(got[name].reshape(tensor.shape), tensor), name
+        trainer.publisher.close()
+    finally:
+        engines.close()
+
+
+def test_a_refused_bucket_leaves_the_engine_paused_on_its_partial_weights(tmp_path):
+    """Buckets before the refused one landed: the engine holds a mix of two versions. The
+    failed round leaves it paused (the engine's own scheduler reports it at the moment the
+    failure reaches the launcher, before the recovery holds anything), so no decode step runs
+    on the mix; the run ends with the publisher's message; a publish that completes resumes it."""
+    path = tmp_path / "hf"
+    model = tiny_qwen3(0)
+    model.save_pretrained(path)
+    save_tokenizer(path)
+    engines = LocalEngines(path)
+    try:
+        recovery = EngineRecovery(engines, 2, backoff_s=0.0, health_timeout_s=60.0)
+        trainer = Trainer(model, engines)
+        job = Job(trainer, engines, recovery)
+        loop.publish(job)  # version 1
+        old = {k: v.clone() for k, v in model.state_dict().items()}
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(5)) * 0.01)
+        names = list(model.state_dict())
+        trainer.refuse_after = len(names) // 2
+        at_failure = []
+        failed = recovery.publish_failed
+
+        def observe(error):
+            with EngineClient(engines.urls[0]) as client:
+                at_failure.append(client.get_server_info()["paused"])
+            return failed(error)
+
+        recovery.publish_failed = observe
+        with pytest.raises(PublishFailed, match="not_a_weight"):
+            loop.publish(job)
+        assert at_failure == [True]  # the failed round's close did not resume it
+        got = engine_weights(engines.urls[0], model)
+        new = model.state_dict()
+        mixed = [torch.equal(got[n].reshape(new[n].shape), new[n]) for n in names]
+        assert any(mixed) and not all(mixed)  # part of version 2 landed ...
+        assert all(torch.equal(got[n].reshape(old[n].shape), old[n]) for n in names[-1:])
+        assert engines.weight_versions() == ["1"]  # ... under version 1's name
+        with EngineClient(engines.urls[0]) as client:
+            assert client.get_server_info()["paused"]
+        trainer.refuse_after = None
+        loop.publish(job)  # the retry completes: version 2 whole, generation continues
+        assert engines.weight_versions() == ["2"]
+        with EngineClient(engines.urls[0]) as client:
+            assert not client.get_server_info()["paused"]
         trainer.publisher.close()
     finally:
         engines.close()

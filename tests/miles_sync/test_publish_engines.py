@@ -276,7 +276,8 @@ def test_corrupt_delta_keeps_the_engine_on_its_version(engines, checkpoint, tmp_
 
 def test_failed_push_releases_the_engine(engines):
     """The round's bracket: a push that fails raises with the engine's words, and the engine is
-    left unpaused, out of its update window and on its version."""
+    left out of its update window and on its version, but paused (a push that failed may have
+    landed part of the weights): generation continues once it is told to."""
     engine = engines[0]
     before = engine.version()
 
@@ -289,6 +290,9 @@ def test_failed_push_releases_the_engine(engines):
         with pytest.raises(PublishError, match="version 999: pushing weights failed: .*no such"):
             publish_round([client], "999", "retract", push)
     assert engine.version() == before
+    with EngineClient(engine.url) as client:
+        assert client.get_server_info()["paused"]
+        client.continue_generation()
     engine.greedy(PROMPTS[0], 3)  # generation continues
     outside = engine.http.post(
         "/update_weights_from_tensor",

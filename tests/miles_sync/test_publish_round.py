@@ -81,3 +81,32 @@ def test_a_failed_pause_names_the_engine_and_releases_the_others():
         paused = i != 1
         # the engines that paused continue; none opened an update window
         assert engine.paths() == ["/pause_generation"] + (["/continue_generation"] * paused)
+
+
+@pytest.mark.parametrize("failing", ["push", "/update_weight_version"])
+def test_a_round_that_failed_after_opening_leaves_the_engines_paused(failing):
+    """Buckets may have landed (a push failed, or the version change failed on one engine):
+    every engine's update window is closed but none continues generation, so no decode step
+    runs on a mix of two versions' weights."""
+    engines = [RecordingEngine(f"http://engine-{i}") for i in range(3)]
+    if failing != "push":
+        engines[2].fail = failing
+    round_ = PublishRound([e.client for e in engines], version="4", pause_mode="retract")
+    round_.open()
+    if failing != "push":  # (a failed push: the caller never commits)
+        with pytest.raises(PublishError, match="update_weight_version on http://engine-2"):
+            round_.commit()
+    assert round_.close() == []
+    assert [e.base_url for e in round_.held] == [e.client.base_url for e in engines]
+    for engine in engines:
+        assert engine.paths()[-1] == "/end_weight_update"
+        assert "/continue_generation" not in engine.paths()
+    retry = PublishRound([e.client for e in engines], version="4", pause_mode="retract")
+    retry.open()  # a retry that completes resumes them
+    for engine in engines:
+        engine.fail = None
+    retry.commit()
+    retry.close()
+    assert retry.held == []
+    for engine in engines:
+        assert engine.paths()[-1] == "/continue_generation"

@@ -409,6 +409,7 @@ class FSDPBackend(TrainBackend):
                 frozen=list(self.frozen),
                 target=OffloadTarget.from_args(self.args),
                 device=self.device,
+                role=self.role,
             )
         self.optimizer.zero_grad(set_to_none=True)
         self.mover.sleep()
@@ -416,7 +417,9 @@ class FSDPBackend(TrainBackend):
             torch.cuda.empty_cache()
 
     def wake_up(self) -> None:
-        """Bring back what :meth:`sleep` moved. Idempotent."""
+        """Bring back what :meth:`sleep` moved. Idempotent. A device allocation that fails
+        raises :class:`~miles_offload.allocation.WakeFailed` (phase, role, stage, bytes) with
+        the backend still asleep and restorable: a later ``wake_up`` can succeed."""
         if self.mover is not None:
             self.mover.wake_up()
 

@@ -169,7 +169,11 @@ class MegatronBackend(TrainBackend):
         self.model = wrap_ddp(model, config, args)
         self.optimizer, self.scheduler = build_optimizer(self.model, args)
         self.sleeper = sleeper_from_args(
-            self.model, self.optimizer, args, name="megatron" if role == "actor" else role
+            self.model,
+            self.optimizer,
+            args,
+            name="megatron" if role == "actor" else role,
+            role=role,
         )
         next_rollout_id = 0
         if resumed is not None:

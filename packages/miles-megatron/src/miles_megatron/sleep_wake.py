@@ -32,7 +32,10 @@ storage and every wake copies the retained copy back, so after the first cycle o
 (adapters, their gradients and optimizer state) travels. ``host_bytes_copied`` counts the bytes
 the last sleep copied off the device.
 
-Both calls are idempotent.
+Both calls are idempotent. A wake whose device allocation fails raises
+:class:`~miles_offload.allocation.WakeFailed` (the role, the stage: parameters, gradients,
+optimizer state or frozen parameters, the tensor and the bytes asked) after freeing what it had
+grown again: the state stays asleep, its bytes on the target, and a later wake can succeed.
 
 While asleep, :meth:`SleepWake.read` gives one parameter's values on the device without waking:
 a view of the arena slot (``cpu``) or a read of the file's window (``disk``), copied over. A
@@ -49,6 +52,7 @@ from collections.abc import Iterator
 
 import torch
 from miles_native import CopyEngine
+from miles_offload.allocation import AllocationFailed, SleepFailed, WakeFailed, grow
 from miles_offload.disk_target import DiskStore
 from miles_offload.offload_target import OffloadTarget
 from miles_offload.pinned_store import PinnedStore
@@ -103,9 +107,11 @@ class SleepWake:
         target: OffloadTarget | None = None,
         rematerialize: bool = False,
         name: str = "megatron",
+        role: str | None = None,
     ) -> None:
         self.model = model
         self.name = name  # the disk file's tag: one per role in a process (actor, critic)
+        self.role = role or name  # for messages
         self.optimizer = optimizer
         self.target = target or OffloadTarget()
         if rematerialize and self.target.kind != "cpu":
@@ -118,6 +124,7 @@ class SleepWake:
         self._store: PinnedStore | DiskStore | None = None  # opened at the first sleep
         self._moved: list[tuple[torch.UntypedStorage, int]] = []  # (storage, bytes) with data
         self._freed: list[tuple[torch.UntypedStorage, int]] = []  # grads and rematerialized
+        self._keys: list[str] = []  # for messages: the keys of `_moved`, then of `_freed`
         self._views: list[torch.Tensor] = []  # cpu target: the arena slots of `_moved`
         #: frozen parameters: (parameter, retained host copy, bytes), filled at the first sleep
         self._frozen: list[tuple[torch.Tensor, torch.Tensor, int]] | None = None
@@ -134,10 +141,10 @@ class SleepWake:
 
     # -- what moves -------------------------------------------------------------------
 
-    def _plan(self) -> tuple[list[MovedTensor], list[torch.Tensor]]:
-        """``(entries whose bytes move, tensors only freed)``, one per distinct storage."""
+    def _plan(self) -> tuple[list[MovedTensor], list[MovedTensor]]:
+        """``(entries whose bytes move, entries only freed)``, one per distinct storage."""
         moved: list[MovedTensor] = []
-        freed: list[torch.Tensor] = []
+        freed: list[MovedTensor] = []
         seen: set[int] = set()
 
         def new(t: torch.Tensor | None) -> bool:
@@ -153,12 +160,13 @@ class SleepWake:
             param = buffer.param_data
             if new(param):
                 if self.rematerialize and param.dtype in _HALF:
-                    freed.append(param)
+                    freed.append(MovedTensor(f"buffer{i}.param_data", param, param))
                 else:
                     flat = _whole_storage(param)
                     moved.append(MovedTensor(f"buffer{i}.param_data", flat, flat))
             if new(buffer.grad_data):
-                freed.append(buffer.grad_data)
+                grad = buffer.grad_data
+                freed.append(MovedTensor(f"buffer{i}.grad_data", grad, grad))
         for k, t in enumerate(_optimizer_tensors(self.optimizer)):
             if new(t):
                 flat = _whole_storage(t)
@@ -196,8 +204,8 @@ class SleepWake:
             param.untyped_storage().resize_(0)
 
     def _wake_frozen(self) -> None:
-        for param, host, nbytes in self._frozen or []:
-            param.untyped_storage().resize_(nbytes)
+        for i, (param, host, nbytes) in enumerate(self._frozen or []):
+            grow(f"frozen{i}", param.untyped_storage(), nbytes)
             param.detach().copy_(host)
 
     def _stream(self) -> int:
@@ -224,13 +232,18 @@ class SleepWake:
             self.store.sleep(moved, self.engine, stream)  # writes all, then frees `moved`
             self._views = []
         else:
-            self.store.prepare(moved)
+            try:
+                self.store.prepare(moved)
+            except AllocationFailed as failed:  # nothing was freed yet
+                stage = "parameters and optimizer state"
+                raise SleepFailed(self.role, stage, failed, self.device) from failed.cause
             self._views = self.store.copy_in(moved, self.engine, stream)
             self._sync()
             for e in moved:
                 e.source.untyped_storage().resize_(0)
         self._moved = [(e.source.untyped_storage(), e.nbytes) for e in moved]
-        self._freed = [(t.untyped_storage(), t.untyped_storage().nbytes()) for t in freed]
+        self._freed = [(e.source.untyped_storage(), e.nbytes) for e in freed]
+        self._keys = [e.key for e in moved + freed]
         for storage, _ in self._freed:
             storage.resize_(0)
         self._sleep_frozen()
@@ -245,18 +258,22 @@ class SleepWake:
             return
         self._bucket = None
         stream = self._stream()
-        if isinstance(self.store, DiskStore):
-            self.store.wake(self.engine, stream)
-        else:
-            for storage, nbytes in self._moved:
-                storage.resize_(nbytes)
-            dst = [storage.data_ptr() for storage, _ in self._moved]
-            src = [v.data_ptr() for v in self._views]
-            sizes = [n for _, n in self._moved]
-            self.engine.submit(dst, src, sizes, to_device=True, after_stream=stream)
-        for storage, nbytes in self._freed:
-            storage.resize_(nbytes)
-        self._wake_frozen()
+        try:
+            if isinstance(self.store, DiskStore):
+                self.store.wake(self.engine, stream)
+            else:
+                for (storage, nbytes), key in zip(self._moved, self._keys):
+                    grow(key, storage, nbytes)
+                dst = [storage.data_ptr() for storage, _ in self._moved]
+                src = [v.data_ptr() for v in self._views]
+                sizes = [n for _, n in self._moved]
+                self.engine.submit(dst, src, sizes, to_device=True, after_stream=stream)
+            for (storage, nbytes), key in zip(self._freed, self._keys[len(self._moved) :]):
+                grow(key, storage, nbytes)
+            self._wake_frozen()
+        except AllocationFailed as failed:
+            self._undo_wake()
+            raise WakeFailed(self.role, _stage(failed.key), failed, self.device) from failed.cause
         self._sync()
         for buffer in _buffers(self.model):
             if buffer.grad_data is not None:
@@ -266,6 +283,17 @@ class SleepWake:
         self._moved, self._freed, self._views = [], [], []
         self.asleep = False
         self.wakes += 1
+
+    def _undo_wake(self) -> None:
+        """After a failed wake: free every storage the wake grew (the copies into them
+        finished first); the bytes are still on the target, the state is asleep."""
+        self._sync()
+        for storage, _ in self._moved + self._freed:
+            storage.resize_(0)
+        for param, _, _ in self._frozen or []:
+            param.untyped_storage().resize_(0)
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     @torch.no_grad()
     def read(self, t: torch.Tensor) -> torch.Tensor:
@@ -394,7 +422,18 @@ class SleepWake:
             self._store = None
 
 
-def sleeper_from_args(model, optimizer, args, name: str = "megatron") -> SleepWake:
+def _stage(key: str) -> str:
+    """The stage of a key of :meth:`SleepWake._plan` (or a frozen parameter's)."""
+    if key.startswith("optimizer"):
+        return "optimizer state"
+    if key.endswith("grad_data"):
+        return "gradients"
+    return "frozen parameters" if key.startswith("frozen") else "parameters"
+
+
+def sleeper_from_args(
+    model, optimizer, args, name: str = "megatron", role: str | None = None
+) -> SleepWake:
     """``--offload-train-target`` / ``--offload-train-disk-*`` and
     ``--rematerialize-param-from-master-weight`` (validated by miles-core's offload group);
     ``name`` tags the disk file (the critic's differs from the actor's)."""
@@ -404,4 +443,4 @@ def sleeper_from_args(model, optimizer, args, name: str = "megatron") -> SleepWa
         chunk_mb=getattr(args, "offload_train_disk_chunk_mb", 256),
     )
     remat = bool(getattr(args, "rematerialize_param_from_master_weight", False))
-    return SleepWake(model, optimizer, target, rematerialize=remat, name=name)
+    return SleepWake(model, optimizer, target, rematerialize=remat, name=name, role=role)

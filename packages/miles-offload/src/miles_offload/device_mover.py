@@ -35,6 +35,7 @@ import torch
 from miles_native import CopyEngine
 from torch import nn
 
+from miles_offload.allocation import AllocationFailed, SleepFailed, WakeFailed
 from miles_offload.disk_target import DiskStore
 from miles_offload.offload_target import OffloadTarget
 from miles_offload.pinned_store import PinnedStore
@@ -115,7 +116,9 @@ class DeviceMover:
     ``modules`` whose weights never change. ``device``: the device whose tensors move
     (default: that of the first parameter); tensors elsewhere (e.g. AdamW's CPU step
     counters) stay where they are. Without CUDA, the "device" is the CPU and the same code
-    moves the bytes into the arena (or file) and back.
+    moves the bytes into the arena (or file) and back. ``role``: whose optimizers these are
+    (``actor``, ``critic``), for the messages of :class:`~miles_offload.allocation.WakeFailed`
+    and :class:`~miles_offload.allocation.SleepFailed`.
     """
 
     def __init__(
@@ -126,7 +129,9 @@ class DeviceMover:
         frozen: Iterable[str] = (),
         device: torch.device | str | None = None,
         cpu_copy_threads: int = 2,
+        role: str = "trainer",
     ) -> None:
+        self.role = role
         frozen = set(frozen)
         unknown = frozen - set(modules)
         if unknown:
@@ -214,8 +219,17 @@ class DeviceMover:
                 stats.bytes_copied += store.sleep(group.entries, self.engine, stream)
                 store.holds_current = True
                 continue
-            if store.prepare(group.entries):
-                stats.new_host_bytes += store.nbytes
+            try:
+                if store.prepare(group.entries):
+                    stats.new_host_bytes += store.nbytes
+            except AllocationFailed as failed:
+                self._synchronize()  # copies of earlier groups into their arenas
+                for g in self._groups:
+                    g.entries = []
+                stage = "parameters and buffers" if group.module is not None else "optimizer state"
+                raise SleepFailed(
+                    self._role_of(group), stage, failed, self.device
+                ) from failed.cause
             clock.switch("copy")
             if store.holds_current:  # a frozen model whose copy is still valid
                 views = [store.view(i, e) for i, e in enumerate(group.entries)]
@@ -254,14 +268,22 @@ class DeviceMover:
         placed: list[tuple[_Group, list[MovedTensor], list[torch.Tensor]]] = []
         for group in self._groups:
             store = group.store
-            if isinstance(store, DiskStore):
-                stats.bytes_copied += store.wake(self.engine, stream)
-            else:
-                entries = self._host_entries(group)
-                fresh = store.copy_out(entries, self.device, self.engine, stream)
-                stats.bytes_copied += sum(e.nbytes for e in entries)
-                placed.append((group, entries, fresh))
-            store.holds_current = group.frozen
+            try:
+                if isinstance(store, DiskStore):
+                    stats.bytes_copied += store.wake(self.engine, stream)
+                else:
+                    entries = self._host_entries(group)
+                    fresh = store.copy_out(entries, self.device, self.engine, stream)
+                    stats.bytes_copied += sum(e.nbytes for e in entries)
+                    placed.append((group, entries, fresh))
+            except AllocationFailed as failed:
+                placed.clear()  # the error's traceback keeps this frame: drop the tensors now
+                fresh = None
+                self._undo_wake()
+                raise WakeFailed(self._role_of(group), self._stage_of(group, failed.key),
+                                 failed, self.device) from failed.cause  # fmt: skip
+        for group in self._groups:
+            group.store.holds_current = group.frozen
         self._synchronize()
         clock.switch("rebind")
         for group, entries, fresh in placed:
@@ -295,6 +317,27 @@ class DeviceMover:
             if isinstance(group.store, DiskStore) and group.store.holds(t):
                 return group.store.read(t, self.device, rows)
         raise ValueError("DeviceMover.read: the tensor is not one this mover put to sleep")
+
+    def _undo_wake(self) -> None:
+        """After a wake's allocation failed: every group back to its sleeping state (the
+        models still point at their host copies or freed storages: nothing was rebound), the
+        device memory the wake took released, so that a later wake can succeed."""
+        self._synchronize()  # the copies already enqueued, before their memory goes
+        for group in self._groups:
+            if isinstance(group.store, DiskStore):
+                group.store.release()
+        self._release_device_cache()
+
+    def _role_of(self, group: _Group) -> str:
+        return group.name if group.module is not None else self.role
+
+    def _stage_of(self, group: _Group, key: str) -> str:
+        """``parameters``, ``buffers`` or ``optimizer state`` (``key``: a moved tensor's)."""
+        if group.module is None:
+            return "optimizer state"
+        qual = key.removeprefix(f"{group.name}.")
+        params = dict(group.module.named_parameters(remove_duplicate=False))
+        return "parameters" if qual in params else "buffers"
 
     def _host_entries(self, group: _Group) -> list[MovedTensor]:
         """The group's tensors that sit in its arena (tensors that never moved are left out)."""

@@ -22,6 +22,7 @@ import weakref
 import torch
 from miles_native import CopyEngine, PinnedArena, open_file_streamer
 
+from miles_offload import allocation
 from miles_offload.offload_target import OffloadTarget
 from miles_offload.state_tensors import MovedTensor, byte_window, from_window
 
@@ -81,6 +82,7 @@ class DiskStore:
         self._finalizer = weakref.finalize(self, _close_streamer, self.streamer)
         self._storages: list[torch.UntypedStorage] = []
         self._sizes: list[int] = []
+        self._keys: list[str] = []
         self._offsets: list[int] = []
         self._layout: tuple = ()
         self._index: dict[int, int] = {}  # storage identity -> its slot in the file
@@ -92,13 +94,14 @@ class DiskStore:
         return self.streamer.ring_bytes
 
     def _plan(self, entries: list[MovedTensor]) -> None:
-        storages, seen = [], set()
+        storages, keys, seen = [], [], set()
         for e in entries:
             st = e.source.untyped_storage()
             if st.nbytes() == 0 or st.data_ptr() in seen:
                 continue
             seen.add(st.data_ptr())
             storages.append(st)
+            keys.append(e.key)
         sizes = [st.nbytes() for st in storages]
         layout = tuple(e.key for e in entries) + tuple(sizes)
         if layout != self._layout:
@@ -108,6 +111,7 @@ class DiskStore:
             offsets.append(end)
             end = (end + n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
         self._storages, self._sizes, self._offsets, self._layout = storages, sizes, offsets, layout
+        self._keys = keys  # for messages
         self._index = {st._cdata: i for i, st in enumerate(storages)}
 
     def holds(self, t: torch.Tensor) -> bool:
@@ -152,12 +156,23 @@ class DiskStore:
         return written
 
     def wake(self, engine: CopyEngine, after_stream: int) -> int:
-        """Re-grow every storage on its device and read its bytes back; returns bytes read."""
-        for st, n in zip(self._storages, self._sizes):
-            st.resize_(n)
+        """Re-grow every storage on its device and read its bytes back; returns bytes read.
+        A storage the device refuses to grow raises :class:`~miles_offload.allocation.
+        AllocationFailed` with every storage freed again (the file still holds them all)."""
+        try:
+            for st, n, key in zip(self._storages, self._sizes, self._keys):
+                allocation.grow(key, st, n)
+        except allocation.AllocationFailed:
+            self.release()
+            raise
         ptrs = [st.data_ptr() for st in self._storages]
         self.streamer.load(ptrs, self._offsets, self._sizes, engine, after_stream)
         return sum(self._sizes)
+
+    def release(self) -> None:
+        """Free every storage again after a wake (their values are still in the file)."""
+        for st in self._storages:
+            st.resize_(0)
 
     def close(self) -> None:
         self._staging = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from miles_native import CopyEngine, PinnedArena
 
+from miles_offload import allocation
 from miles_offload.state_tensors import MovedTensor
 
 ALIGNMENT = 512  # bytes between slots; DMA-friendly and a multiple of every dtype size
@@ -86,8 +87,9 @@ class PinnedStore:
         for e in entries:
             offsets.append(end)
             end = _round_up(end + e.nbytes, ALIGNMENT)
+        arena = allocation.pinned_arena("pinned host copy", max(end, 1))
         self._flat = None
-        self.arena = PinnedArena(max(end, 1), pin=True)
+        self.arena = arena
         self._flat = torch.frombuffer(self.arena, dtype=torch.uint8)
         self._layout, self._offsets = layout, offsets
         self.holds_current = False
@@ -138,6 +140,10 @@ class PinnedStore:
         reserved as the allocation reaches them (:func:`plan_segments`); copies are enqueued
         every ``submit_bytes`` of allocated tensors, so the copy engine is busy while the next
         segment is reserved (a ``cudaMalloc``).
+
+        An allocation the device refuses raises :class:`~miles_offload.allocation.
+        AllocationFailed` once the copies already enqueued finished (the tensors allocated so
+        far are then dropped: nothing writes into released memory).
         """
         reserve_at = {}
         if device.type == "cuda":
@@ -147,7 +153,13 @@ class PinnedStore:
         for i, e in enumerate(entries):
             if i in reserve_at:
                 reserve_segment(reserve_at[i], device)
-            t = torch.empty(e.source.shape, dtype=e.source.dtype, device=device)
+            try:
+                t = allocation.allocate(e.key, e.source.shape, e.source.dtype, device)
+            except allocation.AllocationFailed:
+                engine.synchronize()
+                out.clear()  # the error's traceback keeps this frame: drop the tensors now
+                t = None
+                raise
             out.append(t)
             if e.nbytes:
                 dst.append(t.data_ptr())

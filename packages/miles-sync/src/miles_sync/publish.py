@@ -5,14 +5,20 @@
     pause_generation(mode)  ->  flush_cache  ->  begin_weight_update
         -> push the buckets (the mode's transport; other ranks only gather / send)
         -> update_weight_version(new)          exactly one version change per publish
-    end_weight_update  ->  continue_generation  (always, also after an error)
+    end_weight_update  ->  continue_generation  (always, also after an error, unless the
+                                                 failure may have left part of the weights)
 
 Each step runs on every engine at once (a thread per engine). The new version is set only
 after every bucket landed, so a publish that died half-way is visible from outside: the
 engine's ``/get_model_info`` still reports the previous version.
-The engine's update lock (begin/end) and the pause are always released on the engines that
-are still alive; the first failure is raised as :class:`~miles_sync.errors.PublishError` with
-the engine's message, and the publish can be retried.
+The engine's update lock (begin/end) is always released on the engines that are still alive;
+the first failure is raised as :class:`~miles_sync.errors.PublishError` with the engine's
+message, and the publish can be retried. The pause is released after a complete round, and
+after a failure before any bucket was sent (the engines hold the previous version whole); a
+round that failed once the update windows were open (a push or the version change failed)
+leaves its engines paused: they may hold part of the new weights under the old version's name,
+and no decode step may run on such a mix. A retry's round (which pauses them again) resumes them
+once it completed; a caller that does not retry resumes them with ``continue_generation``.
 """
 
 from __future__ import annotations
@@ -44,6 +50,9 @@ class PublishRound:
         self.pause_mode = pause_mode
         self._paused: list[EngineClient] = []
         self._begun: list[EngineClient] = []
+        self.held: list[EngineClient] = []  # paused engines a failed round left paused
+        self.opened = False  # every update window open: buckets may land from here on
+        self.committed = False  # every engine has the new version
 
     def _fail(self, step: str, engine: EngineClient, error: Exception) -> PublishError:
         return PublishError(
@@ -65,6 +74,7 @@ class PublishRound:
         self._run("pause_generation", lambda e: e.pause_generation(self.pause_mode), self._paused)
         self._run("flush_cache", self._flush)
         self._run("begin_weight_update", lambda e: e.begin_weight_update(), self._begun)
+        self.opened = True
 
     def _flush(self, engine: EngineClient) -> None:
         try:
@@ -82,23 +92,34 @@ class PublishRound:
             "update_weight_version",
             lambda e: e.update_weight_version(self.version, abort_all_requests=False),
         )
+        self.committed = True
 
     def close(self) -> list[str]:
-        """End the update window and continue generation on every engine this round touched.
+        """End the update window on every engine this round touched, and continue generation
+        on them unless the round opened and did not commit (module docstring: they stay paused,
+        :attr:`held`).
 
         Never raises: failures (a dead engine) are logged and returned, so that the error that
         ended the round is the one the caller sees.
         """
         problems: list[str] = []
+        self.held = self._paused if self.opened and not self.committed else []
+        resume = [] if self.held else self._paused
         for step, call, engines in (
             ("end_weight_update", lambda e: e.end_weight_update(), self._begun),
-            ("continue_generation", lambda e: e.continue_generation(), self._paused),
+            ("continue_generation", lambda e: e.continue_generation(), resume),
         ):
             _, failure = _on_each(call, engines)
             if failure is not None:
                 problems.append(f"{step}: {failure[1]}")
         for problem in problems:
             logger.warning("publish of weight version %s: %s", self.version, problem)
+        if self.held:
+            logger.warning(
+                "publish of weight version %s failed after its update windows opened: %d "
+                "engine(s) left paused (their weights may be incomplete) until a publish "
+                "completes", self.version, len(self.held),
+            )  # fmt: skip
         self._begun, self._paused = [], []
         return problems
 

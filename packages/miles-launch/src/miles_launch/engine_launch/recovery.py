@@ -320,9 +320,11 @@ class EngineRecovery:
         self.settle()
 
     def _hold(self, procs: list[Any]) -> None:
-        """Pause generation on every live engine of ``procs`` (best effort): the failed round
-        resumed them, and what they hold is not a complete version; the retry's round pauses
-        and resumes them again."""
+        """Pause generation on every live engine of ``procs`` (best effort; pausing a paused
+        engine changes nothing). A round that failed once its update windows were open left
+        them paused already (miles-sync's ``PublishRound``); one that failed before (a pause or
+        ``begin_weight_update`` refused) resumed them, on the previous version whole. The
+        retry's round pauses them again and resumes them once it completed."""
         for proc in procs:
             try:
                 with EngineClient(proc.url, api_key=self.engines.api_key, timeout=30.0,

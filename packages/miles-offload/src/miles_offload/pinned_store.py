@@ -148,7 +148,8 @@ class PinnedStore:
         reserve_at = {}
         if device.type == "cuda":
             reserve_at = plan_segments([e.nbytes for e in entries], segment_bytes)
-        out, dst, src, size = [], [], [], []
+        out: list[torch.Tensor] = []
+        dst, src, size = [], [], []
         pending = 0
         for i, e in enumerate(entries):
             if i in reserve_at:

@@ -2,7 +2,8 @@
 THD-packed micro-batch routes every token to the samples' ``routed_experts`` (megatron-core's
 ``RouterReplay``), equal to the float64 HF model forced to the same experts
 (tests/miles_fsdp/moe_reference.py); and the layouts it does not cover are refused at argument
-time.
+time. One training forward/backward of the sum of those log-probs, every layer recomputed in the
+backward (the ids held through it), gives the routers' gradients of the float64 reference.
 
 The forced experts are the complement of what the HF router picks on its own (4 experts, top 2):
 layer 0 sees the same hidden states either way, so every token's forced pair there differs from
@@ -23,7 +24,7 @@ from megatron_tiny_models import make_tiny_hf
 from miles_core.args import ArgumentError
 from miles_core.batch import Sample
 from routing_replay_ranks import replayed_log_probs
-from tolerances import FP32_EPS
+from tolerances import FP32_EPS, assert_within, grad_atol
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "miles_fsdp"))
 from moe_reference import reference_log_probs  # noqa: E402
@@ -43,7 +44,7 @@ def case(tmp_path_factory):
         hf_dir, dtype=torch.float64, attn_implementation="eager", experts_implementation="eager"
     )
     gen = torch.Generator().manual_seed(5)
-    samples, refs = [], []
+    samples, refs, router_grads = [], [], {}
     for length, response in ((9, 4), (13, 5)):
         tokens = torch.randint(0, 96, (length,), generator=gen)
         with torch.no_grad():
@@ -55,18 +56,26 @@ def case(tmp_path_factory):
         ).to(torch.int32)
         natural0 = out.router_logits[0].topk(2, -1).indices
         assert not (forced[:, 0, :, None] == natural0[:, None, :]).any()  # disjoint at layer 0
-        ref, _ = reference_log_probs(hf_dir, tokens, forced)
+        ref, ref_model = reference_log_probs(hf_dir, tokens, forced)
+        ref[-response:].sum().backward()
+        for layer, block in enumerate(ref_model.model.layers):
+            router_grads[layer] = router_grads.get(layer, 0) + block.mlp.gate.weight.grad
         assert (ref - natural_logp).abs().max() > 100 * ATOL  # replay matters here
         samples.append(
             Sample(tokens=tokens, response_length=response, reward=1.0, routed_experts=forced)
         )
         refs.append(ref.detach()[-response:])
-    return hf_dir, samples, refs
+    return hf_dir, samples, refs, router_grads
 
 
-def _check(results: list[dict], refs: list[torch.Tensor]) -> None:
+def _check(results: list[dict], refs: list[torch.Tensor], router_grads: dict) -> None:
     for result in results:
-        assert result["replayed"] == [2]  # one micro-batch, both MoE layers replayed
+        assert result["layer_calls"] == 4  # both layers recomputed in the backward
+        assert result["router_grads"].keys() == router_grads.keys()
+        for layer, want in router_grads.items():
+            got = torch.tensor(result["router_grads"][layer], dtype=torch.float64)
+            assert_within(got, want, grad_atol(want), f"router gradient of layer {layer}")
+        assert result["replayed"] == [2, 2]  # log-prob pass, train step: both MoE layers each
         assert result["cleared"]
         for got, want in zip(result["log_probs"], refs, strict=True):
             torch.testing.assert_close(
@@ -77,15 +86,15 @@ def _check(results: list[dict], refs: list[torch.Tensor]) -> None:
 @pytest.mark.slow
 @pytest.mark.numeric
 def test_replayed_log_probs_equal_forced_hf_ep1(case):
-    hf_dir, samples, refs = case
-    _check(spawn_ranks(replayed_log_probs, 1, hf_dir, 1, samples, timeout=300), refs)
+    hf_dir, samples, refs, grads = case
+    _check(spawn_ranks(replayed_log_probs, 1, hf_dir, 1, samples, timeout=300), refs, grads)
 
 
 @pytest.mark.extended
 @pytest.mark.numeric
 def test_replayed_log_probs_equal_forced_hf_ep2(case):
-    hf_dir, samples, refs = case
-    _check(spawn_ranks(replayed_log_probs, 2, hf_dir, 2, samples, timeout=300), refs)
+    hf_dir, samples, refs, grads = case
+    _check(spawn_ranks(replayed_log_probs, 2, hf_dir, 2, samples, timeout=300), refs, grads)
 
 
 @pytest.mark.parametrize(

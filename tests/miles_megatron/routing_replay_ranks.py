@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import torch
-from megatron_ranks import build_from_hf, layout_argv
+from megatron_ranks import build_from_hf
 
 
-def replayed_log_probs(rank: int, world: int, hf_dir: str, ep: int, samples: list) -> dict:
+def replayed_log_probs(
+    rank: int, world: int, hf_dir: str, layout: list[str], samples: list
+) -> dict:
     """Per-sample response log-probs of one packed micro-batch, the routers replaying the
     samples' ``routed_experts``, then one training forward/backward (full recompute of every
     layer) of the sum of those log-probs: the routers' gradients, how often the layers ran,
@@ -16,7 +18,7 @@ def replayed_log_probs(rank: int, world: int, hf_dir: str, ep: int, samples: lis
     from miles_core.batch import RolloutBatch
     from miles_megatron.packed_forward import rollout_log_probs
 
-    argv = [*layout_argv(ep=ep), "--use-rollout-routing-replay", *RECOMPUTE]
+    argv = [*layout, "--use-rollout-routing-replay", *RECOMPUTE]
     _, margs, model, _ = build_from_hf(hf_dir, argv)
     replayed: list[int] = []
     original = schedule.set_routed_experts

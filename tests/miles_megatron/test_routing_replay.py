@@ -83,18 +83,21 @@ def _check(results: list[dict], refs: list[torch.Tensor], router_grads: dict) ->
             )
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # ~21 s on a 2-core host (6 s the float64 reference, 15 s the rank)
 @pytest.mark.numeric
 def test_replayed_log_probs_equal_forced_hf_ep1(case):
     hf_dir, samples, refs, grads = case
-    _check(spawn_ranks(replayed_log_probs, 1, hf_dir, 1, samples, timeout=300), refs, grads)
+    results = spawn_ranks(replayed_log_probs, 1, hf_dir, layout_argv(), samples, timeout=300)
+    _check(results, refs, grads)
 
 
 @pytest.mark.extended
 @pytest.mark.numeric
 def test_replayed_log_probs_equal_forced_hf_ep2(case):
+    """EP 2: the experts split over the ranks, tokens dispatched all-to-all."""
     hf_dir, samples, refs, grads = case
-    _check(spawn_ranks(replayed_log_probs, 2, hf_dir, 2, samples, timeout=300), refs, grads)
+    results = spawn_ranks(replayed_log_probs, 2, hf_dir, layout_argv(ep=2), samples, timeout=300)
+    _check(results, refs, grads)
 
 
 @pytest.mark.parametrize(

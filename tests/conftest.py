@@ -104,6 +104,7 @@ KERNEL_DEPENDENT = {
     "miles_megatron/test_megatron_step_slices.py": f"fp32 steps vs float64 reference: {FP32_SUMS}",
     "miles_megatron/test_megatron_varlen.py": f"fp32 varlen attention vs HF: {FP32_SUMS}",
     "miles_megatron/test_packed_forward.py": f"packed fp32 forward vs HF: {FP32_SUMS}",
+    "miles_megatron/test_routing_replay.py": f"replayed fp32 MoE log-probs vs float64 HF: {FP32_SUMS}",
     "miles_megatron/test_run_mcore_fsdp.py": f"fp32 training vs reference: {FP32_SUMS}",
     "miles_megatron/test_sdpa_attention.py": f"fp32 sdpa vs HF attention: {FP32_SUMS}",
     "miles_native/test_fused_moe_hf.py": f"fused MoE kernel vs HF fp32: {FP32_SUMS}",

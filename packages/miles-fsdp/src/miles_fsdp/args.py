@@ -87,12 +87,6 @@ class FSDPArgs(ArgGroup):
         help="Expert kernels of MoE models (qwen3_moe, qwen3_5_moe, glm4_moe_lite): fused "
         "Triton kernels or transformers' eager loop (unset: fused on GPU, eager on CPU).",
     )
-    use_rollout_routing_replay: bool = flag(
-        False,
-        help="R3: route each token to the experts the rollout engine chose (samples' "
-        "routed_experts) instead of the trainer's own top-k; weights still come from the "
-        "trainer's router.",
-    )
     use_pytorch_profiler: bool = flag(
         False, help="Trace optimizer steps --profile-step-start..end with torch.profiler."
     )

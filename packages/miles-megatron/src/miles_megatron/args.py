@@ -153,6 +153,7 @@ class MegatronArgs(ArgGroup):
         check_lora_and_reference_flags(args)
         check_generated_flags(args)
         check_context_parallel_flags(args)
+        check_routing_replay_flags(args)
         check_attn_implementation(args)
         check_memory_flags(args)
         world = world_size_of(args)
@@ -284,6 +285,31 @@ def check_lora_and_reference_flags(args: Any) -> None:
         raise ArgumentError(
             f"--kl-coef {args.kl_coef} under --train-backend megatron needs a reference model "
             "(--ref-load)"
+        )
+
+
+def check_routing_replay_flags(args: Any) -> None:
+    """``--use-rollout-routing-replay``: refuse the layouts :mod:`miles_megatron.routing_replay`
+    does not cover (a split row's tokens, a micro-batch's backward away from its forward)."""
+    if not getattr(args, "use_rollout_routing_replay", False):
+        return
+    for dest, limit in (
+        ("context_parallel_size", "splits a row's tokens over CP ranks"),
+        (
+            "pipeline_model_parallel_size",
+            "runs other micro-batches between a forward and its backward",
+        ),
+    ):
+        size = getattr(args, dest)
+        if size > 1:
+            raise ArgumentError(
+                f"--use-rollout-routing-replay with {flag_option(dest)} {size} is not supported "
+                f"by --train-backend megatron (it {limit})"
+            )
+    if args.tensor_model_parallel_size > 1 and args.sequence_parallel:
+        raise ArgumentError(
+            "--use-rollout-routing-replay with --sequence-parallel is not supported by "
+            "--train-backend megatron (it splits a row's tokens over TP ranks)"
         )
 
 

@@ -35,6 +35,7 @@ from miles_core.packing import PackedBatch
 from miles_megatron.context_parallel import PackedShard, shard_micro_batches
 from miles_megatron.output_head import LogitsHead, ScoreHead
 from miles_megatron.packed_attention import attn_implementation_of, varlen_mask
+from miles_megatron.routing_replay import clear_routed_experts, set_routed_experts
 from miles_megatron.value_head import ValueScores
 
 #: ``on_scores(index, shard, *head.scores(...))`` -> this rank's share of the loss (training)
@@ -80,6 +81,7 @@ def run_schedule(
 
     def forward_step(data_iterator, module):
         index, shard = next(data_iterator)
+        set_routed_experts(module, shard.full.routed_experts)  # R3; held through the backward
         with head.context(module, shard, last_stage):
             output = stage_forward(module, shard)
 
@@ -91,15 +93,18 @@ def run_schedule(
 
         return output, loss_func
 
-    get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=items,
-        model=[model],
-        num_microbatches=count,
-        seq_length=max(p.num_tokens for p in micro_batches),  # megatron divides by CP (and TP)
-        micro_batch_size=1,
-        forward_only=forward_only,
-    )
+    try:
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=items,
+            model=[model],
+            num_microbatches=count,
+            seq_length=max(p.num_tokens for p in micro_batches),  # megatron divides by CP, TP
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+    finally:
+        clear_routed_experts(model)
 
 
 def broadcast_from_last_stage(value: Any) -> Any:

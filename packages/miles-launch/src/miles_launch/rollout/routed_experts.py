@@ -1,6 +1,6 @@
 """The engine's routed experts of each sample, for routing replay (R3).
 
-With ``--use-rollout-routing-replay`` (a trainer flag; the FSDP backend declares it) the
+With ``--use-rollout-routing-replay`` (a trainer flag both backends honour) the
 launcher starts every engine with ``--enable-return-routed-experts``, every ``/generate``
 request sets ``return_routed_experts: true`` (``routed_experts_start_len`` 0: the whole
 sequence), and the reply's ``meta_info.routed_experts`` becomes ``Sample.routed_experts``.

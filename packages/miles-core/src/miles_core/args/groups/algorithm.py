@@ -179,6 +179,12 @@ class AlgorithmArgs(ArgGroup):
         help="The old-policy log-probs of the PPO ratio are the engine's sampled ones (no "
         "old-log-prob forward pass; the ratio also corrects the train/rollout mismatch).",
     )
+    use_rollout_routing_replay: bool = flag(
+        False,
+        help="R3: route each token to the experts the rollout engine chose (samples' "
+        "routed_experts) instead of the trainer's own top-k; weights still come from the "
+        "trainer's router.",
+    )
     true_on_policy: bool = flag(
         False,
         help="The engine's sampled log-probs and the trainer's are bitwise equal: both sides "

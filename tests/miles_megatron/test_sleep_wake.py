@@ -25,7 +25,7 @@ def test_a_failed_wake_is_one_clear_error_and_a_retry_restores(tmp_path):
     turn with the allocator's error: WakeFailed names the role, the stage, the buffer and its
     bytes (the storage's size measured awake), every storage is freed again, and a wake
     without the fault gives back the weights of before the sleep, bit for bit."""
-    from megatron_ranks import failed_wake_then_retry
+    from wake_failure_ranks import failed_wake_then_retry
 
     hf_dir = str(make_tiny_hf("qwen3", tmp_path / "hf"))
     (result,) = spawn_ranks(failed_wake_then_retry, 1, hf_dir, timeout=300)

@@ -168,13 +168,8 @@ class MegatronBackend(TrainBackend):
         phase("wrapping the model in DDP and building the optimizer")
         self.model = wrap_ddp(model, config, args)
         self.optimizer, self.scheduler = build_optimizer(self.model, args)
-        self.sleeper = sleeper_from_args(
-            self.model,
-            self.optimizer,
-            args,
-            name="megatron" if role == "actor" else role,
-            role=role,
-        )
+        name = "megatron" if role == "actor" else role
+        self.sleeper = sleeper_from_args(self.model, self.optimizer, args, name=name, role=role)
         next_rollout_id = 0
         if resumed is not None:
             from miles_megatron.checkpoint import load_checkpoint

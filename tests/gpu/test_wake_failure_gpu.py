@@ -97,7 +97,7 @@ def test_a_wake_the_device_cannot_hold_fails_cleanly_and_a_retry_restores(tmp_pa
     hf_dir = str(save_tiny_model(tmp_path / "m", config))
     out = tmp_path / "row.pt"
     run_ranks(1, failed_wake_program, hf_dir, str(out), backend="nccl", timeout=600)
-    row = torch.load(out, weights_only=False)
+    row = torch.load(out, weights_only=True)
     assert row["error"] and not row["error"].startswith("raw:"), row["error"]
     assert row["error"].startswith("wake of actor failed allocating"), row["error"]
     assert "free" in row["error"] and str(row["nbytes"]) in row["error"], row["error"]

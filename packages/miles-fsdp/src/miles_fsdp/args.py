@@ -125,7 +125,7 @@ class FSDPArgs(ArgGroup):
                 raise ArgumentError(
                     f"--{dest.replace('_', '-')} is not honoured by --train-backend fsdp ({why})"
                 )
-        if getattr(args, "true_on_policy", False) and args.attn_implementation is not None:
+        if args.true_on_policy and args.attn_implementation is not None:
             raise ArgumentError(
                 f"--attn-implementation {args.attn_implementation} with --true-on-policy: the "
                 "mode attends through its own batch-invariant attention (drop the flag)"
@@ -153,7 +153,7 @@ class FSDPArgs(ArgGroup):
             if layers < 1:
                 raise ArgumentError(f"--gradient-checkpointing-layers must be >= 1, got {layers}")
         compute = named or args.fsdp_compute_dtype or "bf16"
-        if getattr(args, "true_on_policy", False) and compute != "fp32":
+        if args.true_on_policy and compute != "fp32":
             raise ArgumentError(
                 f"--true-on-policy computes in fp32 on CPU, and the compute dtype is {compute} "
                 "(add --fsdp-compute-dtype fp32)"

@@ -213,7 +213,7 @@ class EngineLaunchArgs(ArgGroup):
                         f"{option(dest)} acts on engine restarts, and this job makes none "
                         "(--engine-restart-limit 0)"
                     )
-        if getattr(args, "true_on_policy", False) and args.rollout_engine == "sglang":
+        if args.true_on_policy and args.rollout_engine == "sglang":
             raise ArgumentError(
                 "--true-on-policy with --rollout-engine sglang: SGLang's on-policy switches "
                 "(--rl-on-policy-target) are not passed yet; use --rollout-engine builtin"

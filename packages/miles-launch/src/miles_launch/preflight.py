@@ -363,7 +363,7 @@ def local_gpus() -> int:
 def check_true_on_policy(args: Any) -> None:
     """``--true-on-policy`` runs on CPU: a local job on a machine with GPUs would put its ranks
     and engines on them, where the batch-invariant kernels are not built yet."""
-    if getattr(args, "true_on_policy", False) and not args.ray_address and local_gpus():
+    if args.true_on_policy and not args.ray_address and local_gpus():
         raise ArgumentError(
             "--true-on-policy runs on CPU only, and this machine has GPUs: the GPU's "
             "batch-invariant kernels are not built yet"

@@ -334,7 +334,7 @@ def check_context_parallel_flags(args: Any) -> None:
             f"--context-parallel-size {cp} with --tis-level {args.tis_level}: a sequence's "
             "importance weight needs all its tokens, which CP ranks hold parts of"
         )
-    if getattr(args, "custom_loss_function_path", None):
+    if args.custom_loss_function_path:
         raise ArgumentError(
             f"--context-parallel-size {cp} with --custom-loss-function-path: the hook gets a "
             "whole packed row, which CP ranks hold parts of"

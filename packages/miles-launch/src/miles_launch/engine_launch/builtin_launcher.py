@@ -53,6 +53,6 @@ def builtin_engine_command(
         cmd.append("--enable-memory-saver")
     if routing_replay_on(args):
         cmd.append("--enable-return-routed-experts")
-    if getattr(args, "true_on_policy", False):
+    if args.true_on_policy:
         cmd.append("--true-on-policy")
     return cmd

@@ -141,7 +141,7 @@ class RolesArgs(ArgGroup):
                 "--teacher-load has no built-in consumer: it requires --custom-prepare-path "
                 "or --custom-loss-function-path"
             )
-        loss_type = getattr(args, "loss_type", "policy_loss")
+        loss_type = args.loss_type
         if args.custom_loss_function_path and loss_type != "policy_loss":
             raise ArgumentError(
                 f"--custom-loss-function-path replaces the actor's --loss-type policy_loss "

@@ -21,7 +21,6 @@ import json
 import re
 import subprocess
 import sys
-from argparse import Namespace
 from pathlib import Path
 
 import numpy as np
@@ -75,40 +74,29 @@ def fsdp_available() -> bool:
 # ---------------------------------------------------------------------- flags and commands
 
 
-def launch_args(**overrides) -> Namespace:
-    base = dict(
-        hf_checkpoint="/m",
-        offload_rollout=False,
-        sglang_passthrough={},
-        rollout_num_gpus_per_engine=1,
-        sglang_mem_fraction_static=None,
-        sglang_context_length=None,
-        use_rollout_routing_replay=True,
-    )
-    return Namespace(**(base | overrides))
-
-
-def test_engines_are_started_to_report_routed_experts():
-    flag = "--enable-return-routed-experts"
-    builtin = builtin_engine_command(launch_args(), host="h", port=1, device="cpu")
-    assert builtin.count(flag) == 1
-    assert flag not in builtin_engine_command(
-        launch_args(use_rollout_routing_replay=False), host="h", port=1, device="cpu"
-    )
-    assert sglang_server_command(launch_args(), host="h", port=1).count(flag) == 1
-    # given as a passthrough flag too: still once
-    passthrough = launch_args(sglang_passthrough={"enable-return-routed-experts": True})
-    assert sglang_server_command(passthrough, host="h", port=1).count(flag) == 1
-    # a backend without the flag (megatron): no routed experts asked for
-    no_flag = Namespace(**{k: v for k, v in vars(launch_args()).items() if "routing" not in k})
-    assert flag not in sglang_server_command(no_flag, host="h", port=1)
-
-
 def parse_train_flags(tmp_path: Path, hf: Path, *flags: str):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
     argv = ["--hf-checkpoint", str(hf), "--prompt-data", str(prompts), "--rm-type", "math"]
     return parse_args([*argv, *flags], entry_point_groups("core", "fsdp", "launch"))
+
+
+@pytest.mark.skipif(not fsdp_available(), reason="the FSDP backend parses the launch flags")
+def test_engines_are_started_to_report_routed_experts(tmp_path):
+    flag = "--enable-return-routed-experts"
+    moe = save_tiny_model(tmp_path / "moe", moe_config("qwen3_moe"))
+    on = parse_train_flags(tmp_path, moe, "--use-rollout-routing-replay")
+    off = parse_train_flags(tmp_path, moe)
+    assert builtin_engine_command(on, host="h", port=1, device="cpu").count(flag) == 1
+    assert flag not in builtin_engine_command(off, host="h", port=1, device="cpu")
+    assert sglang_server_command(on, host="h", port=1).count(flag) == 1
+    assert flag not in sglang_server_command(off, host="h", port=1)
+    # given as a passthrough flag too: still once
+    passthrough = parse_train_flags(
+        tmp_path, moe, "--use-rollout-routing-replay", "--sglang-enable-return-routed-experts"
+    )
+    assert passthrough.sglang_passthrough == {"enable-return-routed-experts": True}
+    assert sglang_server_command(passthrough, host="h", port=1).count(flag) == 1
 
 
 @pytest.mark.skipif(not fsdp_available(), reason="the FSDP backend declares the flag")
@@ -148,9 +136,8 @@ def moe_engine(tmp_path_factory):
     config = moe_config("qwen3_moe")
     config.num_experts = NUM_EXPERTS
     hf_dir = save_tiny_model(tmp_path_factory.mktemp("r3") / "engine", config)
-    cmd = builtin_engine_command(
-        launch_args(hf_checkpoint=str(hf_dir)), host="127.0.0.1", port=0, device="cpu"
-    )
+    args = parse_train_flags(hf_dir.parent, hf_dir, "--use-rollout-routing-replay")
+    cmd = builtin_engine_command(args, host="127.0.0.1", port=0, device="cpu")
     flags = cmd[cmd.index("--device") + 2 :]  # what the launcher adds after the basics
     assert flags == [ENGINE_FLAG]
     engine = EngineProcess(hf_dir, *flags, timeout=240)

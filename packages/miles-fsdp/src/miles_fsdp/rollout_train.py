@@ -221,7 +221,7 @@ def train_rollout(ctx: RolloutContext, batch: RolloutBatch) -> tuple[dict[str, f
     and ``lr`` of the last step, ``tokens_per_s`` (this rank) and ``peak_memory_gb`` on CUDA.
     Under ``--true-on-policy`` all of it runs in :func:`miles_core.batch_invariant.mode`.
     """
-    on_policy = getattr(ctx.args, "true_on_policy", False)
+    on_policy = ctx.args.true_on_policy
     with batch_invariant.mode() if on_policy else contextlib.nullcontext():
         return _train_rollout(ctx, batch)
 

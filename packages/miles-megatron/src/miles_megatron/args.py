@@ -291,7 +291,7 @@ def check_lora_and_reference_flags(args: Any) -> None:
 def check_routing_replay_flags(args: Any) -> None:
     """``--use-rollout-routing-replay``: refuse the layouts :mod:`miles_megatron.routing_replay`
     does not cover (a split row's tokens, a micro-batch's backward away from its forward)."""
-    if not getattr(args, "use_rollout_routing_replay", False):
+    if not args.use_rollout_routing_replay:
         return
     for dest, limit in (
         ("context_parallel_size", "splits a row's tokens over CP ranks"),

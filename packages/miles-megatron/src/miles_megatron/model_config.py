@@ -82,9 +82,7 @@ def transformer_config(margs: Mapping[str, Any], args: Any):
             if margs.get(key) is not None:
                 kwargs[key] = margs[key]
         # R3: megatron's routers replay the engine's ids (miles_megatron.routing_replay)
-        kwargs["moe_enable_routing_replay"] = bool(
-            getattr(args, "use_rollout_routing_replay", False)
-        )
+        kwargs["moe_enable_routing_replay"] = bool(args.use_rollout_routing_replay)
     elif kwargs["variable_seq_lengths"]:
         # a dense model has no dispatcher, but megatron rejects its default (allgather) with
         # variable sequence lengths (PP > 1: packed rows differ in length)

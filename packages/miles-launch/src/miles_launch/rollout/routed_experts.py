@@ -41,8 +41,8 @@ class RoutedExpertsLayout:
 
 
 def routing_replay_on(args: Any) -> bool:
-    """Whether ``--use-rollout-routing-replay`` is set (a backend without the flag: no)."""
-    return bool(getattr(args, "use_rollout_routing_replay", False))
+    """Whether ``--use-rollout-routing-replay`` is set."""
+    return bool(args.use_rollout_routing_replay)
 
 
 @functools.lru_cache(maxsize=8)

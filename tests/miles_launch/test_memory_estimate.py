@@ -182,8 +182,14 @@ def test_activation_formula_by_hand():
     # attention 2 x 4096 + 2 x 3072 + 2 x 2048 + 4 x 16 + 4 x 2 x 128 = 19520; MLP 5 x 2 x 3072
     # = 30720: 95296 bytes; at TP 2 without sequence parallelism the norms stay whole
     assert shape.layer_activation_bytes(False, layers="megatron") == 95296
+    on_cpu = TrainerLayout(backend="megatron", ranks=2, tokens=1000, tp=2, on_cuda=False)
+    assert activation_bytes(shape, on_cpu) == 1000 * (28 * (20480 + (95296 - 20480) / 2) + outside)
+    # on a GPU torch's fused RMSNorm saves its bf16 input and fp32 rstd: norms 2 x (2 x 2 x 1024
+    # + 4) = 8200; q/k norms the query's copy and their rstd, 2 x 2048 + 4 x (16 + 8) = 4192
+    # (k's input is a view of the QKV output): 8200 + 4192 + 19520 + 30720 = 62632 bytes
+    assert shape.layer_activation_bytes(False, layers="megatron", fused_norm=True) == 62632
     mega = TrainerLayout(backend="megatron", ranks=2, tokens=1000, tp=2)
-    assert activation_bytes(shape, mega) == 1000 * (28 * (20480 + (95296 - 20480) / 2) + outside)
+    assert activation_bytes(shape, mega) == 1000 * (28 * (8200 + (62632 - 8200) / 2) + outside)
     # the dense head: 18 bytes per [tokens, V] element; the fused one its chunks and dW in fp32
     dense = TrainerLayout(backend="fsdp", ranks=1, tokens=16384, fused_head=False)
     assert head_bytes(shape, dense) == 16384 * 151936 * 18

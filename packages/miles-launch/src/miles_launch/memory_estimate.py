@@ -22,7 +22,7 @@ bytes (2 for bf16) and the shards each backend cuts:
   ``--stream-optimizer-bucket-numel`` on the GPU.
 * **Activations** of one micro-batch of ``--max-tokens-per-gpu`` tokens (each CP rank holds that
   many): every layer's saved tensors (:meth:`ModelShape.layer_activation_bytes` says which: HF's
-  layers for FSDP, megatron-core's for Megatron) without
+  layers for FSDP, megatron-core's for Megatron, whose RMSNorms save less on a GPU) without
   recompute; with ``--gradient-checkpointing`` (FSDP) or ``--recompute-granularity full``
   (Megatron) the checkpointed inputs (``c h`` per token per checkpoint) plus the recomputed
   layers. Megatron divides by TP under ``--sequence-parallel`` (without it only the head- and
@@ -227,9 +227,10 @@ def activation_bytes(shape: ModelShape, lay: TrainerLayout, recompute: str | Non
     tp = lay.tp if lay.backend == "megatron" else 1
 
     layers = "megatron" if lay.backend == "megatron" else "hf"
+    fused_norm = lay.backend == "megatron" and lay.on_cuda  # HF's norm is Python: no fused kernel
 
     def layer(kind: bool) -> float:
-        hidden_part, split_part = shape.layer_activation_split(kind, c, layers)
+        hidden_part, split_part = shape.layer_activation_split(kind, c, layers, fused_norm)
         return (hidden_part / (tp if lay.sequence_parallel else 1)) + split_part / tp
 
     full = dense * (layer(False) if dense else 0) + sparse * (layer(True) if sparse else 0)

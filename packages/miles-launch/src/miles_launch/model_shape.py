@@ -216,7 +216,7 @@ class ModelShape:
 
     # ------------------------------------------------------------------ activations
     def layer_activation_bytes(
-        self, sparse: bool, compute_bytes: int = 2, layers: str = "hf"
+        self, sparse: bool, compute_bytes: int = 2, layers: str = "hf", fused_norm: bool = False
     ) -> int:
         """Bytes one decoder layer saves for backward per token, without recompute.
 
@@ -245,6 +245,14 @@ class ModelShape:
         Its sdpa path (``--attn-implementation sdpa``, the CPU's) adds a ``T x T`` mask, not
         counted (varlen, a GPU's default, has none).
 
+        ``fused_norm`` (megatron-core's layer on a GPU): ``torch.nn.RMSNorm`` runs torch's
+        ``_fused_rms_norm`` kernel on CUDA, whose autograd formula saves the input, the weight
+        and the fp32 ``rstd`` (one float per row) instead of the CPU decomposition's fp32 copies:
+        each hidden norm keeps its ``c h`` input, ``rstd`` and (for the next projection) its
+        ``c h`` output, ``2 (2c h + 4)``; the k norm's input is a view of the fused QKV output
+        (already counted), the q norm's the copy megatron's reshape makes of the query, and
+        rotary saves only its tables: ``c q + 4 (n_q + n_kv)``.
+
         MLA counts q/k at ``qk_nope + qk_rope`` and v at ``v_head_dim`` per head. Checked against
         the unique storages autograd saves for one micro-batch (bf16, on the CPU): HF's Qwen3
         layer within 0.3% and Qwen3-MoE layer within 0.6%
@@ -265,9 +273,14 @@ class ModelShape:
             rotary = self.head_dim
         q, k, v = self.heads * qk_dim, kv_heads * qk_dim, kv_heads * v_dim
         out = self.heads * v_dim
-        norms = self._norm_bytes(c, layers)
+        norms = self._norm_bytes(c, layers, fused_norm)
         if layers == "megatron":
-            qk_norm = 8 * (q + k) if self.qk_norm else 0
+            if not self.qk_norm:
+                qk_norm = 0
+            elif fused_norm:
+                qk_norm = c * q + 4 * (self.heads + kv_heads)
+            else:
+                qk_norm = 8 * (q + k)
             attention = c * (q + k + v) + c * (q + k) + c * out + 4 * self.heads + 4 * c * rotary
             dense_mlp = 5 * c * self.intermediate
         else:
@@ -283,17 +296,19 @@ class ModelShape:
             mlp = dense_mlp
         return norms + qk_norm + attention + mlp
 
-    def _norm_bytes(self, c: int, layers: str) -> int:
+    def _norm_bytes(self, c: int, layers: str, fused_norm: bool = False) -> int:
         """The two hidden-sized RMSNorms' saved bytes per token (with the projection inputs)."""
+        if layers == "megatron" and fused_norm:
+            return 2 * (2 * c * self.hidden + 4)
         return 2 * ((8 + c) if layers == "megatron" else (4 + 2 * c)) * self.hidden
 
     def layer_activation_split(
-        self, sparse: bool, compute_bytes: int = 2, layers: str = "hf"
+        self, sparse: bool, compute_bytes: int = 2, layers: str = "hf", fused_norm: bool = False
     ) -> tuple[int, int]:
         """:meth:`layer_activation_bytes` as ``(hidden-sized part, head/MLP-sized part)``: tensor
         parallelism without sequence parallelism divides only the second."""
-        total = self.layer_activation_bytes(sparse, compute_bytes, layers)
-        hidden_part = self._norm_bytes(compute_bytes, layers)
+        total = self.layer_activation_bytes(sparse, compute_bytes, layers, fused_norm)
+        hidden_part = self._norm_bytes(compute_bytes, layers, fused_norm)
         return hidden_part, total - hidden_part
 
 

@@ -347,6 +347,7 @@ def test_four_rank_cp_layouts_train_like_hf_and_equal_cp1(layout_hf_dirs):
     cases = [
         ("llama cp2 tp2", llama, cp_argv(cp=2, tp=2)),
         ("llama cp2 pp2", llama, cp_argv(cp=2, pp=2)),
+        ("llama cp2 dp2", llama, cp_argv(cp=2)),  # two CP groups, each on its DP shard
     ]
     results = spawn_ranks(train_and_publish, 4, cases, LAYOUT_ROLLOUTS, timeout=1200)
     check(results, cases, layout_hf_dirs)

@@ -12,7 +12,7 @@ qwen3_moe trains with the all-gather and the all-to-all token dispatchers (the a
 gloo through the CPU shim's split-size adapter, megatron_shim.py); llama is the dense control.
 The default suite runs the 2-rank layouts (EP=2, PP=2, TP=2 with LoRA merged; in the spawn
 test_pipeline.py shares, conftest.py); the 4-rank ones (EP=2 x TP=2 at ETP=1 and ETP=TP,
-PP=2 x TP=2, PP=2 x EP=2) are ``extended``.
+PP=2 x TP=2, PP=2 x EP=2, TP=2 x DP=2, PP=2 x DP=2) are ``extended``.
 """
 
 from __future__ import annotations
@@ -36,8 +36,10 @@ def check(results: list[dict], cases: list, hf_dirs: dict) -> None:
         first = results[0][label]["to_first"]
         names = sorted(load_file(f"{hf_dir}/model.safetensors"))
         assert sorted(first) == names, (label, sorted(set(names) ^ set(first)))
+        dp = next((int(w[2:]) for w in label.split() if w.startswith("dp")), None)
         for rank, r in enumerate(results):
             result = r[label]
+            assert dp is None or result["dp_size"] == dp, (label, rank, result["dp_size"])
             assert sorted(result["to_all"]) == names, (label, rank)
             assert all(np.array_equal(result["to_all"][k], first[k]) for k in names), (label, rank)
             assert f"not in it ['{names[0]}']" in result["names_error"], (label, rank)
@@ -69,6 +71,7 @@ def test_four_rank_layouts_train_like_hf_and_publish_every_stage(layout_hf_dirs)
         ("moe pp2 ep2", moe, argv_of(pp=2, ep=2, a2a=True)),
         ("llama tp2 dp2", llama, argv_of(tp=2)),
         ("llama pp2 tp2", llama, argv_of(pp=2, tp=2)),
+        ("llama pp2 dp2", llama, argv_of(pp=2)),  # each stage's gradients averaged over DP
     ]
     results = spawn_ranks(train_and_publish, 4, cases, LAYOUT_ROLLOUTS, timeout=900)
     check(results, cases, layout_hf_dirs)

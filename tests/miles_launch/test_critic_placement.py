@@ -148,3 +148,17 @@ def test_cli_refuses_a_critic_world_in_one_line():
     )  # fmt: skip
     line = one_error_line(result)
     assert "the critic's 3 rank(s)" in line and "--dp-replicate-size 2" in line
+
+
+def test_the_memory_plan_counts_the_critic_where_it_runs(tmp_path):
+    """The trainer GPU's estimate holds a critic beside the actor, not one on its own GPUs."""
+    if "fsdp" not in backends.available():
+        pytest.skip("the FSDP backend is not installed")
+    from miles_launch.memory_plan import trainer_layout
+
+    flags = [*PPO, "--max-tokens-per-gpu", "64"]
+    shared = trainer_layout(_parse_with("fsdp", tmp_path, *flags), on_cuda=True)
+    own = _parse_with("fsdp", tmp_path, *flags, "--critic-num-gpus-per-node", "1")
+    assert shared is not None and shared.critic
+    layout = trainer_layout(own, on_cuda=True)
+    assert layout is not None and not layout.critic

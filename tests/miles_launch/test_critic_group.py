@@ -1,6 +1,6 @@
 """The driver's side of a critic on its own ranks, with stand-in groups (no Ray): one rollout's
 training starts the critic's train before the actor's and waits for it after (they overlap),
-its metrics come back as ``critic/<name>``; a failure names a *critic* rank; the job's teardown
+its metrics come back as ``critic/<name>``; a save point saves both, the critic meanwhile; a failure names a *critic* rank; the job's teardown
 ends both groups, the critic's even when the trainer's close fails. The real job is
 test_critic_own_ranks_e2e.py's."""
 
@@ -42,6 +42,19 @@ class StandIn:
         assert "values" in batch
         return [{"loss": 1.5}, {"loss": 1.5}]
 
+    def save_model(self, rollout_id, force_sync=False):
+        self.events.append(f"{self.name}.save_model {rollout_id}")
+
+    def start_save_model(self, rollout_id, force_sync=False):
+        self.events.append(f"{self.name}.start_save_model {rollout_id}")
+        events, name = self.events, self.name
+
+        class Saving:
+            def result(self):
+                events.append(f"{name}.save_model done")
+
+        return Saving()
+
     def close(self):
         self.events.append(f"{self.name}.close")
         if self.fail_close:
@@ -52,6 +65,19 @@ class StandIn:
 
 
 class Reporter:
+    def save_model(self, rollout_id, force_sync=False):
+        self.events.append(f"{self.name}.save_model {rollout_id}")
+
+    def start_save_model(self, rollout_id, force_sync=False):
+        self.events.append(f"{self.name}.start_save_model {rollout_id}")
+        events, name = self.events, self.name
+
+        class Saving:
+            def result(self):
+                events.append(f"{name}.save_model done")
+
+        return Saving()
+
     def close(self):
         pass
 
@@ -114,3 +140,20 @@ def test_the_critic_closes_when_the_trainers_close_fails(tmp_path):
     with pytest.raises(TrainerFailure, match="trainer rank 1 failed in close"):
         job.teardown()
     assert events == ["trainer.close", "critic.close"]
+
+
+def test_a_save_point_saves_the_critic_while_the_actor_saves(tmp_path):
+    from miles_launch.job import LauncherState
+    from miles_launch.loop import save_point
+
+    events: list = []
+    args = parse(tmp_path, *PPO, "--save", str(tmp_path / "ckpt"), "--num-rollout", "1")
+    job = _job(args, StandIn("trainer", events), StandIn("critic", events))
+    job.state = LauncherState(0, 0)
+    assert save_point(job, 0, None)
+    assert events == [
+        "critic.start_save_model 0",
+        "trainer.save_model 0",
+        "critic.save_model done",
+    ]
+    assert (tmp_path / "ckpt" / "launcher" / "iter_0000001.json").is_file()

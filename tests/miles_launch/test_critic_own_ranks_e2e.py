@@ -9,6 +9,8 @@ rounding (``2 * GRAD_REL_ERR``, relative; the critic's data-parallel degree, 1 a
 changes its gradient's reduction order). Coverage: the critic's ranks ran in processes of their
 own (the job's log names every rank's pid), its checkpoint was written by a world of 1 rank
 (the shared critic's by the trainer's 2), and each side took 4 optimizer steps (2 per rollout).
+A third job resumes the own-ranks run from its checkpoint (``--load``, the critic's from
+``<load>/critic``) for a third rollout: both sides continue from their 4 steps to 6.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ def rank_pids(log: str, group: str) -> set[int]:
     return {int(p) for p in re.findall(r"pid (\d+)", line)}
 
 
-def meta(checkpoint) -> dict:
-    return json.loads((checkpoint / "iter_0000002" / "meta.json").read_text())
+def meta(checkpoint, iteration: int = 2) -> dict:
+    return json.loads((checkpoint / f"iter_{iteration:07d}" / "meta.json").read_text())
 
 
 @pytest.mark.timeout(1800)  # two jobs
@@ -89,3 +91,16 @@ def test_a_critic_on_its_own_rank_trains_as_the_shared_one(material, tmp_path):
         actor, critic_meta = meta(ckpt), meta(ckpt / "critic")
         assert (actor["world_size"], critic_meta["world_size"]) == (2, critic_world), name
         assert actor["global_step"] == critic_meta["global_step"] == 4, name
+
+    # resume: the critic's own ranks load its checkpoint and continue from its step count
+    own = tmp_path / "own"
+    result = train(
+        material, own / "resumed.jsonl", *SMALL, *PPO, "--critic-num-gpus-per-node", "1",
+        "--num-rollout", "3", "--load", str(own / "ckpt"), "--save", str(own / "resumed"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = records(own / "resumed.jsonl")
+    assert row["rollout_id"] == 2 and "critic/value_loss" in row["train"]
+    actor, critic_meta = meta(own / "resumed", 3), meta(own / "resumed" / "critic", 3)
+    assert (actor["global_step"], critic_meta["global_step"]) == (6, 6)
+    assert critic_meta["world_size"] == 1

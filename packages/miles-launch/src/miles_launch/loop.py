@@ -266,10 +266,11 @@ def save_point(job: Job, rollout_id: int, trigger: SaveTrigger | None) -> bool:
         return False
     write_launcher_state(args.save, LauncherState(rollout_id + 1, job.state.data_position))
     force = trigger is not None and trigger.armed
-    # every group at once: a critic on its own ranks saves while the actor does
-    saving = [group.start_save_model(rollout_id, force_sync=force) for group in job.groups()]
-    for pending in saving:
-        pending.result()
+    critic = getattr(job, "critic", None)  # a critic on its own ranks saves meanwhile
+    saving = None if critic is None else critic.start_save_model(rollout_id, force_sync=force)
+    job.trainer.save_model(rollout_id, force_sync=force)
+    if saving is not None:
+        saving.result()
     if trigger is not None:
         trigger.consume()
     return True

@@ -162,3 +162,20 @@ def test_the_memory_plan_counts_the_critic_where_it_runs(tmp_path):
     assert shared is not None and shared.critic
     layout = trainer_layout(own, on_cuda=True)
     assert layout is not None and not layout.critic
+
+
+def test_the_local_gpu_check_counts_the_critics_gpus(tmp_path, monkeypatch):
+    """Without --ray-address the job's bundles must fit this machine's GPUs: 2 trainer ranks,
+    1 critic rank and 1 engine need 4 (3 without the critic's own rank)."""
+    import miles_launch.preflight as preflight_module
+
+    monkeypatch.setattr(preflight_module, "local_gpus", lambda: 3)
+    flags = [*PPO, "--rollout-engine", "sglang", "--actor-num-gpus-per-node", "2"]
+    preflight_module.check_local_devices(parse(tmp_path, *flags))  # 3 fit
+    with pytest.raises(ArgumentError) as info:
+        preflight_module.check_local_devices(
+            parse(tmp_path, *flags, "--critic-num-gpus-per-node", "1")
+        )
+    assert str(info.value).startswith(
+        "the job needs 4 GPUs (2 trainer ranks + 1 critic + 1 for engines) and this machine has 3"
+    )

@@ -32,9 +32,8 @@ PPO = ["--advantage-estimator", "ppo", "--use-critic"]
         ([*PPO, "--loss-type", "sft_loss"], "--use-critic trains the actor with --loss-type"),
         ([*PPO, "--kl-coef", "0.1", "--ref-load", "/x"], "--use-critic with --kl-coef > 0"),
         (
-            [*PPO, "--actor-num-gpus-per-node", "2", "--critic-num-gpus-per-node", "1"],
-            "--critic-num-gpus-per-node 1: the critic runs on the trainer's ranks, so it must "
-            "equal --actor-num-gpus-per-node (2)",
+            [*PPO, "--critic-num-gpus-per-node", "9"],
+            "--critic-num-gpus-per-node 9 exceeds --num-gpus-per-node 8",
         ),
         (["--critic-num-nodes", "1"], "--critic-num-nodes requires --use-critic"),
     ],

@@ -9,6 +9,7 @@ tri-states are resolved by miles-core's offload group. ``--tensorboard-dir`` is 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -16,6 +17,7 @@ from miles_core.args import ArgGroup, ArgumentError, flag
 from miles_core.args.checks import at_least, greater_than, option, requires, within
 
 from miles_launch.debug_args import DebugDataArgs
+from miles_launch.placement import critic_ranks
 from miles_launch.rollout_args import RolloutArgs
 
 logger = logging.getLogger(__name__)
@@ -48,14 +50,16 @@ class LaunchPlacementArgs(ArgGroup):
     critic_num_nodes: int | None = flag(
         None,
         metavar="N",
-        help="Nodes of the critic (--use-critic); the critic shares the trainer's ranks, so "
-        "only --actor-num-nodes is accepted (unset: the same).",
+        help="Nodes of a critic on its own ranks (--use-critic). With this flag or "
+        "--critic-num-gpus-per-node the critic gets GPUs, processes and a data-parallel world of "
+        "its own and trains while the actor does (unset here: --actor-num-nodes); with neither "
+        "it lives in the trainer's ranks.",
     )
     critic_num_gpus_per_node: int | None = flag(
         None,
         metavar="N",
-        help="Critic ranks per node (--use-critic); the critic shares the trainer's ranks, so "
-        "only --actor-num-gpus-per-node is accepted (unset: the same).",
+        help="Ranks per node of a critic on its own ranks (--use-critic; see --critic-num-nodes; "
+        "unset here: --actor-num-gpus-per-node).",
     )
     ray_address: str | None = flag(
         None,
@@ -75,20 +79,12 @@ class LaunchPlacementArgs(ArgGroup):
             at_least(args, dest, 1)
         if not getattr(args, "load_debug_rollout_data", None):  # a replay starts no engines
             at_least(args, "rollout_num_gpus", 1)
-        for critic, actor in (
-            ("critic_num_nodes", "actor_num_nodes"),
-            ("critic_num_gpus_per_node", "actor_num_gpus_per_node"),
-        ):
-            value = getattr(args, critic)
-            if value is None:
-                continue
-            if not getattr(args, "use_critic", False):
-                raise ArgumentError(f"{option(critic)} requires --use-critic")
-            if value != getattr(args, actor):
-                raise ArgumentError(
-                    f"{option(critic)} {value}: the critic runs on the trainer's ranks, "
-                    f"so it must equal {option(actor)} ({getattr(args, actor)})"
-                )
+        for dest in ("critic_num_nodes", "critic_num_gpus_per_node"):
+            if getattr(args, dest) is not None:
+                requires(args, dest, "use_critic")
+                at_least(args, dest, 1)
+        if critic_ranks(args):
+            check_critic_ranks(args)
         if args.actor_num_gpus_per_node > args.num_gpus_per_node:
             raise ArgumentError(
                 f"--actor-num-gpus-per-node {args.actor_num_gpus_per_node} exceeds "
@@ -133,6 +129,49 @@ class LaunchPlacementArgs(ArgGroup):
                     )
         elif args.rollout_num_gpus is None:
             args.rollout_num_gpus = args.rollout_num_gpus_per_engine
+        if critic_ranks(args):  # a critic on its own ranks: the unset one is the actor's
+            if args.critic_num_nodes is None:
+                args.critic_num_nodes = args.actor_num_nodes
+            if args.critic_num_gpus_per_node is None:
+                args.critic_num_gpus_per_node = args.actor_num_gpus_per_node
+
+
+def check_critic_ranks(args: Any) -> None:
+    """A critic on its own ranks: its nodes fit ``--num-gpus-per-node`` and its world divides
+    into the model-parallel groups its backend builds (the actor's flags: Megatron's TP x PP x
+    CP and ETP x EP x PP, FSDP's ``--dp-replicate-size``)."""
+    ranks = critic_ranks(args)
+    per_node = args.critic_num_gpus_per_node or args.actor_num_gpus_per_node
+    what = f"the critic's {ranks} rank(s) (--critic-num-nodes x --critic-num-gpus-per-node)"
+    if per_node > args.num_gpus_per_node:
+        raise ArgumentError(
+            f"--critic-num-gpus-per-node {per_node} exceeds --num-gpus-per-node "
+            f"{args.num_gpus_per_node}"
+        )
+
+    sizes = {
+        dest: int(getattr(args, dest, None) or 1)
+        for dest in (*MODEL_PARALLEL, *EXPERT_PARALLEL, "dp_replicate_size")
+    }
+    if getattr(args, "expert_tensor_parallel_size", None) is None:  # Megatron's default: TP
+        sizes["expert_tensor_parallel_size"] = sizes["tensor_model_parallel_size"]
+    for dests in (MODEL_PARALLEL, EXPERT_PARALLEL, ("dp_replicate_size",)):
+        if ranks % math.prod(sizes[d] for d in dests):
+            given = " x ".join(f"{option(d)} {sizes[d]}" for d in dests)
+            raise ArgumentError(f"{what} are not divisible by {given}")
+
+
+#: Megatron's model-parallel sizes (unset without Megatron: 1): each product divides a world
+MODEL_PARALLEL = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+)
+EXPERT_PARALLEL = (
+    "expert_tensor_parallel_size",
+    "expert_model_parallel_size",
+    "pipeline_model_parallel_size",
+)
 
 
 @dataclass

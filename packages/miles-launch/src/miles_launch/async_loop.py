@@ -16,9 +16,10 @@ one generation request was running, out of the training time. ``--max-weight-sta
 bounds it: a group with a sample more than N versions stale is dropped before training (its
 prompt is not drawn again), counted in ``stale_groups_dropped``.
 
-With ``--use-critic`` (PPO), each rollout's critic phase runs before the actor's training, as
-in the synchronous loop: the critic scores the batch with its current values (GAE reads them),
-then trains on it.
+With ``--use-critic`` (PPO), each rollout's critic phase runs as in the synchronous loop
+(:mod:`miles_launch.rollout_training`): the critic scores the batch with its current values
+(GAE reads them), then trains on it, before the actor's training or, on its own ranks, during
+it.
 
 Disaggregated only (``--colocate`` is rejected at argument validation). On resume, groups that
 were in flight when the checkpoint was written are skipped (their prompts were drawn).
@@ -37,7 +38,6 @@ from miles_core.save_trigger import SaveTrigger
 
 from miles_launch.job import Job
 from miles_launch.loop import (
-    RolloutTraining,
     add_eval,
     eval_before_training,
     make_generator,
@@ -50,6 +50,7 @@ from miles_launch.loop import (
 )
 from miles_launch.rollout.filtering import group_filter, groups_in_flight
 from miles_launch.rollout.generate import GeneratedSample, all_or_cancel, to_rollout_batch
+from miles_launch.rollout_training import RolloutTraining
 
 logger = logging.getLogger(__name__)
 
@@ -227,7 +228,7 @@ def run_async(job: Job) -> list[dict[str, Any]]:
             ]
             t_train = time.monotonic()
             # with --use-critic, the critic scores the batch (its values for the actor's GAE)
-            # and trains on it first, as in the synchronous loop
+            # and trains on it, as in the synchronous loop
             training = RolloutTraining(job, rollout_id, batch)
             training.critic()
             train_metrics = training.actor()

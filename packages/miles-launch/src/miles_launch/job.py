@@ -2,11 +2,12 @@
 
 Setup order (what can fail on a bad file fails before Ray starts): tokenizer and prompts ->
 reward function -> Ray and the placement group -> engines started (disaggregated: they start
-while the trainer does) -> trainer ranks (``init``, which resumes from ``--load``) -> engines
+while the trainer does) -> trainer ranks (``init``, which resumes from ``--load``; a critic on
+its own ranks initialises at the same time, from ``--critic-load``) -> engines
 started (colocated: after the trainer, which sleeps first with ``--offload-train``) -> engines
 health-checked (none under ``--load-debug-rollout-data``, which replays saved rollouts).
-Teardown closes the trainer (or kills it after a
-failure), stops the engines, removes the placement group and shuts down the Ray it started.
+Teardown closes the trainer and a critic's own ranks (or kills
+them after a failure), stops the engines, removes the placement group and shuts down the Ray it started.
 
 Resume: the launcher keeps its own state next to the backend's checkpoint, written before
 ``save_model`` so that it exists whenever the tracker names the iteration::
@@ -40,7 +41,7 @@ from miles_launch.rollout.partial import PartialBuffer
 from miles_launch.rollout.prompts import Prompt, PromptOrder, drop_long_prompts, load_prompts
 from miles_launch.rollout.rewards import RewardModel
 from miles_launch.rollout_args import eval_sets
-from miles_launch.trainer_group import TrainerGroup
+from miles_launch.trainer_group import TrainerGroup, resume_mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ class Job:
     reporter: Reporter
     placement: Placement | None = None
     trainer: TrainerGroup | None = None
+    critic: TrainerGroup | None = None  # a critic on its own ranks (None: in the trainer's)
     engines: EngineSet | None = None
     state: LauncherState = field(default_factory=lambda: LauncherState(0, 0))
     started_ray: bool = False
@@ -184,18 +186,40 @@ class Job:
             raise
         return job
 
+    def groups(self) -> list[TrainerGroup]:
+        """The job's trainer groups: the trainer's, then a critic's own."""
+        return [g for g in (self.trainer, self.critic) if g is not None]
+
+    def _init_trainers(self) -> int:
+        """``init`` of the trainer and of a critic on its own ranks, at the same time; the
+        rollout both resume at (they must agree)."""
+        args = self.args
+        ranks = f"{self.layout.num_trainer_ranks} rank(s)"
+        if self.critic is not None:
+            ranks += f", the critic's own {self.layout.num_critic_ranks}"
+        phase(f"loading the trainer ({ranks})")
+        starting = [(group, group.start_init(args)) for group in self.groups()]
+        for group in self.groups():
+            logger.info(group.where())
+        next_ids = [group.finish_init(pending, args) for group, pending in starting]
+        if len(set(next_ids)) > 1:  # [the actor's, the critic's]
+            raise RuntimeError(resume_mismatch(args, next_ids[1], next_ids[0]))
+        phase("trainer ready")
+        return next_ids[0]
+
     def _start(self) -> None:
         args = self.args
         # Before anything receives args: engines, router, trainer (its weight publisher).
         ensure_api_key(args, node_ip())
         phase(f"placing {self.layout.num_bundles} bundle(s)")
         self.placement = Placement(self.layout)
-        self.trainer = TrainerGroup(self.placement, args.train_backend)
-        ranks = self.layout.num_trainer_ranks
+        shared_critic = args.use_critic and not self.layout.num_critic_ranks
+        roles = ("critic", "actor") if shared_critic else ("actor",)
+        self.trainer = TrainerGroup(self.placement, args.train_backend, roles)
+        if self.layout.num_critic_ranks:
+            self.critic = TrainerGroup(self.placement, args.train_backend, ("critic",))
         if args.load_debug_rollout_data:  # a replay (miles_launch.replay): no engines
-            phase(f"loading the trainer ({ranks} rank(s))")
-            self.state = read_launcher_state(args, self.trainer.init(args))
-            phase("trainer ready")
+            self.state = read_launcher_state(args, self._init_trainers())
             return
         self.engines = EngineSet(args, self.placement)
         # Disaggregated, the engines have GPUs of their own: they start while the trainer
@@ -205,13 +229,11 @@ class Job:
         if overlap:
             phase(f"starting {self.layout.num_engines} engine(s) while the trainer loads")
             self.engines.start()
-        phase(f"loading the trainer ({ranks} rank(s))")
-        next_rollout_id = self.trainer.init(args)
-        phase("trainer ready")
+        next_rollout_id = self._init_trainers()
         self.state = read_launcher_state(args, next_rollout_id)
         if args.offload_train:
             self.trainer.sleep()
-            if getattr(args, "use_critic", False):
+            if shared_critic:  # a critic on its own ranks shares its GPUs with nothing
                 self.trainer.sleep("critic")
         if not overlap:
             phase(f"starting {self.layout.num_engines} engine(s) on the trainer's GPUs")
@@ -227,15 +249,23 @@ class Job:
                 pause_mode=args.pause_generation_mode,
             )
 
+    @staticmethod
+    def _end(group: TrainerGroup, failed: bool) -> None:
+        if failed:
+            group.teardown()
+        else:
+            group.close()
+
     def teardown(self, failed: bool = False) -> None:
         import ray
 
         try:
-            if self.trainer is not None:  # first: closing leaves the engines' weight groups
-                if failed:
-                    self.trainer.teardown()
-                else:
-                    self.trainer.close()
+            try:
+                if self.trainer is not None:  # first: closing leaves the engines' weight groups
+                    self._end(self.trainer, failed)
+            finally:  # a critic's own ranks go whatever the trainer's end raised
+                if self.critic is not None:
+                    self._end(self.critic, failed)
         finally:
             if self.recovery is not None:
                 self.recovery.close()

@@ -12,6 +12,7 @@
         [--use-critic: wake the critic, score (values), train it, sleep it]
         [--offload-train: wake the trainer]
         train (not during the first --num-critic-only-steps rollouts)
+                            (a critic on its own ranks: it scores, then trains meanwhile)
         save_model on --save-interval, the last rollout, or the sentinel
         [--offload-train: sleep (model and optimizer state to the host)]
         [--offload-rollout: engines resume weights only]
@@ -38,7 +39,6 @@ from miles_core.args.groups.offload import offload_rollout_on, offload_train_on
 from miles_core.save_trigger import SaveTrigger, should_save
 
 from miles_launch.job import Job, LauncherState, write_launcher_state
-from miles_launch.reporting import rank0_metrics
 from miles_launch.rollout.custom_generate import load_generate_function
 from miles_launch.rollout.debug_data import save_rollout_data
 from miles_launch.rollout.draw import draw_groups
@@ -51,6 +51,7 @@ from miles_launch.rollout.generate import (
     to_rollout_batch,
 )
 from miles_launch.rollout.routed_experts import routed_experts_layout
+from miles_launch.rollout_training import RolloutTraining
 from miles_launch.trainer_group import PublishFailed, TrainerFailure
 
 logger = logging.getLogger(__name__)
@@ -265,7 +266,11 @@ def save_point(job: Job, rollout_id: int, trigger: SaveTrigger | None) -> bool:
         return False
     write_launcher_state(args.save, LauncherState(rollout_id + 1, job.state.data_position))
     force = trigger is not None and trigger.armed
+    critic = getattr(job, "critic", None)  # a critic on its own ranks saves meanwhile
+    saving = None if critic is None else critic.start_save_model(rollout_id, force_sync=force)
     job.trainer.save_model(rollout_id, force_sync=force)
+    if saving is not None:
+        saving.result()
     if trigger is not None:
         trigger.consume()
     return True
@@ -387,42 +392,6 @@ def save_rollout(job: Job, rollout_id: int, trigger: SaveTrigger | None) -> bool
     saved = save_point(job, rollout_id, trigger)
     job.state.next_rollout_id = rollout_id + 1
     return saved
-
-
-def critic_phase(job: Job, rollout_id: int, batch: Any) -> tuple[Any, dict[str, float]]:
-    """``--use-critic``: the critic (awake only for this phase under ``--offload-train``) scores
-    the batch with its pre-update values and trains on it; returns the batch with its
-    ``values`` field, which the actor's GAE reads, and the critic's metrics (``critic/<name>``).
-    Without a critic: the batch unchanged and no metrics."""
-    args, trainer = job.args, job.trainer
-    if not getattr(args, "use_critic", False):
-        return batch, {}
-    if args.offload_train:
-        trainer.wake_up("critic")
-    batch = trainer.critic_values(batch)
-    metrics = rank0_metrics(trainer.train_critic(rollout_id, batch))
-    if args.offload_train:
-        trainer.sleep("critic")
-    return batch, {f"critic/{k}": v for k, v in metrics.items()}
-
-
-class RolloutTraining:
-    """One rollout's training in the cycle's two slots: :meth:`critic` (before the actor
-    wakes: the critic never shares the device with it) and :meth:`actor` (the actor's train,
-    skipped during the first ``--num-critic-only-steps`` rollouts, with the critic's metrics)."""
-
-    def __init__(self, job: Job, rollout_id: int, batch: Any) -> None:
-        self.job, self.rollout_id, self.batch = job, rollout_id, batch
-        self.critic_metrics: dict[str, float] = {}
-
-    def critic(self) -> None:
-        self.batch, self.critic_metrics = critic_phase(self.job, self.rollout_id, self.batch)
-
-    def actor(self) -> dict[str, float]:
-        metrics: dict[str, float] = {}
-        if self.rollout_id >= getattr(self.job.args, "num_critic_only_steps", 0):
-            metrics = rank0_metrics(self.job.trainer.train(self.rollout_id, self.batch))
-        return {**metrics, **self.critic_metrics}
 
 
 def run_sync(job: Job) -> list[dict[str, Any]]:

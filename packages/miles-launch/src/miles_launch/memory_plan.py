@@ -33,6 +33,7 @@ from miles_launch.memory_estimate import (
     trainer_estimate,
 )
 from miles_launch.model_shape import ConfigError, ModelShape
+from miles_launch.placement import critic_ranks
 
 
 # ---------------------------------------------------------------------- from the flags
@@ -59,7 +60,7 @@ def trainer_layout(args: Any, on_cuda: bool) -> TrainerLayout | None:
         stream_moment_bytes=4 if args.stream_optimizer_state_moment_dtype == "fp32" else 2,
         lora=args.use_lora,
         ema=args.use_ema,
-        critic=args.use_critic,
+        critic=args.use_critic and not critic_ranks(args),  # not on its own GPUs
         ref=("none" if args.ref_mode != "ref" else "host" if args.ref_cpu_offload else "gpu"),
         offload_train=args.offload_train_target if args.offload_train else "none",
         disk_chunk_bytes=args.offload_train_disk_chunk_mb * 2**20,

@@ -8,13 +8,18 @@ job runs without GPUs (then a "GPU" below is a CPU slot). Bundles are numbered t
   (``R = --rollout-num-gpus``), engine ``k`` on ``T + k*g .. T + (k+1)*g - 1`` with
   ``g = --rollout-num-gpus-per-engine``;
 * ``--colocate``: ``T`` bundles; engine ``k`` shares bundles ``k*g .. (k+1)*g - 1`` with the
-  trainer ranks there (``R`` is reconciled to ``T``).
+  trainer ranks there (``R`` is reconciled to ``T``);
+* a critic on its own ranks (``--use-critic`` with ``--critic-num-nodes`` or
+  ``--critic-num-gpus-per-node``, ``C`` ranks): bundles ``T .. T+C-1`` are the critic's, right
+  after the trainer's (colocated or not: engines never share them); the engines' bundles
+  follow them. Without those flags the critic lives in the trainer's ranks (``C = 0``).
 
 Which node each bundle sits on is decided here, before Ray is asked
 (:func:`assign_nodes`): the trainer's ranks fill ``--actor-num-nodes`` nodes of
 ``--actor-num-gpus-per-node`` each, every engine's ``g`` bundles sit on one node, and no node
-holds more than ``--num-gpus-per-node`` of the job's bundles. Nodes are taken in address order,
-the trainer's first. A layout that cannot fit the cluster's nodes is refused with one message
+holds more than ``--num-gpus-per-node`` of the job's bundles (a critic's ranks fill
+``--critic-num-nodes`` nodes of ``--critic-num-gpus-per-node`` each, next to the trainer's or on
+nodes of their own). Nodes are taken in address order, the trainer's first. A layout that cannot fit the cluster's nodes is refused with one message
 naming what does not fit; one that fits pins every bundle to its node (Ray's ``node:<ip>``
 resource), so the placement group is exactly the plan.
 """
@@ -45,20 +50,28 @@ class Layout:
     use_gpu: bool
     trainer_gpus_per_node: int = 1  # --actor-num-gpus-per-node
     gpus_per_node: int = 8  # --num-gpus-per-node
+    num_critic_ranks: int = 0  # a critic on its own ranks; 0: in the trainer's (or none)
+    critic_gpus_per_node: int = 1  # --critic-num-gpus-per-node
 
     @property
     def num_bundles(self) -> int:
+        own = self.num_trainer_ranks + self.num_critic_ranks
         if self.colocate:
-            return self.num_trainer_ranks
-        return self.num_trainer_ranks + self.num_engines * self.gpus_per_engine
+            return own
+        return own + self.num_engines * self.gpus_per_engine
 
     def trainer_bundles(self) -> list[int]:
         """Bundle index of each trainer rank."""
         return list(range(self.num_trainer_ranks))
 
+    def critic_bundles(self) -> list[int]:
+        """Bundle index of each rank of a critic on its own ranks ([] when it has none)."""
+        start = self.num_trainer_ranks
+        return list(range(start, start + self.num_critic_ranks))
+
     def engine_bundles(self) -> list[list[int]]:
         """Bundle indices of each engine."""
-        start = 0 if self.colocate else self.num_trainer_ranks
+        start = 0 if self.colocate else self.num_trainer_ranks + self.num_critic_ranks
         g = self.gpus_per_engine
         return [list(range(start + k * g, start + (k + 1) * g)) for k in range(self.num_engines)]
 
@@ -66,14 +79,18 @@ class Layout:
         return {"GPU": 1.0, "CPU": 1.0} if self.use_gpu else {"CPU": 1.0}
 
     def node_groups(self) -> list[tuple[str, list[int]]]:
-        """``(what, bundles)`` that must share one node: each trainer node's ranks, then (not
-        colocated) each engine's bundles. Colocated engines sit inside the trainer's nodes."""
-        per_node = self.trainer_gpus_per_node
-        trainer = self.trainer_bundles()
-        groups = [
-            (f"trainer node {i // per_node}", trainer[i : i + per_node])
-            for i in range(0, len(trainer), per_node)
-        ]
+        """``(what, bundles)`` that must share one node: each trainer node's ranks, each node of
+        a critic on its own ranks, then (not colocated) each engine's bundles. Colocated engines
+        sit inside the trainer's nodes."""
+        groups = []
+        for name, ranks, per_node in (
+            ("trainer", self.trainer_bundles(), self.trainer_gpus_per_node),
+            ("critic", self.critic_bundles(), self.critic_gpus_per_node),
+        ):
+            groups += [
+                (f"{name} node {i // per_node}", ranks[i : i + per_node])
+                for i in range(0, len(ranks), per_node)
+            ]
         if not self.colocate:
             groups += [(f"engine {k}", b) for k, b in enumerate(self.engine_bundles())]
         return groups
@@ -84,6 +101,7 @@ def plan_layout(args: Any, use_gpu: bool) -> Layout:
     trainer = args.actor_num_nodes * args.actor_num_gpus_per_node
     g = args.rollout_num_gpus_per_engine
     total_rollout = trainer if args.colocate else args.rollout_num_gpus
+    critic = critic_ranks(args)
     if total_rollout % g:
         raise ValueError(
             f"--rollout-num-gpus {total_rollout} is not a multiple of "
@@ -97,7 +115,26 @@ def plan_layout(args: Any, use_gpu: bool) -> Layout:
         use_gpu=use_gpu,
         trainer_gpus_per_node=args.actor_num_gpus_per_node,
         gpus_per_node=args.num_gpus_per_node,
+        num_critic_ranks=critic,
+        critic_gpus_per_node=(
+            (args.critic_num_gpus_per_node or args.actor_num_gpus_per_node) if critic else 1
+        ),
     )
+
+
+def critic_ranks(args: Any) -> int:
+    """Ranks of a critic on its own ranks: ``--critic-num-nodes x --critic-num-gpus-per-node``
+    when either is given with ``--use-critic`` (the other then defaults to the actor's); 0 when
+    the critic lives in the trainer's ranks or there is none."""
+    if not getattr(args, "use_critic", False):
+        return 0
+    nodes = getattr(args, "critic_num_nodes", None)
+    per_node = getattr(args, "critic_num_gpus_per_node", None)
+    if nodes is None and per_node is None:
+        return 0
+    nodes = args.actor_num_nodes if nodes is None else nodes
+    per_node = args.actor_num_gpus_per_node if per_node is None else per_node
+    return int(nodes) * int(per_node)
 
 
 class LayoutDoesNotFit(RuntimeError):
@@ -108,8 +145,9 @@ def assign_nodes(layout: Layout, capacities: dict[str, int]) -> list[str]:
     """The node of every bundle (by layout index), given each node's devices by address.
 
     A node holds at most ``min(its devices, --num-gpus-per-node)`` of the job's bundles. Each
-    trainer node group takes a node of its own (the first, in address order, with room);
-    engines then fill the room left, first fit, in the same order. Raises
+    trainer node group takes a node of its own (the first, in address order, with room), and so
+    does each critic node group (a node of the trainer's may hold one of them); engines then fill
+    the room left, first fit, in the same order. Raises
     :class:`LayoutDoesNotFit` naming the first group with no room and the room per node.
     """
     where, failed, room = _pack(layout, capacities)
@@ -139,15 +177,15 @@ def _pack(layout: Layout, capacities: dict[str, int]):
     nodes = sorted(capacities, key=_address_key)
     room = {n: min(int(capacities[n]), layout.gpus_per_node) for n in nodes}
     where: dict[int, str] = {}
-    trainer_nodes: set[str] = set()
+    taken: dict[str, set[str]] = {}  # "trainer" / "critic": the nodes its node groups took
     for what, bundles in layout.node_groups():
-        trainer = what.startswith("trainer")
-        candidates = [n for n in nodes if not (trainer and n in trainer_nodes)]
+        family = what.split(" node ")[0] if " node " in what else None
+        used = taken.setdefault(family, set()) if family else set()
+        candidates = [n for n in nodes if n not in used]
         node = next((n for n in candidates if room[n] >= len(bundles)), None)
         if node is None:
             return [], (what, len(bundles)), room
-        if trainer:
-            trainer_nodes.add(node)
+        used.add(node)
         room[node] -= len(bundles)
         for b in bundles:
             where[b] = node

@@ -65,6 +65,17 @@ def trainer_line(args: Any, layout: Layout) -> str:
     return f"trainer: {where}; --train-backend {args.train_backend}"
 
 
+def critic_line(args: Any, layout: Layout) -> str | None:
+    """A critic on its own ranks (None for one in the trainer's ranks, or none)."""
+    if not layout.num_critic_ranks:
+        return None
+    return (
+        f"critic: its own {layout.num_critic_ranks} rank(s) on {args.critic_num_nodes} node(s) "
+        f"({args.critic_num_gpus_per_node} per node), data parallel over them; it trains while "
+        "the actor does"
+    )
+
+
 def engines_line(args: Any, layout: Layout) -> str:
     if args.load_debug_rollout_data:
         return f"engines: none (a replay of {args.load_debug_rollout_data})"
@@ -180,6 +191,7 @@ def plan_lines(args: Any, use_gpu: bool, notes: list[str] = ()) -> list[str]:
         f"plan: --train-backend {args.train_backend}, {device}; {layout.num_bundles} bundle(s) "
         f"on {nodes} node(s) of up to {layout.gpus_per_node} (--num-gpus-per-node)",
         trainer_line(args, layout),
+        *filter(None, [critic_line(args, layout)]),
         engines_line(args, layout),
         weights_line(args),
         offload_line(args),

@@ -384,6 +384,7 @@ def check_local_devices(args: Any) -> None:
     if layout.num_bundles > gpus:
         raise ArgumentError(
             f"the job needs {layout.num_bundles} GPUs ({layout.num_trainer_ranks} trainer ranks"
+            + (f" + {layout.num_critic_ranks} critic" if layout.num_critic_ranks else "")
             + (
                 ""
                 if layout.colocate

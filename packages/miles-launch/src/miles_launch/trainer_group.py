@@ -6,6 +6,12 @@ backend's ``init``; the driver then calls the contract's methods on all ranks in
 (:meth:`TrainerGroup.call`). When any rank raises, or its process dies, every rank is killed
 and :class:`TrainerFailure` names the rank, the method and the cause: a failure never leaves
 the other ranks hanging in a collective.
+
+With ``--use-critic`` each rank holds the critic beside the actor (a second backend instance in
+role ``critic``), unless the critic has ranks of its own (``--critic-num-nodes`` /
+``--critic-num-gpus-per-node``): then a second group, ``critic`` ranks only, runs on the
+critic's bundles with a ``torch.distributed`` world of its own (its own rendezvous, its own
+data-parallel degree), and its batches are sharded by its own data layout.
 """
 
 from __future__ import annotations
@@ -56,19 +62,44 @@ class PublishFailed(TrainerFailure):
 
 
 class TrainerRank:
-    """What runs in each trainer actor (``ray.remote``-wrapped by :class:`TrainerGroup`)."""
+    """What runs in each trainer actor (``ray.remote``-wrapped by :class:`TrainerGroup`).
 
-    def __init__(self, rank: int, world_size: int, backend_name: str, use_gpu: bool):
+    ``roles``: the backend instances this rank holds, initialised in this order: ``("actor",)``,
+    ``("critic", "actor")`` (a critic beside the actor) or ``("critic",)`` (a rank of a critic
+    on its own ranks). None: the actor, with the critic beside it under ``--use-critic``."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        backend_name: str,
+        use_gpu: bool,
+        roles: tuple[str, ...] | None = None,
+    ):
         self.rank = rank
         self.world_size = world_size
         self.backend_name = backend_name
         self.use_gpu = use_gpu
-        self.backend = None
-        self.critic = None  # --use-critic: a second backend instance in role "critic"
+        self.roles = roles
+        self.models: dict[str, Any] = {}  # role -> its backend instance
+
+    @property
+    def backend(self) -> Any:
+        """The actor's backend instance (None on a critic's own rank)."""
+        return self.models.get("actor")
+
+    @property
+    def critic(self) -> Any:
+        """The critic's backend instance (None without one on this rank)."""
+        return self.models.get("critic")
 
     def host(self) -> str:
         """This rank's node address (named when the rank fails)."""
         return node_ip()
+
+    def pid(self) -> int:
+        """This rank's process id (the job's log names it)."""
+        return os.getpid()
 
     def master_endpoint(self) -> tuple[str, int]:
         """A free TCP port on this actor's node (rank 0 hosts the rendezvous store)."""
@@ -106,22 +137,21 @@ class TrainerRank:
             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
         )
         backend_cls = load(self.backend_name)
-        critic_next = None
-        if getattr(args, "use_critic", False):
-            # first: the actor's init (and its --load) sets the process's RNG state last
-            self.critic = backend_cls()
-            critic_next = int(self.critic.init(args, "critic"))
-        self.backend = backend_cls()
-        next_id = int(self.backend.init(args, "actor"))
-        if critic_next is not None and critic_next != next_id:
-            raise RuntimeError(
-                f"the critic's checkpoint (--critic-load {args.critic_load}) resumes at rollout "
-                f"{critic_next}, the actor's (--load {args.load}) at {next_id}"
-            )
-        return next_id
+        roles = self.roles
+        if roles is None:
+            roles = ("critic", "actor") if getattr(args, "use_critic", False) else ("actor",)
+        next_ids = {}
+        # the critic first: the actor's init (and its --load) sets the process's RNG state last
+        for role in roles:
+            self.models[role] = backend_cls()
+            next_ids[role] = int(self.models[role].init(args, role))
+        if len(set(next_ids.values())) > 1:
+            raise RuntimeError(resume_mismatch(args, next_ids["critic"], next_ids["actor"]))
+        return next_ids[roles[-1]]
 
     def data_layout(self):
-        return self.backend.data_layout()
+        """The layout of the rank's last role (the actor's; a critic rank's own)."""
+        return next(reversed(self.models.values())).data_layout()
 
     def process_group(self) -> str:
         """The default group's backend as torch reports it (e.g. ``cpu:gloo,cuda:nccl``)."""
@@ -130,14 +160,13 @@ class TrainerRank:
         return str(dist.get_backend())
 
     def _role(self, role: str):
-        if role == "critic":
-            if self.critic is None:
-                raise RuntimeError("no critic on this trainer (--use-critic is off)")
-            return self.critic
-        return self.backend
+        if role not in self.models:
+            held = " and ".join(self.models) or "nothing"
+            raise RuntimeError(f"no {role} on this trainer rank (it holds {held})")
+        return self.models[role]
 
     def train(self, rollout_id: int, shard: RolloutBatch) -> dict[str, float]:
-        return self.backend.train(rollout_id, shard)
+        return self._role("actor").train(rollout_id, shard)
 
     def critic_values(self, shard: RolloutBatch) -> list:
         return self._role("critic").compute_values(shard)
@@ -146,13 +175,14 @@ class TrainerRank:
         return self._role("critic").train(rollout_id, shard)
 
     def update_weights(self, engines: list[str], weights: str | None = None) -> None:
-        self.backend.update_weights(engines, weights=weights)
+        self._role("actor").update_weights(engines, weights=weights)
 
     def save_model(self, rollout_id: int, force_sync: bool) -> None:
-        """The actor's checkpoint, then the critic's (``--critic-save``) at the same point."""
-        self.backend.save_model(rollout_id, force_sync=force_sync)
-        if self.critic is not None:
-            self.critic.save_model(rollout_id, force_sync=force_sync)
+        """Each role's checkpoint at the same point: the actor's, then the critic's
+        (``--critic-save``)."""
+        for role in ("actor", "critic"):
+            if role in self.models:
+                self.models[role].save_model(rollout_id, force_sync=force_sync)
 
     def sleep(self, role: str = "actor") -> None:
         self._role(role).sleep()
@@ -163,26 +193,53 @@ class TrainerRank:
     def close(self) -> None:
         import torch.distributed as dist
 
-        if self.critic is not None:
-            self.critic.close()
-        if self.backend is not None:
-            self.backend.close()
+        for model in self.models.values():  # the critic first, as built
+            model.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-class TrainerGroup:
-    """All trainer ranks of a job, placed on the trainer's bundles."""
+def resume_mismatch(args: Any, critic_next: int, actor_next: int) -> str:
+    """The error of a critic checkpoint that resumes at another rollout than the actor's."""
+    return (
+        f"the critic's checkpoint (--critic-load {args.critic_load}) resumes at rollout "
+        f"{critic_next}, the actor's (--load {args.load}) at {actor_next}"
+    )
 
-    def __init__(self, placement: Placement, backend_name: str):
+
+class Pending:
+    """One method in flight on every rank of a group (:meth:`TrainerGroup.start`): another
+    group can work meanwhile; :meth:`result` waits for it (failures as :meth:`TrainerGroup.call`)."""
+
+    def __init__(self, group: TrainerGroup, method: str, refs: list) -> None:
+        self.group, self.method, self.refs = group, method, refs
+
+    def result(self) -> list[Any]:
+        return self.group._gather(self.method, self.refs)
+
+
+class TrainerGroup:
+    """Trainer ranks of a job: the actor's on the trainer's bundles (``roles`` ``("actor",)``,
+    or ``("critic", "actor")`` with the critic beside it), or a critic's own on the critic's
+    bundles (``("critic",)``; named ``critic`` in failures)."""
+
+    name = "trainer"  # how a failure names the group's ranks
+
+    def __init__(
+        self, placement: Placement, backend_name: str, roles: tuple[str, ...] = ("actor",)
+    ):
         import ray
 
         layout = placement.layout
-        self.world_size = layout.num_trainer_ranks
-        share = TRAINER_SHARE if layout.colocate else 1.0
+        own_critic = "actor" not in roles
+        self.name = "critic" if own_critic else "trainer"
+        bundles = layout.critic_bundles() if own_critic else layout.trainer_bundles()
+        self.world_size = len(bundles)
+        # colocated engines share the trainer's bundles, never a critic's own
+        share = TRAINER_SHARE if layout.colocate and not own_critic else 1.0
         actor_cls = ray.remote(TrainerRank)
         self.actors = []
-        for rank, bundle in enumerate(layout.trainer_bundles()):
+        for rank, bundle in enumerate(bundles):
             options: dict[str, Any] = dict(
                 num_cpus=share,
                 scheduling_strategy=placement.strategy(placement.bundle(bundle)),
@@ -192,25 +249,30 @@ class TrainerGroup:
                 options["num_gpus"] = share
             self.actors.append(
                 actor_cls.options(**options).remote(
-                    rank, self.world_size, backend_name, layout.use_gpu
+                    rank, self.world_size, backend_name, layout.use_gpu, tuple(roles)
                 )
             )
         self.layouts: list[Any] = []
         self.num_steps = 1  # --num-steps-per-rollout, from init
         self.alive = True
         self.hosts: list[str | None] = [None] * self.world_size  # node address per rank
+        self.pids: list[int] = []  # process id per rank, from init
 
     # ------------------------------------------------------------------ lock-step calls
     def call(self, method: str, *args: Any, per_rank: list[tuple] | None = None) -> list[Any]:
         """``method`` on every rank (the same ``args``, or ``per_rank[r]`` for rank ``r``);
         returns the per-rank results. Any failure tears every rank down (see module doc)."""
+        return self.start(method, *args, per_rank=per_rank).result()
+
+    def start(self, method: str, *args: Any, per_rank: list[tuple] | None = None) -> Pending:
+        """:meth:`call` without waiting: the results come from ``.result()``."""
         if not self.alive:
-            raise TrainerFailure(f"trainer already torn down (calling {method})")
+            raise TrainerFailure(f"{self.name} already torn down (calling {method})")
         refs = [
             getattr(actor, method).remote(*(per_rank[r] if per_rank is not None else args))
             for r, actor in enumerate(self.actors)
         ]
-        return self._gather(method, refs)
+        return Pending(self, method, refs)
 
     def _gather(self, method: str, refs: list) -> list[Any]:
         """The results of ``refs`` (one per rank, in rank order). The first rank that fails
@@ -239,7 +301,7 @@ class TrainerGroup:
         from ray.exceptions import RayActorError
 
         host = self.hosts[rank] if rank < len(self.hosts) else None
-        where = f"trainer rank {rank}" + (f" on {host}" if host else "")
+        where = f"{self.name} rank {rank}" + (f" on {host}" if host else "")
         if isinstance(cause, RayActorError):
             detail = " ".join(str(cause).split())
             return f"{where} failed in {method}(): its process died ({detail[:300]})"
@@ -263,14 +325,29 @@ class TrainerGroup:
     # ------------------------------------------------------------------ the contract
     def init(self, args: Any) -> int:
         """Process groups and ``backend.init`` on every rank; the next rollout id."""
+        return self.finish_init(self.start_init(args), args)
+
+    def start_init(self, args: Any) -> Pending:
+        """:meth:`init` without waiting for the backends (another group can start meanwhile):
+        this group's own rendezvous on its rank 0's node, then ``init`` in flight."""
         self.hosts = self._gather("host", [actor.host.remote() for actor in self.actors])
+        self.pids = self._gather("pid", [actor.pid.remote() for actor in self.actors])
         ((master_addr, master_port),) = self._gather(
             "master_endpoint", [self.actors[0].master_endpoint.remote()]
         )
-        next_ids = self.call("init", args, master_addr, master_port)
+        return self.start("init", args, master_addr, master_port)
+
+    def where(self) -> str:
+        """``trainer ranks: 0 on HOST pid P, ...`` (the job's log line)."""
+        ranks = [f"{r} on {h} pid {p}" for r, (h, p) in enumerate(zip(self.hosts, self.pids))]
+        return f"{self.name} ranks: " + ", ".join(ranks)
+
+    def finish_init(self, pending: Pending, args: Any) -> int:
+        """Wait for :meth:`start_init`'s ranks; the next rollout id they agree on."""
+        next_ids = pending.result()
         if len(set(next_ids)) != 1:
             self.teardown()
-            raise TrainerFailure(f"trainer ranks disagree on the next rollout id: {next_ids}")
+            raise TrainerFailure(f"{self.name} ranks disagree on the next rollout id: {next_ids}")
         self.layouts = self.call("data_layout")
         self.num_steps = args.num_steps_per_rollout
         return next_ids[0]
@@ -286,11 +363,16 @@ class TrainerGroup:
         return self._on_shards("train", rollout_id, self._shards(batch))
 
     def _on_shards(self, method: str, rollout_id: int | None, shards: list[RolloutBatch]):
+        return self._start_on_shards(method, rollout_id, shards).result()
+
+    def _start_on_shards(
+        self, method: str, rollout_id: int | None, shards: list[RolloutBatch]
+    ) -> Pending:
         import ray
 
         refs = [ray.put(shard) for shard in shards]
         head = () if rollout_id is None else (rollout_id,)
-        return self.call(
+        return self.start(
             method, per_rank=[(*head, refs[layout.dp_rank]) for layout in self.layouts]
         )
 
@@ -309,13 +391,21 @@ class TrainerGroup:
 
     def train_critic(self, rollout_id: int, batch: RolloutBatch) -> list[dict[str, float]]:
         """Train the critic of every rank on its shard of ``batch`` (which carries ``values``)."""
-        return self._on_shards("train_critic", rollout_id, self._shards(batch))
+        return self.start_train_critic(rollout_id, batch).result()
+
+    def start_train_critic(self, rollout_id: int, batch: RolloutBatch) -> Pending:
+        """:meth:`train_critic` in flight (a critic on its own ranks trains while the actor
+        does)."""
+        return self._start_on_shards("train_critic", rollout_id, self._shards(batch))
 
     def update_weights(self, engine_urls: list[str], weights: str | None = None) -> None:
         self.call("update_weights", list(engine_urls), weights)
 
     def save_model(self, rollout_id: int, force_sync: bool = False) -> None:
         self.call("save_model", rollout_id, force_sync)
+
+    def start_save_model(self, rollout_id: int, force_sync: bool = False) -> Pending:
+        return self.start("save_model", rollout_id, force_sync)
 
     def sleep(self, role: str = "actor") -> None:
         """``role``: ``actor`` or ``critic`` (``--use-critic``)."""

@@ -137,9 +137,9 @@ class EngineSet:
 
     def wait_for_host(self, proc: EngineProcess) -> None:
         """Until ``proc``'s host actor answers: a host cut off the network holds every call
-        until it is back (at most ``--engine-startup-timeout``); one that left the Ray
-        cluster (Ray gave up on its node) does not come back. Either raises
-        :class:`EngineDied` naming the engine and its host."""
+        until it is back (at most ``--engine-startup-timeout``); a host actor that is gone
+        (its node left the Ray cluster: Ray gave up on it; or the actor died) does not come
+        back. Either raises :class:`EngineDied` naming the engine and its host."""
         import ray
         from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
@@ -157,10 +157,15 @@ class EngineSet:
                         f"answer for --engine-startup-timeout {timeout:.0f}s"
                     ) from None
                 time.sleep(1.0)
-            except RayActorError:
+            except RayActorError as error:
+                nodes = [n for n in ray.nodes() if n.get("NodeManagerAddress") == host]
+                why = (
+                    f"its host {host} left the Ray cluster"
+                    if nodes and not any(n["Alive"] for n in nodes)
+                    else f"its host actor on {host} died ({str(error).strip().splitlines()[0]})"
+                )
                 raise EngineDied(
-                    f"{proc.name} ({proc.url}) cannot be restarted on its placement: its host "
-                    f"{host} left the Ray cluster"
+                    f"{proc.name} ({proc.url}) cannot be restarted on its placement: {why}"
                 ) from None
 
     def register(self, url: str) -> None:

@@ -1,5 +1,6 @@
 """Engine restarts without Ray or engine processes (``miles_launch.engine_launch.recovery``):
-the re-issue bookkeeping of the generator when an engine dies with requests in flight, and the
+the re-issue bookkeeping of the generator when an engine dies (or its host is cut off) with
+requests in flight, and the
 rotation around a publish that an engine's death broke. Engines are ``httpx.MockTransport``
 handlers; the engine set is a stand-in with the methods the recovery calls."""
 
@@ -37,8 +38,15 @@ class FakeEngine:
         self.dead = False
         self.died = asyncio.Event()
         self.hung: asyncio.Event | None = None  # set: /health waits for it (a hung engine)
+        # once this many requests arrived the engine's host is cut off: every request, /health
+        # and its host actor's poll wait for ``restored`` (no connection drops)
+        self.cut_after = 0
+        self.restored: asyncio.Event | None = None
+        self.held = 0  # requests waiting for the cut host
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
+        if self.restored is not None:
+            await self._unreachable(request)
         if request.url.path.startswith("/health"):
             if self.hung is not None:
                 await self.hung.wait()
@@ -48,6 +56,9 @@ class FakeEngine:
         if self.dead:
             raise httpx.ConnectError("connection refused", request=request)
         self.arrived += 1
+        if self.cut_after and self.arrived >= self.cut_after:
+            self.restored = asyncio.Event()
+            await self._unreachable(request)
         if self.hold:
             if self.arrived >= self.hold:
                 self.kill()
@@ -62,6 +73,12 @@ class FakeEngine:
         return httpx.Response(
             200, json={"text": self.name, "output_ids": [token], "meta_info": meta}
         )
+
+    async def _unreachable(self, request: httpx.Request) -> None:
+        if request.url.path == "/generate":
+            self.held += 1
+            self.seeds.add(json.loads(request.content)["sampling_params"]["sampling_seed"])
+        await self.restored.wait()
 
     def kill(self) -> None:
         self.dead = True
@@ -81,6 +98,8 @@ class Poll:
 
     def remote(self):
         async def code():
+            if self.engine.restored is not None:  # its host is cut off: no answer
+                await self.engine.restored.wait()
             return -9 if self.engine.dead else None
 
         return code()
@@ -276,6 +295,46 @@ def test_an_engine_whose_health_does_not_answer_is_restarted_as_hung(mock_http, 
     assert "did not answer /health for" in caplog.text and "(hung)" in caplog.text
     assert recovery.in_rotation() == ["http://b"]
     assert recovery.metrics()["engine_restarts"] == 1
+
+
+def test_an_engine_whose_host_is_cut_off_loses_no_sample(mock_http):
+    """Engine a's host is cut off as its first request arrives: its requests, /health and host
+    actor's poll never answer, and no connection drops. The watch does not wait on the host
+    (its tick goes on), the health timeout finds a hung, the requests it holds fail at once,
+    and their groups are sent again, whole, to b: every group comes back with its n samples
+    from b, counted once. (Before, the watch awaited the host actor's poll and the run hung.)"""
+    fakes = mock_http
+    fakes["http://a"] = FakeEngine("a")
+    fakes["http://a"].cut_after = 1
+    fakes["http://b"] = FakeEngine("b")
+    engines = FakeEngineSet(fakes)
+    # (more than the generator's watch tick, 1 s: each tick probes)
+    recovery = EngineRecovery(engines, 2, backoff_s=0.0, health_timeout_s=2.0)
+    prompts = [Prompt(i, f"p{i}", None, (1, 2, 3)) for i in range(4)]
+    n = 3
+    gen = Generator(
+        list(fakes), RewardModel(constant_reward, "constant"), recovery.acheck, recovery=recovery
+    )
+
+    async def main():
+        try:
+            work = gen.watched(gen.groups([(p, p.index) for p in prompts], n, CFG))
+            return await asyncio.wait_for(work, timeout=30)
+        finally:
+            await gen.aclose()
+
+    groups = asyncio.run(main())
+    cut = fakes["http://a"]
+    assert cut.held >= 1 and not cut.restored.is_set()  # they were in flight, and never came
+    for group in groups:
+        assert {s.response_text for s in group} == {"b"} and len(group) == n
+        seeds = [generate.sampling_seed(0, group[0].position, k) % 1000 for k in range(n)]
+        assert [s.response_ids[0] for s in group] == seeds  # each sample once, in order
+    reissued_groups = sum(
+        any(generate.sampling_seed(0, p.index, k) in cut.seeds for k in range(n)) for p in prompts
+    )
+    assert reissued_groups >= 1
+    assert recovery.metrics() == {"engine_restarts": 1, "requests_reissued": n * reissued_groups}
 
 
 def test_fully_async_requests_wait_for_the_publish_retry_under_way(mock_http):

@@ -14,6 +14,8 @@ each with its own CPU slots (standing in for GPUs). Processes run in a host with
 ``GLOO_SOCKET_IFNAME=mh0`` is set for every process of a host: gloo would otherwise resolve
 the machine's host name to an address the namespace does not have and fall back to loopback.
 Ray runs with token authentication (``RAY_AUTH_MODE=token``) and a token of the cluster's own.
+:meth:`NamespaceCluster.cut` takes a host off the network (its switch port down) and
+:meth:`NamespaceCluster.restore` puts it back.
 
 :meth:`NamespaceCluster.close` kills every process inside the namespaces (``ip netns pids``:
 they are all ours) and deletes the namespaces, which removes their links; it runs also when
@@ -113,6 +115,24 @@ class NamespaceCluster:
             _ip("addr", "add", f"{host.address}/24", "dev", IFNAME, netns=host.name)
             _ip("link", "set", IFNAME, "up", netns=host.name)
             _ip("route", "add", "default", "dev", IFNAME, netns=host.name)
+
+    def _port(self, host: Host) -> str:
+        """The switch's end of ``host``'s link."""
+        return f"p{self.hosts.index(host)}"
+
+    def cut_command(self, host: Host) -> list[str]:
+        """The command that cuts ``host`` off the network (it runs in any of our namespaces):
+        its port on the switch goes down, and every packet to or from it is dropped (its
+        processes run on, unaware; connections stay open)."""
+        return ["ip", "-n", self.switch, "link", "set", self._port(host), "down"]
+
+    def cut(self, host: Host) -> None:
+        """Run :meth:`cut_command` here."""
+        _ip("link", "set", self._port(host), "down", netns=self.switch)
+
+    def restore(self, host: Host) -> None:
+        """Put ``host``'s port back up (the bridge forwards again at once: no STP)."""
+        _ip("link", "set", self._port(host), "up", netns=self.switch)
 
     def env(self, host: Host) -> dict[str, str]:
         """The environment of every process started on ``host``."""

@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -62,11 +63,18 @@ except OSError:
 
 
 def run_job(
-    cluster: NamespaceCluster, material, out: Path, *flags: str, probe_from=None, base=demo_flags
+    cluster: NamespaceCluster,
+    material,
+    out: Path,
+    *flags: str,
+    probe_from=None,
+    base=demo_flags,
+    during: Callable[[str], bool] | None = None,
 ) -> tuple[str, list[dict], list[str]]:
     """``miles train`` on host a against the cluster (``base(hf, prompts, metrics)``: the
     job's flags before :data:`SMALL` and ``flags``); returns (output, metrics records, the
-    keyless probe's answers from ``probe_from``, taken while the engines run)."""
+    keyless probe's answers from ``probe_from``, taken while the engines run). ``during``:
+    called with the output so far every tick while the job runs, until it returns True."""
     hf, prompts = material
     metrics = out / "metrics.jsonl"
     log = out / "driver.log"
@@ -91,6 +99,8 @@ def run_job(
                     ).stdout.strip()
                     if answer != "unreachable":  # not serving yet: ask again
                         answers.append(answer)
+                if during is not None and during(log.read_text(errors="replace")):
+                    during = None
                 time.sleep(2)
         finally:
             if driver.poll() is None:

@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from miles_core.engine import EngineClient, EngineError
 
@@ -43,6 +44,9 @@ from miles_launch.plan import log_dir
 from miles_launch.rollout.routed_experts import routing_replay_on
 
 logger = logging.getLogger(__name__)
+#: Seconds one question to an engine's host actor may take before it is asked again (a host
+#: cut off the network answers none until it is back).
+HOST_ANSWER_S = 5.0
 
 
 @dataclass
@@ -124,11 +128,45 @@ class EngineSet:
 
         old = self.engines[k]
         self.unregister(old.url)
+        self.wait_for_host(old)
         ray.get(old.host.stop.remote(), timeout=60)
         engine = self._launch(k, old.host, ray.get(old.host.endpoint.remote()))
         self.engines[k] = engine
         self.wait_healthy([engine])
         return engine
+
+    def wait_for_host(self, proc: EngineProcess) -> None:
+        """Until ``proc``'s host actor answers: a host cut off the network holds every call
+        until it is back (at most ``--engine-startup-timeout``); a host actor that is gone
+        (its node left the Ray cluster: Ray gave up on it; or the actor died) does not come
+        back. Either raises :class:`EngineDied` naming the engine and its host."""
+        import ray
+        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+
+        host = urlsplit(proc.url).hostname
+        timeout = self.args.engine_startup_timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                ray.get(proc.host.poll.remote(), timeout=HOST_ANSWER_S)
+                return
+            except (GetTimeoutError, ActorUnavailableError):
+                if time.monotonic() > deadline:
+                    raise EngineDied(
+                        f"{proc.name} ({proc.url}) cannot be restarted: its host {host} did not "
+                        f"answer for --engine-startup-timeout {timeout:.0f}s"
+                    ) from None
+                time.sleep(1.0)
+            except RayActorError as error:
+                nodes = [n for n in ray.nodes() if n.get("NodeManagerAddress") == host]
+                why = (
+                    f"its host {host} left the Ray cluster"
+                    if nodes and not any(n["Alive"] for n in nodes)
+                    else f"its host actor on {host} died ({str(error).strip().splitlines()[0]})"
+                )
+                raise EngineDied(
+                    f"{proc.name} ({proc.url}) cannot be restarted on its placement: {why}"
+                ) from None
 
     def register(self, url: str) -> None:
         """Put a (restarted) engine behind the router, own or external (SGLang only)."""
@@ -247,10 +285,14 @@ class EngineSet:
 
         code = ray.get(proc.host.poll.remote())
         if code is not None:
-            raise EngineDied(
-                f"{proc.name} ({proc.url}, pid {proc.pid}) {exit_description(code)} {when}; "
-                f"last lines of {proc.log_path}:\n{self.log_tail(proc)}"
-            )
+            raise self.died(proc, code, when)
+
+    def died(self, proc: EngineProcess, code: int, when: str) -> EngineDied:
+        """The error of ``proc`` that exited with ``code``: one line, then its log tail."""
+        return EngineDied(
+            f"{proc.name} ({proc.url}, pid {proc.pid}) {exit_description(code)} {when}; "
+            f"last lines of {proc.log_path}:\n{self.log_tail(proc)}"
+        )
 
     def exit_code(self, proc: EngineProcess) -> int | None:
         """The process's exit status, or None while it runs."""

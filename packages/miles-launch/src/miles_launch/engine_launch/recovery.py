@@ -3,7 +3,8 @@
 ::
 
     watch (each second of generation): process alive?  /health within --engine-health-timeout?
-      dead or hung -> out of rotation -> [back-off] restart on its placement (a thread)
+      dead or hung -> out of rotation -> its requests in flight fail at once
+                   -> [back-off] restart on its placement (a thread), once its host answers
     a request fails -> its engine's death shows within the grace -> the group is re-issued
                        on the engines in rotation (none left: wait for the restart, publish)
     publish -> complete on every engine: all of them in rotation, on one version
@@ -16,6 +17,14 @@ until a retry completes. The rotation therefore holds engines of one weight vers
 group is re-issued whole (its finished samples are dropped), so its samples come from one
 version and are counted once.
 
+An engine whose host is cut off the network (or whose process hangs) drops no connection: its
+requests would wait for replies that never come. Nothing the watch asks waits on it either: the
+process's exit status comes from its host actor in the background (a call that does not answer
+holds no tick), so the ``/health`` timeout finds it hung; the requests it holds then fail at
+once and their groups are re-issued. Its restart waits until the host actor answers again (at
+most ``--engine-startup-timeout``; a host that left the Ray cluster ends the run in one line
+naming the engine and its host).
+
 The restarts of the whole run are bounded by the limit; the back-off before a restart doubles
 with each restart made. The router (SGLang), a disk-delta puller and a restart that fails are
 not restarted: they end the run as without restarts (:class:`EngineDied`).
@@ -27,14 +36,15 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from miles_core.engine import AsyncEngineClient, EngineClient, EngineError
 
 from miles_launch.engine_launch.process import EngineDied, exit_description
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: How long a failed request waits for its engine's death to become visible (a killed engine
 #: drops its connections a moment before its exit status can be read, longer on a busy host).
@@ -82,6 +92,9 @@ class EngineRecovery:
         self._failures: list[BaseException] = []  # what a restart raised
         self._healthy_at: dict[str, float] = {}  # url -> last /health 200 (monotonic)
         self._probes: dict[str, asyncio.Task] = {}
+        self._polls: dict[tuple[str, int], asyncio.Task] = {}  # (name, pid) -> its exit status
+        # url -> (its event loop, set once the engine is lost): its requests in flight fail
+        self._lost_events: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Event]] = {}
         self._watched_at = 0.0  # the last watch tick: between generations nobody probes
         self._unregistered: set[str] = set()  # restarted engines the router does not know yet
         self._closed = False
@@ -143,7 +156,7 @@ class EngineRecovery:
         for k, proc in enumerate(list(self.engines.engines)):
             if k in self._threads:
                 continue
-            code = await proc.host.poll.remote()
+            code = self._poll(proc)
             if code is not None:
                 self.lost(k, f"{exit_description(code)} {when}")
             elif proc.url in self._serving:
@@ -152,9 +165,30 @@ class EngineRecovery:
             [self.engines.router] if self.engines.router is not None else []
         )
         for proc in others:  # not restarted: raise as without restarts
-            code = await proc.host.poll.remote()
+            code = self._poll(proc)
             if code is not None:
-                self.engines.check_alive(when)
+                raise self.engines.died(proc, code, when)
+
+    def _poll(self, proc: Any) -> int | None:
+        """``proc``'s exit status as its host actor last told it (None: running, or no answer
+        yet). The question runs in the background, one at a time: a host that does not answer
+        (cut off the network) holds no tick, and its engine's ``/health`` decides."""
+        key = (proc.name, proc.pid)
+        task = self._polls.get(key)
+        if task is not None and not task.done():
+            return None
+        self._polls[key] = asyncio.ensure_future(self._ask_exit(proc))
+        if task is None or task.cancelled():
+            return None
+        error = task.exception()
+        if error is not None:  # the host actor unreachable, or gone with its node
+            logger.debug("polling %s: %s", proc.name, error)
+            return None
+        return task.result()
+
+    @staticmethod
+    async def _ask_exit(proc: Any) -> int | None:
+        return await proc.host.poll.remote()
 
     def _probe(self, k: int, url: str, when: str) -> None:
         now = time.monotonic()
@@ -190,6 +224,7 @@ class EngineRecovery:
                 return
             self._serving.discard(proc.url)
             self._retired.add(proc.url)
+            self._fail_in_flight(proc.url)
             if self.restarts >= self.limit:
                 tail = self.engines.log_tail(proc)
                 raise EngineDied(
@@ -207,6 +242,46 @@ class EngineRecovery:
             proc.name, proc.url, proc.pid, why, delay, self.restarts, self.limit,
         )  # fmt: skip
         thread.start()
+
+    def _fail_in_flight(self, url: str) -> None:
+        """Fail the requests in flight on a lost engine (under the lock; any thread)."""
+        entry = self._lost_events.get(url)
+        if entry is not None and not entry[0].is_closed():
+            entry[0].call_soon_threadsafe(entry[1].set)
+
+    def _lost_event(self, url: str) -> asyncio.Event:
+        """The event set when the engine at ``url`` is lost (this event loop's)."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            entry = self._lost_events.get(url)
+            if entry is None or entry[0] is not loop:
+                entry = self._lost_events[url] = (loop, asyncio.Event())
+                if url in self._retired:
+                    entry[1].set()
+            return entry[1]
+
+    async def unless_lost(self, url: str, work: Awaitable[T]) -> T:
+        """``work`` (a request to the engine at ``url``), failed with a connection-less
+        :class:`EngineError` as soon as that engine is lost: a hung engine, or one whose host
+        is cut off, holds its requests open (nothing drops the connection), and its groups are
+        re-issued without waiting for it."""
+        request = asyncio.ensure_future(work)
+        lost = asyncio.ensure_future(self._lost_event(url).wait())
+        try:
+            await asyncio.wait({request, lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # cancelled from outside too: neither outlives the call
+            for task in (request, lost):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(request, lost, return_exceptions=True)
+        if not request.cancelled():
+            return request.result()
+        raise EngineError(
+            "its engine was lost (hung, or its host unreachable) with this request in flight",
+            endpoint="POST /generate",
+            base_url=url,
+            status_code=None,
+        )
 
     def _restart(self, k: int, delay: float) -> None:
         try:
@@ -288,6 +363,10 @@ class EngineRecovery:
                 self.engines.register(url)
         with self._lock:
             self._serving = set(urls)
+            # a restarted engine may serve at the URL of one that was lost before
+            self._retired -= self._serving
+            for url in urls:
+                self._lost_events.pop(url, None)
             self._publishing = False
             self._rotation_changed.notify_all()
         self._healthy_at.clear()

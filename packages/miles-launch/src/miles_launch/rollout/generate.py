@@ -14,7 +14,8 @@ are in flight every engine process is polled each second: an engine that dies ra
 :class:`~miles_launch.engine_launch.process.EngineDied` with its log tail instead of a bare
 connection error. With engine restarts (``--engine-restart-limit``) the watch is the
 :class:`~miles_launch.engine_launch.recovery.EngineRecovery`'s instead: requests go to the
-engines in its rotation, and a group that failed because its engine died is sent again whole.
+engines in its rotation, and a group that failed because its engine died is sent again whole
+(as is one whose engine was found hung or unreachable: its requests in flight fail at once).
 
 Under ``--partial-rollout`` (:mod:`miles_launch.rollout.partial`) a draw stops once enough groups
 passed the filter: the engines' requests are aborted, the groups cut short come back with their
@@ -201,10 +202,16 @@ class Generator:
         prefix = carried.response_ids if carried is not None else []
         params = self.sampling_params(cfg, position, k, len(prefix))
         client = await self._pick()
-        if self.custom_generate is not None:
-            outs = await self._custom(client, prompt, position, k, params)
-        else:
-            outs = [await self._one_request(client, prompt, position, params, carried)]
+
+        async def request() -> list[GeneratedSample]:
+            if self.custom_generate is not None:
+                return await self._custom(client, prompt, position, k, params)
+            return [await self._one_request(client, prompt, position, params, carried)]
+
+        if self.recovery is None:
+            outs = await request()
+        else:  # fails at once if its engine is lost (hung, or its host unreachable)
+            outs = await self.recovery.unless_lost(client.base_url.rstrip("/"), request())
         for out in outs:
             if out.finish_reason == UNFINISHED:  # carried on, rewarded once finished
                 continue

@@ -32,7 +32,7 @@ PPO = ["--advantage-estimator", "ppo", "--use-critic"]
         ([*PPO, "--loss-type", "sft_loss"], "--use-critic trains the actor with --loss-type"),
         ([*PPO, "--kl-coef", "0.1", "--ref-load", "/x"], "--use-critic with --kl-coef > 0"),
         (
-            [*PPO, "--critic-num-gpus-per-node", "9"],
+            [*PPO, "--train-backend", "fsdp", "--critic-num-gpus-per-node", "9"],
             "--critic-num-gpus-per-node 9 exceeds --num-gpus-per-node 8",
         ),
         (["--critic-num-nodes", "1"], "--critic-num-nodes requires --use-critic"),
@@ -55,7 +55,7 @@ def test_critic_flags_and_checkpoint_directories(tmp_path):
     args = parse(
         tmp_path, *PPO, "--lr", "1e-6", "--critic-lr", "1e-5", "--critic-lr-warmup-iters", "3",
         "--save", str(tmp_path / "ck"), "--load", str(tmp_path / "ck"),
-        "--critic-num-gpus-per-node", "1", "--value-clip", "0.5",
+        "--train-backend", "fsdp", "--critic-num-gpus-per-node", "1", "--value-clip", "0.5",
         "--tensorboard-dir", str(tmp_path / "tb"),
     )  # fmt: skip
     assert args.critic_save == str(tmp_path / "ck" / "critic")

@@ -12,7 +12,8 @@ from miles_launch.job import Job
 from miles_launch.rollout_training import RolloutTraining
 from miles_launch.trainer_group import TrainerFailure, TrainerGroup
 
-PPO = ["--advantage-estimator", "ppo", "--use-critic", "--critic-num-gpus-per-node", "1"]
+PPO = ["--advantage-estimator", "ppo", "--use-critic", "--train-backend", "fsdp"]
+PPO += ["--critic-num-gpus-per-node", "1"]
 
 
 class StandIn:

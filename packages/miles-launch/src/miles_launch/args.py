@@ -53,7 +53,7 @@ class LaunchPlacementArgs(ArgGroup):
         help="Nodes of a critic on its own ranks (--use-critic). With this flag or "
         "--critic-num-gpus-per-node the critic gets GPUs, processes and a data-parallel world of "
         "its own and trains while the actor does (unset here: --actor-num-nodes); with neither "
-        "it lives in the trainer's ranks.",
+        "it lives in the trainer's ranks. FSDP and the synchronous loop only.",
     )
     critic_num_gpus_per_node: int | None = flag(
         None,
@@ -143,6 +143,18 @@ def check_critic_ranks(args: Any) -> None:
     ranks = critic_ranks(args)
     per_node = args.critic_num_gpus_per_node or args.actor_num_gpus_per_node
     what = f"the critic's {ranks} rank(s) (--critic-num-nodes x --critic-num-gpus-per-node)"
+    # proven by tests/miles_launch/test_critic_own_ranks_e2e.py: FSDP, the synchronous loop
+    unproven = (
+        f"--train-backend {args.train_backend}" if args.train_backend != "fsdp" else None,
+        "--fully-async" if args.fully_async else None,
+    )
+    for flag_given in unproven:
+        if flag_given:
+            raise ArgumentError(
+                f"a critic on its own ranks (--critic-num-nodes / --critic-num-gpus-per-node) "
+                f"with {flag_given} is not supported yet (proven: --train-backend fsdp, "
+                "synchronous); leave both unset and the critic shares the trainer's ranks"
+            )
     if per_node > args.num_gpus_per_node:
         raise ArgumentError(
             f"--critic-num-gpus-per-node {per_node} exceeds --num-gpus-per-node "

@@ -99,7 +99,12 @@ def test_the_launchers_calls_are_the_contract():
             owner = node.func.value
             on_backend = isinstance(owner, ast.Attribute) and owner.attr in ("backend", "critic")
             on_role = isinstance(owner, ast.Call) and getattr(owner.func, "attr", "") == "_role"
-            if on_backend or on_role:
+            on_model = (  # self.models[role]: each role's backend instance
+                isinstance(owner, ast.Subscript)
+                and isinstance(owner.value, ast.Attribute)
+                and owner.value.attr == "models"
+            )
+            if on_backend or on_role or on_model:
                 called.add(node.func.attr)
                 params = inspect.signature(getattr(TrainBackend, node.func.attr)).parameters
                 assert all(k.arg in params for k in node.keywords), (node.func.attr, params)

@@ -9,7 +9,6 @@ tri-states are resolved by miles-core's offload group. ``--tensorboard-dir`` is 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -79,8 +78,11 @@ class LaunchPlacementArgs(ArgGroup):
             at_least(args, dest, 1)
         if not getattr(args, "load_debug_rollout_data", None):  # a replay starts no engines
             at_least(args, "rollout_num_gpus", 1)
-        for dest in ("critic_num_nodes", "critic_num_gpus_per_node"):
-            if getattr(args, dest) is not None:
+        for dest, value in (
+            ("critic_num_nodes", args.critic_num_nodes),
+            ("critic_num_gpus_per_node", args.critic_num_gpus_per_node),
+        ):
+            if value is not None:
                 requires(args, dest, "use_critic")
                 at_least(args, dest, 1)
         if critic_ranks(args):
@@ -137,12 +139,10 @@ class LaunchPlacementArgs(ArgGroup):
 
 
 def check_critic_ranks(args: Any) -> None:
-    """A critic on its own ranks: its nodes fit ``--num-gpus-per-node`` and its world divides
-    into the model-parallel groups its backend builds (the actor's flags: Megatron's TP x PP x
-    CP and ETP x EP x PP, FSDP's ``--dp-replicate-size``)."""
+    """A critic on its own ranks: proven with FSDP's synchronous loop only; its nodes fit
+    ``--num-gpus-per-node`` and its world divides into FSDP's ``--dp-replicate-size``."""
     ranks = critic_ranks(args)
     per_node = args.critic_num_gpus_per_node or args.actor_num_gpus_per_node
-    what = f"the critic's {ranks} rank(s) (--critic-num-nodes x --critic-num-gpus-per-node)"
     # proven by tests/miles_launch/test_critic_own_ranks_e2e.py: FSDP, the synchronous loop
     unproven = (
         f"--train-backend {args.train_backend}" if args.train_backend != "fsdp" else None,
@@ -160,30 +160,13 @@ def check_critic_ranks(args: Any) -> None:
             f"--critic-num-gpus-per-node {per_node} exceeds --num-gpus-per-node "
             f"{args.num_gpus_per_node}"
         )
-
-    sizes = {
-        dest: int(getattr(args, dest, None) or 1)
-        for dest in (*MODEL_PARALLEL, *EXPERT_PARALLEL, "dp_replicate_size")
-    }
-    if getattr(args, "expert_tensor_parallel_size", None) is None:  # Megatron's default: TP
-        sizes["expert_tensor_parallel_size"] = sizes["tensor_model_parallel_size"]
-    for dests in (MODEL_PARALLEL, EXPERT_PARALLEL, ("dp_replicate_size",)):
-        if ranks % math.prod(sizes[d] for d in dests):
-            given = " x ".join(f"{option(d)} {sizes[d]}" for d in dests)
-            raise ArgumentError(f"{what} are not divisible by {given}")
-
-
-#: Megatron's model-parallel sizes (unset without Megatron: 1): each product divides a world
-MODEL_PARALLEL = (
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "context_parallel_size",
-)
-EXPERT_PARALLEL = (
-    "expert_tensor_parallel_size",
-    "expert_model_parallel_size",
-    "pipeline_model_parallel_size",
-)
+    # FSDP's group is absent when only the launcher's groups are parsed (its default: 1)
+    replicas = int(getattr(args, "dp_replicate_size", 1) or 1)
+    if ranks % replicas:
+        raise ArgumentError(
+            f"the critic's {ranks} rank(s) (--critic-num-nodes x --critic-num-gpus-per-node) "
+            f"are not divisible by --dp-replicate-size {replicas}"
+        )
 
 
 @dataclass

@@ -126,10 +126,9 @@ def critic_ranks(args: Any) -> int:
     """Ranks of a critic on its own ranks: ``--critic-num-nodes x --critic-num-gpus-per-node``
     when either is given with ``--use-critic`` (the other then defaults to the actor's); 0 when
     the critic lives in the trainer's ranks or there is none."""
-    if not getattr(args, "use_critic", False):
+    if not args.use_critic:
         return 0
-    nodes = getattr(args, "critic_num_nodes", None)
-    per_node = getattr(args, "critic_num_gpus_per_node", None)
+    nodes, per_node = args.critic_num_nodes, args.critic_num_gpus_per_node
     if nodes is None and per_node is None:
         return 0
     nodes = args.actor_num_nodes if nodes is None else nodes

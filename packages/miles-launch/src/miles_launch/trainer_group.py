@@ -139,7 +139,7 @@ class TrainerRank:
         backend_cls = load(self.backend_name)
         roles = self.roles
         if roles is None:
-            roles = ("critic", "actor") if getattr(args, "use_critic", False) else ("actor",)
+            roles = ("critic", "actor") if args.use_critic else ("actor",)
         next_ids = {}
         # the critic first: the actor's init (and its --load) sets the process's RNG state last
         for role in roles:

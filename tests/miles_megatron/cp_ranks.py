@@ -29,6 +29,24 @@ def cp_argv(cp: int = 1, tp: int = 1, pp: int = 1) -> list[str]:
     return [*layout_argv(tp=tp, pp=pp), "--context-parallel-size", str(cp)]
 
 
+def cp_two_rank_cases(llama: str) -> list:
+    """The default suite's 2-rank CP case against HF + AdamW (layout_ranks.train_and_publish)."""
+    return [("llama cp2", llama, cp_argv(cp=2))]
+
+
+def four_rank_cp_cases(llama: str) -> list:
+    """The ``extended`` 4-rank CP cases against HF + AdamW (test_context_parallel.py)."""
+    return [
+        ("llama cp2 tp2", llama, cp_argv(cp=2, tp=2)),
+        ("llama cp2 pp2", llama, cp_argv(cp=2, pp=2)),
+        ("llama cp2 dp2", llama, cp_argv(cp=2)),  # two CP groups, each on its DP shard
+    ]
+
+
+#: the RL recipe's 2-rank layouts (cp_default_run): CP = 2 against TP = 2 (DP = 1)
+CP_TWO_RANK_RL_LAYOUTS = [("tp2", cp_argv(tp=2)), ("cp2", cp_argv(cp=2))]
+
+
 def _one_layout(hf_dir: str, argv: list[str], save: str | None) -> dict[str, Any]:
     from backend_reference import samples
     from megatron_ranks import parse
@@ -123,11 +141,9 @@ def cp_default_run(rank: int, world: int, hf_dir: str, rollouts: int, save: str)
     CP = 2 on samples whose loss tokens reach both CP ranks."""
     from layout_ranks import train_and_publish
 
-    cases = [("llama cp2", hf_dir, cp_argv(cp=2))]
-    layouts = [("tp2", cp_argv(tp=2)), ("cp2", cp_argv(cp=2))]
     return {
-        "layouts": train_and_publish(rank, world, cases, rollouts),
-        "rl": rl_layouts(rank, world, hf_dir, layouts, save),
+        "layouts": train_and_publish(rank, world, cp_two_rank_cases(hf_dir), rollouts),
+        "rl": rl_layouts(rank, world, hf_dir, CP_TWO_RANK_RL_LAYOUTS, save),
         "sft": sft_step(hf_dir, cp_argv(cp=2)),
         "critic": critic_step(hf_dir, cp_argv(cp=2)),
     }

@@ -26,6 +26,19 @@ def argv_of(tp: int = 1, ep: int = 1, pp: int = 1, etp: int | None = None, a2a: 
     return argv + ["--moe-token-dispatcher-type", "alltoall" if a2a else "allgather"]
 
 
+def eight_rank_cases(hf_dirs: dict[str, str]) -> list:
+    """The ``extended`` 8-rank layouts, the dense kinds of three dimensions (test_layouts.py)."""
+    from cp_ranks import cp_argv
+
+    llama = hf_dirs["llama"]
+    return [
+        ("llama tp2 pp2 dp2", llama, argv_of(tp=2, pp=2)),
+        ("llama tp2 cp2 dp2", llama, cp_argv(cp=2, tp=2)),
+        ("llama pp2 cp2 dp2", llama, cp_argv(cp=2, pp=2)),
+        ("llama tp2 pp2 cp2", llama, cp_argv(cp=2, tp=2, pp=2)),
+    ]
+
+
 def _numpy(source) -> dict[str, Any]:
     return {k: v.detach().cpu().numpy().copy() for k, v in source}
 
@@ -81,6 +94,22 @@ def two_rank_cases(hf_dirs: dict[str, str]) -> list:
         ("llama dp2", llama, argv_of()),
         ("llama pp2", llama, argv_of(pp=2)),
         ("llama tp2 lora", llama, [*argv_of(tp=2), *LORA_FLAGS]),
+        ("moe dp2", moe, argv_of()),  # the experts' gradients averaged over DP, no EP
+    ]
+
+
+def four_rank_cases(hf_dirs: dict[str, str]) -> list:
+    """The ``extended`` 4-rank layouts (test_layouts.py checks them)."""
+    moe, llama = hf_dirs["qwen3_moe"], hf_dirs["llama"]
+    return [
+        ("moe tp2 ep2 etp1 allgather", moe, argv_of(tp=2, ep=2, etp=1)),
+        ("moe tp2 ep2 etp1 alltoall", moe, argv_of(tp=2, ep=2, etp=1, a2a=True)),
+        ("moe tp2 ep2 etp2 allgather", moe, argv_of(tp=2, ep=2, etp=2)),
+        ("moe tp2 ep2 etp2 alltoall", moe, argv_of(tp=2, ep=2, etp=2, a2a=True)),
+        ("moe pp2 ep2", moe, argv_of(pp=2, ep=2, a2a=True)),
+        ("llama tp2 dp2", llama, argv_of(tp=2)),
+        ("llama pp2 tp2", llama, argv_of(pp=2, tp=2)),
+        ("llama pp2 dp2", llama, argv_of(pp=2)),  # each stage's gradients averaged over DP
     ]
 
 

@@ -220,10 +220,10 @@ def cp_two_rank_run(layout_hf_dirs, tmp_path_factory) -> list[dict]:
 
 @pytest.mark.slow
 def test_cp2_trains_like_hf_and_publishes_the_whole_model(cp_two_rank_run, layout_hf_dirs):
-    from cp_ranks import cp_argv
+    from cp_ranks import cp_two_rank_cases
     from test_layouts import check
 
-    cases = [("llama cp2", layout_hf_dirs["llama"], cp_argv(cp=2))]
+    cases = cp_two_rank_cases(layout_hf_dirs["llama"])
     check([r["layouts"] for r in cp_two_rank_run], cases, layout_hf_dirs)
 
 
@@ -338,17 +338,13 @@ def test_cp2_critic_on_samples_spanning_both_ranks_matches_float64(cp_two_rank_r
 
 @pytest.mark.extended
 def test_four_rank_cp_layouts_train_like_hf_and_equal_cp1(layout_hf_dirs):
-    from cp_ranks import cp_argv, rl_layouts
+    from cp_ranks import cp_argv, four_rank_cp_cases, rl_layouts
     from dist_ranks import spawn_ranks
     from layout_ranks import LAYOUT_ROLLOUTS, train_and_publish
     from test_layouts import check
 
     llama = layout_hf_dirs["llama"]
-    cases = [
-        ("llama cp2 tp2", llama, cp_argv(cp=2, tp=2)),
-        ("llama cp2 pp2", llama, cp_argv(cp=2, pp=2)),
-        ("llama cp2 dp2", llama, cp_argv(cp=2)),  # two CP groups, each on its DP shard
-    ]
+    cases = four_rank_cp_cases(llama)
     results = spawn_ranks(train_and_publish, 4, cases, LAYOUT_ROLLOUTS, timeout=1200)
     check(results, cases, layout_hf_dirs)
     layouts = [

@@ -10,9 +10,10 @@ bit for bit the same; a publish whose names are not the checkpoint's raises.
 
 qwen3_moe trains with the all-gather and the all-to-all token dispatchers (the all-to-all on
 gloo through the CPU shim's split-size adapter, megatron_shim.py); llama is the dense control.
-The default suite runs the 2-rank layouts (EP=2, PP=2, TP=2 with LoRA merged; in the spawn
-test_pipeline.py shares, conftest.py); the 4-rank ones (EP=2 x TP=2 at ETP=1 and ETP=TP,
-PP=2 x TP=2, PP=2 x EP=2, TP=2 x DP=2, PP=2 x DP=2) are ``extended``.
+The default suite runs the 2-rank layouts (EP=2, PP=2, TP=2 with LoRA merged, MoE at DP=2; in
+the spawn test_pipeline.py shares, conftest.py); the 4-rank ones (EP=2 x TP=2 at ETP=1 and ETP=TP,
+PP=2 x TP=2, PP=2 x EP=2, TP=2 x DP=2, PP=2 x DP=2) and the 8-rank dense kinds of three
+dimensions (TP x PP x DP, TP x CP x DP, PP x CP x DP, TP x PP x CP) are ``extended``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ import pytest
 import torch
 from backend_reference import reference
 from dist_ranks import spawn_ranks
-from layout_ranks import LAYOUT_ROLLOUTS, argv_of, train_and_publish, two_rank_cases
+from layout_ranks import (
+    LAYOUT_ROLLOUTS,
+    eight_rank_cases,
+    four_rank_cases,
+    train_and_publish,
+    two_rank_cases,
+)
 from safetensors.torch import load_file
 
 
@@ -62,18 +69,15 @@ def test_two_rank_layouts_train_like_hf_and_publish_every_stage(two_rank_run, la
 
 @pytest.mark.extended
 def test_four_rank_layouts_train_like_hf_and_publish_every_stage(layout_hf_dirs):
-    moe, llama = layout_hf_dirs["qwen3_moe"], layout_hf_dirs["llama"]
-    cases = [
-        ("moe tp2 ep2 etp1 allgather", moe, argv_of(tp=2, ep=2, etp=1)),
-        ("moe tp2 ep2 etp1 alltoall", moe, argv_of(tp=2, ep=2, etp=1, a2a=True)),
-        ("moe tp2 ep2 etp2 allgather", moe, argv_of(tp=2, ep=2, etp=2)),
-        ("moe tp2 ep2 etp2 alltoall", moe, argv_of(tp=2, ep=2, etp=2, a2a=True)),
-        ("moe pp2 ep2", moe, argv_of(pp=2, ep=2, a2a=True)),
-        ("llama tp2 dp2", llama, argv_of(tp=2)),
-        ("llama pp2 tp2", llama, argv_of(pp=2, tp=2)),
-        ("llama pp2 dp2", llama, argv_of(pp=2)),  # each stage's gradients averaged over DP
-    ]
+    cases = four_rank_cases(layout_hf_dirs)
     results = spawn_ranks(train_and_publish, 4, cases, LAYOUT_ROLLOUTS, timeout=900)
+    check(results, cases, layout_hf_dirs)
+
+
+@pytest.mark.extended
+def test_eight_rank_layouts_train_like_hf_and_publish_every_stage(layout_hf_dirs):
+    cases = eight_rank_cases(layout_hf_dirs)
+    results = spawn_ranks(train_and_publish, 8, cases, LAYOUT_ROLLOUTS, timeout=1800)
     check(results, cases, layout_hf_dirs)
 
 

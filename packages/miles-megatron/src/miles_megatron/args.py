@@ -23,6 +23,7 @@ from miles_megatron.arch_args import (
     transformer_engine_available,
 )
 from miles_megatron.generated_flags import check_generated_flags
+from miles_megatron.layout_kinds import check_layout_kind
 
 #: the values the Megatron backend honours
 ATTN_IMPLEMENTATIONS = ("varlen", "sdpa")
@@ -202,6 +203,9 @@ class MegatronArgs(ArgGroup):
             except BridgeError as exc:
                 raise ArgumentError(str(exc)) from exc
             check_parallel_sizes(args, world_size_of(args), model_args=margs)
+            world = launch_world_size(args)
+            if world is not None:  # a job's layout: its kind is proven or refused
+                check_layout_kind(args, world, moe=bool(margs.get("num_experts")))
 
 
 def check_ref_load(args: Any) -> None:
@@ -393,12 +397,19 @@ def check_recompute_flags(args: Any) -> None:
 
 def world_size_of(args: Any) -> int | None:
     """The trainer's world size when known at argument time (launcher flags or WORLD_SIZE)."""
-    nodes = getattr(args, "actor_num_nodes", None)
-    per_node = getattr(args, "actor_num_gpus_per_node", None)
-    if nodes and per_node:
-        return int(nodes) * int(per_node)
+    world = launch_world_size(args)
+    if world is not None:
+        return world
     env = os.environ.get("WORLD_SIZE")
     return int(env) if env else None
+
+
+def launch_world_size(args: Any) -> int | None:
+    """The trainer's world size from the launcher's flags; None when the parse has no
+    launcher group (the backend's ranks started by other means)."""
+    nodes = getattr(args, "actor_num_nodes", None)
+    per_node = getattr(args, "actor_num_gpus_per_node", None)
+    return int(nodes) * int(per_node) if nodes and per_node else None
 
 
 def check_parallel_sizes(args: Any, world_size: int | None, model_args: dict | None) -> None:

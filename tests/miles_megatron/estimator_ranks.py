@@ -40,8 +40,9 @@ KEYS = (
 
 def estimator_rollouts(rank: int, world: int, backend_name: str, hf_dir: str) -> dict:
     """For each of :data:`CONFIGS`, a fresh ``backend_name`` trains one rollout (2 optimizer
-    steps) on the masked samples carrying engine log-probs; its :data:`KEYS` metrics and, as
-    ``log_probs``, each sample's response log-probs after the rollout (plain lists)."""
+    steps) on the masked samples carrying engine log-probs; its :data:`KEYS` metrics, as
+    ``log_probs`` each sample's response log-probs after the rollout (plain lists) and as
+    ``weights`` the trained weights in the HF checkpoint's names."""
     from backend_reference import samples
     from megatron_ranks import both_backends_backend
     from miles_core.batch import RolloutBatch
@@ -53,9 +54,14 @@ def estimator_rollouts(rank: int, world: int, backend_name: str, hf_dir: str) ->
         metrics = backend.train(0, batch)
         if backend_name == "megatron":  # no reference model: the actor's own log-probs
             after = backend.reference_log_probs(batch)
+            weights = backend.hf_weights()
         else:
             after = backend.eval_log_probs(batch)
+            weights = backend.weight_source()
+        # copies: no shared-memory handles to the parent
+        weights = {k: v.detach().cpu().numpy().copy() for k, v in weights}
         backend.close()
         out[name] = {k: metrics[k] for k in KEYS if k in metrics}
         out[name]["log_probs"] = [t.tolist() for t in after]
+        out[name]["weights"] = weights
     return out

@@ -183,8 +183,9 @@ def reference(hf_dir: str, name: str, data) -> dict:
 
     Returns ``steps``: per step the :func:`objective` values (``grad_norm``, ``lr`` added);
     ``log_probs``: each sample's response log-probs after both steps; ``after_one``: those after
-    the first step only; and ``tol``: the bound on fp32 arithmetic per value, with the same
-    keys. A value's bound is first order in the per-token errors: ``SCORE_ATOL`` on each
+    the first step only; ``weights``: the weights after both steps (by parameter name); and
+    ``tol``, ``log_probs_tol``, ``weights_tol``: the bounds on fp32 arithmetic, with the same
+    keys (weights: :func:`tolerances.adam_steps_atol` element by element). A value's bound is first order in the per-token errors: ``SCORE_ATOL`` on each
     log-prob and entropy of the forward (times ``|d value / d token value|``), plus, from the
     second step on, the weights' difference after the steps before it
     (:func:`tolerances.adam_steps_atol`) times ``|d value / d w|``, plus 64 ulps of the value.
@@ -260,6 +261,8 @@ def reference(hf_dir: str, name: str, data) -> dict:
     weight_atol = [
         adam_steps_atol(h, p.detach(), lr=LR, betas=BETAS) for h, p in zip(history, params)
     ]
+    names = [name for name, _ in model.named_parameters()]
+    weights = {name: p.detach().clone() for name, p in zip(names, params)}
     log_probs, lp_tol = [], []
     for s in data:
         lp, _ = scores(model, s)
@@ -276,4 +279,6 @@ def reference(hf_dir: str, name: str, data) -> dict:
         "log_probs": log_probs,
         "log_probs_tol": lp_tol,
         "after_one": after_one,
+        "weights": weights,
+        "weights_tol": dict(zip(names, weight_atol)),
     }

@@ -5,10 +5,11 @@ transformers and torch's AdamW, no miles code). One rollout of 2 optimizer steps
 samples (tool spans with holes) that carry engine log-probs, in fp32.
 
 For each configuration and backend: the rollout's loss and its parts (the mean over the 2
-steps, as the backends report them), the entropy, the old policy's mismatch against the engine,
-the last step's gradient norm and LR, and every response token's log-prob after the rollout
-equal the float64 values within the bounds :mod:`tolerances` derives (the reference computes
-them per value); the two backends equal each other within the fp32 bound of
+steps, as the backends report them), the entropy, ``ppo_kl``, the old policy's mismatch against
+the engine, the last step's gradient norm and LR, every weight and every response token's
+log-prob after the rollout equal the float64 values within the bounds :mod:`tolerances`
+derives (the reference computes them value by value; the weights element by element with
+``adam_steps_atol``); the two backends equal each other within the fp32 bound of
 test_backends_agree. Coverage: every mask has a hole; the log-probs after the rollout are told
 apart from those after one step (so both steps ran); the configurations' losses all differ, on
 the backends and in the reference (so each flag reached the step)."""
@@ -72,12 +73,17 @@ def test_every_estimator_and_loss_equals_float64_on_both_backends(tmp_path):
         ]
         assert max(moved) > 0, (name, moved)
         m, f = megatron[name], fsdp[name]
-        assert set(m) == set(f) == {*want, "log_probs"}, (name, sorted(m), sorted(want))
+        assert set(m) == set(f) == {*want, "log_probs", "weights"}, (name, sorted(m), sorted(want))
         for backend, got in (("megatron", m), ("fsdp", f)):
             for key, value in want.items():
                 assert abs(got[key] - value) <= bound[key], (
                     name, backend, key, got[key], value, bound[key]
                 )  # fmt: skip
+            assert sorted(got["weights"]) == sorted(ref["weights"]), (name, backend)
+            for key, value in ref["weights"].items():
+                what = f"{name} {backend}: {key} after the rollout"
+                got_w = torch.from_numpy(got["weights"][key])
+                assert_within(got_w, value, ref["weights_tol"][key], what)
             for i, (lp, t) in enumerate(zip(ref["log_probs"], ref["log_probs_tol"])):
                 what = f"{name} {backend}: log-probs of sample {i} after the rollout"
                 assert_within(torch.tensor(got["log_probs"][i]), lp, t, what)

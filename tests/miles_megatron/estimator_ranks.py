@@ -40,16 +40,17 @@ KEYS = (
 
 def estimator_rollouts(rank: int, world: int, backend_name: str, hf_dir: str) -> dict:
     """For each of :data:`CONFIGS`, a fresh ``backend_name`` trains one rollout (2 optimizer
-    steps) on the masked samples carrying engine log-probs; its :data:`KEYS` metrics, as
+    steps, the LR decaying as ``estimator_reference.SCHEDULE_FLAGS`` say) on the masked samples carrying engine log-probs; its :data:`KEYS` metrics, as
     ``log_probs`` each sample's response log-probs after the rollout (plain lists) and as
     ``weights`` the trained weights in the HF checkpoint's names."""
     from backend_reference import samples
+    from estimator_reference import SCHEDULE_FLAGS
     from megatron_ranks import both_backends_backend
     from miles_core.batch import RolloutBatch
 
     out = {}
     for name, flags in CONFIGS:
-        backend = both_backends_backend(world, backend_name, hf_dir, *flags)
+        backend = both_backends_backend(world, backend_name, hf_dir, *flags, *SCHEDULE_FLAGS)
         batch = RolloutBatch(samples(masked=True, engine_log_probs=True))
         metrics = backend.train(0, batch)
         if backend_name == "megatron":  # no reference model: the actor's own log-probs

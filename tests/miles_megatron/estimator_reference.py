@@ -35,7 +35,9 @@ sides, ratio ``r = exp(lp - old)``):
 * entropy bonus: ``- 0.01 * agg(H)``; SFT: ``agg(-lp)``, no bonus.
 
 Then per step: backward, the gradient norm before clipping, ``clip_grad_norm_(1.0)``, AdamW
-(betas 0.9 / 0.999, eps 1e-8, weight decay 0) at the constant LR 1e-3. The rollout's ``S = 4``
+(betas 0.9 / 0.999, eps 1e-8, weight decay 0) at the step's LR: cosine decay from 1e-3 to 1e-4
+over 2 steps (Loshchilov & Hutter 2017, arXiv:1608.03983, no restart), ``lr_k = 1e-4 + (1e-3 -
+1e-4) (1 + cos(pi k / 2)) / 2``: 1e-3, then 5.5e-4. The rollout's ``S = 4``
 samples in rollout order are cut into 2 consecutive slices (step ``k`` trains samples ``[S k /
 2, S (k + 1) / 2)``).
 
@@ -45,12 +47,18 @@ change in it, from :mod:`tolerances` (see :func:`reference`).
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 
 import torch
 
 LR = 1e-3
+MIN_LR = 1e-4
+DECAY_STEPS = 2
+#: the flags of the schedule above, added to every configuration's
+SCHEDULE_FLAGS = ("--lr-decay-style", "cosine", "--lr-decay-iters", str(DECAY_STEPS))
+SCHEDULE_FLAGS += ("--min-lr", str(MIN_LR))
 BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
 CLIP_GRAD = 1.0
@@ -191,7 +199,8 @@ def reference(hf_dir: str, name: str, data) -> dict:
     (:func:`tolerances.adam_steps_atol`) times ``|d value / d w|``, plus 64 ulps of the value.
     A gradient norm moves by at most ``sum_w |g_w| dg_w / |g|`` for a gradient error of
     ``dg_w = (k + 1) GRAD_REL_ERR max|g|`` (per tensor) at step ``k``, the rule
-    :func:`tolerances.adam_steps_atol` applies to the gradients.
+    :func:`tolerances.adam_steps_atol` applies to the gradients. The weights' bounds take the
+    peak LR for every step (an upper bound: the schedule only lowers it).
     """
     from tolerances import GRAD_REL_ERR, SCORE_ATOL, adam_steps_atol, ulp_atol
     from transformers import AutoModelForCausalLM
@@ -242,8 +251,9 @@ def reference(hf_dir: str, name: str, data) -> dict:
         norm = float(torch.nn.utils.clip_grad_norm_(params, CLIP_GRAD))
         dgs = [(k + 1) * GRAD_REL_ERR * float(g.abs().max()) for g in grads]
         bounds["grad_norm"] = sum(float(g.abs().sum()) * d for g, d in zip(grads, dgs)) / norm
-        bounds["lr"] = float(ulp_atol(torch.tensor(LR), 1))
-        lr = opt.param_groups[0]["lr"]
+        lr = MIN_LR + (LR - MIN_LR) * (1 + math.cos(math.pi * k / DECAY_STEPS)) / 2
+        bounds["lr"] = float(ulp_atol(torch.tensor(lr), 1))
+        opt.param_groups[0]["lr"] = lr
         opt.step()
         beta1, beta2 = BETAS
         for h, p in zip(history, params):  # what tolerances.adam_steps_atol reads

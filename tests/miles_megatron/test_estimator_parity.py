@@ -2,7 +2,8 @@
 its baseline), the CISPO objective and the SFT loss, on Megatron (TP 1) and FSDP, each against
 a float64 reference written from the papers (tests/miles_megatron/estimator_reference.py: HF
 transformers and torch's AdamW, no miles code). One rollout of 2 optimizer steps on masked
-samples (tool spans with holes) that carry engine log-probs, in fp32.
+samples (tool spans with holes) that carry engine log-probs, in fp32, the LR decaying (cosine)
+from 1e-3 to 1e-4 over the 2 steps.
 
 For each configuration and backend: the rollout's loss and its parts (the mean over the 2
 steps, as the backends report them), the entropy, ``ppo_kl``, the old policy's mismatch against

@@ -5,15 +5,16 @@ transformers and torch's AdamW, no miles code). One rollout of 2 optimizer steps
 samples (tool spans with holes) that carry engine log-probs, in fp32, the LR decaying (cosine)
 from 1e-3 to 1e-4 over the 2 steps.
 
-For each configuration and backend: the rollout's loss and its parts (the mean over the 2
-steps, as the backends report them), the entropy, ``ppo_kl``, the old policy's mismatch against
-the engine, the last step's gradient norm and LR, every weight and every response token's
-log-prob after the rollout equal the float64 values within the bounds :mod:`tolerances`
-derives (the reference computes them value by value; the weights element by element with
-``adam_steps_atol``); the two backends equal each other within the fp32 bound of
-test_backends_agree. Coverage: every mask has a hole; the log-probs after the rollout are told
-apart from those after one step (so both steps ran); the configurations' losses all differ, on
-the backends and in the reference (so each flag reached the step)."""
+For each configuration and backend, at each step (read from the backend's step function) and
+for the rollout (``train()``'s metrics: step means, the last step's gradient norm and LR): the
+loss and its parts, the entropy, ``ppo_kl``, the old policy's mismatch against the engine, the
+gradient norm and the LR; and every weight and every response token's log-prob after the
+rollout; all equal the float64 values within the bounds :mod:`tolerances` derives (the
+reference computes them value by value; the weights element by element with
+``adam_steps_atol``). The two backends equal each other within the fp32 bound of
+test_backends_agree. Coverage: every mask has a hole; both backends took 2 steps, and the
+log-probs after the rollout are told apart from those after one step; the configurations'
+losses all differ, on the backends and in the reference (so each flag reached the step)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import pytest
 import torch
 from dist_ranks import spawn_ranks
 from estimator_ranks import CONFIGS, estimator_rollouts
-from estimator_reference import OBJECTIVES, reference
+from estimator_reference import OBJECTIVES, STEPS, reference
 from megatron_tiny_models import make_tiny_hf
 from tolerances import assert_within
 
@@ -74,9 +75,17 @@ def test_every_estimator_and_loss_equals_float64_on_both_backends(tmp_path):
         ]
         assert max(moved) > 0, (name, moved)
         m, f = megatron[name], fsdp[name]
-        assert set(m) == set(f) == {*want, "log_probs", "weights"}, (name, sorted(m), sorted(want))
+        extra = {"steps", "log_probs", "weights"}
+        assert set(m) == set(f) == {*want, *extra}, (name, sorted(m), sorted(want))
         for backend, got in (("megatron", m), ("fsdp", f)):
-            for key, value in want.items():
+            assert len(got["steps"]) == STEPS, (name, backend)  # both optimizer steps ran
+            for k, (step, ref_step, tol) in enumerate(zip(got["steps"], ref["steps"], ref["tol"])):
+                assert set(step) == set(ref_step), (name, backend, k, sorted(step))
+                for key, value in ref_step.items():
+                    assert abs(step[key] - value) <= tol[key], (
+                        name, backend, f"step {k}", key, step[key], value, tol[key]
+                    )  # fmt: skip
+            for key, value in want.items():  # the rollout's metrics, as train() reports them
                 assert abs(got[key] - value) <= bound[key], (
                     name, backend, key, got[key], value, bound[key]
                 )  # fmt: skip
@@ -90,6 +99,8 @@ def test_every_estimator_and_loss_equals_float64_on_both_backends(tmp_path):
                 assert_within(torch.tensor(got["log_probs"][i]), lp, t, what)
         for key in want:
             assert close(m[key], f[key]), (name, key, m[key], f[key])
+        for k, (a, b) in enumerate(zip(m["steps"], f["steps"])):
+            assert all(close(a[key], b[key]) for key in a), (name, k, a, b)
         for a, b in zip(m["log_probs"], f["log_probs"], strict=True):
             assert all(close(x, y) for x, y in zip(a, b, strict=True)), (name, a, b)
     losses = [round(fsdp[name]["loss"], 6) for name in names]

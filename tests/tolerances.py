@@ -24,6 +24,11 @@ import torch
 
 FP32_EPS = 2.0**-24
 GRAD_REL_ERR = 2e-5
+#: Bound on an fp32 log-prob or entropy of one token of the tests' tiny 2-layer models (64-wide
+#: matmuls, a log-softmax over 96 tokens): a few hundred (256) roundings of ``FP32_EPS``
+#: relative, each at a magnitude below 8 (``|log p|`` of such a model is about 5; the entropy is
+#: at most ``log 96`` = 4.6), i.e. ``256 * 8 * 2^-24`` ~ 1.2e-4.
+SCORE_ATOL = 256 * 8 * FP32_EPS
 
 
 def ulp_atol(reference: torch.Tensor, ulps: float = 8) -> torch.Tensor:
@@ -71,6 +76,7 @@ def adam_steps_atol(
     *,
     lr: float,
     grad_rel_err: float = GRAD_REL_ERR,
+    betas: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """Elementwise bound on ``|fp32 weight - reference weight|`` after several Adam(W) steps
     whose gradients differ step to step (several optimizer steps per rollout).
@@ -82,11 +88,29 @@ def adam_steps_atol(
     and ``u_k`` by at most ``dg * (1 + |u_k|) / d_k``. Step ``k``'s gradient also carries the
     weight differences of the steps before it: its ``dg`` is taken as ``(k + 1) *
     grad_rel_err * max|g_k|``. Plus :func:`ulp_atol` for each update's own rounding.
+
+    With ``betas`` (Adam's), two facts tighten the bound. An update direction is bounded on
+    both sides: ``m_hat`` and ``v_hat`` weigh gradient ``j`` of ``k + 1`` by ``a_j = (1 - b1)
+    b1^(k - j) / (1 - b1^(k + 1))`` and ``c_j`` likewise with ``b2``, so by Cauchy-Schwarz
+    ``|u_k| <= U_k = sqrt(sum_j a_j^2 / c_j)`` (1 at the first step, 1.0015 at the second for
+    0.9 / 0.999), and the two runs' updates differ by at most ``2 lr U_k`` a step. And an
+    element whose float64 gradient is exactly 0 at every step so far is one no token reaches
+    (an embedding row of a token absent from the steps): its fp32 gradient is exactly 0 as
+    well, the weight does not move, and only the ulps remain.
     """
     atol = torch.zeros_like(param, dtype=torch.float64)
+    untouched = torch.ones_like(param, dtype=torch.bool)
     for k, (grad, denom, update) in enumerate(steps):
         dg = (k + 1) * grad_rel_err * float(grad.double().abs().max())
-        atol += lr * dg * (1 + update.double().abs()) / denom.double()
+        term = lr * dg * (1 + update.double().abs()) / denom.double()
+        if betas is not None:
+            b1, b2 = betas
+            a = [(1 - b1) * b1 ** (k - j) / (1 - b1 ** (k + 1)) for j in range(k + 1)]
+            c = [(1 - b2) * b2 ** (k - j) / (1 - b2 ** (k + 1)) for j in range(k + 1)]
+            bound = sum(x * x / y for x, y in zip(a, c)) ** 0.5
+            untouched &= grad == 0
+            term = torch.where(untouched, 0.0, term.clamp(max=2 * lr * bound))
+        atol += term
     return atol + len(steps) * ulp_atol(param.double().abs() + len(steps) * lr)
 
 

@@ -3,33 +3,104 @@ estimator and loss on one backend, in one process)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 #: (name, extra flags): every actor estimator without a critic, both policy objectives, and
-#: the SFT loss (whose entropy bonus must be 0)
+#: the SFT loss (whose entropy bonus must be 0). REINFORCE++ and its baseline normalise the
+#: advantages over the batch as the paper does; CISPO normalises by the step's token count as
+#: its paper does.
 CONFIGS = (
     ("grpo", ("--advantage-estimator", "grpo")),
     ("gspo", ("--advantage-estimator", "gspo")),
     ("dr_grpo", ("--advantage-estimator", "dr_grpo")),
     ("rloo", ("--advantage-estimator", "rloo")),
-    ("reinforce_plus_plus", ("--advantage-estimator", "reinforce_plus_plus")),
-    ("reinforce_plus_plus_baseline", ("--advantage-estimator", "reinforce_plus_plus_baseline")),
-    ("cispo", ("--policy-loss", "cispo")),
+    (
+        "reinforce_plus_plus",
+        ("--advantage-estimator", "reinforce_plus_plus", "--normalize-advantages"),
+    ),
+    (
+        "reinforce_plus_plus_baseline",
+        ("--advantage-estimator", "reinforce_plus_plus_baseline", "--normalize-advantages"),
+    ),
+    ("cispo", ("--policy-loss", "cispo", "--calculate-per-token-loss")),
     ("sft_loss", ("--loss-type", "sft_loss", "--entropy-coef", "0")),
 )
 
-KEYS = ("loss", "grad_norm", "lr", "entropy")
+#: the rollout metrics compared: step means of the loss and its parts, the last step's
+#: gradient norm and LR, the mean train/rollout mismatch of the old policy
+KEYS = (
+    "loss",
+    "pg_loss",
+    "sft_loss",
+    "grad_norm",
+    "lr",
+    "entropy",
+    "ppo_kl",
+    "train_rollout_logprob_abs_diff",
+)
+
+
+@contextlib.contextmanager
+def recorded_steps(backend_name: str) -> Iterator[list[dict]]:
+    """Each optimizer step's metrics, as the backend's rollout loop receives them from its
+    ``optimizer_step`` (``train()`` reports only the rollout's: step means, the last step's
+    gradient norm and LR): a list filled with one dict per step."""
+    if backend_name == "megatron":
+        import miles_megatron.train_step as module
+
+        def read(result):
+            return dict(result)
+    else:
+        import miles_fsdp.rollout_train as module
+
+        def read(result):
+            return {**result.parts, "grad_norm": result.grad_norm, "lr": result.lr}
+
+    steps: list[dict] = []
+    original = module.optimizer_step
+
+    def spy(*args, **kwargs):
+        result = original(*args, **kwargs)
+        steps.append({k: float(v) for k, v in read(result).items() if k in KEYS})
+        return result
+
+    module.optimizer_step = spy
+    try:
+        yield steps
+    finally:
+        module.optimizer_step = original
 
 
 def estimator_rollouts(rank: int, world: int, backend_name: str, hf_dir: str) -> dict:
     """For each of :data:`CONFIGS`, a fresh ``backend_name`` trains one rollout (2 optimizer
-    steps) on the masked samples carrying engine log-probs; its :data:`KEYS` metrics."""
+    steps, the LR decaying as ``estimator_reference.SCHEDULE_FLAGS`` say) on the masked samples
+    carrying engine log-probs. Per configuration: the rollout's :data:`KEYS` metrics, as
+    ``steps`` each step's (:func:`recorded_steps`), as ``log_probs`` each sample's response
+    log-probs after the rollout (plain lists) and as ``weights`` the trained weights in the HF
+    checkpoint's names."""
     from backend_reference import samples
+    from estimator_reference import SCHEDULE_FLAGS
     from megatron_ranks import both_backends_backend
     from miles_core.batch import RolloutBatch
 
     out = {}
     for name, flags in CONFIGS:
-        backend = both_backends_backend(world, backend_name, hf_dir, *flags)
-        metrics = backend.train(0, RolloutBatch(samples(masked=True, engine_log_probs=True)))
+        backend = both_backends_backend(world, backend_name, hf_dir, *flags, *SCHEDULE_FLAGS)
+        batch = RolloutBatch(samples(masked=True, engine_log_probs=True))
+        with recorded_steps(backend_name) as steps:
+            metrics = backend.train(0, batch)
+        if backend_name == "megatron":  # no reference model: the actor's own log-probs
+            after = backend.reference_log_probs(batch)
+            weights = backend.hf_weights()
+        else:
+            after = backend.eval_log_probs(batch)
+            weights = backend.weight_source()
+        # copies: no shared-memory handles to the parent
+        weights = {k: v.detach().cpu().numpy().copy() for k, v in weights}
         backend.close()
         out[name] = {k: metrics[k] for k in KEYS if k in metrics}
+        out[name]["steps"] = steps
+        out[name]["log_probs"] = [t.tolist() for t in after]
+        out[name]["weights"] = weights
     return out

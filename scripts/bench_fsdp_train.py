@@ -6,6 +6,9 @@
 Both sides train the same Qwen3-0.6B-shaped random model (written once as a HF directory) on the
 same synthetic rollouts (~``--tokens-per-gpu`` tokens per GPU per optimizer step, THD-packed by
 miles-core), bf16 compute / fp32 master and reduction, the same attention implementation.
+``--compile-decoder-layers`` times the backend a second time in the same run with that flag (its
+own row, and its ratio to the eager backend); ``--use-rollout-logprobs`` drops the old-log-prob
+forward on both sides.
 The plain loop is built the strong way: ``fully_shard`` per decoder layer and the root,
 ``MixedPrecisionPolicy(bf16, fp32)``, fused AdamW, packed rows with ``packed_attention_kwargs``,
 a policy-gradient loss on token log-probs. Reported per side: tokens/s per GPU, MFU (model FLOPs
@@ -29,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import train_bench_model as bench  # noqa: E402  (same-directory module)
 
 PROFILES: dict[str, dict] = {}  # side -> bench.profile_rollout's summary (--profile)
+COMPILED = "miles-fsdp compiled"  # the --compile-decoder-layers row
 
 
 def say(message: str) -> None:
@@ -36,26 +40,35 @@ def say(message: str) -> None:
         print(f"bench_fsdp_train: {message}", flush=True)
 
 
-def run_backend(hf_dir, shard, args, world):
+def run_backend(hf_dir, shard, args, world, label="miles-fsdp", flags=()):
+    """Time ``FSDPBackend.train`` (``flags`` after the benchmark's own); returns the times and
+    the attention implementation."""
     extra = ["--attn-implementation", args.attn] if args.attn else []
+    if args.use_rollout_logprobs:
+        extra.append("--use-rollout-logprobs")
     backend = bench.fsdp_backend(
         hf_dir,
         args.tokens_per_gpu,
         args.steps,
         args.gradient_checkpointing,
-        [*extra, *args.backend_flags.split()],
+        [*extra, *args.backend_flags.split(), *flags],
     )
     total = args.warmup + args.iters
 
     def report(rollout: int, seconds: float) -> None:
-        say(f"miles-fsdp: rollout {rollout + 1}/{total} {seconds:.3f} s")
+        say(f"{label}: rollout {rollout + 1}/{total} {seconds:.3f} s")
 
     times = bench.time_train(backend, shard, args.warmup, args.iters, report=report)
     if args.profile:
-        PROFILES["miles-fsdp"] = bench.profile_rollout(lambda: backend.train(total, shard))
-        PROFILES["miles-fsdp"]["sync_sites"] = bench.sync_sites(
-            lambda: backend.train(total + 1, shard)
-        )
+        PROFILES[label] = bench.profile_rollout(lambda: backend.train(total, shard))
+        PROFILES[label]["sync_sites"] = bench.sync_sites(lambda: backend.train(total + 1, shard))
+    from miles_fsdp.compiled_layers import guarded_forwards
+
+    guarded = guarded_forwards(backend.model)
+    if guarded:  # --compile-decoder-layers: say whether the layers really ran compiled
+        failed = sorted({g.failure for g in guarded if g.failure is not None})
+        ran = sum(g.failure is None and g.compiled_calls > 0 for g in guarded)
+        say(f"{label}: {ran} of {len(guarded)} decoder layers ran compiled; failures: {failed}")
     attn = backend.attn_implementation
     backend.close()
     return times, attn
@@ -109,8 +122,8 @@ def run_plain(hf_dir, shard, args, attn):
 
     def one_rollout():
         steps = split_steps(shard, args.steps, cpu_group)
-        old = {}
-        if args.steps > 1:
+        old = {}  # --use-rollout-logprobs: no old-log-prob pass, as the backend skips it
+        if args.steps > 1 and not args.use_rollout_logprobs:
             with torch.no_grad():
                 for step_index, step in enumerate(steps):
                     old[step_index] = [log_probs(mb)[0] for mb in micro_batches(step)]
@@ -158,6 +171,18 @@ def main() -> None:
         help="which loops to time (the plain loop's dense log-probs need more memory)",
     )
     parser.add_argument("--backend-flags", default="", help="more miles flags for the backend")
+    parser.add_argument(
+        "--use-rollout-logprobs",
+        action="store_true",
+        help="the old policy is the samples' engine log-probs: the backend gets "
+        "--use-rollout-logprobs and the plain loop skips its old-log-prob pass too",
+    )
+    parser.add_argument(
+        "--compile-decoder-layers",
+        action="store_true",
+        help="time miles-fsdp twice in this run, without and with --compile-decoder-layers "
+        "(the untimed --warmup rollouts include the compilation)",
+    )
     parser.add_argument("--out", default="bench_fsdp_train.json")
     args = parser.parse_args()
 
@@ -181,12 +206,15 @@ def main() -> None:
     results = {}
     torch.cuda.reset_peak_memory_stats()
     attn = None
-    if "miles" in args.sides:
-        times, attn = run_backend(hf_dir, shard, args, world)
-        results["miles-fsdp"] = (times, torch.cuda.max_memory_allocated())
-        say(f"miles-fsdp attention: {attn}")
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    variants = [("miles-fsdp", ())]
+    if args.compile_decoder_layers:
+        variants.append((COMPILED, ("--compile-decoder-layers",)))
+    for label, flags in variants if "miles" in args.sides else ():
+        times, attn = run_backend(hf_dir, shard, args, world, label, flags)
+        results[label] = (times, torch.cuda.max_memory_allocated())
+        say(f"{label} attention: {attn}")
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     if "plain" in args.sides:
         if attn is None:
             from miles_fsdp.loading import resolve_attn_implementation
@@ -206,11 +234,15 @@ def main() -> None:
             "peak_memory_gb": peak_bytes / 2**30,
             "seconds_per_rollout": statistics.median(times),
         }
-    ratio = None
-    if len(rows) == 2:
+    ratio = compiled_ratio = None
+    if "miles-fsdp" in rows and "plain FSDP2 loop" in rows:
         ratio = (
             rows["miles-fsdp"]["tokens_per_s_per_gpu"]
             / rows["plain FSDP2 loop"]["tokens_per_s_per_gpu"]
+        )
+    if "miles-fsdp" in rows and COMPILED in rows:
+        compiled_ratio = (
+            rows[COMPILED]["tokens_per_s_per_gpu"] / rows["miles-fsdp"]["tokens_per_s_per_gpu"]
         )
     if rank == 0:
         print(
@@ -225,6 +257,8 @@ def main() -> None:
             )
         if ratio is not None:
             print(f"ratio miles-fsdp / plain: {ratio:.3f} (target >= 0.95)")
+        if compiled_ratio is not None:
+            print(f"ratio {COMPILED} / miles-fsdp: {compiled_ratio:.3f}")
         for side, prof in PROFILES.items():
             bench.print_profile(side, prof)
         report = {
@@ -236,8 +270,10 @@ def main() -> None:
             "bf16_peak_tflops_measured": peak,
             "tokens_per_gpu_per_rollout": tokens,
             "steps_per_rollout": args.steps,
+            "use_rollout_logprobs": args.use_rollout_logprobs,
             "results": rows,
             "ratio": ratio,
+            "compiled_ratio": compiled_ratio,
             "profiles": PROFILES,
             "torch": torch.__version__,
         }

@@ -118,6 +118,8 @@ KERNEL_INDEPENDENT = {
     "miles_core/test_mismatch.py": "elementwise fp32 terms and short masked means, no kernel sums",
     "miles_core/test_off_policy_masking.py": "elementwise PPO terms and short per-sample means",
     "miles_core/test_rollout_correction.py": "elementwise weights and short per-sample sums",
+    "miles_fsdp/test_compiled_layers.py": "inductor's kernels against ATen's: the bound is the "
+    "sum of both paths' rounding bounds, whatever order either sums in",
 }
 
 

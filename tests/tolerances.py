@@ -20,6 +20,8 @@ ordinary gradients are still held to fp32 rounding.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 FP32_EPS = 2.0**-24
@@ -29,6 +31,13 @@ GRAD_REL_ERR = 2e-5
 #: relative, each at a magnitude below 8 (``|log p|`` of such a model is about 5; the entropy is
 #: at most ``log 96`` = 4.6), i.e. ``256 * 8 * 2^-24`` ~ 1.2e-4.
 SCORE_ATOL = 256 * 8 * FP32_EPS
+
+#: Two fp32 computations of one forward or backward whose kernels order or fuse the operations
+#: differently (``--compile-decoder-layers``' inductor kernels against the eager ones): each lies
+#: within ``GRAD_REL_ERR`` of the exact value, relative to its tensor's scale (the derivation
+#: above holds for a forward as for a backward: a few hundred roundings through a 2-layer model),
+#: so the two differ by at most the sum of both bounds.
+REORDERED_REL_ERR = 2 * GRAD_REL_ERR
 
 
 def ulp_atol(reference: torch.Tensor, ulps: float = 8) -> torch.Tensor:
@@ -45,6 +54,20 @@ def grad_atol(reference: torch.Tensor, grad_rel_err: float = GRAD_REL_ERR) -> to
     """
     scale = float(reference.double().abs().max()) if reference.numel() else 0.0
     return torch.full_like(reference, grad_rel_err * scale, dtype=torch.float64)
+
+
+def norm_atol(grads: list[torch.Tensor], grad_rel_err: float = GRAD_REL_ERR) -> float:
+    """Bound on ``| ||g'|| - ||g|| |`` (the global gradient norm) when each element of each
+    tensor ``g_t`` of ``grads`` is off by at most ``grad_rel_err * max|g_t|`` (:func:`grad_atol`).
+
+    By the triangle inequality the norms differ by at most ``||g' - g||``, at most
+    ``sqrt(sum_t n_t (grad_rel_err max|g_t|)^2)``; each norm's own fp32 sum of squares adds
+    ``log2(n) + 2`` roundings (a blocked, pairwise sum) relative to the norm, for each of the two.
+    """
+    square = sum(t.numel() * (grad_rel_err * float(t.double().abs().max())) ** 2 for t in grads)
+    norm = math.sqrt(sum(float(t.double().square().sum()) for t in grads))
+    n = sum(t.numel() for t in grads)
+    return math.sqrt(square) + 2 * (math.log2(max(n, 1)) + 2) * FP32_EPS * norm
 
 
 def adam_step_atol(

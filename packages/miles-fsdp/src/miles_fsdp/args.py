@@ -72,6 +72,12 @@ class FSDPArgs(ArgGroup):
         "the rest's activations (Megatron's --recompute-method block --recompute-num-layers N): "
         "less recompute where memory allows (unset: every layer).",
     )
+    compile_decoder_layers: bool = flag(
+        False,
+        help="torch.compile (inductor) each decoder layer's forward, every role's: fuses the "
+        "elementwise work between the matmuls (norms, RoPE, SiLU x mul, residuals, casts); "
+        "attention stays eager. A layer whose compilation fails runs eagerly after one warning.",
+    )
     keep_fp32_master: bool = flag(
         True,
         help="Keep fp32 master weights and optimizer state (--no-keep-fp32-master holds them in "
@@ -152,6 +158,11 @@ class FSDPArgs(ArgGroup):
                 )
             if layers < 1:
                 raise ArgumentError(f"--gradient-checkpointing-layers must be >= 1, got {layers}")
+        if args.compile_decoder_layers and args.true_on_policy:
+            raise ArgumentError(
+                "--compile-decoder-layers with --true-on-policy: compiled kernels fuse and "
+                "reorder the arithmetic the mode keeps identical to the engine's (drop one)"
+            )
         compute = named or args.fsdp_compute_dtype or "bf16"
         if args.true_on_policy and compute != "fp32":
             raise ArgumentError(

@@ -132,6 +132,7 @@ class FSDPBackend(TrainBackend):
             device=self.device,
             moe_kernel=self.moe_kernel,
             routing_replay=self.routing_replay,
+            compile_layers=args.compile_decoder_layers,
         )
         if role == "critic":  # the actor's architecture with a value head (miles_fsdp.critic)
             trained = RoleSpec(

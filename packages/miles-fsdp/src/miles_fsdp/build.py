@@ -11,7 +11,9 @@ every role by construction:
 3. the actor's trainable LoRA adapter (on meta), or ``requires_grad_(False)`` for a frozen role;
    gradient checkpointing for a trainable role that asks for it;
 4. ``fully_shard`` with the precision policy (per-module compute dtypes included) and, for a
-   CPU-offloaded role, FSDP2's ``CPUOffloadPolicy``;
+   CPU-offloaded role, FSDP2's ``CPUOffloadPolicy``; before it, with
+   ``--compile-decoder-layers``, each decoder layer's forward compiled
+   (:mod:`miles_fsdp.compiled_layers`; FSDP's hooks run around the forward either way);
 5. rank 0 reads the weights (``from_pretrained``) and runs the post-load fixups: the
    architecture's (``register_post_load_fixup``), then the role's own (LoRA load / merge);
 6. materialise where :func:`placement` says and fill from rank 0; train or eval mode.
@@ -33,6 +35,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from miles_fsdp.adaptations import Adaptation
 from miles_fsdp.adaptations.moe import RoutingReplay, apply_moe_kernel, install_routing_replay
+from miles_fsdp.compiled_layers import compile_decoder_layers
 from miles_fsdp.loading import (
     build_meta_model,
     fill_sharded_model,
@@ -56,6 +59,8 @@ class BuildPlan:
     moe_kernel: str | None = None
     #: ``--use-rollout-routing-replay``: the replay every role's routers read (``None``: off)
     routing_replay: RoutingReplay | None = None
+    #: ``--compile-decoder-layers``: every role's decoder layers run compiled forwards
+    compile_layers: bool = False
 
 
 @dataclass(frozen=True)
@@ -128,6 +133,8 @@ def build_model(plan: BuildPlan, spec: RoleSpec) -> nn.Module:
         model.requires_grad_(False)
     elif spec.gradient_checkpointing:
         enable_gradient_checkpointing(model, spec.checkpoint_layers)
+    if plan.compile_layers:  # compiled at the first forward, inside FSDP's and HF's wrappers
+        compile_decoder_layers(model)
     apply_fsdp(model, plan.mesh, precision, cpu_offload=spec.cpu_offload)
     state = buffers = None
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -6,6 +6,10 @@ no ``T x T`` mask).
 HF model built with ``attn_implementation=HF_NAME`` reads the varlen keyword arguments
 (``cu_seq_lens_q``, ``max_length_q``) that :func:`miles_core.packing.packed_attention_kwargs`
 passes for it, as flash attention does.
+
+The attention call is excluded from ``torch.compile`` graphs (``--compile-decoder-layers``): the
+sample boundaries change every micro-batch, and the CPU path reads them as Python ints, so tracing
+it would recompile the layer for each micro-batch.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 
+@torch.compiler.disable
 def hf_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,

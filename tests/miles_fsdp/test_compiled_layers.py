@@ -1,0 +1,174 @@
+"""``--compile-decoder-layers``: the flag on the command line, the guard that runs a layer eagerly
+when its compilation fails, and compiled layers training as the eager ones do.
+
+The numeric test (extended: inductor compiles C++ kernels on CPU) runs two backends on one rank,
+the eager one and the compiled one, in lockstep: before each of two optimizer steps the compiled
+backend gets the eager one's weights, so each step's log-probs, gradients, gradient norm and loss
+differ only by how the kernels order and fuse the fp32 arithmetic (``REORDERED_REL_ERR`` in
+tests/tolerances.py). The eager layers themselves are held to float64 references elsewhere
+(test_train.py, test_varlen_attention.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from miles_core.args import ArgumentError
+from run_args import make_args, parse
+from samples import make_samples
+from tiny_models import qwen3_config, save_tiny_model
+from tolerances import FP32_EPS, REORDERED_REL_ERR, assert_within, grad_atol, norm_atol
+
+#: 2 decoder layers at hidden 64: the layers share one compiled code object, so the compile time
+#: does not grow with them
+CONFIG = dict(hidden_size=64, intermediate_size=128, head_dim=16, num_hidden_layers=2)
+#: the benchmark's attention and recompute, several micro-batches of varying length per step
+FLAGS = dict(
+    attn_implementation="varlen",
+    gradient_checkpointing=True,
+    advantage_estimator="grpo",
+    use_dynamic_batch_size=True,
+    max_tokens_per_gpu=40,
+    clip_grad=0.0,
+)
+
+
+def test_the_flag_is_off_by_default_and_refused_with_true_on_policy():
+    assert parse().compile_decoder_layers is False
+    assert parse("--compile-decoder-layers").compile_decoder_layers is True
+    with pytest.raises(ArgumentError, match="^--compile-decoder-layers with --true-on-policy"):
+        parse("--compile-decoder-layers", "--true-on-policy", "--fsdp-compute-dtype", "fp32")
+
+
+def test_megatron_refuses_the_flag_in_one_line(capsys):
+    from miles_core import backends
+    from miles_launch.train import parse as launcher_parse
+
+    if "megatron" not in backends.available():
+        pytest.skip("the Megatron backend is not installed")
+    with pytest.raises(SystemExit) as exit_info:
+        launcher_parse(["--train-backend", "megatron", "--compile-decoder-layers"])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["error: unrecognized flag --compile-decoder-layers"], lines
+
+
+def _backend(hf_dir, compiled: bool, **flags):
+    from miles_fsdp.backend import FSDPBackend
+
+    backend = FSDPBackend()
+    backend.init(
+        make_args(hf_checkpoint=str(hf_dir), compile_decoder_layers=compiled, **FLAGS | flags)
+    )
+    return backend
+
+
+@pytest.mark.slow
+def test_a_failing_compiler_leaves_the_layers_eager_with_one_warning_each(
+    one_rank_group, tmp_path, monkeypatch, caplog
+):
+    """The compiler (inductor's entry point, which dynamo calls with each captured graph) is
+    replaced by one that raises: every layer warns once, naming itself and the reason, and
+    computes what the eager backend computes, bit for bit (both run the eager kernels)."""
+    import torch._inductor.compile_fx as inductor
+    from miles_core.batch import RolloutBatch
+    from miles_fsdp.compiled_layers import guarded_forwards
+
+    def broken_compiler(*args, **kwargs):
+        raise RuntimeError("this compiler is broken on purpose")
+
+    monkeypatch.setattr(inductor, "compile_fx", broken_compiler)
+    torch._dynamo.reset()  # no graph compiled by an earlier test answers for this one
+    hf_dir = save_tiny_model(tmp_path / "m", qwen3_config(**CONFIG))
+    batch = RolloutBatch(make_samples(8, group_size=4, masked=True))
+    eager = _backend(hf_dir, compiled=False)
+    want_lp = eager.eval_log_probs(batch)
+    want = eager.train(0, batch)
+    eager.close()
+
+    backend = _backend(hf_dir, compiled=True)
+    guarded = guarded_forwards(backend.model)
+    assert len(guarded) == CONFIG["num_hidden_layers"]
+    with caplog.at_level(logging.WARNING, logger="miles_fsdp.compiled_layers"):
+        got_lp = backend.eval_log_probs(batch)
+        got = backend.train(0, batch)
+    backend.close()
+    warnings = [r.getMessage() for r in caplog.records if "--compile-decoder-layers" in r.message]
+    assert warnings == [
+        f"--compile-decoder-layers: decoder layer {i} (Qwen3DecoderLayer) runs eagerly, its "
+        "compilation failed (RuntimeError: this compiler is broken on purpose)"
+        for i in range(CONFIG["num_hidden_layers"])
+    ], warnings
+    assert all(g.failure is not None and g.compiled_calls == 0 for g in guarded)
+    for a, b in zip(got_lp, want_lp, strict=True):
+        assert torch.equal(a, b)
+    assert got["loss"] == want["loss"] and got["grad_norm"] == want["grad_norm"], (got, want)
+
+
+def _grpo_advantages(samples) -> torch.Tensor:
+    """``A_i = (R_i - mean_g R) / (std_g R + 1e-6)``, from the rewards in float64."""
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    groups = torch.tensor([s.group_index for s in samples])
+    adv = torch.empty_like(rewards)
+    for g in groups.unique():
+        r = rewards[groups == g]
+        adv[groups == g] = (r - r.mean()) / (r.std() + 1e-6)
+    return adv
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
+@pytest.mark.extended
+@pytest.mark.numeric
+def test_compiled_layers_train_as_the_eager_ones(one_rank_group, tmp_path):
+    from miles_core.batch import RolloutBatch
+    from miles_fsdp.compiled_layers import guarded_forwards
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    hf_dir = save_tiny_model(tmp_path / "m", qwen3_config(**CONFIG))
+    eager, compiled = _backend(hf_dir, compiled=False), _backend(hf_dir, compiled=True)
+    assert guarded_forwards(eager.model) == []
+    guarded = guarded_forwards(compiled.model)
+    assert len(guarded) == CONFIG["num_hidden_layers"]
+    for step in range(2):
+        with torch.no_grad():  # the same weights going into this step
+            for (name, mine), (other, theirs) in zip(
+                compiled.model.named_parameters(), eager.model.named_parameters(), strict=True
+            ):
+                assert name == other
+                _local(mine).copy_(_local(theirs))
+        samples = make_samples(8, group_size=4, masked=True, seed=step)
+        batch = RolloutBatch(samples)
+        # the no-grad forward (eval mode): each token's log-prob
+        want_lp, got_lp = eager.eval_log_probs(batch), compiled.eval_log_probs(batch)
+        scale = max(float(lp.abs().max()) for lp in want_lp)
+        for i, (got, want) in enumerate(zip(got_lp, want_lp, strict=True)):
+            atol = torch.full_like(want, REORDERED_REL_ERR * scale, dtype=torch.float64)
+            assert_within(got, want, atol, f"step {step} sample {i} log-probs")
+        # one optimizer step (forward with recompute, backward): gradients, their norm, the loss
+        want, got = eager.train(step, batch), compiled.train(step, batch)
+        want_grads = {n: _local(p.grad).detach() for n, p in eager.model.named_parameters()}
+        for name, p in compiled.model.named_parameters():
+            g, ref = _local(p.grad).detach(), want_grads[name]
+            assert_within(g, ref, grad_atol(ref, REORDERED_REL_ERR), f"step {step} {name} grad")
+        bound = norm_atol(list(want_grads.values()), REORDERED_REL_ERR)
+        assert abs(got["grad_norm"] - want["grad_norm"]) <= bound, (step, got, want, bound)
+        # the loss: token terms -A_i * ratio weighted by at most 1 in all, the ratio moving by at
+        # most each log-prob's difference (a training forward's, held to the same bound)
+        loss_bound = float(_grpo_advantages(samples).abs().max()) * REORDERED_REL_ERR * scale
+        loss_bound += 8 * FP32_EPS * abs(want["loss"])
+        assert abs(got["loss"] - want["loss"]) <= loss_bound, (step, got, want, loss_bound)
+    # coverage: the layers ran compiled (no fallback) in every forward, inductor made graphs
+    assert all(g.failure is None for g in guarded), [g.failure for g in guarded]
+    calls = [g.compiled_calls for g in guarded]
+    assert calls[0] > 0 and len(set(calls)) == 1, calls
+    assert counters["stats"]["unique_graphs"] > 0, dict(counters["stats"])
+    assert counters["inductor"], "inductor compiled nothing"
+    eager.close()
+    compiled.close()

@@ -172,3 +172,39 @@ def test_compiled_layers_train_as_the_eager_ones(one_rank_group, tmp_path):
     assert counters["inductor"], "inductor compiled nothing"
     eager.close()
     compiled.close()
+
+
+def test_checkpointing_early_stop_passes_through_the_guard(monkeypatch):
+    """Non-reentrant checkpointing stops a recomputation by raising its own exception from a
+    saved-tensor hook, here from inside the compiled call: the guard lets it through (no
+    warning, the layer stays compiled) and the gradients are the eager layer's. Seen on a GPU
+    node at the Qwen3-4B shape: the guard had taken it for a compiler failure and rerun the
+    layer eagerly inside the stopped recomputation, which torch's checkpoint rejects. The
+    compiler here is dynamo + AOT autograd without inductor (the same autograd Function and
+    saved-tensor hooks, no C++ build)."""
+    from miles_fsdp import compiled_layers
+    from torch.utils.checkpoint import checkpoint
+
+    assert compiled_layers.PASS_THROUGH, "this torch has no early-stop exception to pass"
+    monkeypatch.setattr(compiled_layers, "BACKEND", "aot_eager")
+    torch._dynamo.reset()
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8, dtype=torch.float64)
+
+        def forward(self, x):
+            return torch.tanh(self.proj(x)) * x  # saves several tensors for backward
+
+    torch.manual_seed(0)
+    eager, layer = Layer(), Layer()
+    layer.load_state_dict(eager.state_dict())
+    guarded = compiled_layers.GuardedForward(layer.forward, "layer 0")
+    layer.forward = guarded
+    x = torch.randn(4, 8, dtype=torch.float64)
+    checkpoint(layer, x.clone().requires_grad_(), use_reentrant=False).square().sum().backward()
+    eager(x.clone().requires_grad_()).square().sum().backward()
+    assert guarded.failure is None and guarded.compiled_calls >= 1, guarded.failure
+    for a, b in zip(layer.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12)

@@ -16,6 +16,10 @@ a failing compiler fails inside the guard rather than in ``backward()``. When th
 raises, the layer's eager forward runs the same inputs; if that succeeds the failure was the
 compiler's: one warning line names the layer and the reason, and the layer stays eager for the
 rest of the run. If the eager forward raises too, the error is the model's and propagates.
+Non-reentrant gradient checkpointing stops a layer's recomputation early by raising its own
+control-flow exception from a saved-tensor hook (``_StopRecomputationError``): that one is no
+failure and passes through the guard untouched (treating it as one reran the layer eagerly
+inside a stopped recomputation, which torch's checkpoint rejects).
 """
 
 from __future__ import annotations
@@ -34,6 +38,14 @@ logger = logging.getLogger(__name__)
 
 #: the compiler backend (inductor: generated Triton kernels on GPU, C++ on CPU)
 BACKEND = "inductor"
+
+#: exceptions that are control flow, not a compiler's failure: the guard re-raises them
+#: (non-reentrant checkpointing's early stop of a recomputation; absent from older torch)
+PASS_THROUGH: tuple[type[BaseException], ...] = tuple(
+    cls
+    for cls in (getattr(torch.utils.checkpoint, "_StopRecomputationError", None),)
+    if isinstance(cls, type)
+)
 
 
 def _reason(error: BaseException) -> str:
@@ -63,6 +75,8 @@ class GuardedForward:
         try:
             with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
                 out = self.compiled(*args, **kwargs)
+        except PASS_THROUGH:
+            raise
         except Exception as error:
             out = self.eager(*args, **kwargs)  # raises the model's own error, if it has one
             self.compiled = None

@@ -2,8 +2,9 @@
 ranks, built-in CPU engines, subprocesses of the real CLI; all ``extended``): a resume equals an
 uninterrupted run; an engine SIGKILLed mid-generation ends the run in one line
 (``--engine-restart-limit 0``) or is restarted and the rollout completes; a trainer rank failing
-in init, or SIGKILLed in train, ends the run in one line, and ``--load`` resumes the latter bit
-for bit. The processes killed are always the test's own job's (descendants of its driver).
+in init, or SIGKILLed in train or in a publish, ends the run in one line, and ``--load`` resumes
+the latter two bit for bit (no engine serves the partly published version). The processes
+killed are always the test's own job's (descendants of its driver).
 """
 
 from __future__ import annotations
@@ -396,6 +397,7 @@ def test_trainer_rank_killed_in_publish_ends_in_one_line_and_no_engine_serves_pa
         # A state, not a delay: the round of version 3 is open on the engine (paused), after
         # the second rollout's training and save
         while (state := _engine_state(url)) != ("2", True):
+            assert state is None or state[0] == "2", f"the round was missed: {state}"
             assert time.monotonic() < deadline and proc.poll() is None, (state, err_tail(stderr))
             time.sleep(0.005)
         os.kill(rank0, signal.SIGSTOP)  # frozen: it commits nothing more

@@ -16,6 +16,7 @@ from miles_launch import loop
 from miles_launch.engine_launch import recovery as recovery_module
 from miles_launch.engine_launch.process import EngineDied
 from miles_launch.engine_launch.recovery import EngineRecovery
+from miles_launch.engine_launch.watch_timing import MIN_HEALTH_TIMEOUT_S
 from miles_launch.rollout import generate
 from miles_launch.rollout.generate import Generator, SamplingConfig
 from miles_launch.rollout.prompts import Prompt
@@ -278,7 +279,7 @@ def test_an_engine_whose_health_does_not_answer_is_restarted_as_hung(mock_http, 
     fakes["http://a"] = FakeEngine("a")
     fakes["http://b"] = FakeEngine("b")
     engines = FakeEngineSet(fakes)
-    recovery = EngineRecovery(engines, 2, backoff_s=0.0, health_timeout_s=2.0)
+    recovery = EngineRecovery(engines, 2, backoff_s=0.0, health_timeout_s=MIN_HEALTH_TIMEOUT_S)
 
     async def watch() -> None:
         fakes["http://a"].hung = asyncio.Event()
@@ -308,8 +309,8 @@ def test_an_engine_whose_host_is_cut_off_loses_no_sample(mock_http):
     fakes["http://a"].cut_after = 1
     fakes["http://b"] = FakeEngine("b")
     engines = FakeEngineSet(fakes)
-    # (more than the generator's watch tick, 1 s: each tick probes)
-    recovery = EngineRecovery(engines, 2, backoff_s=0.0, health_timeout_s=2.0)
+    # (the shortest --engine-health-timeout: three of the generator's watch ticks)
+    recovery = EngineRecovery(engines, 2, backoff_s=0.0, health_timeout_s=MIN_HEALTH_TIMEOUT_S)
     prompts = [Prompt(i, f"p{i}", None, (1, 2, 3)) for i in range(4)]
     n = 3
     gen = Generator(
@@ -461,8 +462,16 @@ def test_the_restart_flags_under_each_backend(tmp_path, backend):
         parse(*disk, "--engine-restart-limit", "3")
     with pytest.raises(ArgumentError, match="--engine-restart-limit must be >= 0"):
         parse("--engine-restart-limit", "-1")
-    with pytest.raises(ArgumentError, match="--engine-health-timeout must be > 0"):
-        parse("--engine-health-timeout", "0")
+    # the watch ticks once a second: a timeout under three ticks would count healthy engines
+    # as hung (watch_timing); the smallest one it honours is accepted
+    for short in ("0", "2.9", "nan"):
+        with pytest.raises(ArgumentError) as refused:
+            parse("--engine-health-timeout", short)
+        assert str(refused.value) == (
+            f"--engine-health-timeout must be >= 3 (the engines' /health is watched once a "
+            f"second), got {float(short):g}"
+        )
+    assert parse("--engine-health-timeout", "3").engine_health_timeout == 3.0
     # without restarts nothing is watched or restarted: their settings would do nothing
     for flag, no_restarts in (
         ("--engine-restart-backoff", ["--engine-restart-limit", "0"]),

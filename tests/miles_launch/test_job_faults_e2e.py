@@ -2,8 +2,9 @@
 ranks, built-in CPU engines, subprocesses of the real CLI; all ``extended``): a resume equals an
 uninterrupted run; an engine SIGKILLed mid-generation ends the run in one line
 (``--engine-restart-limit 0``) or is restarted and the rollout completes; a trainer rank failing
-in init, or SIGKILLed in train, ends the run in one line, and ``--load`` resumes the latter bit
-for bit. The processes killed are always the test's own job's (descendants of its driver).
+in init, or SIGKILLed in train or in a publish, ends the run in one line, and ``--load`` resumes
+the latter two bit for bit (no engine serves the partly published version). The processes
+killed are always the test's own job's (descendants of its driver).
 """
 
 from __future__ import annotations
@@ -313,6 +314,120 @@ def test_trainer_rank_killed_in_train_ends_in_one_line_and_resumes_bit_for_bit(
         r"^error: trainer rank \d on [\d.]+ failed in train\(\): its process died \(", errors[0]
     ), errors[0]
     assert "Traceback" not in err.split(errors[0])[1]
+    assert read_tracker(save) == 2 and not (save / "iter_0000003").exists()
+    resolved = resolve_load(save)
+    assert resolved.iteration == 2 and resolved.meta.next_rollout_id == 2
+
+    resumed = train(
+        material, tmp_path / "r.jsonl", *RESUMABLE,
+        "--load", str(save), "--save", str(tmp_path / "again"),
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (r,) = records(tmp_path / "r.jsonl")
+    straight = records(straight_run / "a.jsonl")
+    assert (r["rollout_id"], r["data_position"]) == (2, 8)
+    assert r["prompt_ids"] == straight[2]["prompt_ids"]
+    assert_same_weights(
+        straight_run / "ckpt" / "iter_0000003" / "model",
+        tmp_path / "again" / "iter_0000003" / "model",
+    )
+
+
+def _rank_pids(stderr: list[str], job: subprocess.Popen, deadline: float) -> list[int]:
+    """The trainer ranks' pids in rank order, from the job's ``trainer ranks: 0 on HOST pid P,
+    ...`` log line."""
+    while True:
+        found = re.search(r"trainer ranks: ((?:\d+ on \S+ pid \d+(?:, )?)+)", "".join(stderr))
+        if found:
+            ranks = re.findall(r"(\d+) on \S+ pid (\d+)", found.group(1))
+            assert [int(r) for r, _ in ranks] == list(range(len(ranks))), found.group(0)
+            return [int(pid) for _, pid in ranks]
+        assert time.monotonic() < deadline and job.poll() is None, err_tail(stderr)
+        time.sleep(0.05)
+
+
+def _engine_state(url: str) -> tuple[str, bool] | None:
+    """(weight version, paused) as the engine at ``url`` reports them; None once it is gone."""
+    import httpx
+
+    try:
+        info = httpx.get(f"{url}/get_server_info", timeout=10).json()
+    except httpx.TransportError:
+        return None
+    return str(info["weight_version"]), bool(info["paused"])
+
+
+def test_trainer_rank_killed_in_publish_ends_in_one_line_and_no_engine_serves_part_of_it(
+    material, straight_run, tmp_path
+):
+    """The straight run's job again, trainer rank 0 (the rank that drives the publish round on
+    the engines) SIGKILLed in ``update_weights`` after the second rollout's training and save,
+    once the round is open on the engine (it reports itself paused: buckets of version 3 may
+    have landed) and before the round committed (it still reports version 2). The run ends
+    with one line naming the rank, its host and the phase; until the engine stops it reports
+    version 2, the last complete one, and stays paused (no decode step on a mix of versions);
+    the checkpoint at 2 is whole, and --load from it trains the third rollout to the straight
+    run's weights bit for bit."""
+    hf, prompts = material
+    save = tmp_path / "ckpt"
+    cmd = [
+        sys.executable, "-m", "miles_launch.train",
+        *demo_flags(hf, prompts, tmp_path / "k.jsonl"), *RESUMABLE,
+        "--save", str(save), "--no-progress",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    stderr: list[str] = []
+    reader = threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True)
+    reader.start()
+    states: list[tuple[str, bool]] = []  # the engine's, from the kill until it stopped
+    try:
+        for line in proc.stdout:  # rollout 0 reported: the next publish follows the save at 2
+            if line.startswith("rollout 1/3 |"):
+                assert "version 2 |" in line, line
+                break
+        else:
+            pytest.fail(f"the run ended before its first rollout: {err_tail(stderr)}")
+        deadline = time.monotonic() + 300
+        rank0 = _rank_pids(stderr, proc, deadline)[0]
+        (engine,) = [pid for pid in _engine_pids(str(hf)) if _descends_from(pid, proc.pid)]
+        argv = Path(f"/proc/{engine}/cmdline").read_bytes().decode().split("\0")
+        url = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
+        # A state, not a delay: the round of version 3 is open on the engine (paused), after
+        # the second rollout's training and save
+        while (state := _engine_state(url)) != ("2", True):
+            assert state is None or state[0] == "2", f"the round was missed: {state}"
+            assert time.monotonic() < deadline and proc.poll() is None, (state, err_tail(stderr))
+            time.sleep(0.005)
+        os.kill(rank0, signal.SIGSTOP)  # frozen: it commits nothing more
+        title = Path(f"/proc/{rank0}/cmdline").read_bytes()
+        assert title.startswith(b"ray::TrainerRank.update_weights"), title
+        assert _engine_state(url) == ("2", True)  # not committed before the freeze
+        os.kill(rank0, signal.SIGKILL)
+        while (state := _engine_state(url)) is not None:
+            states.append(state)
+            time.sleep(0.05)
+        proc.stdout.read()
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(timeout=30)
+    err = "".join(stderr)
+    assert code == 1, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, err[-3000:]
+    assert re.match(
+        r"^error: trainer rank 0 on [\d.]+ failed in update_weights\(\): its process died \(",
+        errors[0],
+    ), errors[0]
+    assert f"pid: {rank0}" in errors[0]
+    assert "Traceback" not in err.split(errors[0])[1]
+    # the engine never served the partial version 3: version 2, paused, until it stopped
+    assert states and set(states) == {("2", True)}, states
+    rs = records(tmp_path / "k.jsonl")
+    assert [(r["rollout_id"], r["weight_version"]) for r in rs] == [(0, "2")]
     assert read_tracker(save) == 2 and not (save / "iter_0000003").exists()
     resolved = resolve_load(save)
     assert resolved.iteration == 2 and resolved.meta.next_rollout_id == 2

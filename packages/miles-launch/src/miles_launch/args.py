@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from miles_core.args import ArgGroup, ArgumentError, flag
-from miles_core.args.checks import at_least, greater_than, option, requires, within
+from miles_core.args.checks import at_least, option, requires, within
 
 from miles_launch.debug_args import DebugDataArgs
+from miles_launch.engine_launch.watch_timing import MIN_HEALTH_TIMEOUT_S
 from miles_launch.placement import critic_ranks
 from miles_launch.rollout_args import RolloutArgs
 
@@ -219,7 +220,9 @@ class EngineLaunchArgs(ArgGroup):
         60.0,
         metavar="S",
         help="During generation, an engine whose /health has not answered 200 for S seconds "
-        "counts as hung: it is stopped and restarted (--engine-restart-limit).",
+        "counts as hung: it is stopped and restarted (--engine-restart-limit). At least "
+        f"{MIN_HEALTH_TIMEOUT_S:g}: the engines are watched once a second, and a shorter "
+        "timeout would count a healthy engine whose answer is a moment late as hung.",
     )
 
     @classmethod
@@ -236,7 +239,11 @@ class EngineLaunchArgs(ArgGroup):
         at_least(args, "sglang_context_length", 1)
         at_least(args, "engine_restart_limit", 0)
         at_least(args, "engine_restart_backoff", 0.0)
-        greater_than(args, "engine_health_timeout", 0.0)
+        if not args.engine_health_timeout >= MIN_HEALTH_TIMEOUT_S:  # NaN too
+            raise ArgumentError(
+                f"--engine-health-timeout must be >= {MIN_HEALTH_TIMEOUT_S:g} (the engines' "
+                f"/health is watched once a second), got {args.engine_health_timeout:g}"
+            )
         if args.engine_restart_limit:
             for reason in restart_refusals(args):
                 raise ArgumentError(f"--engine-restart-limit {args.engine_restart_limit}: {reason}")

@@ -36,6 +36,7 @@ from typing import Any
 
 from miles_core.save_trigger import SaveTrigger
 
+from miles_launch.engine_launch.watch_timing import WATCH_INTERVAL_S
 from miles_launch.job import Job
 from miles_launch.loop import (
     add_eval,
@@ -149,7 +150,7 @@ class Producer:
         check = self.job.engines.acheck_alive if recovery is None else recovery.acheck
         while not self.stop.is_set():
             await check("during generation")
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(WATCH_INTERVAL_S)
 
     def take(self, count: int) -> list[list[GeneratedSample]]:
         """The next ``count`` completed groups (raises what the producer raised)."""

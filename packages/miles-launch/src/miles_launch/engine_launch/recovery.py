@@ -3,6 +3,7 @@
 ::
 
     watch (each second of generation): process alive?  /health within --engine-health-timeout?
+                                       (at least 3 s: engine_launch.watch_timing)
       dead or hung -> out of rotation -> its requests in flight fail at once
                    -> [back-off] restart on its placement (a thread), once its host answers
     a request fails -> its engine's death shows within the grace -> the group is re-issued
@@ -42,6 +43,7 @@ from typing import Any, TypeVar
 from miles_core.engine import AsyncEngineClient, EngineClient, EngineError
 
 from miles_launch.engine_launch.process import EngineDied, exit_description
+from miles_launch.engine_launch.watch_timing import PROBE_INTERVAL_S, probe_interval
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -49,9 +51,6 @@ T = TypeVar("T")
 #: How long a failed request waits for its engine's death to become visible (a killed engine
 #: drops its connections a moment before its exit status can be read, longer on a busy host).
 DEATH_GRACE_S = 15.0
-#: Seconds between two ``/health`` probes of one engine during generation (at most; a quarter
-#: of ``--engine-health-timeout`` when that is shorter).
-PROBE_INTERVAL_S = 5.0
 
 
 class EngineRecovery:
@@ -199,7 +198,7 @@ class EngineRecovery:
         task = self._probes.get(url)
         if task is not None and not task.done():
             return
-        if task is not None and now - last < min(PROBE_INTERVAL_S, self.health_timeout_s / 4):
+        if task is not None and now - last < probe_interval(self.health_timeout_s):
             return
 
         async def probe() -> None:

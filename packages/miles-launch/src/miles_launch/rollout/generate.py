@@ -37,6 +37,7 @@ import torch
 from miles_core.batch import RolloutBatch, Sample
 from miles_core.engine import AsyncEngineClient, EngineError
 
+from miles_launch.engine_launch.watch_timing import WATCH_INTERVAL_S
 from miles_launch.rollout.custom_generate import (
     GenerateContext,
     GenerateFunction,
@@ -49,7 +50,6 @@ from miles_launch.rollout.prompts import Prompt
 from miles_launch.rollout.rewards import RewardInput, RewardModel
 from miles_launch.rollout.routed_experts import RoutedExpertsLayout, decode_sample_routed_experts
 
-WATCH_INTERVAL_S = 1.0
 #: How long a failed request waits for an engine's death to become visible (a killed engine
 #: drops its connections a moment before its exit status can be read, longer on a busy host).
 DEATH_GRACE_S = 15.0

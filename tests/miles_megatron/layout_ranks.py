@@ -27,16 +27,28 @@ def argv_of(tp: int = 1, ep: int = 1, pp: int = 1, etp: int | None = None, a2a: 
 
 
 def eight_rank_cases(hf_dirs: dict[str, str]) -> list:
-    """The ``extended`` 8-rank layouts, the dense kinds of three dimensions (test_layouts.py)."""
+    """The ``extended`` 8-rank layouts: the dense kinds of three dimensions, and the MoE kinds
+    with TP or PP beside DP (test_layouts.py)."""
     from cp_ranks import cp_argv
 
-    llama = hf_dirs["llama"]
+    moe, llama = hf_dirs["qwen3_moe"], hf_dirs["llama"]
     return [
         ("llama tp2 pp2 dp2", llama, argv_of(tp=2, pp=2)),
         ("llama tp2 cp2 dp2", llama, cp_argv(cp=2, tp=2)),
         ("llama pp2 cp2 dp2", llama, cp_argv(cp=2, pp=2)),
         ("llama tp2 pp2 cp2", llama, cp_argv(cp=2, tp=2, pp=2)),
+        ("moe tp2 dp4", moe, argv_of(tp=2)),  # TP without EP: the experts split by TP
+        ("moe pp2 dp4", moe, argv_of(pp=2, a2a=True)),
+        ("moe tp2 pp2 dp2", moe, argv_of(tp=2, pp=2, a2a=True)),
+        ("moe tp2 pp2 ep2 dp2", moe, argv_of(tp=2, pp=2, ep=2, a2a=True)),
     ]
+
+
+def sixteen_rank_cases(hf_dirs: dict[str, str]) -> list:
+    """The ``extended`` 16-rank layout: the dense kind of all four dimensions (test_layouts.py)."""
+    from cp_ranks import cp_argv
+
+    return [("llama tp2 pp2 cp2 dp2", hf_dirs["llama"], cp_argv(cp=2, tp=2, pp=2))]
 
 
 def _numpy(source) -> dict[str, Any]:
@@ -95,6 +107,8 @@ def two_rank_cases(hf_dirs: dict[str, str]) -> list:
         ("llama pp2", llama, argv_of(pp=2)),
         ("llama tp2 lora", llama, [*argv_of(tp=2), *LORA_FLAGS]),
         ("moe dp2", moe, argv_of()),  # the experts' gradients averaged over DP, no EP
+        ("moe tp2", moe, argv_of(tp=2)),  # TP without EP: the experts split by TP
+        ("moe tp2 ep2 etp1", moe, argv_of(tp=2, ep=2, etp=1)),  # EP over the TP ranks, DP 1
     ]
 
 
@@ -110,6 +124,8 @@ def four_rank_cases(hf_dirs: dict[str, str]) -> list:
         ("llama tp2 dp2", llama, argv_of(tp=2)),
         ("llama pp2 tp2", llama, argv_of(pp=2, tp=2)),
         ("llama pp2 dp2", llama, argv_of(pp=2)),  # each stage's gradients averaged over DP
+        ("moe tp2 pp2", moe, argv_of(tp=2, pp=2, a2a=True)),
+        ("moe tp2 pp2 ep2 etp1", moe, argv_of(tp=2, pp=2, ep=2, etp=1, a2a=True)),  # DP 1
     ]
 
 

@@ -6,15 +6,15 @@ in one line at argument time (miles_megatron.layout_kinds).
   flags: a kind cannot be listed as proven unless a suite runs it.
 - Every kind (each subset of TP, PP, CP, DP on a dense model; of TP, PP, DP, EP on an MoE
   model, at size 2 each) goes through ``miles train``'s real parser with a tiny HF checkpoint:
-  a proven kind parses, any other is one ``ArgumentError`` line naming the flags and the kind.
-- ``miles train`` itself exits 2 with that one line, before anything starts.
+  every kind the size checks let through is proven today, and parses.
+- A kind taken out of the proven table is one ``ArgumentError`` line naming the flags, the
+  kind and the proven kinds (``miles train`` prints it and exits 2, as for every argument
+  error).
 """
 
 from __future__ import annotations
 
 import itertools
-import subprocess
-import sys
 
 import pytest
 from miles_core.args import ArgumentError, parse_args
@@ -27,7 +27,7 @@ MOE_DIMS = ("tp", "pp", "dp", "ep")
 def suite_cases(hf_dirs: dict[str, str]):
     """``(where, world, hf_dir, argv)`` of each layout-suite case compared with HF + AdamW."""
     from cp_ranks import CP_TWO_RANK_RL_LAYOUTS, cp_two_rank_cases, four_rank_cp_cases
-    from layout_ranks import four_rank_cases, two_rank_cases
+    from layout_ranks import eight_rank_cases, four_rank_cases, sixteen_rank_cases, two_rank_cases
     from megatron_ranks import layout_argv
 
     llama = hf_dirs["llama"]
@@ -36,6 +36,10 @@ def suite_cases(hf_dirs: dict[str, str]):
             yield "test_layouts.py", 2, hf, argv
     for _, hf, argv in four_rank_cases(hf_dirs):
         yield "test_layouts.py (extended)", 4, hf, argv
+    for _, hf, argv in eight_rank_cases(hf_dirs):
+        yield "test_layouts.py (extended)", 8, hf, argv
+    for _, hf, argv in sixteen_rank_cases(hf_dirs):
+        yield "test_layouts.py (extended)", 16, hf, argv
     for _, hf, argv in cp_two_rank_cases(llama):
         yield "test_context_parallel.py", 2, hf, argv
     for _, argv in CP_TWO_RANK_RL_LAYOUTS:  # reference log-probs equal HF's (check_rl)
@@ -106,54 +110,59 @@ def parse_job(argv: list[str], tmp_path) -> object:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
-def test_every_kind_parses_when_proven_and_is_one_line_otherwise(
+def test_every_kind_the_size_checks_accept_is_proven_and_parses(
     family, layout_hf_dirs, tmp_path, monkeypatch
 ):
+    """Each subset of the dimensions at size 2 through ``miles train``'s parser: every kind the
+    size checks let through is in the proven table and parses (EP alone and PP x EP on an MoE
+    model are refused by the size checks: EP takes ranks of DP or TP)."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     moe = family == "qwen3_moe"
     dims, proven = (MOE_DIMS, PROVEN_MOE) if moe else (DENSE_DIMS, PROVEN_DENSE)
-    refused = walked = 0
+    parsed = set()
     for kind in every_kind(dims):
         argv = job_argv(kind, layout_hf_dirs[family], moe)
-        walked += 1
-        if kind in proven:
-            args = parse_job(argv, tmp_path)
-            assert args.train_backend == "megatron", kind_name(kind)
+        if moe and "ep" in kind and not kind & {"tp", "dp"}:
+            with pytest.raises(ArgumentError, match="is not divisible by --expert-tensor"):
+                parse_job(argv, tmp_path)
             continue
+        args = parse_job(argv, tmp_path)
+        assert args.train_backend == "megatron", kind_name(kind)
+        parsed.add(kind)
+    assert parsed == set(proven), sorted(map(kind_name, parsed ^ set(proven)))
+    assert len(parsed) == 2 ** len(dims) - (2 if moe else 0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_a_kind_no_suite_proves_is_one_line_naming_the_flags_and_the_kind(
+    family, layout_hf_dirs, tmp_path, monkeypatch
+):
+    """Each multi-dimension kind, taken out of the proven table (as if its suite case were
+    removed), is refused by ``miles train``'s parser in one line naming the flags, the GPUs,
+    DP, the kind and what is proven; the other kinds still parse."""
+    from miles_megatron import layout_kinds
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    moe = family == "qwen3_moe"
+    name = "PROVEN_MOE" if moe else "PROVEN_DENSE"
+    table = getattr(layout_kinds, name)
+    refused = 0
+    for kind in [k for k in table if len(k) >= 2]:
+        monkeypatch.setattr(layout_kinds, name, {k: v for k, v in table.items() if k != kind})
         with pytest.raises(ArgumentError) as error:
-            parse_job(argv, tmp_path)
+            parse_job(job_argv(kind, layout_hf_dirs[family], moe), tmp_path)
         message = str(error.value)
         assert "\n" not in message, message
-        if moe and "ep" in kind and not kind & {"tp", "dp"}:
-            # EP 2 needs 2 ranks besides PP: the sizes check refuses it first
-            assert "is not divisible by --expert-tensor-parallel-size" in message, message
-            continue
-        assert f"is a {kind_name(kind)} layout on" in message, (kind_name(kind), message)
-        assert "no test proves" in message, message
+        model = "an MoE model" if moe else "a dense model"
+        assert f"is a {kind_name(kind)} layout on {model}, which no test proves" in message
+        assert f"(DP {2 if 'dp' in kind else 1})" in message, message
         for d, flag in (
             ("tp", "--tensor-model-parallel-size 2"),
             ("pp", "--pipeline-model-parallel-size 2"),
+            ("cp", "--context-parallel-size 2"),
+            ("ep", "--expert-model-parallel-size 2"),
         ):
             assert (flag in message) == (d in kind), (flag, message)
+        assert f", {kind_name(kind)}," not in message  # not listed among the proven
         refused += 1
-    assert walked == 2 ** len(dims)
-    assert refused == walked - len(proven) - (2 if moe else 0), refused
-
-
-def test_miles_train_refuses_an_unproven_kind_in_one_line_with_status_2(layout_hf_dirs, tmp_path):
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "hi", "label": "1"}\n')
-    argv = job_argv(frozenset({"tp", "pp", "dp"}), layout_hf_dirs["llama"], moe=False)
-    done = subprocess.run(
-        [sys.executable, "-m", "miles_launch.train", *argv, "--prompt-data", str(prompts)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 2, done.stderr[-2000:]
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr[-2000:]
-    assert (
-        "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 on 8 GPUs (DP 2) is a TP x PP x DP layout on a dense model"
-        in lines[0]
-    ), lines[0]
+    assert refused == sum(len(k) >= 2 for k in table) >= 5

@@ -10,10 +10,12 @@ bit for bit the same; a publish whose names are not the checkpoint's raises.
 
 qwen3_moe trains with the all-gather and the all-to-all token dispatchers (the all-to-all on
 gloo through the CPU shim's split-size adapter, megatron_shim.py); llama is the dense control.
-The default suite runs the 2-rank layouts (EP=2, PP=2, TP=2 with LoRA merged, MoE at DP=2; in
-the spawn test_pipeline.py shares, conftest.py); the 4-rank ones (EP=2 x TP=2 at ETP=1 and ETP=TP,
-PP=2 x TP=2, PP=2 x EP=2, TP=2 x DP=2, PP=2 x DP=2) and the 8-rank dense kinds of three
-dimensions (TP x PP x DP, TP x CP x DP, PP x CP x DP, TP x PP x CP) are ``extended``.
+The default suite runs the 2-rank layouts (EP=2, PP=2, TP=2 with LoRA merged, MoE at DP=2, TP=2
+and TP=2 x EP=2; in the spawn test_pipeline.py shares, conftest.py); the 4-rank ones (EP=2 x TP=2 at ETP=1 and ETP=TP,
+PP=2 x TP=2, PP=2 x EP=2, TP=2 x DP=2, PP=2 x DP=2, MoE TP x PP with and without EP), the
+8-rank ones (the dense kinds of three dimensions, MoE TP or PP beside DP) and the 16-rank dense
+TP x PP x CP x DP are ``extended``: with test_context_parallel.py and test_backend.py they prove
+every layout kind miles_megatron.layout_kinds accepts (test_layout_kinds.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from layout_ranks import (
     LAYOUT_ROLLOUTS,
     eight_rank_cases,
     four_rank_cases,
+    sixteen_rank_cases,
     train_and_publish,
     two_rank_cases,
 )
@@ -78,6 +81,13 @@ def test_four_rank_layouts_train_like_hf_and_publish_every_stage(layout_hf_dirs)
 def test_eight_rank_layouts_train_like_hf_and_publish_every_stage(layout_hf_dirs):
     cases = eight_rank_cases(layout_hf_dirs)
     results = spawn_ranks(train_and_publish, 8, cases, LAYOUT_ROLLOUTS, timeout=1800)
+    check(results, cases, layout_hf_dirs)
+
+
+@pytest.mark.extended
+def test_sixteen_rank_layout_trains_like_hf_and_publishes_every_stage(layout_hf_dirs):
+    cases = sixteen_rank_cases(layout_hf_dirs)
+    results = spawn_ranks(train_and_publish, 16, cases, LAYOUT_ROLLOUTS, timeout=1800)
     check(results, cases, layout_hf_dirs)
 
 

@@ -5,10 +5,12 @@ A layout's *kind* is the set of its dimensions larger than one, whatever their s
 CP and DP (the world divided by TP x PP x CP) on a dense model, TP, PP, DP and EP on an MoE
 model (CP is refused on MoE models: ``args.check_parallel_sizes``). TP=2 x DP=2 and TP=4 x DP=8
 are one kind. A kind is *proven* when a case of the layout suites trains it for several
-rollouts and equals HF + AdamW (``tests/miles_megatron/test_layouts.py`` and
-``test_context_parallel.py``); ``tests/miles_megatron/test_layout_kinds.py`` derives the kinds
-of those suites' cases and asserts they are exactly the table below, so the table cannot name a
-kind no test runs.
+rollouts and equals HF + AdamW (``tests/miles_megatron/test_layouts.py`` at 2, 4, 8 and 16
+ranks, ``test_context_parallel.py``, ``test_backend.py``);
+``tests/miles_megatron/test_layout_kinds.py`` derives the kinds of those suites' cases and
+asserts they are exactly the tables below, so a table cannot name a kind no test runs. Today
+every kind the size checks let through is proven; a dimension added later (CP on MoE models,
+virtual pipeline stages) is refused here until a case proves it.
 
 The check belongs to the job: it runs when the launcher's flags give the trainer's world size
 (``--actor-num-nodes`` x ``--actor-num-gpus-per-node``). The backend used as a library (ranks
@@ -25,11 +27,11 @@ from miles_core.args import ArgumentError
 DIMENSIONS = ("tp", "pp", "cp", "dp", "ep")
 
 #: dense kinds -> the layout-suite case that proves each (test_layouts.py,
-#: test_context_parallel.py; one rank: the conformance and HF-parity tests)
+#: test_context_parallel.py, test_backend.py; one rank: the conformance and HF-parity tests)
 PROVEN_DENSE: dict[frozenset[str], str] = {
     frozenset(): "one rank",
     frozenset({"dp"}): "llama dp2",
-    frozenset({"tp"}): "tp2 (the CP suite's RL layout)",
+    frozenset({"tp"}): "test_backend.py, TP 2",
     frozenset({"pp"}): "llama pp2",
     frozenset({"cp"}): "llama cp2",
     frozenset({"tp", "dp"}): "llama tp2 dp2",
@@ -38,16 +40,30 @@ PROVEN_DENSE: dict[frozenset[str], str] = {
     frozenset({"tp", "pp"}): "llama pp2 tp2",
     frozenset({"tp", "cp"}): "llama cp2 tp2",
     frozenset({"pp", "cp"}): "llama cp2 pp2",
+    frozenset({"tp", "pp", "dp"}): "llama tp2 pp2 dp2",
+    frozenset({"tp", "cp", "dp"}): "llama tp2 cp2 dp2",
+    frozenset({"pp", "cp", "dp"}): "llama pp2 cp2 dp2",
+    frozenset({"tp", "pp", "cp"}): "llama tp2 pp2 cp2",
+    frozenset({"tp", "pp", "cp", "dp"}): "llama tp2 pp2 cp2 dp2",
 }
 
-#: MoE kinds -> the case that proves each (test_layouts.py)
+#: MoE kinds -> the case that proves each (test_layouts.py). EP alone and PP x EP cannot be
+#: built (EP takes ranks of DP or TP: ``check_parallel_sizes``); CP is refused on MoE models.
 PROVEN_MOE: dict[frozenset[str], str] = {
     frozenset(): "one rank",
     frozenset({"dp"}): "moe dp2",
+    frozenset({"tp"}): "moe tp2",
     frozenset({"pp"}): "moe pp2",
+    frozenset({"tp", "dp"}): "moe tp2 dp4",
+    frozenset({"pp", "dp"}): "moe pp2 dp4",
+    frozenset({"tp", "pp"}): "moe tp2 pp2",
+    frozenset({"tp", "ep"}): "moe tp2 ep2 etp1",
     frozenset({"dp", "ep"}): "moe ep2",
     frozenset({"tp", "dp", "ep"}): "moe tp2 ep2 (ETP 1 and 2)",
     frozenset({"pp", "dp", "ep"}): "moe pp2 ep2",
+    frozenset({"tp", "pp", "dp"}): "moe tp2 pp2 dp2",
+    frozenset({"tp", "pp", "ep"}): "moe tp2 pp2 ep2 etp1",
+    frozenset({"tp", "pp", "dp", "ep"}): "moe tp2 pp2 ep2 dp2",
 }
 
 

@@ -52,7 +52,10 @@ def test_megatron_refuses_the_flag_in_one_line(capsys):
         launcher_parse(["--train-backend", "megatron", "--compile-decoder-layers"])
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines == ["error: unrecognized flag --compile-decoder-layers"], lines
+    assert lines == [
+        "error: --compile-decoder-layers is a flag of --train-backend fsdp, not of "
+        "--train-backend megatron (this job's backend)"
+    ], lines
 
 
 def _backend(hf_dir, compiled: bool, **flags):

@@ -74,6 +74,9 @@ def helps():
         ["miles", "train", "--help", "fsdp"],  # FSDP's group, megatron selected
         *(["miles", "train", "--help", names[g]] for g in megatron),
         ["miles", "train", "--train-backend", "fsdp", "--help=fsdp"],
+        ["miles", "train", "--compile-decoder-layers"],  # FSDP's flag, megatron by default
+        ["miles", "train", "--train-backend", "fsdp", "--recompute-granularity", "full"],
+        ["miles", "train", "--train-backend", "fsdp", "--recompute-granularityy", "full"],
         ["miles-sync", "--help"],
         ["miles-sync", "pull", "--help"],
         ["miles-sync", "pull", "--help-all"],
@@ -148,6 +151,31 @@ def test_an_unknown_group_is_one_line_naming_the_groups(helps):
         "error: --help fsdp: a group of --train-backend fsdp "
         "(`miles train --train-backend fsdp --help fsdp`)"
     ]
+
+
+def test_another_backends_flag_is_one_line_naming_both_backends(helps):
+    """A flag only the other installed backend declares names that backend and this job's
+    (before any import of torch: test_no_help_imported_torch_megatron_or_ray's probe ran it);
+    a misspelt one keeps the did-you-mean."""
+    shown = helps["run"]("miles", "train", "--compile-decoder-layers")
+    assert shown["code"] == 2 and shown["out"] == ""
+    assert shown["err"].splitlines() == [
+        "error: --compile-decoder-layers is a flag of --train-backend fsdp, not of "
+        "--train-backend megatron (this job's backend)"
+    ]
+    shown = helps["run"](
+        "miles", "train", "--train-backend", "fsdp", "--recompute-granularity", "full"
+    )
+    assert shown["code"] == 2
+    assert shown["err"].splitlines() == [
+        "error: --recompute-granularity is a flag of --train-backend megatron, not of "
+        "--train-backend fsdp (this job's backend)"
+    ]
+    shown = helps["run"](
+        "miles", "train", "--train-backend", "fsdp", "--recompute-granularityy", "full"
+    )
+    assert shown["code"] == 2
+    assert shown["err"].splitlines() == ["error: unrecognized flag --recompute-granularityy"]
 
 
 def _pull_reads() -> set[str]:

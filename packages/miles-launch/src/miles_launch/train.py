@@ -12,7 +12,9 @@ exits with 1.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import re
 import sys
 import time
 from typing import Any
@@ -24,7 +26,7 @@ from miles_core.args import (
     group_help_name,
     help_request,
     installed_groups,
-    parse_args_or_exit,
+    parse_args,
     selected_backend,
 )
 
@@ -124,14 +126,57 @@ def backend_note(argv: list[str]) -> str | None:
 
 def parse(argv: list[str]) -> Any:
     """Compose the groups for ``argv``'s backend and parse (exits 2 on a bad command line)."""
-    return parse_args_or_exit(argv, compose(argv), prog=PROG, epilog=backend_note(argv))
+    return parse_or_exit(argv, compose(argv))
+
+
+def parse_or_exit(argv: list[str], groups: list) -> Any:
+    """Parse ``argv`` with ``groups``; a bad command line prints one ``error:`` line and exits
+    with 2. A flag that only another installed backend declares is named with that backend."""
+    try:
+        return parse_args(argv, groups, prog=PROG, epilog=backend_note(argv))
+    except ArgumentError as error:
+        print(format_error(other_backends_flag(error, argv) or error), file=sys.stderr)
+        sys.exit(2)
+
+
+def _fields(group: Any) -> tuple[dataclasses.Field, ...]:
+    """A flag group's fields (none for a group that is not a dataclass)."""
+    return dataclasses.fields(group) if dataclasses.is_dataclass(group) else ()
+
+
+UNKNOWN_FLAG = re.compile(r"^unrecognized flag (--[\w-]+)")
+
+
+def other_backends_flag(error: ArgumentError, argv: list[str]) -> ArgumentError | None:
+    """``--compile-decoder-layers is a flag of --train-backend fsdp, not of megatron`` when
+    ``error`` is an unknown flag that another installed backend's groups declare (their
+    argument groups only: no backend code is imported); None otherwise."""
+    match = UNKNOWN_FLAG.match(str(error))
+    if match is None:
+        return None
+    from miles_core.args.checks import option
+    from miles_core.backends import available
+
+    flag, backend = match.group(1), selected_backend(argv)
+    for name in sorted(set(available()) - {backend}):
+        try:
+            groups = entry_point_groups(name)
+        except ArgumentError:  # a backend without argument groups declares no flag
+            continue
+        declared = {option(f.name) for g in groups for f in _fields(g)}
+        if flag in declared or flag.replace("--no-", "--", 1) in declared:
+            return ArgumentError(
+                f"{flag} is a flag of --train-backend {name}, not of --train-backend {backend}"
+                " (this job's backend)"
+            )
+    return None
 
 
 def check_job(argv: list[str]) -> tuple[Any, list[str]]:
     """Parse and run the preflight (:mod:`miles_launch.preflight`); every problem is one
     ``error:`` line, then exit status 2. Returns the flags and the plan lines."""
     groups = compose(argv)
-    args = parse_args_or_exit(argv, groups, prog=PROG, epilog=backend_note(argv))
+    args = parse_or_exit(argv, groups)
     # after the parse: an argument error is reported before torch (which these import) loads
     from miles_launch.plan import plan_lines
     from miles_launch.preflight import local_gpus, preflight

@@ -8,11 +8,21 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 import pytest
 from launch_testing import parse
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended]
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_a_restart_whose_host_actor_is_gone_ends_in_one_line(tmp_path):
@@ -34,7 +44,14 @@ def test_a_restart_whose_host_actor_is_gone_ends_in_one_line(tmp_path):
         proc = EngineProcess("engine 1", f"http://{ip}:{port}", host, pid, log)
         engines = EngineSet(args, placement=None)
         engines.wait_for_host(proc)  # it answers: returns at once
+        actor_pid = ray.get(host.__ray_call__.remote(lambda _: os.getpid()))
         ray.kill(host)
+        # a state, not a delay: ray.kill returns before the actor is gone, and a poll sent in
+        # between was answered (seen in CI); wait for the actor's worker process to exit
+        deadline = time.monotonic() + 60
+        while _alive(actor_pid):
+            assert time.monotonic() < deadline, "the killed host actor's process did not exit"
+            time.sleep(0.01)
         with pytest.raises(EngineDied) as failure:
             engines.wait_for_host(proc)
         line = str(failure.value)

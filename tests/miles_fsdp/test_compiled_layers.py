@@ -110,17 +110,6 @@ def test_a_failing_compiler_leaves_the_layers_eager_with_one_warning_each(
     assert got["loss"] == want["loss"] and got["grad_norm"] == want["grad_norm"], (got, want)
 
 
-def _grpo_advantages(samples) -> torch.Tensor:
-    """``A_i = (R_i - mean_g R) / (std_g R + 1e-6)``, from the rewards in float64."""
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-    groups = torch.tensor([s.group_index for s in samples])
-    adv = torch.empty_like(rewards)
-    for g in groups.unique():
-        r = rewards[groups == g]
-        adv[groups == g] = (r - r.mean()) / (r.std() + 1e-6)
-    return adv
-
-
 def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if hasattr(param, "to_local") else param
 
@@ -130,6 +119,7 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 def test_compiled_layers_train_as_the_eager_ones(one_rank_group, tmp_path):
     from miles_core.batch import RolloutBatch
     from miles_fsdp.compiled_layers import guarded_forwards
+    from test_train import grpo_advantages  # the float64 GRPO formula
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -164,7 +154,7 @@ def test_compiled_layers_train_as_the_eager_ones(one_rank_group, tmp_path):
         assert abs(got["grad_norm"] - want["grad_norm"]) <= bound, (step, got, want, bound)
         # the loss: token terms -A_i * ratio weighted by at most 1 in all, the ratio moving by at
         # most each log-prob's difference (a training forward's, held to the same bound)
-        loss_bound = float(_grpo_advantages(samples).abs().max()) * REORDERED_REL_ERR * scale
+        loss_bound = float(grpo_advantages(samples).abs().max()) * REORDERED_REL_ERR * scale
         loss_bound += 8 * FP32_EPS * abs(want["loss"])
         assert abs(got["loss"] - want["loss"]) <= loss_bound, (step, got, want, loss_bound)
     # coverage: the layers ran compiled (no fallback) in every forward, inductor made graphs

@@ -29,18 +29,24 @@ def make_samples():
     return samples.make_samples(8, group_size=4, masked=True)
 
 
-def reference_params(hf_dir, samples):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        hf_dir, dtype=torch.float64, attn_implementation="eager"
-    )
+def grpo_advantages(samples) -> torch.Tensor:
+    """``A_i = (R_i - mean_g R) / (std_g R + 1e-6)``, from the rewards in float64."""
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     groups = torch.tensor([s.group_index for s in samples])
     adv = torch.empty_like(rewards)
     for g in groups.unique():
         r = rewards[groups == g]
         adv[groups == g] = (r - r.mean()) / (r.std() + 1e-6)
+    return adv
+
+
+def reference_params(hf_dir, samples):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float64, attn_implementation="eager"
+    )
+    adv = grpo_advantages(samples)
     loss = 0.0
     for s, a in zip(samples, adv):
         logits = model(input_ids=s.tokens[None], use_cache=False).logits[0]

@@ -62,13 +62,10 @@ def run_backend(hf_dir, shard, args, world, label="miles-fsdp", flags=()):
     if args.profile:
         PROFILES[label] = bench.profile_rollout(lambda: backend.train(total, shard))
         PROFILES[label]["sync_sites"] = bench.sync_sites(lambda: backend.train(total + 1, shard))
-    from miles_fsdp.compiled_layers import guarded_forwards
+    from miles_core.compiled_layers import coverage
 
-    guarded = guarded_forwards(backend.model)
-    if guarded:  # --compile-decoder-layers: say whether the layers really ran compiled
-        failed = sorted({g.failure for g in guarded if g.failure is not None})
-        ran = sum(g.failure is None and g.compiled_calls > 0 for g in guarded)
-        say(f"{label}: {ran} of {len(guarded)} decoder layers ran compiled; failures: {failed}")
+    if compiled := coverage(backend.model):  # --compile-decoder-layers: did the layers run it?
+        say(f"{label}: {compiled}")
     attn = backend.attn_implementation
     backend.close()
     return times, attn

@@ -126,6 +126,11 @@ def run(
         kernels = counter.close()
     say(f"{name}: attention {attention}; calls per kernel: {kernels}")
     extras = {"attn_implementation": attention, "attention_kernels": kernels}
+    from miles_core.compiled_layers import coverage
+
+    if compiled := coverage(backend.model):  # --compile-decoder-layers: did the layers run it?
+        say(f"{name}: {compiled}")
+        extras["compiled_layers"] = compiled
     extras["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     if args.profile:
         next_rollout = functools.partial(backend.train, args.warmup + args.iters, shard)

@@ -42,20 +42,15 @@ def test_the_flag_is_off_by_default_and_refused_with_true_on_policy():
         parse("--compile-decoder-layers", "--true-on-policy", "--fsdp-compute-dtype", "fp32")
 
 
-def test_megatron_refuses_the_flag_in_one_line(capsys):
+def test_both_backends_accept_the_flag():
+    """One flag of miles-core's, honoured by both backends (Megatron's numeric test:
+    tests/miles_megatron/test_compiled_layers_megatron.py)."""
     from miles_core import backends
-    from miles_launch.train import parse as launcher_parse
+    from miles_core.args import entry_point_groups, parse_args
 
-    if "megatron" not in backends.available():
-        pytest.skip("the Megatron backend is not installed")
-    with pytest.raises(SystemExit) as exit_info:
-        launcher_parse(["--train-backend", "megatron", "--compile-decoder-layers"])
-    assert exit_info.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert lines == [
-        "error: --compile-decoder-layers is a flag of --train-backend fsdp, not of "
-        "--train-backend megatron (this job's backend)"
-    ], lines
+    for name in backends.available():
+        argv = ["--train-backend", name, "--compile-decoder-layers"]
+        assert parse_args(argv, entry_point_groups("core", name)).compile_decoder_layers, name
 
 
 def _backend(hf_dir, compiled: bool, **flags):
@@ -77,7 +72,7 @@ def test_a_failing_compiler_leaves_the_layers_eager_with_one_warning_each(
     computes what the eager backend computes, bit for bit (both run the eager kernels)."""
     import torch._inductor.compile_fx as inductor
     from miles_core.batch import RolloutBatch
-    from miles_fsdp.compiled_layers import guarded_forwards
+    from miles_core.compiled_layers import guarded_forwards
 
     def broken_compiler(*args, **kwargs):
         raise RuntimeError("this compiler is broken on purpose")
@@ -94,7 +89,7 @@ def test_a_failing_compiler_leaves_the_layers_eager_with_one_warning_each(
     backend = _backend(hf_dir, compiled=True)
     guarded = guarded_forwards(backend.model)
     assert len(guarded) == CONFIG["num_hidden_layers"]
-    with caplog.at_level(logging.WARNING, logger="miles_fsdp.compiled_layers"):
+    with caplog.at_level(logging.WARNING, logger="miles_core.compiled_layers"):
         got_lp = backend.eval_log_probs(batch)
         got = backend.train(0, batch)
     backend.close()
@@ -118,7 +113,7 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 @pytest.mark.numeric
 def test_compiled_layers_train_as_the_eager_ones(one_rank_group, tmp_path):
     from miles_core.batch import RolloutBatch
-    from miles_fsdp.compiled_layers import guarded_forwards
+    from miles_core.compiled_layers import guarded_forwards
     from test_train import grpo_advantages  # the float64 GRPO formula
     from torch._dynamo.utils import counters
 
@@ -175,7 +170,7 @@ def test_checkpointing_early_stop_passes_through_the_guard(monkeypatch):
     layer eagerly inside the stopped recomputation, which torch's checkpoint rejects. The
     compiler here is dynamo + AOT autograd without inductor (the same autograd Function and
     saved-tensor hooks, no C++ build)."""
-    from miles_fsdp import compiled_layers
+    from miles_core import compiled_layers
     from torch.utils.checkpoint import checkpoint
 
     assert compiled_layers.PASS_THROUGH, "this torch has no early-stop exception to pass"

@@ -74,7 +74,7 @@ def helps():
         ["miles", "train", "--help", "fsdp"],  # FSDP's group, megatron selected
         *(["miles", "train", "--help", names[g]] for g in megatron),
         ["miles", "train", "--train-backend", "fsdp", "--help=fsdp"],
-        ["miles", "train", "--compile-decoder-layers"],  # FSDP's flag, megatron by default
+        ["miles", "train", "--gradient-checkpointing"],  # FSDP's flag, megatron by default
         ["miles", "train", "--train-backend", "fsdp", "--recompute-granularity", "full"],
         ["miles", "train", "--train-backend", "fsdp", "--recompute-granularityy", "full"],
         ["miles-sync", "--help"],
@@ -157,10 +157,10 @@ def test_another_backends_flag_is_one_line_naming_both_backends(helps):
     """A flag only the other installed backend declares names that backend and this job's
     (before any import of torch: test_no_help_imported_torch_megatron_or_ray's probe ran it);
     a misspelt one keeps the did-you-mean."""
-    shown = helps["run"]("miles", "train", "--compile-decoder-layers")
+    shown = helps["run"]("miles", "train", "--gradient-checkpointing")
     assert shown["code"] == 2 and shown["out"] == ""
     assert shown["err"].splitlines() == [
-        "error: --compile-decoder-layers is a flag of --train-backend fsdp, not of "
+        "error: --gradient-checkpointing is a flag of --train-backend fsdp, not of "
         "--train-backend megatron (this job's backend)"
     ]
     shown = helps["run"](

@@ -72,12 +72,6 @@ class FSDPArgs(ArgGroup):
         "the rest's activations (Megatron's --recompute-method block --recompute-num-layers N): "
         "less recompute where memory allows (unset: every layer).",
     )
-    compile_decoder_layers: bool = flag(
-        False,
-        help="torch.compile (inductor) each decoder layer's forward, every role's: fuses the "
-        "elementwise work between the matmuls (norms, RoPE, SiLU x mul, residuals, casts); "
-        "attention stays eager. A layer whose compilation fails runs eagerly after one warning.",
-    )
     keep_fp32_master: bool = flag(
         True,
         help="Keep fp32 master weights and optimizer state (--no-keep-fp32-master holds them in "

@@ -13,7 +13,7 @@ every role by construction:
 4. ``fully_shard`` with the precision policy (per-module compute dtypes included) and, for a
    CPU-offloaded role, FSDP2's ``CPUOffloadPolicy``; before it, with
    ``--compile-decoder-layers``, each decoder layer's forward compiled
-   (:mod:`miles_fsdp.compiled_layers`; FSDP's hooks run around the forward either way);
+   (:mod:`miles_core.compiled_layers`; FSDP's hooks run around the forward either way);
 5. rank 0 reads the weights (``from_pretrained``) and runs the post-load fixups: the
    architecture's (``register_post_load_fixup``), then the role's own (LoRA load / merge);
 6. materialise where :func:`placement` says and fill from rank 0; train or eval mode.
@@ -30,12 +30,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from miles_core.compiled_layers import compile_layers
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from miles_fsdp.adaptations import Adaptation
 from miles_fsdp.adaptations.moe import RoutingReplay, apply_moe_kernel, install_routing_replay
-from miles_fsdp.compiled_layers import compile_decoder_layers
 from miles_fsdp.loading import (
     build_meta_model,
     fill_sharded_model,
@@ -44,7 +44,7 @@ from miles_fsdp.loading import (
 )
 from miles_fsdp.lora import inject_lora
 from miles_fsdp.precision import PrecisionConfig
-from miles_fsdp.wrapping import apply_fsdp
+from miles_fsdp.wrapping import apply_fsdp, decoder_layers
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ def build_model(plan: BuildPlan, spec: RoleSpec) -> nn.Module:
     elif spec.gradient_checkpointing:
         enable_gradient_checkpointing(model, spec.checkpoint_layers)
     if plan.compile_layers:  # compiled at the first forward, inside FSDP's and HF's wrappers
-        compile_decoder_layers(model)
+        compile_layers(decoder_layers(model))
     apply_fsdp(model, plan.mesh, precision, cpu_offload=spec.cpu_offload)
     state = buffers = None
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -148,7 +148,7 @@ UNKNOWN_FLAG = re.compile(r"^unrecognized flag (--[\w-]+)")
 
 
 def other_backends_flag(error: ArgumentError, argv: list[str]) -> ArgumentError | None:
-    """``--compile-decoder-layers is a flag of --train-backend fsdp, not of megatron`` when
+    """``--gradient-checkpointing is a flag of --train-backend fsdp, not of megatron`` when
     ``error`` is an unknown flag that another installed backend's groups declare (their
     argument groups only: no backend code is imported); None otherwise."""
     match = UNKNOWN_FLAG.match(str(error))

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from miles_core.args import ArgumentError
+from miles_core.compiled_layers import compile_layers
 from miles_core.contract import DataLayout, TrainBackend
 from miles_core.custom_loss import LossHook
 from miles_core.user_functions import load_function
@@ -60,7 +61,7 @@ from miles_megatron.arch_args import resolve_model_args
 from miles_megatron.bridge import BridgeError, bridge_for
 from miles_megatron.fp32_params import restore_marked_dtypes
 from miles_megatron.hf_weights import HFCheckpoint, iter_hf_weights, load_hf_into_model
-from miles_megatron.model_config import build_gpt_model, transformer_config
+from miles_megatron.model_config import build_gpt_model, transformer_config, transformer_layers
 from miles_megatron.optimizer import build_optimizer, wrap_ddp
 from miles_megatron.parallel import acquire_parallel, release_parallel
 from miles_megatron.publish_source import TO_ALL_MODES, model_weights
@@ -159,6 +160,8 @@ class MegatronBackend(TrainBackend):
             from miles_megatron.value_head import install_value_head
 
             install_value_head(model, args.seed)
+        if args.compile_decoder_layers:  # compiled at the first forward, inside the recompute
+            compile_layers(transformer_layers(model))
         model = model.to(self.device)
         if config.bf16 or config.fp16:
             from megatron.core.transformer.module import Float16Module

@@ -139,3 +139,14 @@ def build_gpt_model(margs: Mapping[str, Any], args: Any, config=None):
     )
     resolve_attn_implementation(args, config, model)  # --attn-implementation, on the config
     return model
+
+
+def transformer_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """This rank's ``TransformerLayer`` modules of ``model`` (its pipeline stage's), in order:
+    what ``--compile-decoder-layers`` compiles (:mod:`miles_core.compiled_layers`)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no TransformerLayer to compile")
+    return layers

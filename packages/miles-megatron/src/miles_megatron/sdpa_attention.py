@@ -116,6 +116,7 @@ class SDPAttention(DotProductAttention):
         context = varlen_causal_attention(q, k, v, cu_seqlens, max_seqlen, self._scale())
         return context.reshape(context.size(0), 1, self.hidden_size_per_partition)
 
+    @torch.compiler.disable  # --compile-decoder-layers: attention stays eager, outside the graph
     def forward(
         self,
         query: torch.Tensor,

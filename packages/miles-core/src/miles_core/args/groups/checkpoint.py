@@ -31,6 +31,13 @@ class CheckpointArgs(ArgGroup):
         "GPU, else varlen on a GPU whose torch ships it, else sdpa); Megatron takes varlen and "
         "sdpa (unset: varlen on such a GPU, else sdpa).",
     )
+    compile_decoder_layers: bool = flag(
+        False,
+        help="torch.compile (inductor) each decoder layer's forward, every role's, on either "
+        "backend: fuses the elementwise work between the matmuls (norms, RoPE, SiLU x mul, "
+        "residuals, casts); attention stays eager. A layer whose compilation fails runs eagerly "
+        "after one warning.",
+    )
     save: str | None = flag(
         None, metavar="DIR", common=True, help="Directory to write checkpoints into."
     )

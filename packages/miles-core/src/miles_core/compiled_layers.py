@@ -1,13 +1,15 @@
 """``--compile-decoder-layers``: each decoder layer's ``forward`` through ``torch.compile``
 (inductor), guarded so that a layer whose compilation fails runs eagerly and the run goes on.
+Both backends use it: FSDP on the HF model's decoder layers, Megatron on its ``TransformerLayer``
+modules (every role's, and every pipeline stage's own).
 
-Only ``forward`` is compiled, not the module's call: FSDP2's per-layer hooks (all-gather before,
-reshard after) and HF gradient checkpointing (which wraps the module's call) run eagerly around
-the compiled forward, exactly as they do around the eager one. The decoder layers are one class,
-so they share one compiled code object: the layers compile once, not once each. What inductor
-fuses is the elementwise work between the matmuls: RMSNorm, RoPE, SiLU x mul, residual adds and
-dtype casts. Attention stays outside the graph (:func:`miles_fsdp.varlen_hf.hf_attention_forward`
-is excluded with ``torch.compiler.disable``): the layer runs as two graphs, before and after
+Only ``forward`` is compiled, not the module's call: the wrappers around a layer (FSDP2's
+per-layer hooks, HF gradient checkpointing, Megatron's activation recompute) run eagerly around
+the compiled forward, exactly as they do around the eager one. A backend's decoder layers are
+one class, so they share one compiled code object: the layers compile once, not once each. What
+inductor fuses is the elementwise work between the matmuls: the norms, RoPE, SiLU x mul, residual
+adds and dtype casts. Attention stays outside the graph (each backend's attention function is
+excluded with ``torch.compiler.disable``): the layer runs as two graphs, before and after
 attention, and the varlen kernel's per-micro-batch boundaries never cause a recompile.
 
 The guard: a compilation happens at a layer's first call (and again where a new shape or grad mode
@@ -26,13 +28,11 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-
-from miles_fsdp.wrapping import decoder_layers
 
 logger = logging.getLogger(__name__)
 
@@ -91,11 +91,11 @@ class GuardedForward:
         return out
 
 
-def compile_decoder_layers(model: nn.Module) -> list[GuardedForward]:
-    """Replace the ``forward`` of each of ``model``'s decoder layers with a
+def compile_layers(layers: Sequence[nn.Module]) -> list[GuardedForward]:
+    """Replace the ``forward`` of each of ``layers`` (a model's decoder layers, in order) with a
     :class:`GuardedForward` (compiled lazily, at the first call); returns them in layer order."""
     guarded = []
-    for index, layer in enumerate(decoder_layers(model)):
+    for index, layer in enumerate(layers):
         forward = GuardedForward(layer.forward, f"decoder layer {index} ({type(layer).__name__})")
         layer.forward = forward  # an instance attribute: nn.Module's call reads self.forward
         guarded.append(forward)
@@ -110,3 +110,14 @@ def guarded_forwards(model: nn.Module) -> list[GuardedForward]:
         for module in model.modules()
         if isinstance(forward := module.__dict__.get("forward"), GuardedForward)
     ]
+
+
+def coverage(model: nn.Module) -> str | None:
+    """One line saying how many of ``model``'s decoder layers ran compiled and why the others
+    did not (``None``: the layers are not compiled)."""
+    guarded = guarded_forwards(model)
+    if not guarded:
+        return None
+    failed = sorted({g.failure for g in guarded if g.failure is not None})
+    ran = sum(g.failure is None and g.compiled_calls > 0 for g in guarded)
+    return f"{ran} of {len(guarded)} decoder layers ran compiled; failures: {failed}"

@@ -85,18 +85,17 @@ def test_cli_ppo_without_critic_and_nft_exit_2():
 
 
 @pytest.mark.slow
-def test_cli_megatron_refuses_the_critic_at_pp2():
-    """The Megatron critic is proven at TP x DP (tests/miles_megatron/test_megatron_critic.py);
-    pipeline parallelism is refused in one line."""
+def test_cli_megatron_refuses_a_critic_checkpoint_in_one_line(tmp_path):
+    """The Megatron critic shares the actor's architecture: ``--critic-hf-checkpoint`` is
+    refused by ``miles train`` in one line, exit status 2."""
     if "megatron" not in backends.available():
         pytest.skip("the Megatron backend is not installed")
-    result = run_cli(
-        "train", "--train-backend", "megatron", *PPO, "--pipeline-model-parallel-size", "2"
-    )
+    other = _hf_dir(tmp_path / "critic", 64)
+    result = run_cli("train", "--train-backend", "megatron", *PPO, "--critic-hf-checkpoint", other)
     assert result.returncode == 2, result.stderr  # (megatron-core's import warnings come first)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, errors
-    assert "--use-critic with --pipeline-model-parallel-size > 1" in errors[0], errors
+    assert "--critic-hf-checkpoint is not supported by the Megatron backend" in errors[0], errors
 
 
 def _hf_dir(path, vocab_size, architecture="Qwen3ForCausalLM"):

@@ -85,6 +85,26 @@ def values_and_grads(rank: int, world: int, hf_dir: str, tp: int, out_dir: str) 
     torch.save(out, f"{out_dir}/tp{tp}_rank{rank}.pt")
 
 
+def layout_values(rank: int, world: int, hf_dir: str, flags: list[str]) -> dict:
+    """At the layout ``flags`` give (TP 1): this rank's critic values of the samples (numpy, as
+    every rank of the DP rank receives them), one value-loss step's metrics, and whether this
+    stage holds the value head."""
+    from backend_reference import samples
+    from miles_megatron.sharding import unwrap
+
+    backend, _ = _critic(critic_argv(hf_dir, 1, *flags))
+    batch = _scored_batch(backend, samples())
+    metrics = backend.train(0, batch)
+    head = getattr(unwrap(backend.model), "output_layer", None)
+    out = {
+        "values": [v.numpy().copy() for v in batch.response_field("values")],
+        "metrics": metrics,
+        "head": type(head).__name__ if head is not None else None,
+    }
+    backend.close()
+    return out
+
+
 def straight_then_resumed(rank: int, world: int, hf_dir: str, root: str) -> dict:
     """Rollouts 0 and 1 straight (saving the critic after rollout 0 into ``<root>/a/critic``),
     then a critic resumed from that save trains rollout 1: the metrics and every parameter and

@@ -11,8 +11,10 @@ reference written here: the HF model with its LM head replaced by ``Linear(hidde
 * the critic beside the actor in one process (as on a trainer rank): one parallel state, the
   actor's one-step loss is ``-(1/S) sum_i (1/n_i) sum_t A_it`` with ``A`` the float64 GAE
   advantages of the critic's values, both save, sleep to their own files and wake;
-* the critic never publishes and runs none of the actor's ``--custom-megatron-*`` hooks; PP
-  and EP > 1 are refused at argument time (CP = 2 is proven in test_context_parallel.py).
+* the critic never publishes and runs none of the actor's ``--custom-megatron-*`` hooks;
+* at PP = 2 (the value head on the last stage, the values reaching the first) and at EP = 2 (a
+  tiny Qwen3-MoE, DP 2 for the dense parameters) every rank's values, the loss and the gradient
+  norm equal the float64 reference (CP = 2 is proven in test_context_parallel.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from critic_ranks import (
     LAMBD,
     SEED,
     actor_beside_critic,
-    critic_argv,
+    layout_values,
     straight_then_resumed,
     values_and_grads,
 )
@@ -41,11 +43,12 @@ def hf_dir(tmp_path_factory):
 
 
 def reference_critic(hf_dir: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        hf_dir, dtype=torch.float64, attn_implementation="eager"
-    )
+    kwargs = dict(dtype=torch.float64, attn_implementation="eager")
+    if AutoConfig.from_pretrained(hf_dir).model_type == "qwen3_moe":
+        kwargs["experts_implementation"] = "eager"  # the grouped-mm kernel has no float64
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, **kwargs)
     return attach_value_head(model, SEED)
 
 
@@ -128,21 +131,36 @@ def test_critic_save_and_resume_is_bitwise(hf_dir, tmp_path):
     assert (tmp_path / "a" / "critic").is_dir() and (tmp_path / "b").exists() is False
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize(
-    "flags",
+    ("family", "tie", "flags"),
     [
-        ["--pipeline-model-parallel-size", "2"],
-        ["--expert-model-parallel-size", "2"],
+        ("qwen3", False, ["--pipeline-model-parallel-size", "2"]),
+        # tied embeddings: megatron all-reduces the tied weight's gradient between the first and
+        # the last stage unless every stage knows the head is not the embedding
+        ("qwen3", True, ["--pipeline-model-parallel-size", "2"]),
+        ("qwen3_moe", False, ["--expert-model-parallel-size", "2"]),
     ],
+    ids=["pp2", "pp2-tied", "ep2"],
 )
-def test_unproven_critic_layouts_are_refused(hf_dir, flags):
-    from megatron_ranks import parse
-    from miles_core.args import ArgumentError
-
-    with pytest.raises(ArgumentError) as info:
-        parse(critic_argv(hf_dir, 1, *flags))
-    message = str(info.value)
-    assert message.startswith("--use-critic with " + flags[0]) and "\n" not in message
+def test_critic_at_pp2_and_ep2_matches_float64(tmp_path, family, tie, flags):
+    hf = str(make_tiny_hf(family, tmp_path / "hf", tie=tie))
+    runs = spawn_ranks(layout_values, 2, hf, flags, timeout=600)
+    values, loss, norm, _ = reference_step(hf)
+    pp = flags[0] == "--pipeline-model-parallel-size"
+    # the head lives on the last stage only at PP 2, on both ranks at EP 2
+    assert [r["head"] for r in runs] == (
+        [None, "ValueHeadLinear"] if pp else ["ValueHeadLinear"] * 2
+    )
+    for rank, run in enumerate(runs):
+        for i, v in enumerate(values):
+            got = torch.from_numpy(run["values"][i])
+            assert got.shape == v.shape
+            assert_within(got, v, torch.full_like(v, 1e-5), f"rank {rank} values {i}")
+        m = run["metrics"]
+        assert abs(m["loss"] - loss) <= 1e-5 * max(loss, 1.0), (rank, m["loss"], loss)
+        assert abs(m["grad_norm"] - norm) <= 2 * GRAD_REL_ERR * norm, (rank, m["grad_norm"], norm)
+    assert loss > 1e-2 and norm > 1e-2
 
 
 @pytest.mark.extended

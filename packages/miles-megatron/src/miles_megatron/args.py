@@ -47,13 +47,6 @@ def check_attn_implementation(args: Any) -> None:
         )
 
 
-#: Parallel sizes the critic (--use-critic) is not proven at: its tests cover TP x DP.
-CRITIC_UNPROVEN = (
-    "pipeline_model_parallel_size",
-    "expert_model_parallel_size",
-)
-
-
 @dataclass
 class MegatronArgs(ArgGroup):
     title: ClassVar[str] = "Megatron backend"
@@ -109,13 +102,6 @@ class MegatronArgs(ArgGroup):
                 "--critic-hf-checkpoint is not supported by the Megatron backend yet (its critic "
                 "shares the actor's architecture flags); use --train-backend fsdp"
             )
-        if getattr(args, "use_critic", False):
-            for dest in CRITIC_UNPROVEN:
-                if getattr(args, dest, 1) > 1:
-                    raise ArgumentError(
-                        f"--use-critic with {flag_option(dest)} > 1 is not supported by the Megatron "
-                        "backend (its critic is proven at TP x CP x DP)"
-                    )
         if not args.use_distributed_optimizer:
             raise ArgumentError(
                 "--no-use-distributed-optimizer: the Megatron backend always uses the "

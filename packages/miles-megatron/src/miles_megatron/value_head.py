@@ -58,8 +58,11 @@ class ValueHeadLinear(nn.Linear):
 def install_value_head(model: nn.Module, seed: int) -> None:
     """Replace the (last stage's) output layer of the bare GPTModel ``model`` by the value head
     with its seeded initial weights, in the dtype and on the device of the model's parameters."""
+    # every stage: the head is not the embedding, so no stage joins megatron's all-reduce of
+    # tied embedding gradients between the first and the last stage
+    model.share_embeddings_and_output_weights = False
     if not getattr(model, "post_process", False):
-        raise ValueError("install_value_head: this pipeline stage has no output layer")
+        return  # an earlier pipeline stage: no output layer
     config = model.config
     ref = next(model.parameters())
     head = ValueHeadLinear(config.hidden_size, bool(config.sequence_parallel))
@@ -67,7 +70,6 @@ def install_value_head(model: nn.Module, seed: int) -> None:
         head.weight.copy_(initial_value_head_weight(config.hidden_size, seed))
         head.bias.zero_()
     model.output_layer = head.to(device=ref.device, dtype=ref.dtype)
-    model.share_embeddings_and_output_weights = False
 
 
 class ValueScores:

@@ -45,3 +45,45 @@ def test_mypy_reports_a_misspelt_field_of_a_config_group(tmp_path):
         for line in lines
     ), stdout
     assert sum(": error:" in line for line in lines) == 1, stdout
+
+
+RUN_CONFIG_SNIPPET = """\
+from miles_core.args import RunConfig
+from miles_core.args.groups import OptimizerArgs
+
+
+def peak_lr(cfg: RunConfig) -> float:
+    reveal_type(cfg.optimizer.lr)
+    reveal_type(cfg[OptimizerArgs].lr)
+    reveal_type(cfg.get(OptimizerArgs))
+    misspelt = cfg.optimizer.lrr
+    return misspelt + cfg[OptimizerArgs].lrr
+"""
+
+
+def test_mypy_sees_the_types_of_a_run_config_read(tmp_path):
+    """``args.run_config``'s typed properties and ``cfg[Group]`` give the group's declared
+    field types; a misspelt field is an error through either."""
+    from mypy import api
+
+    snippet = tmp_path / "uses_run_config.py"
+    snippet.write_text(RUN_CONFIG_SNIPPET)
+    stdout, stderr, status = api.run(
+        [
+            str(snippet),
+            "--config-file", str(ROOT / "pyproject.toml"),
+            "--cache-dir", str(tmp_path / "mypy_cache"),
+        ]
+    )  # fmt: skip
+    assert stderr == ""
+    assert status == 1, stdout
+    lines = stdout.splitlines()
+    assert f'{snippet}:6: note: Revealed type is "float"' in lines, stdout
+    assert f'{snippet}:7: note: Revealed type is "float"' in lines, stdout
+    group = "miles_core.args.groups.optimizer.OptimizerArgs"
+    assert f'{snippet}:8: note: Revealed type is "{group} | None"' in lines, stdout
+    errors = [line for line in lines if ": error:" in line]
+    assert len(errors) == 2, stdout  # one per misspelt read: lines 9 and 10
+    for number, line in zip((9, 10), errors, strict=True):
+        assert line.startswith(f"{snippet}:{number}: error:"), stdout
+        assert '"OptimizerArgs" has no attribute "lrr"' in line and "[attr-defined]" in line

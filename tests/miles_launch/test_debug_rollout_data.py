@@ -156,6 +156,7 @@ def test_a_replay_runs_the_critic_phase(tmp_path):
     trains the critic, then the actor on the batch with the critic's values (as the live loop)."""
     from types import SimpleNamespace
 
+    from miles_launch.args import OutputArgs
     from miles_launch.replay import run_replay
     from miles_launch.reporting import Reporter
 
@@ -169,7 +170,7 @@ def test_a_replay_runs_the_critic_phase(tmp_path):
         args=args,
         trainer=trainer,
         state=SimpleNamespace(next_rollout_id=0, data_position=0),
-        reporter=Reporter(SimpleNamespace(progress=False), 2),
+        reporter=Reporter(OutputArgs(progress=False), None, 2),
     )
     records = run_replay(job)
     assert trainer.calls == ["critic_values", "train_critic", "train"] * 2

@@ -13,6 +13,7 @@ import pytest
 from launch_testing import StubEngine, parse
 from miles_core.args import ArgumentError
 from miles_launch import loop
+from miles_launch.args import OutputArgs
 from miles_launch.reporting import Reporter
 from miles_launch.rollout.evaluation import eval_metrics, pass_at_k, pass_ks
 from miles_launch.rollout.prompts import Prompt
@@ -123,7 +124,7 @@ def _job(args, engine, next_rollout_id=0):
             generation_urls=["http://127.0.0.1:1"], acheck_alive=alive, api_key=None
         ),
         reward=RewardModel.from_args(args),
-        reporter=Reporter(SimpleNamespace(progress=False), 4),
+        reporter=Reporter(OutputArgs(progress=False), None, 4),
         recovery=None,  # --engine-restart-limit 0
         eval_prompts={
             "math": [Prompt(0, "ab", None, (1, 2)), Prompt(1, "cde", None, (3, 4, 5))],
@@ -176,7 +177,7 @@ def test_eval_metrics_and_time_are_in_the_reported_record(tmp_path, engine, monk
     args = _eval_args(tmp_path)
     args.metrics_jsonl = str(tmp_path / "m.jsonl")
     job = _job(args, engine)
-    job.reporter = Reporter(args, 4)
+    job.reporter = Reporter.from_args(args, 4)
     real = loop.run_eval
 
     def slow_eval(job, rollout_id):
@@ -202,7 +203,7 @@ def test_evaluation_before_training_is_on_by_default(tmp_path, engine):
     args = _eval_args(tmp_path)
     args.metrics_jsonl = str(tmp_path / "m.jsonl")
     job = _job(args, engine)
-    job.reporter = Reporter(args, 4)
+    job.reporter = Reporter.from_args(args, 4)
     loop.eval_before_training(job)
     job.reporter.close()
     (record,) = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
+from miles_launch.args import OutputArgs
 from miles_launch.plot import PlotError, main, read_records
 from miles_launch.reporting import Reporter
 
@@ -27,8 +27,8 @@ def _record(i: int, **extra) -> dict:
 
 
 def _run_dir(tmp_path, records):
-    args = SimpleNamespace(metrics_jsonl=str(tmp_path / "metrics.jsonl"), progress=False)
-    reporter = Reporter(args, len(records))
+    output = OutputArgs(metrics_jsonl=str(tmp_path / "metrics.jsonl"), progress=False)
+    reporter = Reporter(output, None, len(records))
     for record in records:
         reporter.rollout(record)
     reporter.close()

@@ -6,6 +6,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from miles_launch.args import OutputArgs
 from miles_launch.reporting import Reporter, flatten_scalars, summary_line
 
 RECORD = {
@@ -29,13 +30,8 @@ def test_summary_line():
 def test_scalars_reach_tensorboard_and_jsonl(tmp_path, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    args = SimpleNamespace(
-        tensorboard_dir=str(tmp_path / "tb"),
-        metrics_jsonl=str(tmp_path / "m.jsonl"),
-        progress=False,
-        use_wandb=False,
-    )
-    reporter = Reporter(args, num_rollout=12)
+    output = OutputArgs(metrics_jsonl=str(tmp_path / "m.jsonl"), progress=False)
+    reporter = Reporter(output, str(tmp_path / "tb"), num_rollout=12)
     reporter.rollout(RECORD)
     evaluated = {
         **RECORD,
@@ -78,9 +74,9 @@ def test_progress_bars_only_on_a_terminal(monkeypatch, tty, flag, shown):
     from miles_launch.reporting import progress_on
 
     monkeypatch.setattr(sys.stderr, "isatty", lambda: tty, raising=False)
-    args = SimpleNamespace(progress=flag, use_wandb=False)
-    assert progress_on(args) is shown
-    assert Reporter(args, num_rollout=1).show_progress is shown
+    output = OutputArgs(progress=flag)
+    assert progress_on(output) is shown
+    assert Reporter(output, None, num_rollout=1).show_progress is shown
 
 
 def test_closing_lines_say_where_everything_is(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from megatron_tiny_models import FAMILIES, make_tiny_hf
 from miles_core.args import ArgumentError
-from miles_megatron.arch_args import resolve_model_args
+from miles_megatron.arch_args import hf_model_args, resolve_model_args
 from miles_megatron.bridge import (
     AttentionShape,
     BridgeError,
@@ -50,9 +50,8 @@ def test_merge_qkv_matches_group_by_group_reference():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hf_to_megatron_to_hf_is_bit_exact(hf_dirs, family):
-    from types import SimpleNamespace
 
-    margs = resolve_model_args(SimpleNamespace(hf_checkpoint=hf_dirs[family]))
+    margs = hf_model_args(hf_dirs[family], {})
     hf = load_file(f"{hf_dirs[family]}/model.safetensors")
     bridge = bridge_for(family)
     meg = bridge.hf_to_megatron_state(hf, margs, padded_vocab_size(margs, 2))
@@ -63,10 +62,8 @@ def test_hf_to_megatron_to_hf_is_bit_exact(hf_dirs, family):
 
 
 def test_model_args_per_family(hf_dirs):
-    from types import SimpleNamespace
-
     def margs(f):
-        return resolve_model_args(SimpleNamespace(hf_checkpoint=hf_dirs[f]))
+        return hf_model_args(hf_dirs[f], {})
 
     llama, qwen2, qwen3, moe = (margs(f) for f in FAMILIES)
     assert llama["num_query_groups"] == 2 and llama["group_query_attention"]
@@ -95,10 +92,8 @@ def test_unsupported_config_fields_name_the_field(tmp_path, hf_dirs):
     cfg = json.loads(open(f"{hf_dirs['llama']}/config.json").read())
     cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    from types import SimpleNamespace
-
     with pytest.raises(BridgeError, match="rope_type 'yarn'"):
-        resolve_model_args(SimpleNamespace(hf_checkpoint=str(tmp_path)))
+        hf_model_args(str(tmp_path), {})
 
 
 def test_explicit_arch_flags_override_the_bridge(hf_dirs):

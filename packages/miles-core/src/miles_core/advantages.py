@@ -277,7 +277,7 @@ def with_advantages(batch: RolloutBatch, args, group: dist.ProcessGroup | None) 
 
     ppo = args.advantage_estimator == "ppo"
     values = batch.response_field("values") if ppo and "values" in batch.field_names else None
-    custom = getattr(args, "custom_advantage_function_path", None)
+    custom = args.custom_advantage_function_path
     if custom:
         adv = custom_advantages(load_function(custom, CUSTOM_FLAG), args, batch, ppo)
     else:

@@ -81,7 +81,7 @@ class LossHook:
         """The hook ``--custom-loss-function-path`` names, or None when the flag is unset; a bad
         spec or a second parameter named neither ``logits`` nor ``scores`` is an
         :class:`ArgumentError` naming the flag."""
-        spec = getattr(args, "custom_loss_function_path", None)
+        spec = args.custom_loss_function_path
         if not spec:
             return None
         fn = load_function(spec, FLAG)

@@ -19,6 +19,11 @@ import torch
 
 from miles_core.advantages import ESTIMATORS
 from miles_core.aggregation import aggregate, segment_mean
+from miles_core.args.groups.algorithm import (
+    AlgorithmArgs,
+    policy_loss_conflict,
+    tis_clip_bounds_error,
+)
 from miles_core.kl import KL_TYPES, kl_estimate
 from miles_core.mismatch import extremes as mismatch_extremes
 from miles_core.mismatch import token_terms as mismatch_terms
@@ -34,34 +39,44 @@ from miles_core.rollout_correction import (
 LOG_RATIO_CLAMP = 20.0
 
 
+#: LossConfig's field names that differ from the flag's (``--rollout-temperature``).
+FLAG_OF_FIELD = {"temperature": "rollout_temperature"}
+
+
+def _default(dest: str) -> Any:
+    """The default of ``AlgorithmArgs.<dest>``: LossConfig declares none of its own."""
+    return AlgorithmArgs.__dataclass_fields__[dest].default
+
+
 @dataclass(frozen=True)
 class LossConfig:
-    """The loss settings; each field is the flag of the same name (``temperature`` is
-    ``--rollout-temperature``)."""
+    """The loss settings; each field is the flag of the same name of
+    :class:`~miles_core.args.groups.AlgorithmArgs` (``temperature`` is ``--rollout-temperature``),
+    whose default it takes: build it from the parsed group with :meth:`from_algorithm`."""
 
-    advantage_estimator: str = "grpo"
-    eps_clip: float = 0.2
-    eps_clip_high: float | None = None
-    eps_clip_c: float | None = None
-    value_clip: float = 0.2
-    kl_coef: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.0
-    kl_loss_type: str = "k1"
-    entropy_coef: float = 0.0
-    use_tis: bool = False
-    tis_clip: float = 2.0
-    tis_clip_low: float = 0.0
-    tis_level: str = "token"
-    tis_mode: str = "truncate"
-    tis_veto_threshold: float | None = None
-    tis_batch_normalize: bool = False
-    use_opsm: bool = False
-    opsm_delta: float = 1e-4
-    calculate_per_token_loss: bool = False
-    temperature: float = 1.0
-    policy_loss: str = "ppo"
-    use_rollout_logprobs: bool = False
+    advantage_estimator: str = _default("advantage_estimator")
+    eps_clip: float = _default("eps_clip")
+    eps_clip_high: float | None = _default("eps_clip_high")
+    eps_clip_c: float | None = _default("eps_clip_c")
+    value_clip: float = _default("value_clip")
+    kl_coef: float = _default("kl_coef")
+    use_kl_loss: bool = _default("use_kl_loss")
+    kl_loss_coef: float = _default("kl_loss_coef")
+    kl_loss_type: str = _default("kl_loss_type")
+    entropy_coef: float = _default("entropy_coef")
+    use_tis: bool = _default("use_tis")
+    tis_clip: float = _default("tis_clip")
+    tis_clip_low: float = _default("tis_clip_low")
+    tis_level: str = _default("tis_level")
+    tis_mode: str = _default("tis_mode")
+    tis_veto_threshold: float | None = _default("tis_veto_threshold")
+    tis_batch_normalize: bool = _default("tis_batch_normalize")
+    use_opsm: bool = _default("use_opsm")
+    opsm_delta: float = _default("opsm_delta")
+    calculate_per_token_loss: bool = _default("calculate_per_token_loss")
+    temperature: float = _default("rollout_temperature")
+    policy_loss: str = _default("policy_loss")
+    use_rollout_logprobs: bool = _default("use_rollout_logprobs")
 
     def __post_init__(self) -> None:
         if self.advantage_estimator not in ESTIMATORS:
@@ -79,11 +94,9 @@ class LossConfig:
             raise ValueError(
                 "--use-kl-loss and --kl-coef (KL in the reward) are mutually exclusive"
             )
-        if self.use_tis and not 0.0 <= self.tis_clip_low < self.tis_clip:
-            # the argument check's rule (miles_core.args.groups.algorithm): low < clip
-            raise ValueError(
-                f"--tis-clip-low ({self.tis_clip_low}) must be in [0, --tis-clip ({self.tis_clip}))"
-            )
+        tis_bounds = tis_clip_bounds_error(self.tis_clip_low, self.tis_clip)
+        if self.use_tis and tis_bounds:
+            raise ValueError(tis_bounds)
         if self.use_tis and self.tis_level not in LEVELS:
             raise ValueError(
                 f"--tis-level must be one of {', '.join(LEVELS)}, got {self.tis_level!r}"
@@ -92,8 +105,6 @@ class LossConfig:
             raise ValueError(f"--tis-mode must be one of {', '.join(MODES)}, got {self.tis_mode!r}")
         if self.temperature <= 0:
             raise ValueError(f"--rollout-temperature must be > 0, got {self.temperature}")
-        from miles_core.args.groups.algorithm import policy_loss_conflict
-
         conflict = policy_loss_conflict(self)
         if conflict:
             raise ValueError(conflict)
@@ -110,14 +121,17 @@ class LossConfig:
         return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
 
     @classmethod
-    def from_args(cls, args) -> LossConfig:
-        """Read the flags from a parsed namespace (attributes missing there keep the defaults)."""
-        values = {}
-        for f in fields(cls):
-            attr = "rollout_temperature" if f.name == "temperature" else f.name
-            if hasattr(args, attr):
-                values[f.name] = getattr(args, attr)
-        return cls(**values)
+    def from_algorithm(cls, algorithm: AlgorithmArgs) -> LossConfig:
+        """The loss settings of the parsed algorithm group."""
+        return cls(
+            **{f.name: getattr(algorithm, FLAG_OF_FIELD.get(f.name, f.name)) for f in fields(cls)}
+        )
+
+    @classmethod
+    def from_args(cls, args: Any) -> LossConfig:
+        """:meth:`from_algorithm` of a parsed namespace's ``run_config`` (the critic's too:
+        :func:`~miles_core.args.groups.critic.critic_args` rebuilds it)."""
+        return cls.from_algorithm(args.run_config.algorithm)
 
 
 def ppo_clip_loss(

@@ -94,7 +94,8 @@ def decay_iters(args: Any) -> int | None:
     ``--num-steps-per-rollout``), else None."""
     if args.lr_decay_iters is not None:
         return args.lr_decay_iters
-    num_rollout = getattr(args, "num_rollout", None)
+    # --num-rollout is the launcher's: unknown where its group is not parsed (ranks under torchrun)
+    num_rollout = args.num_rollout if "num_rollout" in args else None
     if num_rollout:
         return num_rollout * args.num_steps_per_rollout
     return None
@@ -102,7 +103,7 @@ def decay_iters(args: Any) -> int | None:
 
 def streamed_state_config(args: Any) -> StreamedStateConfig | None:
     """The streamed-optimizer settings, or None without --stream-optimizer-state-to-disk."""
-    if not getattr(args, "stream_optimizer_state_to_disk", False):
+    if not args.stream_optimizer_state_to_disk:
         return None
     return StreamedStateConfig(
         disk_dir=args.offload_train_disk_dir,

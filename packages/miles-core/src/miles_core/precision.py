@@ -30,9 +30,9 @@ def __getattr__(name: str) -> Any:
 
 def train_dtype_name(args: Any) -> str:
     """``"fp16"`` with ``--fp16``, ``"fp32"`` with ``--no-bf16``, else ``"bf16"``."""
-    if getattr(args, "fp16", False):
+    if args.fp16:
         return "fp16"
-    if getattr(args, "bf16", None) is False:
+    if args.bf16 is False:
         return "fp32"
     return "bf16"
 
@@ -40,7 +40,7 @@ def train_dtype_name(args: Any) -> str:
 def explicit_dtype_name(args: Any) -> str | None:
     """The dtype the command line names with ``--bf16`` / ``--no-bf16`` / ``--fp16``, or None
     when it names none (the default, bf16)."""
-    if getattr(args, "fp16", False) or getattr(args, "bf16", None) is not None:
+    if args.fp16 or args.bf16 is not None:
         return train_dtype_name(args)
     return None
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from miles_core.args import ArgumentError
+from miles_core.args.checks import flag_value
 from miles_core.args.flags import FLAG_METADATA_KEY
 
 #: The metavar of every flag whose value is a user function.
@@ -51,6 +52,6 @@ def function_flags(groups: Iterable[type]) -> list[str]:
 def check_function_flags(args: Any, groups: Iterable[type]) -> None:
     """Import every user function the command line names (the first bad one raises)."""
     for dest in function_flags(groups):
-        spec = getattr(args, dest, None)
+        spec = flag_value(args, dest)
         if spec:
             load_function(spec, "--" + dest.replace("_", "-"))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from miles_core.args import ArgGroup, ArgumentError, flag
-from miles_core.args.checks import at_least, option, requires, within
+from miles_core.args.checks import at_least, flag_value, option, requires, within
 
 from miles_launch.debug_args import DebugDataArgs
 from miles_launch.engine_launch.watch_timing import MIN_HEALTH_TIMEOUT_S
@@ -23,7 +23,7 @@ from miles_launch.rollout_args import RolloutArgs
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LaunchPlacementArgs(ArgGroup):
     title: ClassVar[str] = "placement (launcher)"
 
@@ -77,7 +77,7 @@ class LaunchPlacementArgs(ArgGroup):
             "num_gpus_per_node",
         ):
             at_least(args, dest, 1)
-        if not getattr(args, "load_debug_rollout_data", None):  # a replay starts no engines
+        if not args.load_debug_rollout_data:  # a replay starts no engines
             at_least(args, "rollout_num_gpus", 1)
         for dest, value in (
             ("critic_num_nodes", args.critic_num_nodes),
@@ -124,7 +124,7 @@ class LaunchPlacementArgs(ArgGroup):
                 )
             args.rollout_num_gpus = trainer
             for dest in ("offload_train", "offload_rollout"):
-                if dest in args.explicit_flags and not getattr(args, dest):
+                if dest in args.explicit_flags and not flag_value(args, dest):
                     logger.warning(
                         "--colocate with --no-%s: both sides keep their memory resident; "
                         "they may not fit together",
@@ -137,6 +137,17 @@ class LaunchPlacementArgs(ArgGroup):
                 args.critic_num_nodes = args.actor_num_nodes
             if args.critic_num_gpus_per_node is None:
                 args.critic_num_gpus_per_node = args.actor_num_gpus_per_node
+
+
+def sharded_replicas(args: Any) -> int:
+    """Replicas of the sharded model: FSDP's ``--dp-replicate-size`` where its group is parsed;
+    1 without it (the launcher's groups parsed alone, or Megatron's, which has no replicas)."""
+    return args.dp_replicate_size if "dp_replicate_size" in args else 1
+
+
+def fsdp_cpu_offload(args: Any) -> bool:
+    """FSDP's ``--fsdp-cpu-offload`` where its group is parsed; False without it."""
+    return "fsdp_cpu_offload" in args and args.fsdp_cpu_offload
 
 
 def check_critic_ranks(args: Any) -> None:
@@ -161,8 +172,7 @@ def check_critic_ranks(args: Any) -> None:
             f"--critic-num-gpus-per-node {per_node} exceeds --num-gpus-per-node "
             f"{args.num_gpus_per_node}"
         )
-    # FSDP's group is absent when only the launcher's groups are parsed (its default: 1)
-    replicas = int(getattr(args, "dp_replicate_size", 1) or 1)
+    replicas = sharded_replicas(args)
     if ranks % replicas:
         raise ArgumentError(
             f"the critic's {ranks} rank(s) (--critic-num-nodes x --critic-num-gpus-per-node) "
@@ -170,7 +180,7 @@ def check_critic_ranks(args: Any) -> None:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineLaunchArgs(ArgGroup):
     title: ClassVar[str] = "rollout engines"
 
@@ -301,7 +311,7 @@ def sglang_importable() -> bool:
     return find_spec("sglang") is not None
 
 
-@dataclass
+@dataclass(frozen=True)
 class OutputArgs(ArgGroup):
     title: ClassVar[str] = "output"
 
@@ -327,7 +337,7 @@ class OutputArgs(ArgGroup):
 MEMORY_PLAN_BACKENDS = ("fsdp", "megatron")
 
 
-@dataclass
+@dataclass(frozen=True)
 class JobArgs(ArgGroup):
     title: ClassVar[str] = "job (preflight and plan)"
 

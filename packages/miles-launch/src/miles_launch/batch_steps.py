@@ -42,7 +42,7 @@ def resolve_steps_per_rollout(args: Any) -> None:
             "optimizer steps per rollout; give a divisor, or --num-steps-per-rollout instead"
         )
     steps = samples // size
-    explicit = getattr(args, "explicit_flags", frozenset())
+    explicit = args.explicit_flags
     if "num_steps_per_rollout" in explicit and args.num_steps_per_rollout != steps:
         raise ArgumentError(
             f"--global-batch-size {size} and --num-steps-per-rollout "

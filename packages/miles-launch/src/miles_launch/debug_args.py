@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from miles_core.args import ArgGroup, ArgumentError, flag
-from miles_core.args.checks import exclusive, option
+from miles_core.args.checks import exclusive, flag_value, option
 
 #: Flags that start or drive engines, refused with --load-debug-rollout-data (which has none).
 REPLAY_REFUSES = (
@@ -21,7 +21,7 @@ REPLAY_REFUSES = (
 )
 
 
-@dataclass
+@dataclass(frozen=True)
 class DebugDataArgs(ArgGroup):
     title: ClassVar[str] = "debugging"
 
@@ -44,7 +44,7 @@ class DebugDataArgs(ArgGroup):
 
         exclusive(args, "save_debug_rollout_data", "load_debug_rollout_data")
         for dest in ("save_debug_rollout_data", "load_debug_rollout_data"):
-            template = getattr(args, dest)
+            template = flag_value(args, dest)
             if template is not None:
                 try:
                     check_template(option(dest), template)

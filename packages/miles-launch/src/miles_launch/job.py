@@ -72,7 +72,7 @@ def read_launcher_state(args: Any, next_rollout_id: int) -> LauncherState:
     default = LauncherState(next_rollout_id, next_rollout_id * args.rollout_batch_size)
     if not args.load or next_rollout_id == 0:
         return default
-    resolved = resolve_load(args.load, getattr(args, "ckpt_step", None))
+    resolved = resolve_load(args.load, args.ckpt_step)
     if resolved is None:
         return default
     path = launcher_state_path(args.load, resolved.iteration)
@@ -175,7 +175,7 @@ class Job:
             order=PromptOrder(len(prompts), args.rollout_shuffle, args.rollout_seed),
             eval_prompts=eval_prompts,
             reward=reward,
-            reporter=Reporter(args, args.num_rollout),
+            reporter=Reporter.from_args(args, args.num_rollout),
             started_ray=started,
             prompts_too_long=too_long,
         )

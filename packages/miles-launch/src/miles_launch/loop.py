@@ -206,8 +206,8 @@ def run_eval(job: Job, rollout_id: int) -> dict[str, dict[str, float]]:
     so evaluation samples the evaluated weights and training rollouts never do.
     """
     args = job.args
-    eval_weights = getattr(args, "eval_weights", "actor")
-    swap = eval_weights != getattr(args, "rollout_weights", "actor")
+    eval_weights = args.eval_weights
+    swap = eval_weights != args.rollout_weights
     if swap:
         logger.info("eval: publishing the %s weights to the engines", eval_weights)
         publish(job, weights=eval_weights)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from miles_launch.args import fsdp_cpu_offload, sharded_replicas
 from miles_launch.memory_plan import plan_memory_lines
 from miles_launch.placement import Layout, nodes_needed, plan_layout
 
@@ -46,18 +47,18 @@ def trainer_line(args: Any, layout: Layout) -> str:
     where = f"{ranks} rank(s) on {nodes} node(s) ({args.actor_num_gpus_per_node} per node)"
     if args.train_backend == "megatron":
         sizes = {
-            "TP": getattr(args, "tensor_model_parallel_size", 1),
-            "PP": getattr(args, "pipeline_model_parallel_size", 1),
-            "CP": getattr(args, "context_parallel_size", 1),
+            "TP": args.tensor_model_parallel_size,
+            "PP": args.pipeline_model_parallel_size,
+            "CP": args.context_parallel_size,
         }
         model = sizes["TP"] * sizes["PP"] * sizes["CP"]
         parts = [f"{k} {v}" for k, v in sizes.items()] + [f"DP {ranks // model}"]
-        ep = getattr(args, "expert_model_parallel_size", 1)
+        ep = args.expert_model_parallel_size
         if ep > 1:
             parts.append(f"EP {ep}")
         return f"trainer: {where}; Megatron {' x '.join(parts)}"
     if args.train_backend == "fsdp":
-        replicas = getattr(args, "dp_replicate_size", 1)
+        replicas = sharded_replicas(args)
         return (
             f"trainer: {where}; FSDP data parallel {ranks} ({ranks // replicas} shards x "
             f"{replicas} replica(s))"
@@ -116,9 +117,9 @@ def offload_line(args: Any) -> str:
         parts.append(f"the trainer sleeps to {target} during generation")
     if args.offload_rollout:
         parts.append("the engines release their memory during training")
-    if getattr(args, "stream_optimizer_state_to_disk", False):
+    if args.stream_optimizer_state_to_disk:
         parts.append("optimizer state streamed from disk")
-    if getattr(args, "optimizer_cpu_offload", False) or getattr(args, "fsdp_cpu_offload", False):
+    if args.optimizer_cpu_offload or fsdp_cpu_offload(args):
         parts.append("optimizer step on the CPU")
     return "offload: " + (
         "; ".join(parts) if parts else "none (trainer and engines keep their memory)"
@@ -166,7 +167,7 @@ def outputs_line(args: Any) -> str:
     parts = []
     if args.metrics_jsonl:
         parts.append(f"metrics {args.metrics_jsonl} (miles plot {run_dir(args)})")
-    if getattr(args, "tensorboard_dir", None):
+    if args.tensorboard_dir:
         parts.append(f"TensorBoard {args.tensorboard_dir}")
     logs = log_dir(args)
     parts.append(

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_core.args import ArgGroup, ArgumentError
+from miles_core.args.checks import flag_value
 from miles_core.checkpoint_layout import TRACKER_FILENAME, CheckpointError, resolve_load
 from miles_core.user_functions import check_function_flags
 
@@ -234,7 +235,7 @@ OUTPUTS = (
 
 def check_outputs(args: Any) -> None:
     for dest, kind in OUTPUTS:
-        value = getattr(args, dest, None)
+        value = flag_value(args, dest)
         if value:
             existing = check_writable("--" + dest.replace("_", "-"), str(value), kind)
             if dest == "save":
@@ -294,7 +295,7 @@ def check_prompts(args: Any) -> None:
 def check_loads(args: Any, notes: list[str]) -> None:
     """``--load`` and ``--critic-load``: a committed checkpoint of this backend, or nothing."""
     targets = [("--load", args.load)]
-    if getattr(args, "use_critic", False):
+    if args.use_critic:
         targets.append(("--critic-load", args.critic_load))
     for option, path in targets:
         if not path:
@@ -341,7 +342,7 @@ def created_outputs(args: Any) -> list[str]:
     """The directories the driver creates once the preflight passed (:func:`make_outputs`):
     ``--save``, the critic's ``--critic-save`` and ``--tensorboard-dir``, and the directory of
     ``--metrics-jsonl``; a ``--load`` naming one of them (resume-or-start) starts fresh."""
-    dirs = [args.save, getattr(args, "critic_save", None), getattr(args, "tensorboard_dir", None)]
+    dirs = [args.save, args.critic_save, args.tensorboard_dir]
     if args.metrics_jsonl:
         dirs.append(os.path.dirname(os.path.abspath(args.metrics_jsonl)))
     return [os.path.abspath(d) for d in dirs if d]

@@ -33,8 +33,11 @@ import time
 from contextlib import contextmanager
 from typing import Any
 
+from miles_core.args.run_config import group_from_namespace
 from miles_core.mismatch import ABS_DIFF
 from tqdm import tqdm
+
+from miles_launch.args import OutputArgs
 
 logger = logging.getLogger(__name__)
 
@@ -56,34 +59,48 @@ def phase(line: str) -> None:
     sys.stdout.flush()
 
 
-def progress_on(args: Any) -> bool:
+def progress_on(output: OutputArgs) -> bool:
     """Progress bars: ``--progress`` (the default) and stderr a terminal; a log file or pipe
     gets the per-rollout lines only (a bar's carriage returns and ANSI codes would litter it)."""
-    return bool(getattr(args, "progress", True)) and sys.stderr.isatty()
+    return output.progress and sys.stderr.isatty()
 
 
 class Reporter:
-    def __init__(self, args: Any, num_rollout: int):
+    """The run's metrics, to the terminal, ``--metrics-jsonl``, TensorBoard (``tb_dir``,
+    ``--tensorboard-dir``) and W&B (``wandb_config``: the flags it records, with ``--use-wandb``)."""
+
+    def __init__(
+        self,
+        output: OutputArgs,
+        tb_dir: str | None,
+        num_rollout: int,
+        wandb_config: dict[str, Any] | None = None,
+    ):
         self.num_rollout = num_rollout
-        self.show_progress = progress_on(args)
-        self.jsonl_path = getattr(args, "metrics_jsonl", None)
+        self.show_progress = progress_on(output)
+        self.jsonl_path = output.metrics_jsonl
         self.train_bar = None  # rollouts trained, made at the first record
         self.tb = None
-        tb_dir = getattr(args, "tensorboard_dir", None)
         if tb_dir:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(log_dir=tb_dir, filename_suffix=".miles-launch")
         self.wandb = None
-        if getattr(args, "use_wandb", False):
+        if output.use_wandb:
             try:
                 import wandb
             except ImportError:
                 logger.warning("--use-wandb: wandb is not installed; logging to W&B is off")
             else:
                 self.wandb = wandb.init(
-                    project=args.wandb_project, name=args.wandb_run_name, config=public_config(args)
+                    project=output.wandb_project, name=output.wandb_run_name, config=wandb_config
                 )
+
+    @classmethod
+    def from_args(cls, args: Any, num_rollout: int) -> Reporter:
+        """The reporter of the parsed (and maybe since updated) namespace ``args``."""
+        output = group_from_namespace(OutputArgs, args)
+        return cls(output, args.tensorboard_dir, num_rollout, public_config(args))
 
     # ------------------------------------------------------------------ progress
     @contextmanager
@@ -237,7 +254,7 @@ def closing_lines(args: Any, records: list[dict[str, Any]], seconds: float) -> l
         name = os.path.basename(args.metrics_jsonl)
         other = "" if name == "metrics.jsonl" else f" --metrics {name}"
         lines.append(f"  picture: miles plot {run_dir(args)}{other} draws {run_dir(args)}/run.png")
-    if getattr(args, "tensorboard_dir", None):
+    if args.tensorboard_dir:
         lines.append(f"  TensorBoard: tensorboard --logdir {args.tensorboard_dir}")
     if log_dir(args) and not args.load_debug_rollout_data:
         lines.append(f"  engine logs: {log_dir(args)}")

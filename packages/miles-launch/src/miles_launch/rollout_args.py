@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from miles_core.args import ArgGroup, ArgumentError, flag
-from miles_core.args.checks import at_least, greater_than, requires
+from miles_core.args.checks import at_least, flag_value, greater_than, requires
 
 from miles_launch.batch_steps import resolve_steps_per_rollout
 from miles_launch.rollout_checks import check_stop_token_ids, partial_rollout, rollout_control
@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 REWARD_TYPES = ("math", "label-char-fraction")
 
 
-@dataclass
+@dataclass(frozen=True)
 class RolloutArgs(ArgGroup):
     title: ClassVar[str] = "rollout"
 
@@ -234,7 +234,7 @@ class RolloutArgs(ArgGroup):
                 "--fully-async cannot be used with --colocate: generation and training "
                 "must run on separate GPUs"
             )
-        given = [f for f in ("rm_type", "custom_rm_path", "rm_url") if getattr(args, f)]
+        given = [f for f in ("rm_type", "custom_rm_path", "rm_url") if flag_value(args, f)]
         if len(given) > 1:
             names = " and ".join("--" + f.replace("_", "-") for f in given)
             raise ArgumentError(f"{names} are mutually exclusive")
@@ -263,8 +263,8 @@ class RolloutArgs(ArgGroup):
                 f"--pass-threshold must be a finite number, got {args.pass_threshold}"
             )
         requires(args, "eval_prompt_data", "eval_interval")
-        eval_weights = getattr(args, "eval_weights", "actor")
-        if args.fully_async and eval_weights != getattr(args, "rollout_weights", "actor"):
+        eval_weights = args.eval_weights
+        if args.fully_async and eval_weights != args.rollout_weights:
             raise ArgumentError(
                 f"--eval-weights {eval_weights} cannot be used with --fully-async: evaluation "
                 "would publish other weights while training rollouts are being generated"

@@ -92,7 +92,7 @@ def partial_rollout(args: Any) -> None:
             "the continuation would not be seen (--rollout-stop-token-ids can)",
         ),
         (
-            bool(getattr(args, "load_debug_rollout_data", None)),
+            bool(args.load_debug_rollout_data),
             "cannot be used with --load-debug-rollout-data: a replay generates nothing",
         ),
     ]

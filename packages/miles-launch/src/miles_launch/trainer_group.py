@@ -22,11 +22,13 @@ import socket
 from datetime import timedelta
 from typing import Any
 
+from miles_core.args.checks import flag_value
 from miles_core.batch import RolloutBatch
 from miles_core.partition import partition_for_dp
 from miles_sync.engine_group import NODE_IP_ENV
 from miles_sync.errors import PublishError
 
+from miles_launch.args import fsdp_cpu_offload
 from miles_launch.placement import TRAINER_SHARE, Placement, node_ip
 
 logger = logging.getLogger(__name__)
@@ -35,9 +37,9 @@ logger = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT_S = 1800
 
 
-#: flags whose models keep shards on the host, so their collectives (FSDP's gradient
-#: reduce-scatter under CPU offload, the frozen roles' loading) run on CPU tensors
-CPU_COLLECTIVE_FLAGS = ("fsdp_cpu_offload", "ref_cpu_offload", "teacher_cpu_offload")
+#: flags whose models keep shards on the host, so their collectives (the frozen roles' loading,
+#: and FSDP's gradient reduce-scatter under ``--fsdp-cpu-offload``) run on CPU tensors
+CPU_COLLECTIVE_FLAGS = ("ref_cpu_offload", "teacher_cpu_offload")
 
 
 def process_group_backend(args: Any, use_gpu: bool) -> str:
@@ -46,8 +48,9 @@ def process_group_backend(args: Any, use_gpu: bool) -> str:
     set (CPU tensors then reduce over the CPU backend, device tensors over NCCL)."""
     if not use_gpu:
         return "gloo"
-    if any(getattr(args, flag, False) for flag in CPU_COLLECTIVE_FLAGS):
-        return f"cpu:{getattr(args, 'fsdp_cpu_backend', 'gloo')},cuda:nccl"
+    if any(flag_value(args, flag) for flag in CPU_COLLECTIVE_FLAGS) or fsdp_cpu_offload(args):
+        cpu = args.fsdp_cpu_backend if "fsdp_cpu_backend" in args else "gloo"
+        return f"cpu:{cpu},cuda:nccl"
     return "nccl"
 
 
@@ -124,7 +127,7 @@ class TrainerRank:
             # The address this rank's weight-update groups advertise to the engines.
             **{NODE_IP_ENV: node_ip()},
         )
-        if getattr(args, "update_weight_verify", False):
+        if args.update_weight_verify:
             # rank 0's "weight version N verified: ..." line of each publish reaches the driver
             logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
             logging.getLogger("miles_sync.weight_sync").setLevel(logging.INFO)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Literal
 
 from miles_core.args import ArgGroup, ArgumentError, flag
+from miles_core.args.run_config import group_from_namespace
 
 #: Flag dest -> where it lands in megatron-core.
 ARCH_FLAG_TARGETS: dict[str, str] = {
@@ -55,7 +56,7 @@ ARCH_FLAG_TARGETS: dict[str, str] = {
 REQUIRED_ARCH_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ArchitectureArgs(ArgGroup):
     title: ClassVar[str] = "model architecture (Megatron-LM flags; unset: from --hf-checkpoint)"
 
@@ -135,12 +136,9 @@ def transformer_engine_available() -> bool:
 
 def explicit_arch_args(args: Any) -> dict[str, Any]:
     """The architecture flags set on the command line / YAML (not None)."""
-    found = {}
-    for field in fields(ArchitectureArgs):
-        value = getattr(args, field.name, None)
-        if value is not None:
-            found[field.name] = value
-    return found
+    arch = group_from_namespace(ArchitectureArgs, args)
+    values = {field.name: getattr(arch, field.name) for field in fields(ArchitectureArgs)}
+    return {name: value for name, value in values.items() if value is not None}
 
 
 def resolve_model_args(args: Any) -> dict[str, Any]:
@@ -149,15 +147,19 @@ def resolve_model_args(args: Any) -> dict[str, Any]:
     Fills Megatron-LM's derived defaults (``num_query_groups`` = heads without GQA,
     ``ffn_hidden_size`` = 4 x hidden, ``make_vocab_size_divisible_by`` = 128).
     """
+    return hf_model_args(args.hf_checkpoint, explicit_arch_args(args))
+
+
+def hf_model_args(hf_dir: str | None, explicit: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`resolve_model_args` of an HF directory (or None) and the explicit flags."""
     from miles_megatron.bridge import bridge_for, load_hf_config
 
     margs: dict[str, Any] = {}
-    hf_dir = getattr(args, "hf_checkpoint", None)
     if hf_dir:
         hf = load_hf_config(hf_dir)
         margs = bridge_for(hf.get("model_type", "")).model_args(hf)
         margs["model_type"] = hf.get("model_type")
-    margs.update(explicit_arch_args(args))
+    margs.update(explicit)
     return complete_model_args(margs)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from miles_core.args import ArgGroup, ArgumentError, flag
+from miles_core.args.checks import flag_value
 from miles_core.args.checks import option as flag_option
 from miles_core.precision import train_dtype_name
 
@@ -22,7 +23,7 @@ from miles_megatron.arch_args import (
     resolve_model_args,
     transformer_engine_available,
 )
-from miles_megatron.generated_flags import check_generated_flags
+from miles_megatron.generated_flags import check_generated_flags, generated_value
 from miles_megatron.layout_kinds import check_layout_kind
 
 #: the values the Megatron backend honours
@@ -47,7 +48,7 @@ def check_attn_implementation(args: Any) -> None:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class MegatronArgs(ArgGroup):
     title: ClassVar[str] = "Megatron backend"
 
@@ -97,7 +98,7 @@ class MegatronArgs(ArgGroup):
 
     @classmethod
     def validate(cls, args: Any) -> None:
-        if getattr(args, "critic_hf_checkpoint", None):
+        if args.critic_hf_checkpoint:
             raise ArgumentError(
                 "--critic-hf-checkpoint is not supported by the Megatron backend yet (its critic "
                 "shares the actor's architecture flags); use --train-backend fsdp"
@@ -120,11 +121,11 @@ class MegatronArgs(ArgGroup):
             "custom_megatron_before_log_prob_hook_path",
             "custom_megatron_before_train_step_hook_path",
         ):
-            value = getattr(args, dest)
+            value = flag_value(args, dest)
             if value is not None and ":" not in value:
                 option = "--" + dest.replace("_", "-")
                 raise ArgumentError(f"{option} {value}: expected module:function")
-        if args.publish_lora_adapter and not getattr(args, "use_lora", False):
+        if args.publish_lora_adapter and not args.use_lora:
             raise ArgumentError("--publish-lora-adapter requires --use-lora")
         if args.ref_update_interval is not None and args.ref_update_interval < 1:
             raise ArgumentError("--ref-update-interval must be >= 1")
@@ -161,15 +162,13 @@ class MegatronArgs(ArgGroup):
         import torch
 
         check_ref_load(args)
-        if getattr(args, "ray_address", None):
+        if "ray_address" in args and args.ray_address:  # the launcher's flag (its group parsed)
             return  # the ranks run on the cluster's nodes, not on the driver's machine
         try:
             torch.cuda.current_device()
         except (AssertionError, RuntimeError) as exc:
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            default = (
-                "" if "train_backend" in getattr(args, "explicit_flags", ()) else " (the default)"
-            )
+            default = "" if "train_backend" in args.explicit_flags else " (the default)"
             raise ArgumentError(
                 f"--train-backend megatron{default} needs a CUDA device, and this machine has "
                 f"none (torch {torch.__version__}: {reason}); pass --train-backend fsdp, which "
@@ -183,7 +182,7 @@ class MegatronArgs(ArgGroup):
         # the architecture is checked when one is described (the backend's init requires it)
         from miles_megatron.bridge import BridgeError
 
-        if getattr(args, "hf_checkpoint", None) or explicit_arch_args(args):
+        if args.hf_checkpoint or explicit_arch_args(args):
             try:
                 margs = resolve_model_args(args)
             except BridgeError as exc:
@@ -201,7 +200,7 @@ def check_ref_load(args: Any) -> None:
 
     from miles_core.checkpoint_layout import CheckpointError, resolve_load
 
-    ref = getattr(args, "ref_load", None)
+    ref = args.ref_load
     if not ref or (Path(ref) / "config.json").is_file():
         return
     try:
@@ -248,11 +247,11 @@ def check_not_honoured(args: Any) -> None:
     """Refuse the shared flags only the FSDP backend reads (the custom prepare hook and the
     teacher, the EMA) and more than one ``--update-weight-target-module`` name."""
     for dest, why in NOT_HONOURED:
-        if getattr(args, dest, None):
+        if flag_value(args, dest):
             raise ArgumentError(
                 f"{flag_option(dest)} is not honoured by --train-backend megatron ({why})"
             )
-    names = getattr(args, "update_weight_target_module", None) or []
+    names = args.update_weight_target_module or []
     if len(names) > 1:
         raise ArgumentError(
             f"--update-weight-target-module: the Megatron backend trains a causal LM, one "
@@ -290,7 +289,7 @@ def check_routing_replay_flags(args: Any) -> None:
             "runs other micro-batches between a forward and its backward",
         ),
     ):
-        size = getattr(args, dest)
+        size = flag_value(args, dest)
         if size > 1:
             raise ArgumentError(
                 f"--use-rollout-routing-replay with {flag_option(dest)} {size} is not supported "
@@ -314,12 +313,12 @@ def check_context_parallel_flags(args: Any) -> None:
             f"--context-parallel-size {cp} with --spec: context parallelism attends through "
             "the local spec's SDPA attention only"
         )
-    if getattr(args, "advantage_estimator", None) == "gspo":
+    if args.advantage_estimator == "gspo":
         raise ArgumentError(
             f"--context-parallel-size {cp} with --advantage-estimator gspo: GSPO's sequence "
             "ratio is not a sum over tokens, which CP ranks hold parts of"
         )
-    if getattr(args, "use_tis", False) and getattr(args, "tis_level", "token") != "token":
+    if args.use_tis and args.tis_level != "token":
         raise ArgumentError(
             f"--context-parallel-size {cp} with --tis-level {args.tis_level}: a sequence's "
             "importance weight needs all its tokens, which CP ranks hold parts of"
@@ -334,7 +333,7 @@ def check_context_parallel_flags(args: Any) -> None:
             f"--context-parallel-size {cp} with --use-opsm: a sample's mean log-ratio needs all "
             "its tokens, which CP ranks hold parts of"
         )
-    if getattr(args, "use_lora", False):
+    if args.use_lora:
         raise ArgumentError(f"--context-parallel-size {cp} with --use-lora is not supported yet")
 
 
@@ -344,8 +343,8 @@ def check_memory_flags(args: Any) -> None:
     ``--stream-optimizer-state-to-disk`` excludes ``--optimizer-cpu-offload``)."""
     from miles_core.args.groups.offload import offload_train_on
 
-    precision_aware = bool(getattr(args, "use_precision_aware_optimizer", None))
-    if getattr(args, "rematerialize_param_from_master_weight", False):
+    precision_aware = bool(generated_value(args, "use_precision_aware_optimizer"))
+    if args.rematerialize_param_from_master_weight:
         if precision_aware:
             raise ArgumentError(
                 "--rematerialize-param-from-master-weight excludes --use-precision-aware-optimizer"
@@ -361,18 +360,18 @@ def check_memory_flags(args: Any) -> None:
             "--optimizer-cpu-offload needs --bf16 or --fp16, not --no-bf16 (megatron-core's "
             "HybridDeviceOptimizer cannot take fp32 parameters' shards)"
         )
-    if getattr(args, "overlap_cpu_optimizer_d2h_h2d", None) and not args.optimizer_cpu_offload:
+    if generated_value(args, "overlap_cpu_optimizer_d2h_h2d") and not args.optimizer_cpu_offload:
         raise ArgumentError("--overlap-cpu-optimizer-d2h-h2d requires --optimizer-cpu-offload")
-    fraction = getattr(args, "optimizer_offload_fraction", None)
+    fraction = generated_value(args, "optimizer_offload_fraction")
     if fraction is not None and not 0.0 <= fraction <= 1.0:
         raise ArgumentError(f"--optimizer-offload-fraction must be in [0, 1], got {fraction}")
 
 
 def check_recompute_flags(args: Any) -> None:
     """megatron-core's recompute rules, at argument time (TransformerConfig asserts them at init)."""
-    granularity = getattr(args, "recompute_granularity", None)
-    method = getattr(args, "recompute_method", None)
-    num_layers = getattr(args, "recompute_num_layers", None)
+    granularity = generated_value(args, "recompute_granularity")
+    method = generated_value(args, "recompute_method")
+    num_layers = generated_value(args, "recompute_num_layers")
     if granularity == "full" and (method is None or num_layers is None):
         raise ArgumentError(
             "--recompute-granularity full needs --recompute-method and --recompute-num-layers"
@@ -393,9 +392,10 @@ def world_size_of(args: Any) -> int | None:
 def launch_world_size(args: Any) -> int | None:
     """The trainer's world size from the launcher's flags; None when the parse has no
     launcher group (the backend's ranks started by other means)."""
-    nodes = getattr(args, "actor_num_nodes", None)
-    per_node = getattr(args, "actor_num_gpus_per_node", None)
-    return int(nodes) * int(per_node) if nodes and per_node else None
+    if "actor_num_nodes" not in args:  # the launcher's group was not parsed
+        return None
+    nodes, per_node = args.actor_num_nodes, args.actor_num_gpus_per_node
+    return nodes * per_node if nodes and per_node else None  # 0: the launcher's check says so
 
 
 def check_parallel_sizes(args: Any, world_size: int | None, model_args: dict | None) -> None:
@@ -444,7 +444,7 @@ def check_parallel_sizes(args: Any, world_size: int | None, model_args: dict | N
         )
     if not experts and ep > 1:
         raise ArgumentError("--expert-model-parallel-size on a dense model (no --num-experts)")
-    if experts and tp > 1 and not getattr(args, "sequence_parallel", False):
+    if experts and tp > 1 and not args.sequence_parallel:
         raise ArgumentError(
             "MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (megatron-core)"
         )

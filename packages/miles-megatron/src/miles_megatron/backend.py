@@ -199,11 +199,11 @@ class MegatronBackend(TrainBackend):
         init_hook = self._hook("custom_megatron_init_path")
         if init_hook is not None:
             init_hook(args, self.model, self.optimizer)
-        if getattr(args, "async_save", False):
+        if args.async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
             self._async_saves = AsyncCallsQueue(persistent=False)
-        if resumed is not None and getattr(args, "load_rng", True):
+        if resumed is not None and args.load_rng:
             from miles_megatron.checkpoint import load_rng
 
             load_rng(resumed.path)  # last: nothing in init draws after it

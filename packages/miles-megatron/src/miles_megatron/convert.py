@@ -98,7 +98,7 @@ def torch_dist_to_hf(args: Any) -> Path:
 
     if args.pipeline_model_parallel_size != 1:
         raise SystemExit("torch-dist-to-hf runs with --pipeline-model-parallel-size 1")
-    resolved = resolve_load(args.load, getattr(args, "ckpt_step", None))
+    resolved = resolve_load(args.load, args.ckpt_step)
     if resolved is None:
         raise SystemExit(f"--load {args.load}: no committed checkpoint (no tracker)")
     _keep_source_dtype(args, saved_weights_dtype(resolved.path))

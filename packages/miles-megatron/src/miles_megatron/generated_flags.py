@@ -34,6 +34,7 @@ from miles_core.args import (
     flag,
     make_group,
 )
+from miles_core.args.checks import flag_value
 from miles_core.args.help import kebab_case
 
 from miles_megatron import megatron_core_fields as fields
@@ -150,7 +151,7 @@ def generated_groups(declared: Iterable[type[ArgGroup]] = ()) -> list[type[ArgGr
         help_text = f"megatron-core {config}.{name} (default {default})."
         triples.append((name, _flag_annotation(code), flag(None, help=help_text)))
         taken.add(name)
-    return [
+    groups = [
         make_group(
             f"Generated{config}Args",
             f"megatron-core {config} fields",
@@ -160,6 +161,15 @@ def generated_groups(declared: Iterable[type[ArgGroup]] = ()) -> list[type[ArgGr
         )
         for config, triples in by_class.items()
     ]
+    # importable by name, as pickle finds a class (a RunConfig holds instances of them)
+    globals().update({group.__name__: group for group in groups})
+    return groups
+
+
+def generated_value(args: Any, name: str) -> Any:
+    """The value of the generated flag ``name``; None (megatron-core's default applies) when
+    the installed megatron-core has no such field, so that no flag was generated for it."""
+    return flag_value(args, name) if name in args else None
 
 
 def write_release_module() -> str:
@@ -191,7 +201,7 @@ def config_overrides(args: Any, config_cls: type) -> dict[str, Any]:
     (group,) = [g for g in megatron_groups() if g.__name__ == group_name]
     out = {}
     for field in dataclasses.fields(group):
-        value = getattr(args, field.name, None)
+        value = flag_value(args, field.name)
         if value is not None:
             out[field.name] = value
     return out
@@ -237,7 +247,7 @@ def check_generated_flags(args: Any) -> None:
             continue
         config = group.__name__.removeprefix("Generated").removesuffix("Args")
         for field in dataclasses.fields(group):
-            value = getattr(args, field.name, None)
+            value = flag_value(args, field.name)
             if value is None:
                 continue
             option = "--" + field.name.replace("_", "-")

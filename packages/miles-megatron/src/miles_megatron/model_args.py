@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from types import SimpleNamespace
 
 from miles_core.args import ArgumentError
 
-from miles_megatron.arch_args import model_args_line, resolve_model_args
+from miles_megatron.arch_args import hf_model_args, model_args_line
 from miles_megatron.bridge import BridgeError
 
 
 def model_args(hf_dir: str) -> str:
     """The MODEL_ARGS line for the HF model in ``hf_dir``."""
-    return model_args_line(resolve_model_args(SimpleNamespace(hf_checkpoint=hf_dir)))
+    return model_args_line(hf_model_args(hf_dir, {}))
 
 
 def main(argv: list[str] | None = None) -> int:

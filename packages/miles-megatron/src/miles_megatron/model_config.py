@@ -53,7 +53,7 @@ def transformer_config(margs: Mapping[str, Any], args: Any):
         context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size or tp,
-        sequence_parallel=bool(getattr(args, "sequence_parallel", False)) and tp > 1,
+        sequence_parallel=args.sequence_parallel and tp > 1,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -97,7 +97,7 @@ def layer_spec(margs: Mapping[str, Any], config, args: Any, vp_stage: int | None
     The local (non-TransformerEngine) spec (:mod:`miles_megatron.local_spec`) keeps the bridge's parameter names
     (``input_layernorm``, ``linear_qkv``, ``local_experts.<e>``) and runs on any device.
     """
-    if getattr(args, "spec", None):
+    if args.spec:
         module_name, function = args.spec
         spec = load_function(f"{module_name}:{function}", "--spec")
         return spec(args, config, vp_stage) if callable(spec) else spec

@@ -73,7 +73,7 @@ def optimizer_config(args: Any):
         fp16=dtype == torch.float16,
         params_dtype=dtype,
         use_distributed_optimizer=True,
-        optimizer_cpu_offload=bool(getattr(args, "optimizer_cpu_offload", False)),
+        optimizer_cpu_offload=args.optimizer_cpu_offload,
         # fp16 loss scaling: miles-core's flags, Megatron-LM's names and meanings
         loss_scale=args.loss_scale,
         initial_loss_scale=args.initial_loss_scale,

@@ -62,7 +62,7 @@ def resolve_attn_implementation(args: Any, config: Any, model: torch.nn.Module) 
     default; stored on ``config`` (:data:`CONFIG_ATTR`) and returned."""
     from miles_core.varlen_attention import kernel_available
 
-    requested = getattr(args, "attn_implementation", None)
+    requested = args.attn_implementation
     blocker = _varlen_blocker(config, model)
     if requested == "varlen" and blocker is not None:
         raise ArgumentError(f"--attn-implementation varlen: {blocker}")

@@ -14,6 +14,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+from miles_core.args.checks import flag_value
 
 from miles_megatron.args import check_parallel_sizes
 
@@ -59,7 +60,7 @@ def initialize_parallel(args: Any, model_args: dict | None = None, timeout_s: fl
         distributed_timeout_minutes=max(1, int(timedelta(seconds=timeout_s).total_seconds() // 60)),
     )
     _OWN_GROUPS[:] = [g for g in _registered_groups() if g not in before]
-    tensor_parallel.model_parallel_cuda_manual_seed(getattr(args, "seed", 1234))
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
 
 
 def destroy_parallel() -> None:
@@ -76,7 +77,7 @@ def destroy_parallel() -> None:
 
 
 def _layout(args: Any) -> tuple[int, ...]:
-    return tuple(int(getattr(args, f) or 0) for f in _SIZE_FLAGS)
+    return tuple(int(flag_value(args, f) or 0) for f in _SIZE_FLAGS)
 
 
 def acquire_parallel(args: Any, model_args: dict | None = None) -> None:
@@ -94,7 +95,7 @@ def acquire_parallel(args: Any, model_args: dict | None = None) -> None:
                 f"({', '.join(_SIZE_FLAGS)}); a second backend asked for {layout}"
             )
         _USERS.append(layout)
-        tensor_parallel.model_parallel_cuda_manual_seed(getattr(args, "seed", 1234))
+        tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
         return
     _USERS.clear()
     initialize_parallel(args, model_args)

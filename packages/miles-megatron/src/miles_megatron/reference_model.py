@@ -82,4 +82,4 @@ class ReferenceModel:
 
 
 def wants_reference(args: Any) -> bool:
-    return getattr(args, "ref_mode", None) == "ref"
+    return args.ref_mode == "ref"

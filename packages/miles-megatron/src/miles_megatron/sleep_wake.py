@@ -438,9 +438,9 @@ def sleeper_from_args(
     ``--rematerialize-param-from-master-weight`` (validated by miles-core's offload group);
     ``name`` tags the disk file (the critic's differs from the actor's)."""
     target = OffloadTarget(
-        kind=getattr(args, "offload_train_target", "cpu"),
-        disk_dir=getattr(args, "offload_train_disk_dir", None),
-        chunk_mb=getattr(args, "offload_train_disk_chunk_mb", 256),
+        kind=args.offload_train_target,
+        disk_dir=args.offload_train_disk_dir,
+        chunk_mb=args.offload_train_disk_chunk_mb,
     )
-    remat = bool(getattr(args, "rematerialize_param_from_master_weight", False))
+    remat = args.rematerialize_param_from_master_weight
     return SleepWake(model, optimizer, target, rematerialize=remat, name=name, role=role)

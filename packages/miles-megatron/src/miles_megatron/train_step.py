@@ -176,7 +176,7 @@ def train_rollout(ctx: TrainContext, rollout_id: int, batch: RolloutBatch) -> di
     num_steps = args.num_steps_per_rollout
     detach_old = old_policy.source(args) == old_policy.CURRENT
     # sft_loss and the critic's value_loss read no old or reference policy
-    policy = getattr(args, "loss_type", "policy_loss") == "policy_loss"
+    policy = args.loss_type == "policy_loss"
     if policy and old_policy.source(args) == old_policy.ROLLOUT:
         batch = old_policy.with_rollout_log_probs(batch)
     elif policy and old_policy.needs_forward(args):

@@ -35,7 +35,7 @@ def _sync_flag(name: str) -> Any:
     return dataclasses.field(default=declared.default, metadata={FLAG_METADATA_KEY: meta})
 
 
-@dataclass
+@dataclass(frozen=True)
 class PullArgs(ArgGroup):
     """The flags ``miles-sync pull`` reads, and only those."""
 

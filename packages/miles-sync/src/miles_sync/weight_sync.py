@@ -88,18 +88,21 @@ class SyncConfig:
         ``hf_checkpoint``; ``rollout_num_gpus_per_engine`` and ``sglang_api_key`` when the
         launcher declares them)."""
         mode = args.update_weight_transfer_mode or ("ipc" if args.colocate else "broadcast")
+        # the launcher's flags: its groups are not parsed where the ranks start by other means
         values = dict(
             mode=mode,
             buffer_size=args.update_weight_buffer_size,
             pause_mode=args.pause_generation_mode,
             colocate=args.colocate,
-            gpus_per_engine=getattr(args, "rollout_num_gpus_per_engine", 1) or 1,
+            gpus_per_engine=(
+                args.rollout_num_gpus_per_engine if "rollout_num_gpus_per_engine" in args else 1
+            ),
             disk_dir=args.update_weight_disk_dir,
-            hf_checkpoint=getattr(args, "hf_checkpoint", None),
+            hf_checkpoint=args.hf_checkpoint,
             delta_encoding=args.update_weight_delta_encoding,
             delta_checksum=args.update_weight_delta_checksum,
-            engine_api_key=getattr(args, "sglang_api_key", None),
-            verify=getattr(args, "update_weight_verify", False),
+            engine_api_key=args.sglang_api_key if "sglang_api_key" in args else None,
+            verify=args.update_weight_verify,
         )
         values.update(overrides)
         return cls(**values)

@@ -10,7 +10,8 @@ Declare a group next to the code that uses it::
         @classmethod
         def validate(cls, args): ...
 
-and parse with ``parse_args(argv, [*core_groups(), FSDPArgs, ...])``. See docs/args.md.
+and parse with ``parse_args(argv, [*core_groups(), FSDPArgs, ...])``; the namespace it returns
+carries the typed ``args.run_config`` (:class:`RunConfig`). See docs/args.md.
 """
 
 from miles_core.args.flags import (
@@ -33,11 +34,13 @@ from miles_core.args.parser import (
 )
 from miles_core.args.passthrough import passthrough_to_argv
 from miles_core.args.registry import entry_point_groups, installed_groups
+from miles_core.args.run_config import RunConfig
 
 __all__ = [
     "ArgGroup",
     "ArgumentError",
     "FlagSpec",
+    "RunConfig",
     "build_parser",
     "collect_flags",
     "core_groups",

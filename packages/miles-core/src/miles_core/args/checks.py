@@ -12,36 +12,42 @@ def option(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
+def flag_value(args: Any, dest: str) -> Any:
+    """The parsed value of the flag ``dest`` (``--offload-train`` -> ``"offload_train"``), for
+    the hooks' loops over flag names; a name no parsed group declares is a ``KeyError``."""
+    return vars(args)[dest]
+
+
 def at_least(args: Any, dest: str, minimum: float) -> None:
     """``args.<dest> >= minimum`` (``None`` = unset passes)."""
-    value = getattr(args, dest)
+    value = flag_value(args, dest)
     if value is not None and value < minimum:
         raise ArgumentError(f"{option(dest)} must be >= {minimum}, got {value}")
 
 
 def greater_than(args: Any, dest: str, bound: float) -> None:
     """``args.<dest> > bound`` (``None`` = unset passes)."""
-    value = getattr(args, dest)
+    value = flag_value(args, dest)
     if value is not None and not value > bound:
         raise ArgumentError(f"{option(dest)} must be > {bound}, got {value}")
 
 
 def within(args: Any, dest: str, low: float, high: float) -> None:
     """``low <= args.<dest> <= high`` (``None`` = unset passes)."""
-    value = getattr(args, dest)
+    value = flag_value(args, dest)
     if value is not None and not low <= value <= high:
         raise ArgumentError(f"{option(dest)} must be in [{low}, {high}], got {value}")
 
 
 def requires(args: Any, dest: str, needed: str, *, why: str = "") -> None:
     """When ``args.<dest>`` is set (truthy), ``args.<needed>`` must be set too."""
-    if getattr(args, dest) and not getattr(args, needed):
+    if flag_value(args, dest) and not flag_value(args, needed):
         suffix = f" ({why})" if why else ""
         raise ArgumentError(f"{option(dest)} requires {option(needed)}{suffix}")
 
 
 def exclusive(args: Any, first: str, second: str, *, first_label: str | None = None) -> None:
     """``args.<first>`` and ``args.<second>`` are not both set (truthy)."""
-    if getattr(args, first) and getattr(args, second):
+    if flag_value(args, first) and flag_value(args, second):
         label = first_label or option(first)
         raise ArgumentError(f"{label} and {option(second)} are mutually exclusive")

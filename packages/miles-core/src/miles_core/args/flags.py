@@ -236,6 +236,7 @@ def make_group(
         [tuple(f) for f in fields],
         bases=(ArgGroup,),
         namespace={"title": title, "help_name": help_name},
+        frozen=True,
     )
     if module is not None:
         group.__module__ = module

@@ -6,11 +6,13 @@ flag plus:
 * ``config``: the ``--config`` path or ``None``;
 * ``sglang_passthrough`` / ``router_passthrough``: undeclared ``--sglang-*`` / ``--router-*`` flags;
 * ``explicit_flags``: the dests set on the command line or in the YAML file (so a consumer can warn
-  about an explicit value that another flag overrides).
+  about an explicit value that another flag overrides);
+* ``run_config``: the typed :class:`~miles_core.args.run_config.RunConfig` of the parsed groups,
+  built after every hook has run.
 
 Order: build (a flag declared twice is an error naming both groups) -> parse (CLI > YAML >
 defaults) -> every group's ``resolve_defaults`` -> every group's ``validate`` -> every group's
-``check_paths``. Defaults are resolved first, so that every check sees the values the job will
+``check_paths`` -> ``run_config``. Defaults are resolved first, so that every check sees the values the job will
 really use (the engine, the transfer mode, the offload settings), not an unset tri-state.
 Every failure is an :class:`ArgumentError` with one line.
 """
@@ -27,10 +29,11 @@ from miles_core.args.config_file import find_config_path, load_config
 from miles_core.args.flags import ArgGroup, ArgumentError, FlagSpec, group_flags
 from miles_core.args.help import HELP_ALL, HelpRequest, find_group, help_request, short_help
 from miles_core.args.passthrough import PASSTHROUGH_PREFIXES, split_passthrough
+from miles_core.args.run_config import RunConfig
 
 #: Namespace attributes the framework sets itself; no group may declare them.
 RESERVED_DESTS = frozenset(
-    {"config", "help", "help_all", "explicit_flags", *PASSTHROUGH_PREFIXES.values()}
+    {"config", "help", "help_all", "explicit_flags", "run_config", *PASSTHROUGH_PREFIXES.values()}
 )
 
 
@@ -296,6 +299,7 @@ def parse_args(
         group.validate(args)
     for group in groups:
         group.check_paths(args)
+    args.run_config = RunConfig.from_namespace(args, groups)
     return args
 
 

@@ -56,7 +56,7 @@ def ensure_api_key(args: Any, bind_host: str) -> str | None:
     """The job's key: ``--sglang-api-key``, or, when engines bind ``bind_host`` (not loopback)
     without one, a new random key stored in ``args.sglang_api_key`` for everything started
     after this call. Returns the key (None: loopback without a key)."""
-    key = getattr(args, "sglang_api_key", None)
+    key = args.sglang_api_key
     if key or is_loopback(bind_host):
         return key or None
     args.sglang_api_key = secrets.token_urlsafe(32)

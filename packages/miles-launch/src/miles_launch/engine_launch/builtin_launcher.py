@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 def builtin_engine_env(args: Any) -> dict[str, str]:
     """Environment of one built-in engine: the job's API key, when there is one."""
-    key = getattr(args, "sglang_api_key", None)
+    key = args.sglang_api_key
     return {API_KEY_ENV: key} if key else {}
 
 
@@ -47,7 +47,7 @@ def builtin_engine_command(
         "--device",
         device,
     ]
-    if getattr(args, "sglang_context_length", None) is not None:
+    if args.sglang_context_length is not None:
         cmd += ["--context-length", str(args.sglang_context_length)]
     if args.offload_rollout:
         cmd.append("--enable-memory-saver")

@@ -39,7 +39,7 @@ def router_command(
         "--worker-urls",
         *worker_urls,
     ]
-    key = getattr(args, "sglang_api_key", None)
+    key = args.sglang_api_key
     if key and "api-key" not in args.router_passthrough:
         cmd += ["--api-key", key]  # what the router sends its workers
     return cmd + passthrough_to_argv(args.router_passthrough)

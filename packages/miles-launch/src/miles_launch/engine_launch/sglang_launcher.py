@@ -74,7 +74,7 @@ def sglang_server_command(
         cmd += ["--mem-fraction-static", str(args.sglang_mem_fraction_static)]
     if args.sglang_context_length is not None:
         cmd += ["--context-length", str(args.sglang_context_length)]
-    if getattr(args, "sglang_api_key", None):
+    if args.sglang_api_key:
         # the key is read from a private file (SGLang's --config YAML), not from argv
         cmd += ["--config", SECRET_FILE]
     if args.offload_rollout and "enable-memory-saver" not in args.sglang_passthrough:

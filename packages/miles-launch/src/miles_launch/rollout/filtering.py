@@ -62,7 +62,7 @@ class GroupFilter:
 def group_filter(args: Any) -> GroupFilter:
     """The job's filter: ``--dynamic-filter`` with ``--dynamic-sampling-filter-path``'s rule."""
     rule = None
-    if getattr(args, "dynamic_sampling_filter_path", None):
+    if args.dynamic_sampling_filter_path:
         from miles_core.user_functions import load_function
 
         fn = load_function(args.dynamic_sampling_filter_path, FILTER_FLAG)

@@ -172,7 +172,7 @@ class RewardModel:
             func, name = load_custom(args.custom_rm_path), args.custom_rm_path
         elif args.rm_type:
             func, name = BUILTIN_REWARDS[args.rm_type], args.rm_type
-        elif getattr(args, "custom_generate_function_path", None):
+        elif args.custom_generate_function_path:
             func, name = _reward_from_generate(args.custom_generate_function_path), "none"
         else:
             raise ValueError("no reward: set --rm-type, --custom-rm-path or --rm-url")

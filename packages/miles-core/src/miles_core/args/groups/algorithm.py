@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from miles_core.args.checks import at_least, greater_than, requires, within
+from miles_core.args.checks import at_least, flag_value, greater_than, requires, within
 from miles_core.args.flags import ArgGroup, ArgumentError, flag
 
 #: The flags that shape --use-tis's weights, with their defaults (refused when changed without it).
@@ -22,6 +22,16 @@ TIS_SETTINGS = {
 }
 #: --opsm-delta's default (refused when changed without --use-opsm).
 OPSM_DELTA = 1e-4
+
+
+def tis_clip_bounds_error(tis_clip_low: float, tis_clip: float) -> str | None:
+    """``0 <= --tis-clip-low < --tis-clip``, the one rule of the argument check and of
+    :class:`~miles_core.losses.LossConfig`: what is wrong, or None."""
+    if tis_clip_low < 0.0:
+        return f"--tis-clip-low must be >= 0.0, got {tis_clip_low}"
+    if tis_clip_low >= tis_clip:
+        return f"--tis-clip-low ({tis_clip_low}) must be < --tis-clip ({tis_clip})"
+    return None
 
 
 def kl_term_on(args: Any) -> bool:
@@ -47,7 +57,7 @@ def policy_loss_conflict(cfg: Any) -> str | None:
             "Dr. GRPO sums each response's tokens and averages over the responses (Liu et al. "
             "2025, arXiv:2503.20783)"
         )
-    if getattr(cfg, "policy_loss", "ppo") == "cispo":
+    if cfg.policy_loss == "cispo":
         if estimator == "gspo":
             return (
                 "--policy-loss cispo cannot be used with --advantage-estimator gspo: CISPO "
@@ -58,7 +68,7 @@ def policy_loss_conflict(cfg: Any) -> str | None:
     return None
 
 
-@dataclass
+@dataclass(frozen=True)
 class AlgorithmArgs(ArgGroup):
     title: ClassVar[str] = "batch and algorithm"
 
@@ -209,7 +219,7 @@ class AlgorithmArgs(ArgGroup):
         if args.true_on_policy:
             # the old policy is the engine's (its log-probs are bitwise the trainer's), and the
             # trainer scores from the logits with the engine's log_softmax, not the fused head
-            if args.fused_log_probs and "fused_log_probs" in getattr(args, "explicit_flags", ()):
+            if args.fused_log_probs and "fused_log_probs" in args.explicit_flags:
                 raise ArgumentError(
                     "--fused-log-probs with --true-on-policy: the mode scores from the logits "
                     "with the engine's log_softmax (drop --fused-log-probs)"
@@ -287,16 +297,14 @@ class AlgorithmArgs(ArgGroup):
             )
         greater_than(args, "tis_clip", 0.0)
         greater_than(args, "tis_veto_threshold", 0.0)
-        at_least(args, "tis_clip_low", 0.0)
-        if args.tis_clip_low >= args.tis_clip:
-            raise ArgumentError(
-                f"--tis-clip-low ({args.tis_clip_low}) must be < --tis-clip ({args.tis_clip})"
-            )
+        tis_bounds = tis_clip_bounds_error(args.tis_clip_low, args.tis_clip)
+        if tis_bounds:
+            raise ArgumentError(tis_bounds)
         if not args.use_tis:
             for dest, default in TIS_SETTINGS.items():
-                if getattr(args, dest) != default:
+                if flag_value(args, dest) != default:
                     raise ArgumentError(
-                        f"--{dest.replace('_', '-')} {getattr(args, dest)} shapes --use-tis's "
+                        f"--{dest.replace('_', '-')} {flag_value(args, dest)} shapes --use-tis's "
                         "weights, which are off (add --use-tis)"
                     )
         at_least(args, "opsm_delta", 0.0)

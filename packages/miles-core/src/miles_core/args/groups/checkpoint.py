@@ -10,7 +10,7 @@ from miles_core.args.checks import at_least, requires
 from miles_core.args.flags import ArgGroup, ArgumentError, flag
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointArgs(ArgGroup):
     title: ClassVar[str] = "model and checkpoints"
 

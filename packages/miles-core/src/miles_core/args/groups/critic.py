@@ -33,7 +33,7 @@ CRITIC_ONLY = (
 )
 
 
-@dataclass
+@dataclass(frozen=True)
 class CriticArgs(ArgGroup):
     title: ClassVar[str] = "critic (PPO)"
 
@@ -145,7 +145,8 @@ def critic_args(args: Any) -> Any:
     ``--loss-type value_loss``, the ``--critic-*`` values in place of the actor's (learning
     rate, warm-up, save and load directories, the HF checkpoint), no RNG restore (the actor's checkpoint holds the
     process's RNG state), its scalars in ``<--tensorboard-dir>/critic``, no profiler window (the
-    actor's) and none of the actor-only roles (LoRA, EMA, reference, teacher, custom hooks)."""
+    actor's) and none of the actor-only roles (LoRA, EMA, reference, teacher, custom hooks),
+    with its own ``run_config``."""
     if not args.use_critic:
         raise ArgumentError(f"{option('use_critic')} is off: there is no critic")
     out = copy.copy(args)
@@ -166,9 +167,10 @@ def critic_args(args: Any) -> Any:
     out.ref_mode = "none"
     out.use_kl_loss = out.use_rollout_logprobs = False
     out.custom_prepare_path = out.custom_loss_function_path = None
-    if getattr(args, "tensorboard_dir", None):
+    if args.tensorboard_dir:
         out.tensorboard_dir = os.path.join(args.tensorboard_dir, CRITIC_SUBDIR)
     for dest in ("use_pytorch_profiler", "record_memory_history"):
         if hasattr(args, dest):
             setattr(out, dest, False)
+    out.run_config = args.run_config.rebuilt(out)
     return out

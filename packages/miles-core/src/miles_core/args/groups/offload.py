@@ -23,7 +23,7 @@ def offload_rollout_on(args: Any) -> bool:
     return bool(args.colocate) if args.offload_rollout is None else bool(args.offload_rollout)
 
 
-@dataclass
+@dataclass(frozen=True)
 class OffloadArgs(ArgGroup):
     title: ClassVar[str] = "offload"
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from miles_core.args.checks import at_least, exclusive, greater_than, within
+from miles_core.args.checks import at_least, exclusive, flag_value, greater_than, within
 from miles_core.args.flags import ArgGroup, ArgumentError, flag
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimizerArgs(ArgGroup):
     title: ClassVar[str] = "optimizer and precision"
 
@@ -67,7 +67,7 @@ class OptimizerArgs(ArgGroup):
         at_least(args, "hysteresis", 1)
         for dest in ("adam_beta1", "adam_beta2"):
             within(args, dest, 0.0, 1.0)
-            if getattr(args, dest) == 1.0:
+            if flag_value(args, dest) == 1.0:
                 raise ArgumentError(f"--{dest.replace('_', '-')} must be < 1")
         greater_than(args, "adam_eps", 0.0)
         at_least(args, "clip_grad", 0.0)

@@ -17,7 +17,7 @@ PARALLEL_SIZE_DESTS = (
 )
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelArgs(ArgGroup):
     title: ClassVar[str] = "parallel sizes"
 

@@ -18,7 +18,7 @@ from miles_core.args.flags import ArgGroup, ArgumentError, flag, group_flags
 from miles_core.backends import KNOWN_BACKENDS, available
 
 
-@dataclass
+@dataclass(frozen=True)
 class PlacementArgs(ArgGroup):
     title: ClassVar[str] = "placement (shared)"
 

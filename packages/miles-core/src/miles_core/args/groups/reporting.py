@@ -13,7 +13,7 @@ from typing import ClassVar
 from miles_core.args.flags import ArgGroup, flag
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReportingArgs(ArgGroup):
     title: ClassVar[str] = "reporting (shared)"
 

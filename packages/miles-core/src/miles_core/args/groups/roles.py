@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from miles_core.args.checks import at_least, greater_than, option, requires, within
+from miles_core.args.checks import at_least, flag_value, greater_than, option, requires, within
 from miles_core.args.flags import ArgGroup, ArgumentError, flag
 from miles_core.args.groups.algorithm import kl_term_on
 
@@ -37,7 +37,7 @@ def num_components(args: Any) -> int:
     return len(args.update_weight_target_module) if args.update_weight_target_module else 1
 
 
-@dataclass
+@dataclass(frozen=True)
 class RolesArgs(ArgGroup):
     title: ClassVar[str] = "model roles: reference, teacher, LoRA, EMA"
 
@@ -129,7 +129,7 @@ class RolesArgs(ArgGroup):
             raise ArgumentError("--ref-mode lora_base requires --use-lora")
         effective = mode if mode is not None else derived_ref_mode(args)
         if effective == "none" and kl_term_on(args):
-            given = "ref_mode" in getattr(args, "explicit_flags", ())
+            given = "ref_mode" in args.explicit_flags
             how = "--ref-mode none" if given else "no --ref-load (and no --use-lora)"
             raise ArgumentError(
                 f"a KL term (--use-kl-loss or --kl-coef > 0) needs a reference, but {how}: "
@@ -162,7 +162,7 @@ class RolesArgs(ArgGroup):
         ):
             raise ArgumentError("--update-weight-target-module names a component twice")
         for dest in PER_COMPONENT_DESTS:
-            values = getattr(args, dest)
+            values = flag_value(args, dest)
             if values is not None and len(values) != components:
                 raise ArgumentError(
                     f"{option(dest)} takes one value per component "
@@ -170,9 +170,9 @@ class RolesArgs(ArgGroup):
                 )
 
         for dest, value in EMA_CONSUMERS:
-            if getattr(args, dest) == value and not args.use_ema:
+            if flag_value(args, dest) == value and not args.use_ema:
                 raise ArgumentError(f"{option(dest)} {value} requires --use-ema")
-        if args.use_ema and not any(getattr(args, d) == v for d, v in EMA_CONSUMERS):
+        if args.use_ema and not any(flag_value(args, d) == v for d, v in EMA_CONSUMERS):
             raise ArgumentError(
                 "--use-ema has no consumer: add --rollout-weights ema, --eval-weights ema "
                 "or --old-policy ema"
@@ -190,7 +190,7 @@ class RolesArgs(ArgGroup):
     @classmethod
     def check_paths(cls, args: Any) -> None:
         for dest in ("ref_load", "teacher_load", *PER_COMPONENT_DESTS):
-            value = getattr(args, dest)
+            value = flag_value(args, dest)
             for path in value if isinstance(value, list) else [value] if value else []:
                 if not Path(path).is_dir():
                     raise ArgumentError(f"{option(dest)} {path}: no such directory")

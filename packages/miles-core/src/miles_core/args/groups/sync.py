@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from miles_core.args.checks import at_least, option
+from miles_core.args.checks import at_least, flag_value, option
 from miles_core.args.flags import ArgGroup, ArgumentError, flag
 
 TransferMode = Literal["ipc", "broadcast", "p2p", "disk-delta"]
@@ -23,7 +23,7 @@ def transfer_mode(args: Any) -> str:
     return "ipc" if args.colocate else "broadcast"
 
 
-@dataclass
+@dataclass(frozen=True)
 class SyncArgs(ArgGroup):
     title: ClassVar[str] = "weight sync"
 
@@ -80,7 +80,7 @@ class SyncArgs(ArgGroup):
                 "--update-weight-transfer-mode disk-delta requires --update-weight-disk-dir"
             )
         for dest in ("update_weight_disk_dir", "update_weight_local_checkpoint_dir"):
-            if getattr(args, dest) is not None and mode != "disk-delta":
+            if flag_value(args, dest) is not None and mode != "disk-delta":
                 raise ArgumentError(
                     f"{option(dest)} is used only with --update-weight-transfer-mode disk-delta"
                 )

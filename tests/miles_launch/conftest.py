@@ -66,8 +66,8 @@ def material(tmp_path_factory):
 def ppo_critic_run(tmp_path_factory):
     """One live :data:`demo_jobs.PPO_CRITIC` job (the critic in the trainer's 2 ranks, 1 built-in
     engine), shared by the tests that compare another job with it: the replay of its saved
-    rollouts with no engine (test_debug_rollout_data.py) and the critic on its own rank
-    (test_critic_own_ranks_e2e.py). ``(material, output directory, its log)``; the output holds
+    rollouts with no engine (test_debug_rollout_data.py), the critic on its own rank
+    (test_critic_own_ranks_e2e.py) and the restart from its checkpoint of 1 (test_ppo_e2e.py). ``(material, output directory, its log)``; the output holds
     ``metrics.jsonl``, ``ckpt/`` (``iter_0000001``, ``iter_0000002``) and
     ``rollout_{0,1}.pt``."""
     root = tmp_path_factory.mktemp("ppo_critic")

@@ -31,6 +31,7 @@ from miles_sync.node_address import node_address
 
 logger = logging.getLogger(__name__)
 
+
 def default_backend() -> str:
     """nccl when CUDA is available, else gloo."""
     return "nccl" if torch.cuda.is_available() else "gloo"

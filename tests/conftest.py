@@ -32,6 +32,7 @@ SHARED_FIXTURE_GROUPS = {
     "builtin_server": "builtin_engine",
     "sglang_engine": "sglang_stand_in",
     "two_rank_run": "megatron_two_rank",
+    "ppo_critic_run": "ppo_critic_job",
 }
 #: Module-scoped fixtures cheap enough for each worker to build its own (tiny models on disk).
 CHEAP_FIXTURES = {"material", "hf_dir", "checkpoint", "one_rank_group"}

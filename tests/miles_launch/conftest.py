@@ -11,6 +11,7 @@ weight-update tests load, and they restore the first afterwards. Modules that de
 from __future__ import annotations
 
 import pytest
+from demo_jobs import ppo_critic_job
 from engine_testing import EngineProcess, save_tokenizer, tiny_qwen3
 from miles_launch.demo import build_tiny_qwen3, write_demo_prompts
 
@@ -59,3 +60,17 @@ def material(tmp_path_factory):
     """(the demo's tiny Qwen3 directory, its prompts file)."""
     root = tmp_path_factory.mktemp("demo")
     return build_tiny_qwen3(root / "tiny-qwen3"), write_demo_prompts(root / "prompts.jsonl")
+
+
+@pytest.fixture(scope="session")
+def ppo_critic_run(tmp_path_factory):
+    """One live :data:`demo_jobs.PPO_CRITIC` job (the critic in the trainer's 2 ranks, 1 built-in
+    engine), shared by the tests that compare another job with it: the replay of its saved
+    rollouts with no engine (test_debug_rollout_data.py), the critic on its own rank
+    (test_critic_own_ranks_e2e.py) and the restart from its checkpoint of 1 (test_ppo_e2e.py). ``(material, output directory, its log)``; the output holds
+    ``metrics.jsonl``, ``ckpt/`` (``iter_0000001``, ``iter_0000002``) and
+    ``rollout_{0,1}.pt``."""
+    root = tmp_path_factory.mktemp("ppo_critic")
+    material = build_tiny_qwen3(root / "tiny-qwen3"), write_demo_prompts(root / "prompts.jsonl")
+    result = ppo_critic_job(material, root / "run")
+    return material, root / "run", result.stdout + result.stderr

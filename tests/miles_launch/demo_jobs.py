@@ -35,6 +35,24 @@ LAST_LINE = re.compile(
 SMALL = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "4"]
 #: the resume tests' job: 3 rollouts, saving at 2 and 3
 RESUMABLE = [*SMALL, "--save-interval", "2", "--num-rollout", "3"]
+#: PPO with a critic, 2 rollouts, a checkpoint after each: the job of :func:`ppo_critic_job`
+PPO_CRITIC = [
+    *SMALL, "--advantage-estimator", "ppo", "--use-critic", "--critic-lr", "1e-2",
+    "--gamma", "1.0", "--lambd", "0.95", "--value-clip", "0.5", "--num-rollout", "2",
+    "--save-interval", "1",
+]  # fmt: skip
+
+
+def ppo_critic_job(material, out: Path, *flags: str) -> subprocess.CompletedProcess:
+    """The :data:`PPO_CRITIC` job (with ``flags``) saving into ``out``: ``metrics.jsonl``,
+    ``ckpt/`` and each rollout's data (``rollout_<id>.pt``, ``--save-debug-rollout-data``)."""
+    result = train(
+        material, out / "metrics.jsonl", *PPO_CRITIC, *flags,
+        "--save", str(out / "ckpt"),
+        "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.pt"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
 
 
 def train(

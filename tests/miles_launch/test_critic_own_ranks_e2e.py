@@ -2,7 +2,10 @@
 on the demo task (2 gloo trainer ranks for the actor, 1 rank of its own for the critic, 1
 built-in CPU engine), against the same job with the critic in the trainer's ranks.
 
-Extended (two jobs, each starting Ray, its trainer actors and an engine). The two layouts train
+Extended (jobs each starting Ray, its trainer actors and an engine). The job with the critic in
+the trainer's ranks is the session's ``ppo_critic_run`` (conftest.py: the same job's rollouts
+are what test_debug_rollout_data.py replays), the own-ranks job is the same command line with
+``--critic-num-gpus-per-node 1``. The two layouts train
 on the same rollouts (the saved batches are equal), and every per-rollout actor and critic
 metric (losses, value clip fraction, grad norms, KL, entropy) agrees within two fp32 results'
 rounding (``2 * GRAD_REL_ERR``, relative; the critic's data-parallel degree, 1 against 2,
@@ -20,15 +23,11 @@ import re
 
 import pytest
 import torch
-from demo_jobs import REQUIRES, SMALL, records, train
+from demo_jobs import PPO_CRITIC, REQUIRES, ppo_critic_job, records, train
 from miles_launch.rollout.debug_data import load_rollout_data
 from tolerances import GRAD_REL_ERR
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended, *REQUIRES]
-PPO = [
-    "--advantage-estimator", "ppo", "--use-critic", "--critic-lr", "1e-2",
-    "--gamma", "1.0", "--lambd", "0.95", "--value-clip", "0.5", "--num-rollout", "2",
-]  # fmt: skip
 
 
 def numeric(train_metrics: dict) -> dict:
@@ -51,23 +50,21 @@ def meta(checkpoint, iteration: int = 2) -> dict:
     return json.loads((checkpoint / f"iter_{iteration:07d}" / "meta.json").read_text())
 
 
-@pytest.mark.timeout(1800)  # two jobs
-def test_a_critic_on_its_own_rank_trains_as_the_shared_one(material, tmp_path):
-    runs = {}
-    for name, extra in (("shared", []), ("own", ["--critic-num-gpus-per-node", "1"])):
-        out = tmp_path / name
-        result = train(
-            material, out / "metrics.jsonl", *SMALL, *PPO, *extra,
-            "--save", str(out / "ckpt"),
-            "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.pt"),
-        )  # fmt: skip
-        assert result.returncode == 0, result.stderr[-3000:]
-        runs[name] = (records(out / "metrics.jsonl"), result.stdout + result.stderr)
+@pytest.mark.timeout(1800)  # two jobs, and the shared one if this test builds it
+def test_a_critic_on_its_own_rank_trains_as_the_shared_one(ppo_critic_run, tmp_path):
+    material, shared_out, shared_log = ppo_critic_run  # the critic in the trainer's ranks
+    own_out = tmp_path / "own"
+    own_result = ppo_critic_job(material, own_out, "--critic-num-gpus-per-node", "1")
+    outputs = {"shared": shared_out, "own": own_out}
+    runs = {
+        "shared": (records(shared_out / "metrics.jsonl"), shared_log),
+        "own": (records(own_out / "metrics.jsonl"), own_result.stdout + own_result.stderr),
+    }
 
     # the same rollouts: both layouts trained on equal batches
     for rollout_id in (0, 1):
-        a, _ = load_rollout_data(str(tmp_path / "shared" / "rollout_{rollout_id}.pt"), rollout_id)
-        b, _ = load_rollout_data(str(tmp_path / "own" / "rollout_{rollout_id}.pt"), rollout_id)
+        a, _ = load_rollout_data(str(shared_out / "rollout_{rollout_id}.pt"), rollout_id)
+        b, _ = load_rollout_data(str(own_out / "rollout_{rollout_id}.pt"), rollout_id)
         assert len(a) == len(b) == 16
         assert all(torch.equal(x.tokens, y.tokens) for x, y in zip(a, b)), rollout_id
 
@@ -87,20 +84,19 @@ def test_a_critic_on_its_own_rank_trains_as_the_shared_one(material, tmp_path):
     assert len(trainer) == 2 and len(critic) == 1 and not trainer & critic, log[-3000:]
     assert " critic ranks: " not in runs["shared"][1]
     for name, critic_world in (("shared", 2), ("own", 1)):
-        ckpt = tmp_path / name / "ckpt"
+        ckpt = outputs[name] / "ckpt"
         actor, critic_meta = meta(ckpt), meta(ckpt / "critic")
         assert (actor["world_size"], critic_meta["world_size"]) == (2, critic_world), name
         assert actor["global_step"] == critic_meta["global_step"] == 4, name
 
     # resume: the critic's own ranks load its checkpoint and continue from its step count
-    own = tmp_path / "own"
     result = train(
-        material, own / "resumed.jsonl", *SMALL, *PPO, "--critic-num-gpus-per-node", "1",
-        "--num-rollout", "3", "--load", str(own / "ckpt"), "--save", str(own / "resumed"),
+        material, own_out / "resumed.jsonl", *PPO_CRITIC, "--critic-num-gpus-per-node", "1",
+        "--num-rollout", "3", "--load", str(own_out / "ckpt"), "--save", str(own_out / "resumed"),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    (row,) = records(own / "resumed.jsonl")
+    (row,) = records(own_out / "resumed.jsonl")
     assert row["rollout_id"] == 2 and "critic/value_loss" in row["train"]
-    actor, critic_meta = meta(own / "resumed", 3), meta(own / "resumed" / "critic", 3)
+    actor, critic_meta = meta(own_out / "resumed", 3), meta(own_out / "resumed" / "critic", 3)
     assert (actor["global_step"], critic_meta["global_step"]) == (6, 6)
     assert critic_meta["world_size"] == 1

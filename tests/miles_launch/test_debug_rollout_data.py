@@ -209,49 +209,41 @@ def without_engine_flags(flags: list[str]) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.extended
-@pytest.mark.timeout(1800)  # two jobs
+@pytest.mark.timeout(1800)  # the replay, and the live job if this test builds it
 @pytest.mark.skipif("fsdp" not in backends.available(), reason="the FSDP backend is not installed")
-def test_fsdp_replay_without_engines_equals_the_live_run(tmp_path):
-    """2 rollouts of PPO with a critic live (2 gloo FSDP ranks, 1 built-in engine) saving their
-    data, then the same 2 rollouts replayed with no engine (the replay runs the critic phase):
-    the actor's and the critic's checkpoints after the last step are bitwise equal, and
-    training moved the weights."""
-    from miles_launch.demo import build_tiny_qwen3, demo_flags, write_demo_prompts
+def test_fsdp_replay_without_engines_equals_the_live_run(ppo_critic_run, tmp_path):
+    """2 rollouts of PPO with a critic live (2 gloo FSDP ranks, 1 built-in engine, the session's
+    ``ppo_critic_run``) saving their data and a checkpoint after each, then the same 2 rollouts
+    replayed with no engine (the replay runs the critic phase): the actor's and the critic's
+    checkpoints after the last step are bitwise equal, and training moved the weights."""
+    from demo_jobs import PPO_CRITIC
+    from miles_launch.demo import demo_flags
 
-    hf = build_tiny_qwen3(tmp_path / "tiny-qwen3")
-    prompts = write_demo_prompts(tmp_path / "prompts.jsonl")
-    data = str(tmp_path / "rollouts" / "rollout_{rollout_id}.pt")
-    small = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--num-rollout", "2"]
-    small += ["--save-interval", "1", "--no-progress"]
-    small += ["--advantage-estimator", "ppo", "--use-critic", "--critic-lr", "1e-2"]
-    small += ["--gamma", "0.99", "--lambd", "0.95"]
-    runs = {}
-    for name, extra in (("live", ["--save-debug-rollout-data", data]),
-                        ("replay", ["--load-debug-rollout-data", data])):  # fmt: skip
-        flags = demo_flags(hf, prompts, tmp_path / f"{name}.jsonl")
-        if name == "replay":
-            flags = without_engine_flags(flags)
-        cmd = [sys.executable, "-m", "miles_launch.train", *flags, *small, *extra]
-        cmd += ["--save", str(tmp_path / name)]
-        runs[name] = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-        assert runs[name].returncode == 0, runs[name].stderr[-3000:]
-    assert "replaying rollouts from" in runs["replay"].stdout
-    replay_out = runs["replay"].stdout
+    (hf, prompts), live_out, _ = ppo_critic_run
+    data = str(live_out / "rollout_{rollout_id}.pt")
+    flags = without_engine_flags(demo_flags(hf, prompts, tmp_path / "replay.jsonl"))
+    cmd = [sys.executable, "-m", "miles_launch.train", *flags, *PPO_CRITIC, "--no-progress"]
+    cmd += ["--load-debug-rollout-data", data, "--save", str(tmp_path / "replay")]
+    replayed = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert replayed.returncode == 0, replayed.stderr[-3000:]
+    checkpoints = {"live": live_out / "ckpt", "replay": tmp_path / "replay"}
+    assert "replaying rollouts from" in replayed.stdout
+    replay_out = replayed.stdout
     assert "engines: none (a replay of" in replay_out  # the plan says so
     # and no engine was started, became healthy or received weights
     assert not re.search(r"engine\(s\)|engines healthy|engines ready", replay_out), replay_out
     live, replay = (
-        metric_records(tmp_path / "live.jsonl"),
+        metric_records(live_out / "metrics.jsonl"),
         metric_records(tmp_path / "replay.jsonl"),
     )
     assert [r["train"] for r in live] == [r["train"] for r in replay]
     assert all("critic/value_loss" in r["train"] for r in replay)
     assert [r["prompt_ids"] for r in live] == [r["prompt_ids"] for r in replay]
     for role in ("", "critic/"):
-        a = dcp_tensors(tmp_path / "live" / f"{role}iter_0000002" / "model")
-        b = dcp_tensors(tmp_path / "replay" / f"{role}iter_0000002" / "model")
+        a = dcp_tensors(checkpoints["live"] / f"{role}iter_0000002" / "model")
+        b = dcp_tensors(checkpoints["replay"] / f"{role}iter_0000002" / "model")
         assert a.keys() == b.keys() and len(a) > 0, role
         for key in a:
             assert torch.equal(a[key], b[key]), (role, key)
-        first = dcp_tensors(tmp_path / "live" / f"{role}iter_0000001" / "model")
+        first = dcp_tensors(checkpoints["live"] / f"{role}iter_0000001" / "model")
         assert any(not torch.equal(first[k], a[k]) for k in a), role  # the 2nd step moved them

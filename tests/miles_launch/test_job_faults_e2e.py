@@ -73,6 +73,28 @@ def test_resume_matches_an_uninterrupted_run(material, straight_run, tmp_path):
     assert any(not torch.equal(w0[n], wa[n]) for n in wa)
 
 
+def resume_matches_the_straight_run(material, straight_run: Path, save: Path, tmp_path) -> None:
+    """The end of both trainer-kill tests: the killed job's checkpoint at 2 is whole (its
+    tracker says 2, nothing of 3 was written), and ``--load`` from it trains the third rollout
+    (same prompts, same data position) to the straight run's weights bit for bit."""
+    assert read_tracker(save) == 2 and not (save / "iter_0000003").exists()
+    resolved = resolve_load(save)
+    assert resolved.iteration == 2 and resolved.meta.next_rollout_id == 2
+    resumed = train(
+        material, tmp_path / "r.jsonl", *RESUMABLE,
+        "--load", str(save), "--save", str(tmp_path / "again"),
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (r,) = records(tmp_path / "r.jsonl")
+    straight = records(straight_run / "a.jsonl")
+    assert (r["rollout_id"], r["data_position"]) == (2, 8)
+    assert r["prompt_ids"] == straight[2]["prompt_ids"]
+    assert_same_weights(
+        straight_run / "ckpt" / "iter_0000003" / "model",
+        tmp_path / "again" / "iter_0000003" / "model",
+    )
+
+
 def _wait_for_requests(pid: int, deadline: float) -> bool:
     """Whether the engine of ``pid`` reports running requests before ``deadline`` (its port
     from its command line, its API key from its environment)."""
@@ -314,23 +336,7 @@ def test_trainer_rank_killed_in_train_ends_in_one_line_and_resumes_bit_for_bit(
         r"^error: trainer rank \d on [\d.]+ failed in train\(\): its process died \(", errors[0]
     ), errors[0]
     assert "Traceback" not in err.split(errors[0])[1]
-    assert read_tracker(save) == 2 and not (save / "iter_0000003").exists()
-    resolved = resolve_load(save)
-    assert resolved.iteration == 2 and resolved.meta.next_rollout_id == 2
-
-    resumed = train(
-        material, tmp_path / "r.jsonl", *RESUMABLE,
-        "--load", str(save), "--save", str(tmp_path / "again"),
-    )  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    (r,) = records(tmp_path / "r.jsonl")
-    straight = records(straight_run / "a.jsonl")
-    assert (r["rollout_id"], r["data_position"]) == (2, 8)
-    assert r["prompt_ids"] == straight[2]["prompt_ids"]
-    assert_same_weights(
-        straight_run / "ckpt" / "iter_0000003" / "model",
-        tmp_path / "again" / "iter_0000003" / "model",
-    )
+    resume_matches_the_straight_run(material, straight_run, save, tmp_path)
 
 
 def _rank_pids(stderr: list[str], job: subprocess.Popen, deadline: float) -> list[int]:
@@ -428,20 +434,4 @@ def test_trainer_rank_killed_in_publish_ends_in_one_line_and_no_engine_serves_pa
     assert states and set(states) == {("2", True)}, states
     rs = records(tmp_path / "k.jsonl")
     assert [(r["rollout_id"], r["weight_version"]) for r in rs] == [(0, "2")]
-    assert read_tracker(save) == 2 and not (save / "iter_0000003").exists()
-    resolved = resolve_load(save)
-    assert resolved.iteration == 2 and resolved.meta.next_rollout_id == 2
-
-    resumed = train(
-        material, tmp_path / "r.jsonl", *RESUMABLE,
-        "--load", str(save), "--save", str(tmp_path / "again"),
-    )  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    (r,) = records(tmp_path / "r.jsonl")
-    straight = records(straight_run / "a.jsonl")
-    assert (r["rollout_id"], r["data_position"]) == (2, 8)
-    assert r["prompt_ids"] == straight[2]["prompt_ids"]
-    assert_same_weights(
-        straight_run / "ckpt" / "iter_0000003" / "model",
-        tmp_path / "again" / "iter_0000003" / "model",
-    )
+    resume_matches_the_straight_run(material, straight_run, save, tmp_path)

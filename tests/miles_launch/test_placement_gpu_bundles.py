@@ -21,7 +21,7 @@ PROGRAM = """
 import json, os, sys
 sys.path.insert(0, {tests!r})
 from launch_testing import parse
-from miles_sync.engine_group import NODE_IP_ENV
+from miles_sync.node_address import NODE_IP_ENV
 
 from miles_launch.placement import Placement, plan_layout, prepare_ray_env
 prepare_ray_env()

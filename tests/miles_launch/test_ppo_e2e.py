@@ -3,8 +3,9 @@ demo task (2 gloo trainer ranks, each holding the actor and the critic, 1 built-
 
 Extended (each job starts Ray, two trainer actors and an engine): the demo's reward rises under
 PPO; a resume from a mid-run checkpoint ends with the same actor *and critic* weights, bit for
-bit, as the straight run; the colocated run (trainer and critic asleep during generation) gives
-the same rollouts as the disaggregated one. The critic's numerics (values, GAE, value-loss
+bit, as the straight run (the session's ``ppo_critic_run`` of conftest.py, which the critic-own-
+ranks and replay tests compare with too); the colocated run (trainer and critic asleep during
+generation) gives the same rollouts as the disaggregated one. The critic's numerics (values, GAE, value-loss
 gradient) are checked in-process by tests/miles_fsdp/test_critic.py, in the default suite.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from demo_jobs import REQUIRES, SMALL, demo, records, rollout_lines, train
+from demo_jobs import REQUIRES, demo, ppo_critic_job, records, rollout_lines
 from train_runs import dcp_tensors
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended, *REQUIRES]
@@ -44,35 +45,31 @@ def test_ppo_with_a_critic_raises_the_demo_reward(tmp_path):
         assert {"loss", "critic/value_loss", "critic/value_clipfrac"} <= set(row["train"])
 
 
-@pytest.mark.timeout(1800)  # two jobs
-def test_resume_with_a_critic_matches_the_straight_run(material, tmp_path):
-    """3 rollouts straight (saving at 2 and 3) vs a restart at the checkpoint of 2: the actor's
-    and the critic's weights and optimizer state at 3 are equal bit for bit."""
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    common = [*SMALL, *PPO, "--save-interval", "2", "--num-rollout", "3"]
-    a = train(material, tmp_path / "a.jsonl", *common, "--save", str(straight))
-    assert a.returncode == 0, a.stderr[-3000:]
-    b = train(
-        material, tmp_path / "b.jsonl", *common,
-        "--save", str(resumed), "--load", str(straight), "--ckpt-step", "2",
-    )  # fmt: skip
-    assert b.returncode == 0, b.stderr[-3000:]
-    ra, rb = records(tmp_path / "a.jsonl"), records(tmp_path / "b.jsonl")
-    assert [r["rollout_id"] for r in rb] == [2]
-    assert rb[0]["prompt_ids"] == ra[2]["prompt_ids"]
-    assert numeric(rb[0]["train"]) == numeric(ra[2]["train"])  # the critic's metrics too
+@pytest.mark.timeout(1800)  # the resumed job, and the straight one if this test builds it
+def test_resume_with_a_critic_matches_the_straight_run(ppo_critic_run, tmp_path):
+    """The session's PPO-with-critic job (``ppo_critic_run``: 2 rollouts straight, saving at 1
+    and 2) vs the same command line restarted at the checkpoint of 1 (``--ckpt-step 1``, while
+    its tracker says 2), training the second rollout again: the actor's and the critic's
+    weights and optimizer state at 2 are equal bit for bit."""
+    material, out, _ = ppo_critic_run
+    straight, resumed = out / "ckpt", tmp_path / "resumed"
+    ppo_critic_job(material, resumed, "--load", str(straight), "--ckpt-step", "1")
+    ra, rb = records(out / "metrics.jsonl"), records(resumed / "metrics.jsonl")
+    assert [r["rollout_id"] for r in ra] == [0, 1] and [r["rollout_id"] for r in rb] == [1]
+    assert rb[0]["prompt_ids"] == ra[1]["prompt_ids"]
+    assert numeric(rb[0]["train"]) == numeric(ra[1]["train"])  # the critic's metrics too
     assert "train_rollout_logprob_abs_diff" in rb[0]["train"]
-    assert "critic/value_loss" in ra[2]["train"]
+    assert "critic/value_loss" in ra[1]["train"]
     for role in ("", "critic/"):
         for part in ("model", "optimizer"):
-            wa = dcp_tensors(straight / f"{role}iter_0000003" / part)
-            wb = dcp_tensors(resumed / f"{role}iter_0000003" / part)
+            wa = dcp_tensors(straight / f"{role}iter_0000002" / part)
+            wb = dcp_tensors(resumed / "ckpt" / f"{role}iter_0000002" / part)
             assert wa.keys() == wb.keys() and len(wa) > 0, (role, part)
             for name in wa:
                 assert torch.equal(wa[name], wb[name]), (role, part, name)
-        w0 = dcp_tensors(straight / f"{role}iter_0000002" / "model")
-        w3 = dcp_tensors(straight / f"{role}iter_0000003" / "model")
-        assert any(not torch.equal(w0[n], w3[n]) for n in w3), role  # training moved it
+        w1 = dcp_tensors(straight / f"{role}iter_0000001" / "model")
+        w2 = dcp_tensors(straight / f"{role}iter_0000002" / "model")
+        assert any(not torch.equal(w1[n], w2[n]) for n in w2), role  # training moved it
     heads = [n for n in wa if "lm_head" in n]
     assert heads  # the critic checkpoint holds the value head
 

@@ -60,7 +60,7 @@ def test_group_master_address_is_the_publishing_rank_s_node_address(monkeypatch)
     reached on (the launcher's MILES_NODE_IP, else the route towards the engine)."""
     import socket
 
-    from miles_sync.engine_group import NODE_IP_ENV, node_address
+    from miles_sync.node_address import NODE_IP_ENV, node_address
 
     assert SyncConfig.from_args(parse()).master_address is None
     monkeypatch.delenv(NODE_IP_ENV, raising=False)

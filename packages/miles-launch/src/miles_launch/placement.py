@@ -326,7 +326,7 @@ def node_ip() -> str:
     """The address this process's servers bind and advertise: loopback on a local cluster,
     Ray's node IP on a real one (``--ray-address``)."""
     import ray
-    from miles_sync.engine_group import NODE_IP_ENV
+    from miles_sync.node_address import NODE_IP_ENV
 
     return os.environ.get(NODE_IP_ENV) or ray.util.get_node_ip_address()
 
@@ -353,7 +353,7 @@ def init_ray(layout: Layout, address: str | None) -> None:
     """
     prepare_ray_env()
     import ray
-    from miles_sync.engine_group import NODE_IP_ENV
+    from miles_sync.node_address import NODE_IP_ENV
 
     if ray.is_initialized():
         return
@@ -399,4 +399,8 @@ def _start_local_ray(env: dict, num_cpus: int, num_gpus: int) -> None:
         runtime_env=env,
         log_to_driver=True,
         logging_level=os.environ.get("MILES_RAY_LOG_LEVEL", "WARNING"),
+        # No idle workers started ahead of the job: the job's runtime environment differs from
+        # theirs, so its actors never use them (each one imported Ray for nothing: about a CPU
+        # second per logical CPU at every start).
+        _system_config={"prestart_worker_first_driver": False},
     )

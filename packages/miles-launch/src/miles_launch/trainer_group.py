@@ -25,8 +25,8 @@ from typing import Any
 from miles_core.args.checks import flag_value
 from miles_core.batch import RolloutBatch
 from miles_core.partition import partition_for_dp
-from miles_sync.engine_group import NODE_IP_ENV
 from miles_sync.errors import PublishError
+from miles_sync.node_address import NODE_IP_ENV
 
 from miles_launch.args import fsdp_cpu_offload
 from miles_launch.placement import TRAINER_SHARE, Placement, node_ip

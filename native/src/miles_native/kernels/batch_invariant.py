@@ -155,11 +155,12 @@ class _Attention(torch.autograd.Function):
         # recompute with torch's SDPA; a query with no key (output zeros, no gradient) attends
         # to all keys with a zero incoming gradient so that SDPA's softmax stays finite
         empty = ~mask.any(-1, keepdim=True)
+        group = q.shape[1] // k.shape[1]
         with torch.enable_grad():
             q_, k_, v_ = (t.detach().requires_grad_(True) for t in (q, k, v))
             y = torch.nn.functional.scaled_dot_product_attention(
-                q_, k_, v_, attn_mask=mask | empty, scale=ctx.scale,
-                enable_gqa=k.shape[1] != q.shape[1],
+                q_, k_.repeat_interleave(group, 1), v_.repeat_interleave(group, 1),
+                attn_mask=mask | empty, scale=ctx.scale,
             )  # fmt: skip
             g = grad.transpose(1, 2).masked_fill(empty, 0)
             gq, gk, gv = torch.autograd.grad(y, (q_, k_, v_), g)

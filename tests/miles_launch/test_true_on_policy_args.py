@@ -22,13 +22,23 @@ def test_it_implies_the_engine_log_probs_and_the_dense_head_and_reaches_the_engi
     assert not plain.use_rollout_logprobs and plain.fused_log_probs
 
 
+def test_with_sglang_it_passes_sglang_s_own_switches(tmp_path):
+    from miles_launch.engine_launch.sglang_launcher import sglang_server_command
+
+    args = parse(tmp_path, "--true-on-policy", "--rollout-engine", "sglang")
+    cmd = sglang_server_command(args, host="h", port=5, python="py")
+    tail = cmd[cmd.index("--rl-on-policy-target") :]
+    assert tail[:5] == [
+        "--rl-on-policy-target", "fsdp", "--enable-deterministic-inference",
+        "--attention-backend", "fa3",
+    ]  # fmt: skip
+    plain = sglang_server_command(parse(tmp_path, "--rollout-engine", "sglang"), host="h", port=5)
+    assert "--rl-on-policy-target" not in plain and "--enable-deterministic-inference" not in plain
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (
-            ("--true-on-policy", "--rollout-engine", "sglang"),
-            "--true-on-policy with --rollout-engine sglang: SGLang's on-policy switches",
-        ),
         ((*ON, "--fused-log-probs"), "--fused-log-probs with --true-on-policy"),
         ((*ON, "--loss-type", "sft_loss"), "--loss-type sft_loss ignores --true-on-policy"),
     ],

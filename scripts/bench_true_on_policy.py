@@ -6,7 +6,8 @@ each mode, in this process: the built-in engine as ``python -m miles_launch.buil
 [--true-on-policy] --device cuda`` builds it generates ``--prompts`` random prompts of
 ``--prompt-len`` tokens, ``--new-tokens`` each, at temperature 1 (one untimed short warm-up
 generation, then the timed one); the engine is shut down; the FSDP backend (bf16, one rank)
-trains that rollout, all of it in one micro-batch, one optimizer step. Mode off: sdpa, the fused
+trains that rollout, all of it in one micro-batch, one optimizer step (gradient checkpointing
+unless ``--no-gradient-checkpointing``). Mode off: sdpa, the fused
 head, the old-log-prob forward; mode on: ``--true-on-policy`` (the old-log-prob forward is
 skipped, the engine's log-probs are the old policy's). The mismatch is the first ``train``
 call's (the weights the engine sampled with); train seconds are a second call's (Triton and
@@ -126,7 +127,7 @@ def engine_rollout(hf_dir: str, device: str, on: bool, prompts, new_tokens: int)
     return RolloutBatch(samples), seconds
 
 
-def train(hf_dir: str, device: str, on: bool, batch) -> tuple[dict, float]:
+def train(hf_dir: str, device: str, on: bool, batch, checkpointing: bool) -> tuple[dict, float]:
     """(first train call's metrics, second call's seconds) on a fresh FSDP backend."""
     from miles_core.args import core_groups, parse_args
     from miles_fsdp.args import fsdp_groups
@@ -140,6 +141,8 @@ def train(hf_dir: str, device: str, on: bool, batch) -> tuple[dict, float]:
         "--fsdp-compute-dtype", "fp32" if device == "cpu" else "bf16",
     ]  # fmt: skip
     argv += ["--true-on-policy"] if on else ["--attn-implementation", "sdpa"]
+    if checkpointing:
+        argv.append("--gradient-checkpointing")
     backend = FSDPBackend()
     backend.init(parse_args(argv, [*core_groups(), *fsdp_groups()]))
     try:
@@ -173,6 +176,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=64, help="tokens of the longest prompt")
     p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument(
+        "--gradient-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the trainer recomputes each layer in the backward (both modes; default on)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny fp32 model on CPU (a smoke run)")
     p.add_argument("--out", required=True, help="JSON file of the results")
     args = p.parse_args(argv)
@@ -200,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
             prompts = [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in lengths]
             for on in (False, True):
                 batch, gen_s = engine_rollout(hf_dir, device, on, prompts, args.new_tokens)
-                metrics, train_s = train(hf_dir, device, on, batch)
+                metrics, train_s = train(hf_dir, device, on, batch, args.gradient_checkpointing)
                 rows.append(
                     dict(
                         size=size, true_on_policy=on, device=device,

@@ -15,6 +15,13 @@ rows the launch carries, where the row sits among them, or padding:
 * :func:`row_mean_kernel`, :func:`log_softmax_kernel`: one program per row, a fixed chunking of
   the row into ``BLOCK`` lanes, then one tree reduction of the lanes.
 
+A reduction's order follows the register layout of the tile it sums, which Triton derives from
+what it can prove of the pointers' alignment and the strides' divisibility at compile time. The
+attention and the row kernels are therefore compiled without those specialisations (their
+pointers and strides are never assumed aligned): an engine's view into its logits and the
+trainer's contiguous logits get the one layout. The matmul's arithmetic is the dot's, whose
+operand layouts do not depend on how the tiles were loaded.
+
 Under Triton's interpreter (CPU tests) the 16-bit products and roundings go through
 :func:`~miles_native.kernels.fused_moe_kernels._mma` / ``_cast``, as the GPU computes them.
 """
@@ -61,7 +68,13 @@ def matmul_kernel(
     tl.store(out_ptr + offs, out, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=[
+        "Tq", "H", "group", "sq_b", "sq_h", "sq_t", "sk_b", "sk_h", "sk_t",
+        "sv_b", "sv_h", "sv_t", "span_b",
+    ],
+    do_not_specialize_on_alignment=["q_ptr", "k_ptr", "v_ptr", "out_ptr"],
+)  # fmt: skip
 def attention_kernel(
     q_ptr,  # [B, H, Tq, D] (strides given)
     k_ptr,  # [B, Hkv, Tk, D]
@@ -117,7 +130,7 @@ def attention_kernel(
     tl.store(out_ptr + (row.to(tl.int64) * H + h) * D + d, out, mask=dm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_x"], do_not_specialize_on_alignment=["x_ptr"])
 def row_mean_kernel(
     x_ptr,  # [R, N], row stride stride_x, unit column stride
     out_ptr,  # [R], the input dtype
@@ -136,7 +149,10 @@ def row_mean_kernel(
     tl.store(out_ptr + row, _cast(mean, out_ptr.dtype.element_ty, INTERPRETER))
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["stride_x", "stride_t"],
+    do_not_specialize_on_alignment=["x_ptr", "temp_ptr", "out_ptr"],
+)
 def log_softmax_kernel(
     x_ptr,  # [R, V], row stride stride_x, unit column stride (any float dtype)
     temp_ptr,  # fp32 [R] (stride_t 1) or [1] (stride_t 0): the row's temperature

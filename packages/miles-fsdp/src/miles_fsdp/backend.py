@@ -136,6 +136,7 @@ class FSDPBackend(TrainBackend):
             moe_kernel=self.moe_kernel,
             routing_replay=self.routing_replay,
             compile_layers=args.compile_decoder_layers,
+            batch_invariant=args.true_on_policy,
         )
         if role == "critic":  # the actor's architecture with a value head (miles_fsdp.critic)
             trained = RoleSpec(

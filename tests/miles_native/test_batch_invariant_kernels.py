@@ -198,3 +198,20 @@ def test_backward_is_torch_s_within_fp32_rounding():
         want = torch.autograd.grad(formula(*ref_in), ref_in, g.to(d))
         for a, b in zip(got, want):
             _within(a, b, grad_atol(b, GRAD_REL_ERR), "gradient")
+
+
+def test_one_mask_s_spans_are_computed_once(monkeypatch):
+    """transformers hands every layer the same mask object: its spans (one host sync) are
+    computed at the first layer; an in-place change or another mask computes them again."""
+    calls = []
+    real = K.key_spans
+    monkeypatch.setattr(K, "key_spans", lambda m: calls.append(1) or real(m))
+    q = torch.randn(1, 2, 3, 4)
+    mask = torch.ones(3, 3, dtype=torch.bool).tril()[None, None]
+    first = K.attention(q, q, q, mask, 0.5)
+    assert torch.equal(first, K.attention(q, q, q, mask, 0.5)) and len(calls) == 1
+    mask[..., 0] = False  # in place: query 0 now sees no key
+    changed = K.attention(q, q, q, mask, 0.5)
+    assert len(calls) == 2 and torch.equal(changed[0, 0], torch.zeros(2, 4))
+    K.attention(q, q, q, mask.clone(), 0.5)
+    assert len(calls) == 3

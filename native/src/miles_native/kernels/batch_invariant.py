@@ -141,10 +141,25 @@ def attention_forward(q, k, v, start, end, scale: float) -> torch.Tensor:
     return out
 
 
+#: ``(mask, its version, its spans)`` of the last call: transformers passes one mask object to
+#: every layer of a forward, so its spans (and their one host sync) are computed once.
+_last_spans: tuple[torch.Tensor, int, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+def _spans_of(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    global _last_spans
+    last = _last_spans
+    if last is not None and last[0] is mask and last[1] == mask._version:
+        return last[2]
+    spans = key_spans(mask)
+    _last_spans = (mask, mask._version, spans)
+    return spans
+
+
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, scale):
-        start, end = key_spans(mask)
+        start, end = _spans_of(mask)
         ctx.save_for_backward(q, k, v, mask)
         ctx.scale = scale
         return attention_forward(q, k, v, start, end, scale)

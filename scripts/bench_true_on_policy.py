@@ -7,11 +7,14 @@ each mode, in this process: the built-in engine as ``python -m miles_launch.buil
 ``--prompt-len`` tokens, ``--new-tokens`` each, at temperature 1 (one untimed short warm-up
 generation, then the timed one); the engine is shut down; the FSDP backend (bf16, one rank)
 trains that rollout, all of it in one micro-batch, one optimizer step (gradient checkpointing
-unless ``--no-gradient-checkpointing``). Mode off: sdpa, the fused
-head, the old-log-prob forward; mode on: ``--true-on-policy`` (the old-log-prob forward is
-skipped, the engine's log-probs are the old policy's). The mismatch is the first ``train``
-call's (the weights the engine sampled with); train seconds are a second call's (Triton and
-CUDA warmed up).
+unless ``--no-gradient-checkpointing``). Mode off: the job's defaults (the GPU's default
+attention, the fused head, the old-log-prob forward); mode on: ``--true-on-policy`` (the
+old-log-prob forward is skipped, the engine's log-probs are the old policy's). The mismatch is
+the first ``train`` call's (the weights the engine sampled with); train seconds are a second
+call's (Triton and CUDA warmed up) of ``--steps`` optimizer steps (default 2: with one, the
+old policy is the current one and no old-log-prob forward runs in either mode), and of them
+``old_logprob_s`` the old-policy step (the old-log-prob forward with the mode off; taking the
+engine's log-probs with it on).
 
     uv run python scripts/bench_true_on_policy.py --out /tmp/top.json
     uv run python scripts/bench_true_on_policy.py --quick --out /tmp/top.json   # CPU, tiny
@@ -127,11 +130,24 @@ def engine_rollout(hf_dir: str, device: str, on: bool, prompts, new_tokens: int)
     return RolloutBatch(samples), seconds
 
 
-def train(hf_dir: str, device: str, on: bool, batch, checkpointing: bool) -> tuple[dict, float]:
-    """(first train call's metrics, second call's seconds) on a fresh FSDP backend."""
+def train(hf_dir: str, device: str, on: bool, batch, checkpointing: bool, steps: int):
+    """(first train call's metrics, second call's seconds, of them the old-policy step's) on a
+    fresh FSDP backend."""
     from miles_core.args import core_groups, parse_args
+    from miles_fsdp import rollout_train
     from miles_fsdp.args import fsdp_groups
     from miles_fsdp.backend import FSDPBackend
+
+    old_policy_s: list[float] = []
+    real = rollout_train._with_policy_log_probs
+
+    def timed(ctx, b):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = real(ctx, b)
+        _sync(device)
+        old_policy_s.append(time.perf_counter() - t0)
+        return out
 
     tokens = sum(len(s.tokens) for s in batch)
     argv = [
@@ -140,25 +156,32 @@ def train(hf_dir: str, device: str, on: bool, batch, checkpointing: bool) -> tup
         "--max-tokens-per-gpu", str(tokens), "--rollout-temperature", str(TEMPERATURE),
         "--fsdp-compute-dtype", "fp32" if device == "cpu" else "bf16",
     ]  # fmt: skip
-    argv += ["--true-on-policy"] if on else ["--attn-implementation", "sdpa"]
+    if on:
+        argv.append("--true-on-policy")
     if checkpointing:
         argv.append("--gradient-checkpointing")
     backend = FSDPBackend()
     backend.init(parse_args(argv, [*core_groups(), *fsdp_groups()]))
+    backend_attn = backend.attn_implementation
+    rollout_train._with_policy_log_probs = timed
     try:
-        metrics = backend.train(0, batch)
+        metrics = backend.train(0, batch)  # one step: the weights the engine sampled with
+        # the timed rollout: ``steps`` optimizer steps, where the mode off needs the old-log-prob
+        # forward (with one step the old policy is the current one, and no forward runs)
+        backend.args.num_steps_per_rollout = steps
         _sync(device)
         t0 = time.perf_counter()
         backend.train(1, batch)
         _sync(device)
         seconds = time.perf_counter() - t0
     finally:
+        rollout_train._with_policy_log_probs = real
         backend.close()
         del backend
         gc.collect()
         if device != "cpu":
             torch.cuda.empty_cache()
-    return metrics, seconds
+    return metrics, seconds, old_policy_s[-1], backend_attn
 
 
 def init_group(device: str) -> None:
@@ -173,7 +196,7 @@ def init_group(device: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="0.6B,4B", help="comma-separated Qwen3 shapes")
-    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=64, help="tokens of the longest prompt")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument(
@@ -181,6 +204,13 @@ def main(argv: list[str] | None = None) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="the trainer recomputes each layer in the backward (both modes; default on)",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=2,
+        help="optimizer steps of the timed rollout (> 1: the mode off runs the old-log-prob "
+        "forward; the mismatch is measured on a one-step rollout before)",
     )
     p.add_argument("--quick", action="store_true", help="tiny fp32 model on CPU (a smoke run)")
     p.add_argument("--out", required=True, help="JSON file of the results")
@@ -205,18 +235,23 @@ def main(argv: list[str] | None = None) -> None:
                 write_random_model(hf_dir, config)
                 vocab = config.vocab_size
             # prompts of different lengths (left padding in the engine's prefill)
-            lengths = [max(1, args.prompt_len - 7 * i) for i in range(args.prompts)]
+            half = max(1, args.prompt_len // 2)
+            lengths = [args.prompt_len - (7 * i) % half for i in range(args.prompts)]
             prompts = [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in lengths]
             for on in (False, True):
                 batch, gen_s = engine_rollout(hf_dir, device, on, prompts, args.new_tokens)
-                metrics, train_s = train(hf_dir, device, on, batch, args.gradient_checkpointing)
+                metrics, train_s, old_s, attn = train(
+                    hf_dir, device, on, batch, args.gradient_checkpointing, args.steps
+                )
                 rows.append(
                     dict(
                         size=size, true_on_policy=on, device=device,
                         abs_diff_mean=metrics.get(mismatch.ABS_DIFF),
                         abs_diff_max=metrics.get(mismatch.ABS_DIFF_MAX),
                         generate_s=round(gen_s, 3), train_s=round(train_s, 3),
-                        prompts=args.prompts, prompt_len=args.prompt_len,
+                        old_logprob_s=round(old_s, 3), attention=attn,
+                        train_tokens=sum(len(x.tokens) for x in batch),
+                        steps=args.steps, prompts=args.prompts, prompt_len=args.prompt_len,
                         new_tokens=args.new_tokens,
                     )
                 )  # fmt: skip
@@ -228,7 +263,10 @@ def main(argv: list[str] | None = None) -> None:
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     )
     Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    head = f"{'size':>6} {'mode':>4} {'mean|dlogp|':>12} {'max|dlogp|':>11} {'gen s':>7} {'train s':>8}"
+    head = (
+        f"{'size':>6} {'mode':>4} {'mean|dlogp|':>12} {'max|dlogp|':>11} {'gen s':>7} "
+        f"{'train s':>8} {'of it old-lp s':>14} {'tokens':>7}  attention"
+    )
     print(head)
     for r in rows:
         mean, worst = r["abs_diff_mean"], r["abs_diff_max"]
@@ -236,7 +274,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['size']:>6} {'on' if r['true_on_policy'] else 'off':>4} "
             f"{mean if mean is None else f'{mean:.3g}':>12} "
             f"{worst if worst is None else f'{worst:.3g}':>11} "
-            f"{r['generate_s']:>7.2f} {r['train_s']:>8.2f}"
+            f"{r['generate_s']:>7.2f} {r['train_s']:>8.3f} {r['old_logprob_s']:>14.3f} "
+            f"{r['train_tokens']:>7}  {r['attention']}"
         )
 
 

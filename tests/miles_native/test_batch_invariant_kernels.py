@@ -47,22 +47,24 @@ def _within(got, ref, atol, what):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_linear_row_alone_in_a_batch_and_in_a_pack(dtype):
-    """Row 66 of 70 (K = 80: two K blocks, the second masked; N = 136: two N tiles): alone
-    (row 0 of its M tile), in a batch of 5 (row 3), in the whole 70 (row 2 of the second
-    tile) and in a packed [1, 70, K] input."""
+    """Row 133 of 200 (K = 80: two K blocks, the second masked; N = 136: two N tiles): alone
+    (row 0 of its M tile), in a batch of 5 (row 3), in the whole 200 (row 5 of the second or
+    third tile) and in a packed [1, 200, K] input."""
     k, n = 80, 136
     w, b = torch.randn(n, k).to(dtype), torch.randn(n).to(dtype)
-    x = torch.randn(70, k).to(dtype)
-    alone = K.linear_forward(x[66:67], w, b)[0]
-    batch5 = K.linear_forward(x[63:68], w, b)[3]
-    full = K.linear_forward(x, w, b)[66]
-    packed = K.linear_forward(x[None], w, b)[0, 66]
-    assert {66 % K.BLOCK_M, 3, 0} == {2, 3, 0} and k > K.BLOCK_K and n > K.BLOCK_N  # coverage
+    x = torch.randn(200, k).to(dtype)
+    alone = K.linear_forward(x[133:134], w, b)[0]
+    batch5 = K.linear_forward(x[130:135], w, b)[3]
+    full = K.linear_forward(x, w, b)[133]
+    packed = K.linear_forward(x[None], w, b)[0, 133]
+    block_m, block_n, block_k, _, _ = K.MATMUL_CONFIGS[dtype]
+    assert 133 // block_m > 0 and 133 % block_m not in (0, 3)  # another tile, another row
+    assert k > block_k and n > block_n  # coverage: K loop and N tiles
     for other in (batch5, full, packed):
         assert torch.equal(alone, other)
     # the bias is added in fp32 before the one rounding: it joins the sum's terms
-    terms = x[66].double().abs() @ w.double().abs().T + b.double().abs()
-    ref = x[66].double() @ w.double().T + b.double()
+    terms = x[133].double().abs() @ w.double().abs().T + b.double().abs()
+    ref = x[133].double() @ w.double().T + b.double()
     _within(alone, ref, dot_atol(ref, terms, k + 1, dtype), "linear")
 
 
@@ -170,24 +172,46 @@ def test_log_softmax_engine_and_trainer_temperatures_agree(dtype):
     _within(engine, ref, log_softmax_atol(ref, x.double() / t, x.shape[1]), "log_softmax")
 
 
+def _masked_sdpa(q, k, v, mask, scale):
+    """float64 reference: softmax attention over the mask's keys; zeros where it allows none."""
+    empty = ~mask.any(-1, keepdim=True)
+    y = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask | empty, scale=scale, enable_gqa=True
+    )
+    return torch.where(empty, 0.0, y).transpose(1, 2)
+
+
 def test_backward_is_torch_s_within_fp32_rounding():
-    """Each op's gradient (plain torch in fp32) against float64 autograd of its formula."""
+    """Each op's gradient (plain torch in fp32) against float64 autograd of its formula; the
+    attention's on a packed row (one causal SDPA per sample) and on a left-padded batch (the
+    masked SDPA)."""
     d = torch.float64
     x = torch.randn(5, 24, requires_grad=True)
     w = torch.randn(8, 24, requires_grad=True)
-    q = torch.randn(1, 2, 4, 8, requires_grad=True)
-    kv = torch.randn(1, 1, 4, 8, requires_grad=True)
-    mask = torch.ones(4, 4, dtype=torch.bool).tril()[None, None]
+    q = torch.randn(1, 2, 8, 8, requires_grad=True)
+    kv = torch.randn(1, 1, 8, 8, requires_grad=True)
+    seg = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1])
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    pack = ((seg[:, None] == seg[None]) & causal)[None, None]
+    assert K.causal_segments(q, kv, *K.key_spans(pack)) == [0, 3, 8]  # coverage: per sample
+    qb = torch.randn(2, 2, 8, 8, requires_grad=True)
+    kvb = torch.randn(2, 1, 8, 8, requires_grad=True)
+    real = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [1] * 8], dtype=torch.bool)
+    padded = (causal[None] & real[:, None, :])[:, None]
+    assert K.causal_segments(qb, kvb, *K.key_spans(padded)) is None  # coverage: masked SDPA
     cases = [
         (lambda a, b: K.linear(a, b), lambda a, b: a @ b.T, (x, w)),
         (lambda a: K.row_mean(a, keepdim=True), lambda a: a.mean(-1, keepdim=True), (x,)),
         (lambda a: K.log_softmax(a, 0.7), lambda a: torch.log_softmax(a / 0.7, -1), (x,)),
         (
-            lambda a, b: K.attention(a, b, b, mask, 0.3),
-            lambda a, b: torch.nn.functional.scaled_dot_product_attention(
-                a, b, b, attn_mask=mask, scale=0.3, enable_gqa=True
-            ).transpose(1, 2),
+            lambda a, b: K.attention(a, b, b, pack, 0.3),
+            lambda a, b: _masked_sdpa(a, b, b, pack, 0.3),
             (q, kv),
+        ),
+        (
+            lambda a, b: K.attention(a, b, b, padded, 0.3),
+            lambda a, b: _masked_sdpa(a, b, b, padded, 0.3),
+            (qb, kvb),
         ),
     ]
     for op, formula, inputs in cases:

@@ -29,9 +29,14 @@ from miles_native.kernels.batch_invariant_kernels import (
 )
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
-#: The one tiling of every matmul (never autotuned: a row's arithmetic must not change).
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 64
-MATMUL_WARPS, MATMUL_STAGES = 4, 3
+#: The one tiling of every matmul of a dtype, ``(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)``
+#: (never autotuned, never chosen by shape: a row's arithmetic must not change). 16-bit inputs
+#: run Hopper's warp-group MMA on 128-row tiles; fp32 (IEEE products, FMA) on smaller ones.
+MATMUL_CONFIGS = {
+    torch.bfloat16: (128, 128, 64, 8, 3),
+    torch.float16: (128, 128, 64, 8, 3),
+    torch.float32: (64, 128, 64, 4, 3),
+}
 #: Keys per block of the attention kernel, lanes of the row reductions.
 ATTN_BLOCK_N = 64
 ROW_BLOCK = 1024
@@ -64,12 +69,13 @@ def linear_forward(
     out = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
     m = rows.shape[0]
     if m:
-        grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+        block_m, block_n, block_k, warps, stages = MATMUL_CONFIGS[x.dtype]
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
         matmul_kernel[grid](
             rows, w, bias if bias is not None else w, out, m, n, k, rows.stride(0), w.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             DOT_PRECISION="ieee", INTERPRETER=_interpreter_fixes(x.dtype),
-            num_warps=MATMUL_WARPS, num_stages=MATMUL_STAGES,
+            num_warps=warps, num_stages=stages,
         )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)
 
@@ -156,21 +162,41 @@ def _spans_of(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return spans
 
 
+def causal_segments(
+    q: torch.Tensor, k: torch.Tensor, start: torch.Tensor, end: torch.Tensor
+) -> list[int] | None:
+    """The boundaries ``[0, s1, ..., T]`` of a packed row whose spans are block-diagonal causal
+    (each query ``t`` attends to ``[segment start, t]``), or None for any other mask (a batch
+    of rows, padding)."""
+    if q.shape[0] != 1 or start.shape[0] != 1 or q.shape[2] != k.shape[2]:
+        return None
+    t = q.shape[2]
+    pos = torch.arange(t, device=start.device, dtype=start.dtype)
+    s, e = start[0], end[0]
+    ok = bool((e == pos + 1).all() & (s[0] == 0) & ((s[1:] == s[:-1]) | (s[1:] == pos[1:])).all())
+    if not ok:
+        return None
+    return [*(s == pos).nonzero().flatten().tolist(), t]
+
+
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, scale):
         start, end = _spans_of(mask)
-        ctx.save_for_backward(q, k, v, mask)
+        ctx.save_for_backward(q, k, v, mask, start, end)
         ctx.scale = scale
         return attention_forward(q, k, v, start, end, scale)
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, mask = ctx.saved_tensors
+        q, k, v, mask, start, end = ctx.saved_tensors
+        group = q.shape[1] // k.shape[1]
+        bounds = causal_segments(q, k, start, end)
+        if bounds is not None:  # a packed row: each sample's causal attention on its own
+            return (*_segment_grads(q, k, v, grad, bounds, group, ctx.scale), None, None)
         # recompute with torch's SDPA; a query with no key (output zeros, no gradient) attends
         # to all keys with a zero incoming gradient so that SDPA's softmax stays finite
         empty = ~mask.any(-1, keepdim=True)
-        group = q.shape[1] // k.shape[1]
         with torch.enable_grad():
             q_, k_, v_ = (t.detach().requires_grad_(True) for t in (q, k, v))
             y = torch.nn.functional.scaled_dot_product_attention(
@@ -180,6 +206,23 @@ class _Attention(torch.autograd.Function):
             g = grad.transpose(1, 2).masked_fill(empty, 0)
             gq, gk, gv = torch.autograd.grad(y, (q_, k_, v_), g)
         return gq, gk, gv, None, None
+
+
+def _segment_grads(q, k, v, grad, bounds: list[int], group: int, scale: float):
+    """The backward of a packed row by torch's causal SDPA (flash where it runs), one sample's
+    segment at a time: the same gradient as the block-diagonal mask's, without its T x T work."""
+    gq, gk, gv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    g = grad.transpose(1, 2)
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        with torch.enable_grad():
+            q_, k_, v_ = (t[:, :, lo:hi].detach().requires_grad_(True) for t in (q, k, v))
+            y = torch.nn.functional.scaled_dot_product_attention(
+                q_, k_.repeat_interleave(group, 1), v_.repeat_interleave(group, 1),
+                is_causal=True, scale=scale,
+            )  # fmt: skip
+            a, b, c = torch.autograd.grad(y, (q_, k_, v_), g[:, :, lo:hi])
+        gq[:, :, lo:hi], gk[:, :, lo:hi], gv[:, :, lo:hi] = a, b, c
+    return gq, gk, gv
 
 
 def attention(q, k, v, mask: torch.Tensor, scale: float) -> torch.Tensor:

@@ -239,10 +239,17 @@ def main(argv: list[str] | None = None) -> None:
             lengths = [args.prompt_len - (7 * i) % half for i in range(args.prompts)]
             prompts = [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in lengths]
             for on in (False, True):
-                batch, gen_s = engine_rollout(hf_dir, device, on, prompts, args.new_tokens)
-                metrics, train_s, old_s, attn = train(
-                    hf_dir, device, on, batch, args.gradient_checkpointing, args.steps
-                )
+                try:
+                    batch, gen_s = engine_rollout(hf_dir, device, on, prompts, args.new_tokens)
+                    metrics, train_s, old_s, attn = train(
+                        hf_dir, device, on, batch, args.gradient_checkpointing, args.steps
+                    )
+                except torch.cuda.OutOfMemoryError as exc:  # this row only; the others go on
+                    print(f"{size} true_on_policy={on}: CUDA out of memory: {exc}", flush=True)
+                    rows.append(dict(size=size, true_on_policy=on, error="out of memory"))
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                    continue
                 rows.append(
                     dict(
                         size=size, true_on_policy=on, device=device,
@@ -269,6 +276,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(head)
     for r in rows:
+        if "error" in r:
+            print(f"{r['size']:>6} {'on' if r['true_on_policy'] else 'off':>4}  {r['error']}")
+            continue
         mean, worst = r["abs_diff_mean"], r["abs_diff_max"]
         print(
             f"{r['size']:>6} {'on' if r['true_on_policy'] else 'off':>4} "

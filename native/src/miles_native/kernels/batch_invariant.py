@@ -294,11 +294,12 @@ class _LogSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (out,) = ctx.saved_tensors
-        gz = grad - out.exp() * grad.sum(-1, keepdim=True)
+        # grad - softmax * sum(grad), divided by T: one [rows, V] fp32 temporary, in place
+        gz = out.exp().mul_(grad.sum(-1, keepdim=True)).neg_().add_(grad)
         temps = ctx.temperature
         if isinstance(temps, torch.Tensor):
             temps = temps.reshape(*out.shape[:-1], 1) if temps.numel() > 1 else temps.reshape(())
-        return (gz / temps).to(ctx.dtype), None
+        return gz.div_(temps).to(ctx.dtype), None
 
 
 def log_softmax(x: torch.Tensor, temperature: torch.Tensor | float = 1.0) -> torch.Tensor:

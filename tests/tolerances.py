@@ -149,3 +149,46 @@ def assert_within(got: torch.Tensor, want: torch.Tensor, atol: torch.Tensor, wha
             f"{float(want.flatten()[worst]):.9g}| = {float(diff.flatten()[worst]):.3g} "
             f"> {float(atol.flatten()[worst]):.3g}"
         )
+
+
+# ---- batch-invariant kernels (miles_native.kernels.batch_invariant) ---------------------------
+#: Unit roundoff of each dtype a kernel stores its result in (half the gap between 1 and the next
+#: number): fp32 24 significant bits, bf16 8, fp16 11. A result rounded once to the output dtype
+#: is within this, relative, of the fp32 value it was rounded from.
+UNIT_ROUNDOFF = {torch.float32: FP32_EPS, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+def dot_atol(reference: torch.Tensor, abs_products: torch.Tensor, k: int, dtype) -> torch.Tensor:
+    """A sum of ``k`` products of ``dtype`` inputs (exact in fp32), accumulated in fp32 and
+    rounded once to ``dtype``: ``k`` fp32 roundings of partial sums bounded by
+    ``abs_products = sum |x_i w_i|``, plus the final rounding of ``|reference|``."""
+    return k * FP32_EPS * abs_products.double() + UNIT_ROUNDOFF[dtype] * reference.double().abs()
+
+
+def attention_atol(reference, scores_abs, n_keys: int, v_max: float, dim: int, dtype):
+    """One query's softmax-weighted sum of ``n_keys`` value rows in fp32, rounded to ``dtype``.
+
+    Each score is a ``dim``-term fp32 dot (``dim`` roundings of partial sums bounded by
+    ``scores_abs``, the largest ``scale * sum |q_d k_d|``, and the scaling): an error ``ds``
+    moves the probabilities by at most ``2 ds`` in l1, so the output by ``2 ds * v_max``. The
+    weighted sum adds ``n_keys`` roundings of terms bounded by ``v_max``; the exponentials, the
+    running rescales and the final division a few more (8).
+    """
+    ds = (dim + 2) * FP32_EPS * scores_abs
+    fp32 = (2 * ds + (n_keys + 8) * FP32_EPS) * v_max
+    return fp32 + UNIT_ROUNDOFF[dtype] * reference.double().abs()
+
+
+def row_mean_atol(reference: torch.Tensor, abs_mean: torch.Tensor, n: int, dtype) -> torch.Tensor:
+    """A mean of ``n`` values summed in fp32 (``n`` roundings bounded by ``n * abs_mean``, i.e.
+    ``n * FP32_EPS * abs_mean`` after the division, which rounds once more), then ``dtype``."""
+    fp32 = (n + 1) * FP32_EPS * abs_mean.double()
+    return fp32 + UNIT_ROUNDOFF[dtype] * reference.double().abs()
+
+
+def log_softmax_atol(reference: torch.Tensor, scaled: torch.Tensor, n: int) -> torch.Tensor:
+    """fp32 ``z - log sum exp z`` over ``n`` entries (``z = x / T``, rounded once): the sum of
+    ``n`` exponentials in ``(0, 1]`` is off by ``(n + 4) FP32_EPS`` relative (its additions and
+    each exponential's rounding), hence its log by that absolute; ``z``, the log's own rounding
+    and the subtraction each add one rounding of a term bounded by ``|z| + |reference|``."""
+    return FP32_EPS * ((n + 4) + 3 * (scaled.double().abs() + reference.double().abs()))

@@ -163,9 +163,3 @@ def test_engine_and_trainer_temperature_scaling_agree():
     with bi.mode():
         trainer = token_log_probs(logits[None], targets[None], temperature)[0]
     assert torch.equal(engine.gather(-1, targets[:, None])[:, 0], trainer)
-
-
-def test_refuse_cuda_says_why():
-    bi.refuse_cuda("cpu")
-    with pytest.raises(ValueError, match="batch-invariant kernels are not built yet"):
-        bi.refuse_cuda("cuda:0")

@@ -29,20 +29,23 @@ RESPONSE_LEN = 6
 TEMPERATURE = 0.7
 
 
-def engine_rollout(hf_dir) -> RolloutBatch:
-    """The three prompts' responses sampled by the engine that ``python -m
-    miles_launch.builtin_engine --true-on-policy`` builds (its parser and loader, in this
-    process: the scheduler thread, no HTTP), submitted together: one prompt group."""
+def engine_rollout(
+    hf_dir, device: str = "cpu", prompts=PROMPTS, response_len: int = RESPONSE_LEN
+) -> RolloutBatch:
+    """The prompts' responses sampled by the engine that ``python -m
+    miles_launch.builtin_engine --true-on-policy --device DEVICE`` builds (its parser and
+    loader, in this process: the scheduler thread, no HTTP), submitted together: one prompt
+    group (tests/gpu/test_true_on_policy_gpu.py runs it on a GPU)."""
     from miles_launch.builtin_engine.__main__ import build_state, parse_args
     from miles_launch.builtin_engine.request import Request
     from miles_launch.builtin_engine.sampling import SamplingParams
 
-    config = parse_args(["--model-path", str(hf_dir), "--true-on-policy"])
-    assert config.true_on_policy and config.dtype == "float32"
+    config = parse_args(["--model-path", str(hf_dir), "--true-on-policy", "--device", device])
+    assert config.true_on_policy and config.dtype == ("float32" if device == "cpu" else "auto")
     state = build_state(config)
     assert state.scheduler.model.config._attn_implementation == batch_invariant.HF_ATTENTION_NAME
     done = threading.Semaphore(0)
-    params = dict(max_new_tokens=RESPONSE_LEN, temperature=TEMPERATURE, ignore_eos=True)
+    params = dict(max_new_tokens=response_len, temperature=TEMPERATURE, ignore_eos=True)
     requests = [
         Request(
             rid=str(i),
@@ -50,7 +53,7 @@ def engine_rollout(hf_dir) -> RolloutBatch:
             params=SamplingParams(**params, sampling_seed=i),
             on_done=lambda r: done.release(),
         )
-        for i, prompt in enumerate(PROMPTS)
+        for i, prompt in enumerate(prompts)
     ]
     try:
         state.scheduler.submit(requests)
@@ -60,11 +63,11 @@ def engine_rollout(hf_dir) -> RolloutBatch:
         state.scheduler.shutdown()
     samples = []
     for i, req in enumerate(requests):
-        assert req.finish_reason["type"] == "length" and len(req.output_ids) == RESPONSE_LEN
+        assert req.finish_reason["type"] == "length" and len(req.output_ids) == response_len
         samples.append(
             Sample(
                 tokens=torch.tensor(req.prompt_ids + req.output_ids),
-                response_length=RESPONSE_LEN,
+                response_length=response_len,
                 reward=float(i),
                 rollout_log_probs=torch.tensor(req.output_logprobs),
             )
@@ -101,6 +104,12 @@ def test_the_mismatch_is_exactly_zero_with_the_mode_and_not_without(one_rank_gro
     attn, metrics = train_once(hf_dir, batch, attn_implementation=None, true_on_policy=True)
     assert attn == batch_invariant.HF_ATTENTION_NAME
     assert metrics[mismatch.ABS_DIFF] == 0.0, metrics
+    assert metrics[mismatch.ABS_DIFF_MAX] == 0.0, metrics
+    # with gradient checkpointing the backward's recompute runs in the mode too (else torch's
+    # checkpoint sees other ops saving other tensors, and refuses)
+    _, metrics = train_once(
+        hf_dir, batch, attn_implementation=None, true_on_policy=True, gradient_checkpointing=True
+    )
     assert metrics[mismatch.ABS_DIFF_MAX] == 0.0, metrics
 
     attn, metrics = train_once(hf_dir, batch, use_rollout_logprobs=True)

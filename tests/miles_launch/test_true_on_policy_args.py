@@ -22,13 +22,23 @@ def test_it_implies_the_engine_log_probs_and_the_dense_head_and_reaches_the_engi
     assert not plain.use_rollout_logprobs and plain.fused_log_probs
 
 
+def test_with_sglang_it_passes_sglang_s_own_switches(tmp_path):
+    from miles_launch.engine_launch.sglang_launcher import sglang_server_command
+
+    args = parse(tmp_path, "--true-on-policy", "--rollout-engine", "sglang")
+    cmd = sglang_server_command(args, host="h", port=5, python="py")
+    tail = cmd[cmd.index("--rl-on-policy-target") :]
+    assert tail[:5] == [
+        "--rl-on-policy-target", "fsdp", "--enable-deterministic-inference",
+        "--attention-backend", "fa3",
+    ]  # fmt: skip
+    plain = sglang_server_command(parse(tmp_path, "--rollout-engine", "sglang"), host="h", port=5)
+    assert "--rl-on-policy-target" not in plain and "--enable-deterministic-inference" not in plain
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (
-            ("--true-on-policy", "--rollout-engine", "sglang"),
-            "--true-on-policy with --rollout-engine sglang: SGLang's on-policy switches",
-        ),
         ((*ON, "--fused-log-probs"), "--fused-log-probs with --true-on-policy"),
         ((*ON, "--loss-type", "sft_loss"), "--loss-type sft_loss ignores --true-on-policy"),
     ],
@@ -43,7 +53,10 @@ def test_refused_where_not_honoured(tmp_path, flags, message):
     "flags, message",
     [
         (("--attn-implementation", "sdpa"), "--attn-implementation sdpa with --true-on-policy"),
-        ((), "--true-on-policy computes in fp32 on CPU, and the compute dtype is bf16"),
+        (
+            ("--fp16",),
+            "--true-on-policy computes in bf16 \\(GPU\\) or fp32, and the compute dtype is fp16",
+        ),
         (("--fsdp-compute-dtype", "fp32", "--bf16"), "contradicts --bf16"),
     ],
 )
@@ -60,28 +73,44 @@ def test_the_fsdp_backend_refuses_another_attention_or_dtype(tmp_path, flags, me
         parse_args([*common, *ON, *flags], groups)
     args = parse_args([*common, *ON, "--fsdp-compute-dtype", "fp32"], groups)
     assert args.attn_implementation is None  # the backend takes the mode's own attention
+    parse_args([*common, *ON], groups)  # bf16: a GPU's dtype (the backend checks the device)
 
 
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (("--device", "cuda"), "--true-on-policy runs on CPU only"),
-        (("--dtype", "bfloat16"), "--true-on-policy computes in float32, got --dtype bfloat16"),
+        (
+            ("--dtype", "bfloat16"),
+            "--true-on-policy computes in float32 on CPU, got --dtype bfloat16",
+        ),
+        (
+            ("--device", "cuda", "--dtype", "float16"),
+            "--true-on-policy computes in bfloat16 or float32 on a GPU, got --dtype float16",
+        ),
     ],
 )
-def test_the_engine_refuses_a_gpu_and_another_dtype(flags, message):
+def test_the_engine_refuses_another_dtype(flags, message):
     from miles_launch.builtin_engine.__main__ import parse_args as engine_args
 
     with pytest.raises(ArgumentError, match=message):
         engine_args(["--model-path", "m", "--true-on-policy", *flags])
+    config = engine_args(["--model-path", "m", "--true-on-policy"])
+    assert config.dtype == "float32"  # CPU: float32 whatever the checkpoint holds
 
 
-def test_preflight_refuses_a_machine_with_gpus(tmp_path, monkeypatch):
-    import miles_launch.preflight as preflight_module
+def test_the_fsdp_backend_checks_the_engine_dtype_on_the_device():
+    """On CPU fp32; on a GPU the checkpoint's dtype, which the engine loads (``--dtype auto``)
+    and the weights are published in."""
+    pytest.importorskip("miles_fsdp")
+    import torch
+    from miles_fsdp.true_on_policy import check_true_on_policy_dtype
 
-    args = parse(tmp_path, *ON)
-    monkeypatch.setattr(preflight_module, "local_gpus", lambda: 1)
-    with pytest.raises(ArgumentError, match="batch-invariant kernels are not built yet"):
-        preflight_module.check_true_on_policy(args)
-    monkeypatch.setattr(preflight_module, "local_gpus", lambda: 0)
-    preflight_module.check_true_on_policy(args)
+    bf16 = {"w": torch.bfloat16, "b": torch.bfloat16, "ids": torch.int64}
+    check_true_on_policy_dtype(torch.device("cpu"), torch.float32, bf16)
+    check_true_on_policy_dtype(torch.device("cuda:0"), torch.bfloat16, bf16)
+    with pytest.raises(
+        ArgumentError, match="computes in fp32 on CPU, and the compute dtype is bf16"
+    ):
+        check_true_on_policy_dtype(torch.device("cpu"), torch.bfloat16, bf16)
+    with pytest.raises(ArgumentError, match="holds bf16 while the compute dtype is fp32"):
+        check_true_on_policy_dtype(torch.device("cuda:0"), torch.float32, bf16)

@@ -46,6 +46,8 @@ from sglang_release import register  # noqa: E402
 
 TP_RANK = 0
 DEVICE = "cpu"
+#: ServerArgs fields whose parsed values /parse_server_args returns (beside ``api_key``).
+READ_BACK = ("rl_on_policy_target", "enable_deterministic_inference", "attention_backend")
 
 
 class ParseError(Exception):
@@ -169,7 +171,8 @@ class StandIn:
             namespace, unknown = parser.parse_known_args(argv)
         except (ParseError, ValueError) as error:
             return {"unknown": [], "error": str(error)}
-        return {"unknown": unknown, "error": None, "api_key": namespace.api_key}
+        seen = {k: getattr(namespace, k, None) for k in READ_BACK}
+        return {"unknown": unknown, "error": None, "api_key": namespace.api_key, **seen}
 
     def parse_router_args(self, argv: list[str]) -> dict:
         if self.router_root is None:

@@ -28,6 +28,7 @@ CASES = {
     "offload-rollout": ["--colocate", "--offload-rollout"],
     "routing-replay": ["--use-rollout-routing-replay"],
     "seed-passthrough-examples": SEED_EXAMPLES,
+    "true-on-policy": ["--true-on-policy"],
     "tensor-parallel": ["--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2",
                         "--sglang-cuda-graph-bs-decode", "1", "2", "4"],
 }  # fmt: skip
@@ -91,6 +92,22 @@ def test_recipe_server_command_line_parses(script, sglang_engine, tmp_path):
     args = parse_args(argv, entry_point_groups("core", "fsdp", "launch"))
     argv = server_argv(args)
     assert_parses(sglang_engine.parse_server_args(argv), argv)
+
+
+def test_true_on_policy_switches_reach_sglang_s_parser(sglang_engine, tmp_path):
+    """--true-on-policy: SGLang's own parser reads its on-policy target, deterministic
+    inference and a deterministic attention backend; a backend the job names itself wins."""
+    reply = sglang_engine.parse_server_args(server_argv(parse(tmp_path, ["--true-on-policy"])))
+    assert (reply["unknown"], reply["error"]) == ([], None), reply
+    assert reply["rl_on_policy_target"] == "fsdp"
+    assert reply["enable_deterministic_inference"] is True
+    assert reply["attention_backend"] == "fa3"
+    own = ["--true-on-policy", "--sglang-attention-backend", "triton"]
+    argv = server_argv(parse(tmp_path, own))
+    assert argv.count("--attention-backend") == 1
+    assert sglang_engine.parse_server_args(argv)["attention_backend"] == "triton"
+    plain = sglang_engine.parse_server_args(server_argv(parse(tmp_path, [])))
+    assert plain["rl_on_policy_target"] is None and plain["enable_deterministic_inference"] is False
 
 
 def test_removed_flag_is_unknown(sglang_engine, tmp_path):

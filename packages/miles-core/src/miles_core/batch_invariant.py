@@ -23,17 +23,29 @@ depend on the others is computed by one fixed computation of that token alone:
 RMSNorm, softmax and ``log_softmax`` reduce each row over its last dimension; with one thread
 their per-row results are batch-invariant on CPU as they are (tests/miles_core/
 test_batch_invariant.py checks it), so the mode leaves them to torch. Both sides scale the
-logits by ``1 / T`` and take ``log_softmax`` in float32 (:func:`miles_core.log_probs.
+logits by ``1 / T`` and take ``log_softmax`` in float32 through one function,
+:func:`miles_core.log_probs.scaled_log_softmax` (the trainer's :func:`miles_core.log_probs.
 token_log_probs` and the engine's sampler).
 
-The mode is for correctness on CPU in float32; it is slow (a Python loop over rows and
-queries). There are no batch-invariant GPU kernels yet: :func:`refuse_cuda` says so.
+On a GPU (the tensors on CUDA, bf16 or fp32) the same four ops run as Triton kernels of
+:mod:`miles_native.kernels.batch_invariant`, whose row results do not depend on the batch,
+padding or pack either: ``F.linear`` (fixed tiles, no split-K), the attention (one program per
+query and head over its contiguous key range, blocks counted from its first key), the
+``mean`` over the last dimension (RMSNorm's variance: the mode takes ``x.mean(-1)`` of a CUDA
+tensor) and the temperature-scaled ``log_softmax`` (torch divides a CUDA tensor by a Python
+float as a multiplication by its reciprocal, but by a tensor of temperatures exactly: the kernel
+divides both alike). The kernels come from the miles-native package, imported when the mode
+first meets a CUDA tensor.
+
+The CPU path is for correctness in float32; it is slow (a Python loop over rows and queries).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -43,10 +55,32 @@ from torch.overrides import TorchFunctionMode
 HF_ATTENTION_NAME = "miles_batch_invariant"
 #: What the mode sets ``torch.set_num_threads`` to.
 NUM_THREADS = 1
+_state = threading.local()
+#: The dtypes the GPU kernels compute in.
+_GPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _gpu() -> ModuleType:
+    """The GPU kernels (:mod:`miles_native.kernels.batch_invariant`), one line if absent."""
+    try:
+        from miles_native.kernels import batch_invariant as kernels
+    except ImportError as exc:
+        raise RuntimeError(
+            f"--true-on-policy on a GPU needs the miles-native package's Triton kernels ({exc})"
+        ) from exc
+    return kernels
+
+
+def active() -> bool:
+    """Whether this thread is inside :func:`mode`."""
+    return getattr(_state, "depth", 0) > 0
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` computed one row at a time by the same reduction (see the module doc)."""
+    """``F.linear`` computed one row at a time by the same reduction (see the module doc); on
+    CUDA the GPU kernel."""
+    if x.is_cuda:
+        return _gpu().linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     out = [(weight * rows[i]).sum(-1) for i in range(rows.shape[0])]
     y = torch.stack(out) if out else rows.new_empty(0, weight.shape[0])
@@ -76,6 +110,8 @@ def attention(
     batch, heads, q_len, dim = query.shape
     group = heads // key.shape[1]
     scale = dim**-0.5 if scaling is None else scaling
+    if query.is_cuda:
+        return _gpu().attention(query, key, value, attention_mask, scale), None
     out = query.new_zeros(batch, q_len, heads, dim)
     for b in range(batch):
         k_b = key[b].repeat_interleave(group, dim=0)  # (H, Tk, D)
@@ -92,33 +128,54 @@ def attention(
     return out, None
 
 
+def _last_dim_mean(args: tuple, kwargs: dict) -> bool | None:
+    """``keepdim`` when ``torch.mean(x, -1[, keepdim])`` is a mean over a CUDA tensor's last
+    dimension (RMSNorm's variance), else None."""
+    x = args[0] if args else kwargs.get("input")
+    if not isinstance(x, torch.Tensor) or not x.is_cuda or x.dtype not in _GPU_DTYPES:
+        return None
+    if x.dim() == 0 or kwargs.get("dtype") is not None or kwargs.get("out") is not None:
+        return None
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    if isinstance(dim, (tuple, list)) and len(dim) == 1:
+        dim = dim[0]
+    if not isinstance(dim, int) or dim not in (-1, x.dim() - 1):
+        return None
+    return bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+
+
 class _Mode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
             return linear(*args, **kwargs)
+        if func is torch.mean or func is torch.Tensor.mean:
+            keepdim = _last_dim_mean(args, kwargs)
+            if keepdim is not None:
+                x = args[0] if args else kwargs["input"]
+                return _gpu().row_mean(x, keepdim=keepdim)
         return func(*args, **kwargs)
+
+
+def log_softmax(logits: torch.Tensor, temperature: torch.Tensor | float) -> torch.Tensor:
+    """``log_softmax(logits.float() / temperature, -1)`` of CUDA logits by the GPU kernel
+    (``temperature`` one float or one per row)."""
+    return _gpu().log_softmax(logits, temperature)
 
 
 @contextlib.contextmanager
 def mode() -> Iterator[None]:
-    """Within (on this thread): ``F.linear`` is :func:`linear`, one intra-op thread."""
+    """Within (on this thread): ``F.linear`` is :func:`linear`, a CUDA tensor's last-dim
+    ``mean`` the GPU kernel's, one intra-op thread."""
     threads = torch.get_num_threads()
     torch.set_num_threads(NUM_THREADS)
+    _state.depth = getattr(_state, "depth", 0) + 1
     try:
         with _Mode():
             yield
     finally:
+        _state.depth -= 1
         torch.set_num_threads(threads)
-
-
-def refuse_cuda(device: torch.device | str) -> None:
-    """The mode's one line on a GPU: its batch-invariant kernels are not built."""
-    if torch.device(device).type != "cpu":
-        raise ValueError(
-            f"--true-on-policy runs on CPU only (device {device}): the GPU's batch-invariant "
-            "kernels are not built yet"
-        )
 
 
 def _mask(*args, **kwargs):

@@ -8,6 +8,18 @@ from __future__ import annotations
 
 import torch
 
+from miles_core import batch_invariant
+
+
+def scaled_log_softmax(logits: torch.Tensor, temperature: torch.Tensor | float) -> torch.Tensor:
+    """``log_softmax(logits.float() / temperature, -1)``: the one function the trainer
+    (:func:`token_log_probs`) and the built-in engine's sampler (a tensor of one temperature
+    per row) take their log-probs with. Within :func:`miles_core.batch_invariant.mode`, CUDA
+    logits go through its GPU kernel."""
+    if logits.is_cuda and batch_invariant.active():
+        return batch_invariant.log_softmax(logits, temperature)
+    return torch.log_softmax(logits.float() / temperature, dim=-1)
+
 
 def token_log_probs(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
@@ -19,7 +31,7 @@ def token_log_probs(
     """
     if temperature <= 0:
         raise ValueError(f"--rollout-temperature must be > 0 for log-probs, got {temperature}")
-    log_p = torch.log_softmax(logits.float() / temperature, dim=-1)
+    log_p = scaled_log_softmax(logits, temperature)
     return log_p.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
 
 

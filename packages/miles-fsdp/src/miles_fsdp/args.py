@@ -158,10 +158,9 @@ class FSDPArgs(ArgGroup):
                 "reorder the arithmetic the mode keeps identical to the engine's (drop one)"
             )
         compute = named or args.fsdp_compute_dtype or "bf16"
-        if args.true_on_policy and compute != "fp32":
+        if args.true_on_policy and compute == "fp16":
             raise ArgumentError(
-                f"--true-on-policy computes in fp32 on CPU, and the compute dtype is {compute} "
-                "(add --fsdp-compute-dtype fp32)"
+                "--true-on-policy computes in bf16 (GPU) or fp32, and the compute dtype is fp16"
             )
         if args.profile_step_end <= args.profile_step_start:
             raise ArgumentError(

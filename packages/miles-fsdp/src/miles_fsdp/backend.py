@@ -38,6 +38,7 @@ from miles_fsdp.output_head import check_fused_head
 from miles_fsdp.precision import PrecisionConfig, precision_of
 from miles_fsdp.profiling import TrainProfiler
 from miles_fsdp.roles import component_names, frozen_role, frozen_sources
+from miles_fsdp.true_on_policy import check_true_on_policy_dtype
 from miles_fsdp.weight_source import WeightSource
 
 
@@ -110,8 +111,10 @@ class FSDPBackend(TrainBackend):
         for policy in self.adaptation.precision_policies:
             precision = policy(self.config, precision)
         self.precision: PrecisionConfig = precision
-        if args.true_on_policy:  # miles_core.batch_invariant: CPU only, its own attention
-            batch_invariant.refuse_cuda(self.device)
+        if args.true_on_policy:  # miles_core.batch_invariant: its own attention
+            check_true_on_policy_dtype(
+                self.device, precision.compute_dtype, self.info.tensor_dtypes
+            )
             self.attn_implementation = batch_invariant.register_hf()
         else:
             self.attn_implementation = resolve_attn_implementation(args.attn_implementation)
@@ -133,6 +136,7 @@ class FSDPBackend(TrainBackend):
             moe_kernel=self.moe_kernel,
             routing_replay=self.routing_replay,
             compile_layers=args.compile_decoder_layers,
+            batch_invariant=args.true_on_policy,
         )
         if role == "critic":  # the actor's architecture with a value head (miles_fsdp.critic)
             trained = RoleSpec(

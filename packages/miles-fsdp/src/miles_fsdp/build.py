@@ -23,6 +23,7 @@ What differs between roles is a :class:`RoleSpec`; what they share is a :class:`
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +62,8 @@ class BuildPlan:
     routing_replay: RoutingReplay | None = None
     #: ``--compile-decoder-layers``: every role's decoder layers run compiled forwards
     compile_layers: bool = False
+    #: ``--true-on-policy``: a checkpointed layer's recompute runs in the batch-invariant mode too
+    batch_invariant: bool = False
 
 
 @dataclass(frozen=True)
@@ -99,18 +102,34 @@ def placement(device: torch.device, cpu_offload: bool) -> Placement:
     return Placement(params=torch.device("cpu") if cpu_offload else device, buffers=device)
 
 
-def enable_gradient_checkpointing(model: nn.Module, layers: int | None = None) -> None:
+def enable_gradient_checkpointing(
+    model: nn.Module, layers: int | None = None, batch_invariant: bool = False
+) -> None:
     """HF gradient checkpointing (non-reentrant) of every decoder layer, or of the first
-    ``layers`` only (``--gradient-checkpointing-layers``): the others keep their activations."""
+    ``layers`` only (``--gradient-checkpointing-layers``): the others keep their activations.
+    With ``batch_invariant`` the recompute in the backward runs in
+    :func:`miles_core.batch_invariant.mode`, as the forward did (the mode is a thread's, and
+    the backward's recompute is not inside the forward's ``with``)."""
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if batch_invariant:
+        kwargs["context_fn"] = _batch_invariant_recompute
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24
-        model.activation_checkpointing_enable({"use_reentrant": False})
+        model.activation_checkpointing_enable(kwargs)
     else:
-        model.gradient_checkpointing_enable({"use_reentrant": False})
+        model.gradient_checkpointing_enable(kwargs)
     if layers is None:
         return
     decoder = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     for module in decoder[layers:]:
         module.gradient_checkpointing = False
+
+
+def _batch_invariant_recompute():
+    """``context_fn`` of ``torch.utils.checkpoint``: the forward as it is, the recompute in the
+    batch-invariant mode."""
+    from miles_core import batch_invariant
+
+    return contextlib.nullcontext(), batch_invariant.mode()
 
 
 def build_model(plan: BuildPlan, spec: RoleSpec) -> nn.Module:
@@ -132,7 +151,7 @@ def build_model(plan: BuildPlan, spec: RoleSpec) -> nn.Module:
     if not spec.trainable:
         model.requires_grad_(False)
     elif spec.gradient_checkpointing:
-        enable_gradient_checkpointing(model, spec.checkpoint_layers)
+        enable_gradient_checkpointing(model, spec.checkpoint_layers, plan.batch_invariant)
     if plan.compile_layers:  # compiled at the first forward, inside FSDP's and HF's wrappers
         compile_layers(decoder_layers(model))
     apply_fsdp(model, plan.mesh, precision, cpu_offload=spec.cpu_offload)

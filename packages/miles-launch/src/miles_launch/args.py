@@ -264,11 +264,6 @@ class EngineLaunchArgs(ArgGroup):
                         f"{option(dest)} acts on engine restarts, and this job makes none "
                         "(--engine-restart-limit 0)"
                     )
-        if args.true_on_policy and args.rollout_engine == "sglang":
-            raise ArgumentError(
-                "--true-on-policy with --rollout-engine sglang: SGLang's on-policy switches "
-                "(--rl-on-policy-target) are not passed yet; use --rollout-engine builtin"
-            )
         if args.rollout_engine == "builtin" and args.rollout_num_gpus_per_engine > 1:
             raise ArgumentError(
                 f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}: the built-in "

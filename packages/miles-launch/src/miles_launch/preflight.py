@@ -27,8 +27,8 @@ notes a run prints at startup (a ``--load`` that starts fresh). Checked, in this
   written by this ``--train-backend``, or no tracker at all: then the run starts fresh and says
   so, or refuses under ``--load-required``;
 * the machine: every flag group's ``preflight`` hook (the backend's decides whether it runs
-  here: Megatron needs a CUDA device, FSDP does not), a local job's bundles against this
-  machine's GPUs, and ``--true-on-policy`` on a machine without GPUs (CPU only for now);
+  here: Megatron needs a CUDA device, FSDP does not) and a local job's bundles against this
+  machine's GPUs;
 * memory: the memory plan's estimate per trainer GPU (:mod:`miles_launch.memory_plan`) against
   ``--gpu-memory-gib`` or the local GPU, unless ``--ignore-memory-plan``.
 
@@ -78,7 +78,6 @@ def preflight(args: Any, groups: Sequence[type[ArgGroup]]) -> PreflightResult:
         lambda: check_loads(args, result.notes),
         *[lambda group=group: group.preflight(args) for group in groups],
         lambda: check_local_devices(args),
-        lambda: check_true_on_policy(args),
         lambda: check_memory(args, local_gpus() > 0 and not args.ray_address),
     ]
     for check in checks:
@@ -359,16 +358,6 @@ def local_gpus() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def check_true_on_policy(args: Any) -> None:
-    """``--true-on-policy`` runs on CPU: a local job on a machine with GPUs would put its ranks
-    and engines on them, where the batch-invariant kernels are not built yet."""
-    if args.true_on_policy and not args.ray_address and local_gpus():
-        raise ArgumentError(
-            "--true-on-policy runs on CPU only, and this machine has GPUs: the GPU's "
-            "batch-invariant kernels are not built yet"
-        )
 
 
 def check_local_devices(args: Any) -> None:

@@ -62,7 +62,8 @@ def parse_args(argv: list[str] | None = None):
         "--true-on-policy",
         action="store_true",
         help="batch-invariant forward (miles_core.batch_invariant): each token's log-prob is "
-        "bitwise what the FSDP trainer computes under --true-on-policy (CPU, float32 only)",
+        "bitwise what the FSDP trainer computes under --true-on-policy (CPU: float32; GPU: "
+        "the checkpoint's bfloat16 or float32)",
     )
     p.add_argument("--log-level", default="warning")
     ns = p.parse_args(argv)
@@ -77,14 +78,14 @@ def parse_args(argv: list[str] | None = None):
     if ns.context_length is not None and ns.context_length < 2:
         _fail(f"--context-length must be >= 2, got {ns.context_length}")
     if ns.true_on_policy:
-        if ns.device != "cpu":
+        if ns.device == "cpu":
+            if ns.dtype not in ("auto", "float32"):
+                _fail(f"--true-on-policy computes in float32 on CPU, got --dtype {ns.dtype}")
+            ns.dtype = "float32"
+        elif ns.dtype not in ("auto", "bfloat16", "float32"):
             _fail(
-                f"--true-on-policy runs on CPU only (--device {ns.device}): the GPU's "
-                "batch-invariant kernels are not built yet"
+                f"--true-on-policy computes in bfloat16 or float32 on a GPU, got --dtype {ns.dtype}"
             )
-        if ns.dtype not in ("auto", "float32"):
-            _fail(f"--true-on-policy computes in float32, got --dtype {ns.dtype}")
-        ns.dtype = "float32"
     ns.tokenizer_path = ns.tokenizer_path or ns.model_path
     ns.api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
     if not ns.api_key and not is_loopback(ns.host):

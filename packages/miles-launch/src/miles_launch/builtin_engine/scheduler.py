@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 from miles_core import batch_invariant
+from miles_core.log_probs import scaled_log_softmax
 from transformers import DynamicCache
 
 from miles_launch.builtin_engine import batch_cache
@@ -401,7 +402,7 @@ class Scheduler:
         temps = torch.tensor(
             [1.0 if r.params.greedy else r.params.temperature for r in reqs], device=logits.device
         )
-        logprobs = torch.log_softmax(logits.float() / temps[:, None], dim=-1)
+        logprobs = scaled_log_softmax(logits, temps[:, None])
         for req, row in zip(reqs, logprobs):
             try:
                 self._append_token(req, row)

@@ -6,8 +6,10 @@ and ``--sglang-context-length`` are declared flags turned into ``--mem-fraction-
 ``--context-length``, ``--sglang-api-key`` is SGLang's ``--api-key``, written to a private file
 that ``--config`` names (SGLang reads its options from that YAML; the key stays out of ``ps``);
 every undeclared ``--sglang-<x>`` is passed through as ``--<x>`` (not ``--sglang-config``).
-``--enable-memory-saver`` is added under ``--offload-rollout`` and
-``--enable-return-routed-experts`` under ``--use-rollout-routing-replay``.
+``--enable-memory-saver`` is added under ``--offload-rollout``,
+``--enable-return-routed-experts`` under ``--use-rollout-routing-replay``, and SGLang's own
+true on-policy switches (:data:`TRUE_ON_POLICY_SWITCHES`) under ``--true-on-policy``; a switch
+the job's ``--sglang-<x>`` flags already name is left to them.
 """
 
 from __future__ import annotations
@@ -32,6 +34,16 @@ RESERVED = {
     # miles writes SGLang's --config file: it carries the API key (give options as --sglang-<x>)
     "config": "(set by miles)",
 }
+
+
+#: SGLang's switches for ``--true-on-policy`` (its own mode of matching an FSDP trainer): the
+#: target, deterministic inference (batch-invariant ops), and an attention backend of its
+#: deterministic ones. Bitwise agreement with this trainer is not verified (docs/rl-math.md).
+TRUE_ON_POLICY_SWITCHES: tuple[tuple[str, str | None], ...] = (
+    ("rl-on-policy-target", "fsdp"),
+    ("enable-deterministic-inference", None),
+    ("attention-backend", "fa3"),
+)
 
 
 def check_passthrough(passthrough: dict[str, Any]) -> None:
@@ -81,5 +93,9 @@ def sglang_server_command(
         cmd.append("--enable-memory-saver")
     if routing_replay_on(args) and "enable-return-routed-experts" not in args.sglang_passthrough:
         cmd.append("--enable-return-routed-experts")
+    if getattr(args, "true_on_policy", False):
+        for name, value in TRUE_ON_POLICY_SWITCHES:
+            if name not in args.sglang_passthrough:
+                cmd += [f"--{name}"] if value is None else [f"--{name}", value]
     cmd += passthrough_to_argv(args.sglang_passthrough)
     return cmd

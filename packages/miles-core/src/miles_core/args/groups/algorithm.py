@@ -199,7 +199,8 @@ class AlgorithmArgs(ArgGroup):
         False,
         help="The engine's sampled log-probs and the trainer's are bitwise equal: both sides "
         "run batch-invariant ops (miles_core.batch_invariant); implies --use-rollout-logprobs. "
-        "FSDP backend with the built-in engine, on CPU in float32.",
+        "FSDP backend with the built-in engine: on CPU in float32, on a GPU in the checkpoint's "
+        "bf16 or fp32; with SGLang engines, passes SGLang's own switches (not verified bitwise).",
     )
     calculate_per_token_loss: bool = flag(
         False, help="Average the loss over tokens (default: per sample, then over samples)."

@@ -9,8 +9,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: Packages whose code reads flags as attributes of the namespace or through args.run_config.
-TYPED_PACKAGES = ("miles-core", "miles-launch", "miles-sync", "miles-megatron")
+#: Every workspace package: each reads flags as attributes of the namespace or through
+#: args.run_config.
+TYPED_PACKAGES = tuple(sorted(p.name for p in (ROOT / "packages").iterdir() if p.is_dir()))
 
 
 def test_no_getattr_args_reads_in_the_typed_packages():
@@ -23,5 +24,6 @@ def test_no_getattr_args_reads_in_the_typed_packages():
             count = len(pattern.findall(path.read_text()))
             if count:
                 found[str(path.relative_to(ROOT))] = count
+    assert {"miles-core", "miles-fsdp", "miles-megatron"} <= set(TYPED_PACKAGES)
     assert scanned > 100  # the packages' sources were read
     assert found == {}  # read args.x, flag_value(args, dest) or args.run_config (docs/args.md)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from miles_core.args import ArgGroup, ArgumentError, flag
+from miles_core.args.checks import flag_value, launch_world_size
 from miles_core.precision import explicit_dtype_name
 
 #: Shared flags this backend has no meaning for: refused at argument time, with the reason.
@@ -33,10 +34,9 @@ UNSUPPORTED_PARALLEL = (
 
 def _trainer_world_size(args: Any) -> int | None:
     """Number of trainer ranks when known at parse time (launcher placement or torchrun env)."""
-    nodes = getattr(args, "actor_num_nodes", None)
-    per_node = getattr(args, "actor_num_gpus_per_node", None)
-    if nodes and per_node:
-        return int(nodes) * int(per_node)
+    world = launch_world_size(args)
+    if world is not None:
+        return world
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
     return None
@@ -102,7 +102,7 @@ class FSDPArgs(ArgGroup):
     @classmethod
     def validate(cls, args: Any) -> None:
         for dest, option in UNSUPPORTED_PARALLEL:
-            size = getattr(args, dest, None)
+            size = flag_value(args, dest)
             if size is not None and size > 1:
                 raise ArgumentError(
                     f"{option} {size}: the FSDP backend is data parallel only; "
@@ -116,12 +116,12 @@ class FSDPArgs(ArgGroup):
                 f"--dp-replicate-size {args.dp_replicate_size} does not divide the "
                 f"{world} trainer ranks"
             )
-        if args.fsdp_cpu_offload and getattr(args, "stream_optimizer_state_to_disk", False):
+        if args.fsdp_cpu_offload and args.stream_optimizer_state_to_disk:
             raise ArgumentError(
                 "--stream-optimizer-state-to-disk and --fsdp-cpu-offload are mutually exclusive"
             )
         for dest, why in NOT_HONOURED:
-            if getattr(args, dest, False):
+            if flag_value(args, dest):
                 raise ArgumentError(
                     f"--{dest.replace('_', '-')} is not honoured by --train-backend fsdp ({why})"
                 )
@@ -130,7 +130,7 @@ class FSDPArgs(ArgGroup):
                 f"--attn-implementation {args.attn_implementation} with --true-on-policy: the "
                 "mode attends through its own batch-invariant attention (drop the flag)"
             )
-        names = getattr(args, "update_weight_target_module", None) or []
+        names = args.update_weight_target_module or []
         if len(names) > 1:
             raise ArgumentError(
                 f"--update-weight-target-module: the FSDP backend trains a causal LM, one "
@@ -187,7 +187,7 @@ class FSDPArgs(ArgGroup):
                     f"layers ({config})"
                 )
         for flag_name in ("ref_load", "teacher_load"):
-            path = getattr(args, flag_name, None)
+            path = flag_value(args, flag_name)
             if path and not (Path(path) / "config.json").is_file():
                 option = "--" + flag_name.replace("_", "-")
                 raise ArgumentError(

@@ -119,7 +119,7 @@ class FSDPBackend(TrainBackend):
         else:
             self.attn_implementation = resolve_attn_implementation(args.attn_implementation)
         self.moe_kernel = resolve_moe_kernel(
-            getattr(args, "moe_kernel", None), self.config.model_type, self.device.type
+            args.moe_kernel, self.config.model_type, self.device.type
         )
         # R3: one replay read by the routers of every role (built by the same path)
         self.routing_replay = RoutingReplay() if args.use_rollout_routing_replay else None
@@ -187,7 +187,7 @@ class FSDPBackend(TrainBackend):
                 args.load,
                 load_optim=args.load_optim,
                 load_rng=args.load_rng,
-                ckpt_step=getattr(args, "ckpt_step", None),
+                ckpt_step=args.ckpt_step,
             )
             self.state = loaded if loaded is not None else TrainState()
         return self.state.next_rollout_id

@@ -41,7 +41,7 @@ class LossScaler:
     @classmethod
     def from_args(cls, args: Any) -> LossScaler | None:
         """The scaler ``--fp16`` asks for; None for bf16 / fp32."""
-        if not getattr(args, "fp16", False):
+        if not args.fp16:
             return None
         if args.loss_scale is not None:
             return cls(scale=float(args.loss_scale), dynamic=False)

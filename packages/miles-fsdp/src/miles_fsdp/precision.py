@@ -79,6 +79,4 @@ def resolve_precision(
 
 def precision_of(args) -> PrecisionConfig:
     """:func:`resolve_precision` of the parsed flags."""
-    return resolve_precision(
-        train_dtype_name(args), getattr(args, "fsdp_compute_dtype", None), args.keep_fp32_master
-    )
+    return resolve_precision(train_dtype_name(args), args.fsdp_compute_dtype, args.keep_fp32_master)

@@ -235,7 +235,7 @@ def _train_rollout(ctx: RolloutContext, batch: RolloutBatch) -> tuple[dict[str, 
     num_steps = args.num_steps_per_rollout
     if ctx.hooks is not None and ctx.hooks.prepare is not None:
         batch = ctx.hooks.prepare(ctx.hooks.context, batch)
-    loss_type = getattr(args, "loss_type", "policy_loss")
+    loss_type = args.loss_type
     detach_old = old_policy.source(args) == old_policy.CURRENT
     if loss_type == "policy_loss":  # sft_loss and value_loss read no old or reference policy
         batch = _with_policy_log_probs(ctx, batch)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from miles_core.args import ArgGroup, ArgumentError, flag
-from miles_core.args.checks import flag_value
+from miles_core.args.checks import flag_value, launch_world_size
 from miles_core.args.checks import option as flag_option
 from miles_core.precision import train_dtype_name
 
@@ -387,15 +387,6 @@ def world_size_of(args: Any) -> int | None:
         return world
     env = os.environ.get("WORLD_SIZE")
     return int(env) if env else None
-
-
-def launch_world_size(args: Any) -> int | None:
-    """The trainer's world size from the launcher's flags; None when the parse has no
-    launcher group (the backend's ranks started by other means)."""
-    if "actor_num_nodes" not in args:  # the launcher's group was not parsed
-        return None
-    nodes, per_node = args.actor_num_nodes, args.actor_num_gpus_per_node
-    return nodes * per_node if nodes and per_node else None  # 0: the launcher's check says so
 
 
 def check_parallel_sizes(args: Any, world_size: int | None, model_args: dict | None) -> None:

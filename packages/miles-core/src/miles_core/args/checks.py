@@ -18,6 +18,15 @@ def flag_value(args: Any, dest: str) -> Any:
     return vars(args)[dest]
 
 
+def launch_world_size(args: Any) -> int | None:
+    """The trainer's world size from the launcher's flags; None when the parse has no
+    launcher group (the backend's ranks started by other means)."""
+    if "actor_num_nodes" not in args:  # the launcher's group was not parsed
+        return None
+    nodes, per_node = args.actor_num_nodes, args.actor_num_gpus_per_node
+    return nodes * per_node if nodes and per_node else None  # 0: the launcher's check says so
+
+
 def at_least(args: Any, dest: str, minimum: float) -> None:
     """``args.<dest> >= minimum`` (``None`` = unset passes)."""
     value = flag_value(args, dest)

@@ -93,7 +93,7 @@ def sglang_server_command(
         cmd.append("--enable-memory-saver")
     if routing_replay_on(args) and "enable-return-routed-experts" not in args.sglang_passthrough:
         cmd.append("--enable-return-routed-experts")
-    if getattr(args, "true_on_policy", False):
+    if args.true_on_policy:
         for name, value in TRUE_ON_POLICY_SWITCHES:
             if name not in args.sglang_passthrough:
                 cmd += [f"--{name}"] if value is None else [f"--{name}", value]

@@ -19,12 +19,13 @@ def peak_lr(cfg: OptimizerArgs) -> float:
 """
 
 
-def test_mypy_reports_a_misspelt_field_of_a_config_group(tmp_path):
+def _mypy_errors(tmp_path, name: str, text: str):
+    """mypy, under the repository's configuration, on ``text`` written to ``tmp_path/name``:
+    (the file, mypy's report), asserting that mypy ran and found errors."""
     from mypy import api
 
-    assert "lr" in OptimizerArgs.__dataclass_fields__  # the field the snippet misspells
-    snippet = tmp_path / "uses_config.py"
-    snippet.write_text(SNIPPET)
+    snippet = tmp_path / name
+    snippet.write_text(text)
     stdout, stderr, status = api.run(
         [
             str(snippet),
@@ -34,6 +35,13 @@ def test_mypy_reports_a_misspelt_field_of_a_config_group(tmp_path):
     )  # fmt: skip
     assert stderr == ""
     assert status == 1, stdout
+    return snippet, stdout
+
+
+def test_mypy_reports_a_misspelt_field_of_a_config_group(tmp_path):
+
+    assert "lr" in OptimizerArgs.__dataclass_fields__  # the field the snippet misspells
+    snippet, stdout = _mypy_errors(tmp_path, "uses_config.py", SNIPPET)
     lines = stdout.splitlines()
     # the right spelling: mypy reads the group's annotation (flag() itself returns Any)
     assert f'{snippet}:5: note: Revealed type is "float"' in lines, stdout
@@ -64,19 +72,8 @@ def peak_lr(cfg: RunConfig) -> float:
 def test_mypy_sees_the_types_of_a_run_config_read(tmp_path):
     """``args.run_config``'s typed properties and ``cfg[Group]`` give the group's declared
     field types; a misspelt field is an error through either."""
-    from mypy import api
 
-    snippet = tmp_path / "uses_run_config.py"
-    snippet.write_text(RUN_CONFIG_SNIPPET)
-    stdout, stderr, status = api.run(
-        [
-            str(snippet),
-            "--config-file", str(ROOT / "pyproject.toml"),
-            "--cache-dir", str(tmp_path / "mypy_cache"),
-        ]
-    )  # fmt: skip
-    assert stderr == ""
-    assert status == 1, stdout
+    snippet, stdout = _mypy_errors(tmp_path, "uses_run_config.py", RUN_CONFIG_SNIPPET)
     lines = stdout.splitlines()
     assert f'{snippet}:6: note: Revealed type is "float"' in lines, stdout
     assert f'{snippet}:7: note: Revealed type is "float"' in lines, stdout

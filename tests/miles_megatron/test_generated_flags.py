@@ -56,3 +56,35 @@ def test_argument_errors_and_help_import_no_heavy_module():
     assert code == 2 and heavy == "" and "--virtual-pipeline-model-parallel-size" in err, err
     code, heavy, _ = probe("train", "--help")
     assert code == 0 and heavy == ""
+
+
+UNPICKLE = """
+import pickle, sys
+args = pickle.loads(sys.stdin.buffer.read())
+cfg = args.run_config
+names = sorted(type(g).__name__ for g in cfg.groups if type(g).__name__.startswith("Generated"))
+print(",".join(names), args.moe_token_dispatcher_type)
+"""
+
+
+def test_parsed_args_unpickle_in_a_process_that_never_parsed(tmp_path):
+    """A job's namespace, ``run_config`` and its generated megatron-core groups included, is
+    pickled to every Ray trainer actor: a fresh interpreter rebuilds it (the generated group
+    classes are made on pickle's first lookup)."""
+    import pickle
+
+    from megatron_ranks import parse
+    from megatron_tiny_models import make_tiny_hf
+
+    hf_dir = str(make_tiny_hf("qwen3", tmp_path / "hf"))
+    args = parse(["--hf-checkpoint", hf_dir, "--moe-token-dispatcher-type", "alltoall"])
+    generated = sorted(
+        type(g).__name__ for g in args.run_config.groups if type(g).__name__.startswith("Gen")
+    )
+    assert generated  # the namespace does carry generated groups
+    done = subprocess.run(
+        [sys.executable, "-c", UNPICKLE], input=pickle.dumps(args), capture_output=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert done.stdout.decode().split() == [",".join(generated), "alltoall"]

@@ -140,7 +140,30 @@ def field_rows() -> tuple[Row, ...]:
 
 
 def generated_groups(declared: Iterable[type[ArgGroup]] = ()) -> list[type[ArgGroup]]:
-    """One group per megatron-core config class, skipping names already declared."""
+    """One group per megatron-core config class, skipping names already declared; made once per
+    process and ``declared`` (the same classes every time: a ``RunConfig`` holds instances)."""
+    key = tuple(declared)
+    if key not in _GENERATED:
+        _GENERATED[key] = _make_generated_groups(key)
+    return list(_GENERATED[key])
+
+
+_GENERATED: dict[tuple[type[ArgGroup], ...], list[type[ArgGroup]]] = {}
+
+
+def __getattr__(name: str) -> Any:
+    """A generated group by its class name, made on first use: what pickle looks up when it
+    rebuilds a ``RunConfig`` in a process that has not parsed a command line (a Ray actor)."""
+    if name.startswith("Generated") and name.endswith("Args"):
+        from miles_megatron.args import megatron_groups
+
+        for group in megatron_groups():
+            if group.__name__ == name:
+                return group
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _make_generated_groups(declared: tuple[type[ArgGroup], ...]) -> list[type[ArgGroup]]:
     taken = set(collect_flags([*core_groups(), *declared]))
     taken |= BACKEND_OWNED_FIELDS
     by_class: dict[str, list] = {}

@@ -70,6 +70,23 @@ def norm_atol(grads: list[torch.Tensor], grad_rel_err: float = GRAD_REL_ERR) -> 
     return math.sqrt(square) + 2 * (math.log2(max(n, 1)) + 2) * FP32_EPS * norm
 
 
+def step_norm_atol(grads: list[torch.Tensor], step: int, grad_rel_err: float = GRAD_REL_ERR):
+    """Bound on the fp32 global gradient norm at optimizer step ``step`` (0 first) against the
+    reference's gradients ``grads`` (one tensor per parameter).
+
+    Each element of tensor ``g_t`` is off by at most ``dg_t = (step + 1) * grad_rel_err *
+    max|g_t|`` (:func:`grad_atol`, with the weight differences of the steps before it as
+    :func:`adam_steps_atol` counts them), which moves ``||g||`` by at most ``sum_w |g_w| dg_w /
+    ||g||`` (first order); the norm's own fp32 sum of squares adds ``log2(n) + 2`` roundings
+    of ``||g||`` (:func:`norm_atol`).
+    """
+    norm = math.sqrt(sum(float(g.double().square().sum()) for g in grads))
+    dgs = [(step + 1) * grad_rel_err * float(g.double().abs().max()) for g in grads]
+    moved = sum(float(g.double().abs().sum()) * d for g, d in zip(grads, dgs)) / norm
+    n = sum(g.numel() for g in grads)
+    return moved + (math.log2(max(n, 1)) + 2) * FP32_EPS * norm
+
+
 def adam_step_atol(
     grad: torch.Tensor,
     param: torch.Tensor,

@@ -1,11 +1,14 @@
-"""Test support: MegatronBackend against an HF model trained with torch AdamW (same math).
+"""Test support: MegatronBackend against an HF model trained with torch AdamW (same math), in
+float64.
 
 The reference writes the loss from the formulas: GRPO advantages ``(R - mean_g) / (std_g +
 1e-6)``, the PPO term at ratio 1 (one update per rollout) and the sequence mean
 ``(1/S) sum_i (1/n_i) sum_t -m_it A_i r_it`` (``m_it`` each sample's ``loss_mask``: all 1, or
 with ``masked`` a masked tool span; ``n_i = sum_t m_it``); then ``clip_grad_norm_(1.0)`` and
-``AdamW`` (weight decay 0). :func:`run_backend` and :func:`check` use the masked samples. Used by tests/miles_megatron/test_backend.py (gloo) and tests/gpu (NCCL).
-"""
+``AdamW`` (weight decay 0). It runs the HF model and the optimizer in float64 and returns, for
+each value, the bound tests/tolerances.py derives for fp32 arithmetic (:func:`reference`).
+:func:`run_backend` and :func:`check` use the masked samples. Used by
+tests/miles_megatron/test_backend.py and test_layouts.py (gloo) and tests/gpu (NCCL)."""
 
 from __future__ import annotations
 
@@ -18,6 +21,9 @@ LR = 1e-3
 REWARDS = (1.0, 0.0, 0.5, 2.0)  # two prompt groups of two samples
 GROUPS = (0, 0, 1, 1)
 ROLLOUTS = 2
+BETAS = (0.9, 0.999)
+ADAM_EPS = 1e-8
+CLIP_GRAD = 1.0
 
 
 def samples(masked: bool = False, engine_log_probs: bool = False):
@@ -104,50 +110,117 @@ def run_backend(hf_dir: str, save: str, tp: int) -> dict:
     }
 
 
+def _checkpoint_names(model, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` (one per parameter, in ``model.parameters()`` order) under the names of the
+    HF checkpoint ``model`` saves (transformers fuses experts in memory, unfuses on save)."""
+    with torch.no_grad():
+        for p, t in zip(model.parameters(), tensors, strict=True):
+            p.copy_(t)
+    with tempfile.TemporaryDirectory() as out:
+        model.save_pretrained(out)
+        return load_file(f"{out}/model.safetensors")
+
+
 def reference(hf_dir: str, device: str = "cpu", rollouts: int = ROLLOUTS, masked: bool = False):
-    """``([(loss, grad_norm)] per rollout, final weights)`` of the HF + AdamW run; the weights
-    under the names of the HF checkpoint it saves (transformers fuses experts in memory)."""
+    """The HF + AdamW run in float64 (one optimizer step per rollout, on every sample), with the
+    bound :mod:`tolerances` derives for fp32 arithmetic on each value it returns:
+
+    ``steps``: per rollout ``loss`` and ``grad_norm`` (before clipping); ``tol``: their bounds;
+    ``weights`` after the last rollout and ``weights_tol`` (element by element), under the HF
+    checkpoint's names.
+
+    * loss: each response token's log-prob (current and old, two fp32 forwards) off by at most
+      ``SCORE_ATOL``, times ``|d loss / d lp|`` (the ratio's value is 1, so weight differences
+      do not move it), plus 64 ulps of ``sum |terms|`` (the loss sums 19 tokens' terms and
+      divides: fewer than 64 roundings, each at most that magnitude);
+    * gradient norm: :func:`tolerances.step_norm_atol` of the step's gradients;
+    * weights: :func:`tolerances.adam_steps_atol` of every step's gradient and Adam state.
+    """
+    from tolerances import SCORE_ATOL, adam_steps_atol, step_norm_atol, ulp_atol
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device)
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
-    )
+    model = AutoModelForCausalLM.from_pretrained(  # the grouped-mm experts have no float64
+        hf_dir, dtype=torch.float64, attn_implementation="eager", experts_implementation="eager"
+    ).to(device)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=ADAM_EPS, weight_decay=0.0)
     data = samples(masked)
     rewards = torch.tensor(REWARDS, dtype=torch.float64)
     adv = []
     for i, g in enumerate(GROUPS):
         members = rewards[[j for j, h in enumerate(GROUPS) if h == g]]
         adv.append(float((rewards[i] - members.mean()) / (members.std() + 1e-6)))
-    steps = []
-    for _ in range(rollouts):
+    history: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [[] for _ in params]
+    steps, tol = [], []
+    for k in range(rollouts):
         opt.zero_grad()
-        loss = torch.zeros((), device=device)
+        loss = torch.zeros((), dtype=torch.float64, device=device)
+        scale = 0.0  # sum |terms| of the loss
+        tokens = []
         for s, a in zip(data, adv, strict=True):
-            tokens = s.tokens.to(device)
-            logits = model(input_ids=tokens[None]).logits[0].float()
-            lp = torch.log_softmax(logits[:-1], -1).gather(-1, tokens[1:, None])[:, 0]
+            ids = s.tokens.to(device)
+            logits = model(input_ids=ids[None], use_cache=False).logits[0]
+            lp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[1:, None])[:, 0]
             lp = lp[-s.response_length :]
-            ratio = torch.exp(lp - lp.detach())
-            m = s.mask.to(device)
-            loss = loss + (-a * ratio * m).sum() / m.sum() / len(data)
+            old = lp.detach().clone().requires_grad_()  # the old policy: the same weights
+            m = s.mask.to(device).double()
+            loss = loss + (-a * torch.exp(lp - old) * m).sum() / m.sum() / len(data)
+            scale += abs(a) / len(data)
+            tokens += [lp, old]
+        sensitivity = sum(
+            float(g.abs().sum()) for g in torch.autograd.grad(loss, tokens, retain_graph=True)
+        )
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        grads = [p.grad.detach().clone() for p in params]
+        norm = float(torch.nn.utils.clip_grad_norm_(params, CLIP_GRAD))
         opt.step()
-        steps.append((loss.item(), norm.item()))
-    with tempfile.TemporaryDirectory() as out:  # in the checkpoint's names (experts unfused)
-        model.save_pretrained(out)
-        return steps, load_file(f"{out}/model.safetensors")
+        for h, p in zip(history, params):  # what tolerances.adam_steps_atol reads
+            state = opt.state[p]
+            denom = (state["exp_avg_sq"] / (1 - BETAS[1] ** (k + 1))).sqrt() + ADAM_EPS
+            h.append(
+                (
+                    p.grad.detach().clone(),
+                    denom,
+                    state["exp_avg"] / (1 - BETAS[0] ** (k + 1)) / denom,
+                )
+            )
+        steps.append({"loss": float(loss.detach()), "grad_norm": norm})
+        loss_atol = SCORE_ATOL * sensitivity + float(ulp_atol(torch.tensor(scale), 64))
+        tol.append({"loss": loss_atol, "grad_norm": step_norm_atol(grads, k)})
+    weights_tol = [
+        adam_steps_atol(h, p.detach(), lr=LR, betas=BETAS) for h, p in zip(history, params)
+    ]
+    weights = [p.detach().clone() for p in params]
+    named_tol = _checkpoint_names(model, weights_tol)
+    return {
+        "steps": steps,
+        "tol": tol,
+        "weights": _checkpoint_names(model, weights),
+        "weights_tol": named_tol,
+    }
+
+
+def check_steps(metrics: list[dict], ref: dict, what: str, keys=("loss", "grad_norm")) -> None:
+    """Each rollout's ``keys`` of ``metrics`` within the float64 reference's bound."""
+    assert len(metrics) == len(ref["steps"]), (what, len(metrics))
+    for k, (m, want, tol) in enumerate(zip(metrics, ref["steps"], ref["tol"], strict=True)):
+        for key in keys:
+            assert abs(m[key] - want[key]) <= tol[key], (what, k, key, m[key], want[key], tol[key])
+
+
+def check_weights(weights: dict, ref: dict, what: str) -> None:
+    """Every weight within its float64 reference's bound, element by element."""
+    from tolerances import assert_within
+
+    assert sorted(weights) == sorted(ref["weights"]), what
+    for name, want in ref["weights"].items():
+        got = torch.as_tensor(weights[name])
+        assert_within(got, want, ref["weights_tol"][name], f"{what}: {name}")
 
 
 def check(results: list[dict], hf_dir: str, device: str = "cpu") -> None:
-    ref_steps, ref_weights = reference(hf_dir, device, masked=True)
+    ref = reference(hf_dir, device, masked=True)
     for rank, r in enumerate(results):
         assert r["first_id"] == 0 and r["next_id"] == ROLLOUTS and r["reload_exact"], rank
-        for m, (loss, norm) in zip(r["metrics"], ref_steps, strict=True):
-            assert abs(m["loss"] - loss) < 1e-5, (m, loss)
-            assert abs(m["grad_norm"] - norm) < 1e-4 * max(norm, 1.0), (m, norm)
-    weights = results[0]["weights"]
-    assert sorted(weights) == sorted(ref_weights)
-    worst = max((weights[k] - ref_weights[k]).abs().max().item() for k in weights)
-    assert worst < 1e-4, worst  # Adam's first steps move ~lr = 1e-3 per weight
+        check_steps(r["metrics"], ref, f"rank {rank}")
+    check_weights(results[0]["weights"], ref, "rank 0")

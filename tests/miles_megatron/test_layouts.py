@@ -2,9 +2,10 @@
 whole model under the HF checkpoint's names.
 
 Per case (one backend after another in one spawn): 3 rollouts of GRPO on the DP shards of
-backend_reference's samples; each rollout's grad norm equals the HF + AdamW reference's (fp32,
-written in backend_reference.reference) and the published weights after training equal the
-reference's. ``publish_weights()`` (the rank-0 transports: broadcast, disk-delta) holds every
+backend_reference's samples; each rollout's loss and gradient norm equal the float64 HF + AdamW
+reference's (backend_reference.reference), and every published weight after training equals the
+reference's element by element, within the bounds tests/tolerances.py derives for fp32
+arithmetic (step_norm_atol, adam_steps_atol; the loss from SCORE_ATOL per token). ``publish_weights()`` (the rank-0 transports: broadcast, disk-delta) holds every
 pipeline stage's tensors on rank 0, ``publish_weights(to_all=True)`` (ipc, p2p) on every rank,
 bit for bit the same; a publish whose names are not the checkpoint's raises.
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from backend_reference import reference
+from backend_reference import check_steps, check_weights, reference
 from dist_ranks import spawn_ranks
 from layout_ranks import (
     LAYOUT_ROLLOUTS,
@@ -41,8 +42,7 @@ def check(results: list[dict], cases: list, hf_dirs: dict) -> None:
     used = {families[hf_dir] for _, hf_dir, _ in cases}
     references = {f: reference(hf_dirs[f], rollouts=LAYOUT_ROLLOUTS) for f in used}
     for label, hf_dir, argv in cases:
-        family = families[hf_dir]
-        steps, ref_weights = references[family]
+        ref = references[families[hf_dir]]
         first = results[0][label]["to_first"]
         names = sorted(load_file(f"{hf_dir}/model.safetensors"))
         assert sorted(first) == names, (label, sorted(set(names) ^ set(first)))
@@ -58,10 +58,8 @@ def check(results: list[dict], cases: list, hf_dirs: dict) -> None:
             moved = [k for k in names if not torch.equal(torch.from_numpy(first[k]), base[k])]
             assert "model.layers.0.self_attn.q_proj.weight" in moved, (label, moved)
             continue
-        for m, (_, norm) in zip(results[0][label]["metrics"], steps, strict=True):
-            assert abs(m["grad_norm"] - norm) < 1e-5 * norm, (label, m["grad_norm"], norm)
-        worst = max((torch.from_numpy(first[k]) - ref_weights[k]).abs().max().item() for k in names)
-        assert worst < 1e-4, (label, worst)  # Adam moves each weight ~lr = 1e-3 per step
+        check_steps(results[0][label]["metrics"], ref, label)
+        check_weights(first, ref, label)
 
 
 @pytest.mark.slow

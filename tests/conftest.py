@@ -99,6 +99,7 @@ KERNEL_DEPENDENT = {
     "miles_fsdp/test_train.py": f"fp32 FSDP training vs float64 HF: {FP32_SUMS}",
     "miles_megatron/test_context_parallel.py": f"fp32 CP attention vs HF: {FP32_SUMS}",
     "miles_megatron/test_estimator_parity.py": f"fp32 rollouts vs float64 reference: {FP32_SUMS}",
+    "miles_megatron/test_pairwise_flags.py": f"fp32 rollouts vs float64 reference: {FP32_SUMS}",
     "miles_megatron/test_megatron_critic.py": f"fp32 critic vs float64 reference: {FP32_SUMS}",
     "miles_megatron/test_megatron_log_prob_head.py": f"fp32 head vs float64: {FP32_SUMS}",
     "miles_megatron/test_megatron_logits.py": f"fp32 logits vs HF: {FP32_SUMS}",

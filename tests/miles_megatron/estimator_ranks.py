@@ -38,6 +38,8 @@ KEYS = (
     "entropy",
     "ppo_kl",
     "train_rollout_logprob_abs_diff",
+    "kl_loss",
+    "tis",
 )
 
 
@@ -72,8 +74,10 @@ def recorded_steps(backend_name: str) -> Iterator[list[dict]]:
         module.optimizer_step = original
 
 
-def estimator_rollouts(rank: int, world: int, backend_name: str, hf_dir: str) -> dict:
-    """For each of :data:`CONFIGS`, a fresh ``backend_name`` trains one rollout (2 optimizer
+def estimator_rollouts(
+    rank: int, world: int, backend_name: str, hf_dir: str, configs=CONFIGS
+) -> dict:
+    """For each ``(name, flags)`` of ``configs`` (:data:`CONFIGS`), a fresh ``backend_name`` trains one rollout (2 optimizer
     steps, the LR decaying as ``estimator_reference.SCHEDULE_FLAGS`` say) on the masked samples
     carrying engine log-probs. Per configuration: the rollout's :data:`KEYS` metrics, as
     ``steps`` each step's (:func:`recorded_steps`), as ``log_probs`` each sample's response
@@ -85,7 +89,7 @@ def estimator_rollouts(rank: int, world: int, backend_name: str, hf_dir: str) ->
     from miles_core.batch import RolloutBatch
 
     out = {}
-    for name, flags in CONFIGS:
+    for name, flags in configs:
         backend = both_backends_backend(world, backend_name, hf_dir, *flags, *SCHEDULE_FLAGS)
         batch = RolloutBatch(samples(masked=True, engine_log_probs=True))
         with recorded_steps(backend_name) as steps:

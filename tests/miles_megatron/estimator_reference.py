@@ -32,7 +32,12 @@ sides, ratio ``r = exp(lp - old)``):
   (``sg[s_i] * exp(lp - sg[lp])`` per token);
 * CISPO (MiniMax-M1, arXiv:2506.13585): ``x = -sg[clip(r, 1 - eps, 1 + eps)] A lp``,
   normalised by the step's trained tokens (the paper's ``1 / sum |o_i|``);
-* entropy bonus: ``- 0.01 * agg(H)``; SFT: ``agg(-lp)``, no bonus.
+* entropy bonus: ``- 0.01 * agg(H)``; SFT: ``agg(-lp)``, no bonus;
+* for tests/miles_megatron/test_pairwise_flags.py (:class:`Objective`'s other fields): the clip
+  range ``[1 - eps_clip, 1 + eps_clip_high]`` (DAPO's clip-higher, arXiv:2503.14476); a KL loss
+  ``+ kl_coef * agg(KL)`` with Schulman's k1 / k2 / k3 estimate of ``d = lp - ref`` (the
+  reference model is the weights before the rollout); TIS, each token's policy term times
+  ``sg[clamp(exp(old - rollout), low, clip)]`` (docs/rl-math.md).
 
 Then per step: backward, the gradient norm before clipping, ``clip_grad_norm_(1.0)``, AdamW
 (betas 0.9 / 0.999, eps 1e-8, weight decay 0) at the step's LR: cosine decay from 1e-3 to 1e-4
@@ -77,8 +82,13 @@ class Objective:
     policy: str = "ppo"  # ppo, gspo, cispo, sft
     token_mean: bool = False  # --calculate-per-token-loss
     token_sum: bool = False  # Dr. GRPO's per-response token sum
-    normalize: bool = False  # REINFORCE++'s batch normalisation
+    normalize: bool = False  # --normalize-advantages (REINFORCE++'s batch normalisation)
     entropy_coef: float = ENTROPY_COEF
+    kl: str | None = None  # --use-kl-loss's --kl-loss-type: k1, k2, k3, low_var_kl
+    kl_coef: float = 0.0  # --kl-loss-coef
+    tis: tuple[float, float] | None = None  # --use-tis: (--tis-clip-low, --tis-clip)
+    eps_clip: float = EPS_CLIP
+    eps_clip_high: float | None = None  # unset: eps_clip
 
 
 #: the configurations of estimator_ranks.CONFIGS, by name
@@ -132,9 +142,30 @@ def scores(model, sample) -> tuple[torch.Tensor, torch.Tensor]:
     return lp, -(logp.exp() * logp).sum(-1)
 
 
-def objective(obj, lp, old, entropy, adv, masks, rollout, sg) -> dict[str, torch.Tensor]:
+def kl_estimate(kind: str, lp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Schulman's estimators of KL(pi || pi_ref) from one sample, ``d = lp - ref``: k1 ``d``,
+    k2 ``d^2 / 2``, k3 ``exp(-d) - 1 + d`` (low_var_kl: k3 clamped to [-10, 10];
+    http://joschu.net/blog/kl-approx.html, docs/rl-math.md)."""
+    d = lp - ref
+    if kind == "k1":
+        return d
+    if kind == "k2":
+        return d.square() / 2
+    if kind in ("k3", "low_var_kl"):
+        return ((-d).exp() - 1 + d).clamp(-10, 10)
+    raise ValueError(kind)
+
+
+def objective(obj, lp, old, entropy, adv, masks, rollout, sg, ref=None) -> dict:
     """One step's loss and metrics from its samples' per-token values. ``sg`` is the stop
-    gradient (``detach`` to train; the identity to differentiate the values themselves)."""
+    gradient (``detach`` to train; the identity to differentiate the values themselves);
+    ``ref`` the reference model's log-probs (for ``obj.kl``).
+
+    ``loss = agg(w pg) - entropy_coef agg(H) + kl_coef agg(KL)``, ``w`` the TIS weight
+    ``clamp(exp(old - rollout), low, clip)`` (truncated importance sampling, Yao et al. 2025,
+    "Your efficient RL framework secretly brings you off-policy RL training"; no gradient), 1
+    without ``--use-tis``; PPO's clip range ``[1 - eps_clip, 1 + eps_clip_high]`` (DAPO's
+    clip-higher, arXiv:2503.14476)."""
     masks = [m.double() for m in masks]
     total = sum(float(m.sum()) for m in masks)
 
@@ -148,27 +179,39 @@ def objective(obj, lp, old, entropy, adv, masks, rollout, sg) -> dict[str, torch
     if obj.policy == "sft":
         loss = agg([-x for x in lp])
         return {"loss": loss, "sft_loss": loss}
-    pg = []
-    for x, o, a, m in zip(lp, old, adv, masks):
+    pg, weights = [], []
+    high = obj.eps_clip if obj.eps_clip_high is None else obj.eps_clip_high
+    for x, o, a, m, r in zip(lp, old, adv, masks, rollout):
         if obj.policy == "gspo":
             seq = (m * (x - o)).sum() / m.sum()
             ratio = sg(seq).exp() * (x - sg(x)).exp()
         else:
             ratio = (x - o).exp()
-        clipped = ratio.clamp(1 - EPS_CLIP, 1 + EPS_CLIP)
+        clipped = ratio.clamp(1 - obj.eps_clip, 1 + high)
         if obj.policy == "cispo":
-            pg.append(-sg(clipped) * a * x)
+            term = -sg(clipped) * a * x
         else:
-            pg.append(torch.maximum(-a * ratio, -a * clipped))
+            term = torch.maximum(-a * ratio, -a * clipped)
+        if obj.tis is not None:
+            low, clip = obj.tis
+            weights.append(sg((o - r).exp().clamp(low, clip)))
+            term = weights[-1] * term
+        pg.append(term)
     pg_loss = agg(pg, obj.token_sum)
     loss = pg_loss - obj.entropy_coef * agg(entropy, obj.token_sum)
-    return {
-        "loss": loss,
+    out = {
         "pg_loss": pg_loss,
         "entropy": agg(entropy),
         "ppo_kl": agg([o - x for x, o in zip(lp, old)]),
         "train_rollout_logprob_abs_diff": agg([(o - r).abs() for o, r in zip(old, rollout)]),
     }
+    if obj.kl is not None:
+        kl = [kl_estimate(obj.kl, x, f) for x, f in zip(lp, ref)]
+        loss = loss + obj.kl_coef * agg(kl, obj.token_sum)
+        out["kl_loss"] = agg(kl)
+    if weights:
+        out["tis"] = agg(weights)
+    return {"loss": loss, **out}
 
 
 def _abs_grads(value: torch.Tensor, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -185,7 +228,7 @@ def _weights_bound(value, params, weight_atol) -> float:
     return float(sum((g * a).sum() for g, a in zip(grads, weight_atol)))
 
 
-def reference(hf_dir: str, name: str, data) -> dict:
+def reference(hf_dir: str, name: str | Objective, data) -> dict:
     """The float64 rollout of configuration ``name`` on ``data`` (the masked samples with
     engine log-probs) from the HF checkpoint ``hf_dir``.
 
@@ -205,7 +248,7 @@ def reference(hf_dir: str, name: str, data) -> dict:
     from tolerances import GRAD_REL_ERR, SCORE_ATOL, adam_steps_atol, ulp_atol
     from transformers import AutoModelForCausalLM
 
-    obj = OBJECTIVES[name]
+    obj = OBJECTIVES[name] if isinstance(name, str) else name
     model = AutoModelForCausalLM.from_pretrained(
         hf_dir, dtype=torch.float64, attn_implementation="eager"
     )
@@ -228,14 +271,16 @@ def reference(hf_dir: str, name: str, data) -> dict:
         opt.zero_grad()
         lp, entropy = zip(*(scores(model, data[i]) for i in part))
         olds = [old[i].clone().requires_grad_() for i in part]
+        # the reference model is the weights before the rollout: old's values, its own forward
+        refs = [old[i].clone().requires_grad_() for i in part]
         args = (
             [adv[i] for i in part],
             [data[i].loss_mask for i in part],
             [rollout[i] for i in part],
         )
-        values = objective(obj, list(lp), olds, list(entropy), *args, sg=lambda t: t)
+        values = objective(obj, list(lp), olds, list(entropy), *args, sg=lambda t: t, ref=refs)
         bounds = {}
-        tokens = [*lp, *entropy, *olds]
+        tokens = [*lp, *entropy, *olds, *refs]
         for key, value in values.items():
             sensitivity = sum(float(g.sum()) for g in _abs_grads(value, tokens))
             bounds[key] = (
@@ -244,7 +289,9 @@ def reference(hf_dir: str, name: str, data) -> dict:
                 + float(ulp_atol(value.detach(), 64))
             )
         fixed = [o.detach() for o in olds]
-        loss = objective(obj, list(lp), fixed, list(entropy), *args, sg=torch.Tensor.detach)["loss"]
+        loss = objective(
+            obj, list(lp), fixed, list(entropy), *args, sg=torch.Tensor.detach, ref=fixed
+        )["loss"]
         assert abs(float(loss.detach() - values["loss"].detach())) < 1e-12  # one value
         loss.backward()
         grads = [p.grad.detach().clone() for p in params]
@@ -289,6 +336,7 @@ def reference(hf_dir: str, name: str, data) -> dict:
         "log_probs": log_probs,
         "log_probs_tol": lp_tol,
         "after_one": after_one,
+        "old": old,
         "weights": weights,
         "weights_tol": dict(zip(names, weight_atol)),
     }

@@ -1,0 +1,129 @@
+"""Pairwise coverage of the RL flags (tests/miles_megatron/pairwise_flags.py): every two values
+of every two of --advantage-estimator, --loss-type / --policy-loss, --use-kl-loss with each
+--kl-loss-type and --kl-loss-coef, --entropy-coef, --use-tis with --tis-clip and
+--tis-clip-low, --calculate-per-token-loss, --normalize-advantages, --eps-clip and
+--eps-clip-high meet in some case, unless the argument checks refuse them together.
+
+Default suite (no training): the cases cover every pair not refused; every case parses through
+the real parser of the FSDP and the Megatron backend; every pair left out is refused by both
+(exit status 2, one line).
+
+``extended``: each case trains one rollout (2 optimizer steps, the LR decaying, masked samples
+carrying engine log-probs) on FSDP at one rank, and each step's loss and its parts, gradient
+norm and LR, and every weight and response log-prob after the rollout, equal the float64
+reference of tests/miles_megatron/estimator_reference.py (HF transformers and torch's AdamW, the
+formulas written from the papers and docs/rl-math.md) within the bounds it derives from
+tests/tolerances.py. Coverage: the KL loss and the TIS weight are reported where they are on,
+the TIS truncation and the PPO clip changed some case's loss.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pairwise_flags import (
+    REFUSED,
+    all_pairs,
+    case_flags,
+    case_name,
+    case_objective,
+    completion,
+    pairs_of,
+    pairwise_cases,
+    refused,
+    required_pairs,
+)
+
+pytest.importorskip("miles_fsdp")
+
+
+def parsers(hf_dir: str):
+    """``argv -> args`` of the real command line of each backend (``parse_args_or_exit``)."""
+    from miles_core.args import core_groups
+    from miles_core.args.parser import parse_args_or_exit
+    from miles_core.backends import load
+
+    out = {}
+    for name in ("fsdp", "megatron"):
+        groups = [*core_groups(), *load(name).arg_groups()]
+        base = ["--hf-checkpoint", hf_dir, "--micro-batch-size", "2", "--no-bf16"]
+        out[name] = lambda argv, g=groups, b=base: parse_args_or_exit([*b, *argv], g)
+    return out
+
+
+def test_cases_cover_every_pair_and_parse_and_the_left_out_pairs_are_refused(
+    layout_hf_dirs, capsys
+):
+    hf_dir = layout_hf_dirs["qwen3"]
+    cases = pairwise_cases()
+    assert pairwise_cases() == cases  # deterministic
+    covered = set().union(*(pairs_of(c) for c in cases))
+    missing = set(required_pairs()) - covered
+    assert not missing, sorted(missing, key=str)[:5]
+    assert len(cases) < len(required_pairs()) // 10  # a covering set, not every combination
+    left_out = [p for p in all_pairs() if p not in set(required_pairs())]
+    assert {frozenset(p) for p in REFUSED} <= {frozenset(p) for p in left_out}
+    for name, parse in parsers(hf_dir).items():
+        for case in cases:
+            assert not refused(case)
+            args = parse(case_flags(case, hf_dir))
+            assert args.advantage_estimator == case["estimator"], (name, case_name(case))
+            assert args.use_kl_loss == (case["kl"] is not None)
+            assert args.use_tis == case["tis"]
+        for pair in left_out:
+            with pytest.raises(SystemExit) as exit_:
+                parse(case_flags(completion(pair), hf_dir))
+            assert exit_.value.code == 2, (name, pair)
+            err = capsys.readouterr().err.strip()
+            assert err.startswith("error: ") and "\n" not in err, (name, pair, err)
+
+
+@pytest.mark.extended
+@pytest.mark.numeric
+def test_pairwise_cases_equal_float64_on_fsdp(tmp_path):
+    from backend_reference import samples
+    from dist_ranks import spawn_ranks
+    from estimator_ranks import estimator_rollouts
+    from estimator_reference import STEPS, reference
+    from megatron_tiny_models import make_tiny_hf
+    from tolerances import assert_within
+
+    hf_dir = str(make_tiny_hf("qwen3", tmp_path / "hf"))
+    data = samples(masked=True, engine_log_probs=True)
+    cases = pairwise_cases()
+    configs = [(case_name(c), tuple(case_flags(c, hf_dir))) for c in cases]
+    (fsdp,) = spawn_ranks(estimator_rollouts, 1, "fsdp", hf_dir, configs, timeout=900, shim=False)
+    assert list(fsdp) == [name for name, _ in configs]
+    losses = {}
+    for case, (name, _) in zip(cases, configs):
+        ref = reference(hf_dir, case_objective(case), data)
+        got = fsdp[name]
+        assert len(got["steps"]) == STEPS, name
+        for k, (step, want, tol) in enumerate(zip(got["steps"], ref["steps"], ref["tol"])):
+            assert ("kl_loss" in step) == (case["kl"] is not None), (name, k, sorted(step))
+            assert ("tis" in step) == case["tis"], (name, k, sorted(step))
+            for key in ("loss", "grad_norm", "lr", "pg_loss", "kl_loss", "tis", "sft_loss"):
+                if key in step or key in ("loss", "grad_norm", "lr"):
+                    w = want["loss" if key == "sft_loss" else key]
+                    bound = tol["loss" if key == "sft_loss" else key]
+                    assert abs(step[key] - w) <= bound, (name, k, key, step[key], w, bound)
+        for key, value in ref["weights"].items():
+            got_w = torch.from_numpy(got["weights"][key])
+            assert_within(got_w, value, ref["weights_tol"][key], f"{name}: {key}")
+        for i, (lp, t) in enumerate(zip(ref["log_probs"], ref["log_probs_tol"])):
+            assert_within(torch.tensor(got["log_probs"][i]), lp, t, f"{name}: sample {i}")
+        if case["loss"] != "sft_loss":  # SFT's loss has no advantage, clip, KL or TIS term
+            same = {**case, "kl": "k3" if case["kl"] == "low_var_kl" else case["kl"]}  # one formula
+            losses[case_name(same)] = ref["steps"][1]["loss"]
+    assert len({round(x, 9) for x in losses.values()}) == len(losses)  # every case its own loss
+    # the truncations bind: pi_old / pi_rollout crosses 0.8 and 1.0 on trained tokens, and the
+    # second step's ratios pi / pi_old leave [1 - 0.02, 1 + 0.05]
+    old = reference(hf_dir, case_objective(cases[0]), data)
+    trained = [s.loss_mask.bool() for s in data]
+    tis = torch.cat(
+        [(o - s.rollout_log_probs.double())[m] for o, s, m in zip(old["old"], data, trained)]
+    ).exp()
+    assert tis.min() < 0.8 and tis.max() > 1.0, (tis.min(), tis.max())
+    second = range(len(data) // STEPS, len(data))  # the samples of the second step
+    ratio = torch.cat([(old["after_one"][i] - old["old"][i])[trained[i]] for i in second]).exp()
+    assert ratio.min() < 1 - 0.02 and ratio.max() > 1 + 0.05, (ratio.min(), ratio.max())

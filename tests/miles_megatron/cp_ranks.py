@@ -134,6 +134,11 @@ def critic_step(hf_dir: str, argv: list[str]) -> dict[str, Any]:
     return {"values": values, "metrics": metrics}
 
 
+def critic_layout(rank: int, world: int, hf_dir: str, argv: list[str]) -> dict[str, Any]:
+    """:func:`critic_step` on every rank of a spawn (test_context_parallel.py, CP = 2 x TP = 2)."""
+    return critic_step(hf_dir, argv)
+
+
 def cp_default_run(rank: int, world: int, hf_dir: str, rollouts: int, save: str) -> dict:
     """The default suite's one 2-rank spawn: CP = 2 against HF + AdamW (GRPO) with both
     publishes (layout_ranks.train_and_publish), then the RL recipe at CP = 1 (DP = 2) and

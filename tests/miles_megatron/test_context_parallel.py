@@ -17,7 +17,7 @@ With ranks (gloo, the CPU shim), one 2-rank spawn in the default suite:
   of the CP ranks adds up to the whole samples' mean).
 
 ``extended``: CP = 2 x TP = 2 and CP = 2 x PP = 2 (4 ranks) against HF + AdamW and against
-TP = 2 x PP = 2 on the RL recipe.
+TP = 2 x PP = 2 on the RL recipe; the critic at CP = 2 x TP = 2 against the float64 reference.
 """
 
 from __future__ import annotations
@@ -319,13 +319,31 @@ def test_cp2_critic_on_samples_spanning_both_ranks_matches_float64(cp_two_rank_r
     """The critic at CP = 2 (values gathered over the CP ranks, the value loss's sequence mean
     over whole samples), every CP rank holding loss tokens of every sample and every mask with a
     hole: its values, first-step value loss and gradient norm are HF float64's."""
+    check_critic([r["critic"] for r in cp_two_rank_run], layout_hf_dirs["llama"])
+
+
+@pytest.mark.extended
+@pytest.mark.numeric
+def test_cp2_x_tp2_critic_matches_float64(layout_hf_dirs):
+    """The critic in a layout of two dimensions (4 ranks): CP = 2 x TP = 2 (sequence parallel),
+    against the same float64 reference as at CP = 2."""
+    from cp_ranks import cp_argv, critic_layout
+    from dist_ranks import spawn_ranks
+
+    llama = layout_hf_dirs["llama"]
+    results = spawn_ranks(critic_layout, 4, llama, cp_argv(cp=2, tp=2), timeout=900)
+    check_critic(results, llama)
+
+
+def check_critic(results: list[dict], hf_dir: str) -> None:
+    """Every rank's critic values of the long samples, its first value loss and gradient norm
+    equal :func:`reference_critic_step`'s."""
     from backend_reference import long_samples
 
     cp_shards_of_long_samples()  # asserts the coverage of the samples the ranks trained on
-    values, loss, norm = reference_critic_step(layout_hf_dirs["llama"], long_samples())
+    values, loss, norm = reference_critic_step(hf_dir, long_samples())
     assert loss > 1e-2 and max(float(v.abs().max()) for v in values) > 1e-2
-    for r in cp_two_rank_run:
-        got = r["critic"]
+    for got in results:
         for i, v in enumerate(values):
             # fp32 forward of a 2-layer model, values ~0.1: 1e-5 absolute, as at TP (critic test)
             value = torch.tensor(got["values"][i], dtype=torch.float64)

@@ -14,7 +14,8 @@ reference written here: the HF model with its LM head replaced by ``Linear(hidde
 * the critic never publishes and runs none of the actor's ``--custom-megatron-*`` hooks;
 * at PP = 2 (the value head on the last stage, the values reaching the first) and at EP = 2 (a
   tiny Qwen3-MoE, DP 2 for the dense parameters) every rank's values, the loss and the gradient
-  norm equal the float64 reference (CP = 2 is proven in test_context_parallel.py).
+  norm equal the float64 reference (CP = 2 is proven in test_context_parallel.py); and
+  (``extended``, 4 ranks) at TP = 2 x PP = 2.
 """
 
 from __future__ import annotations
@@ -146,12 +147,29 @@ def test_critic_save_and_resume_is_bitwise(hf_dir, tmp_path):
 def test_critic_at_pp2_and_ep2_matches_float64(tmp_path, family, tie, flags):
     hf = str(make_tiny_hf(family, tmp_path / "hf", tie=tie))
     runs = spawn_ranks(layout_values, 2, hf, flags, timeout=600)
-    values, loss, norm, _ = reference_step(hf)
     pp = flags[0] == "--pipeline-model-parallel-size"
     # the head lives on the last stage only at PP 2, on both ranks at EP 2
-    assert [r["head"] for r in runs] == (
-        [None, "ValueHeadLinear"] if pp else ["ValueHeadLinear"] * 2
-    )
+    check_layout(runs, hf, [None, "ValueHeadLinear"] if pp else ["ValueHeadLinear"] * 2)
+
+
+@pytest.mark.extended
+@pytest.mark.numeric
+def test_critic_at_tp2_x_pp2_matches_float64(tmp_path):
+    """The critic in a layout of two dimensions (4 ranks): TP = 2 with sequence parallelism x
+    PP = 2, the value head split over the last stage's TP ranks."""
+    from megatron_ranks import layout_argv
+
+    hf = str(make_tiny_hf("qwen3", tmp_path / "hf"))
+    runs = spawn_ranks(layout_values, 4, hf, layout_argv(tp=2, pp=2), timeout=900)
+    # megatron orders the ranks TP first: ranks 0 and 1 are the first stage
+    check_layout(runs, hf, [None, None, "ValueHeadLinear", "ValueHeadLinear"])
+
+
+def check_layout(runs: list[dict], hf: str, heads: list) -> None:
+    """Every rank's values, the first step's value loss and gradient norm equal the float64
+    reference's; ``heads``: which ranks hold the value head."""
+    values, loss, norm, _ = reference_step(hf)
+    assert [r["head"] for r in runs] == heads
     for rank, run in enumerate(runs):
         for i, v in enumerate(values):
             got = torch.from_numpy(run["values"][i])

@@ -251,10 +251,6 @@ class RolloutArgs(ArgGroup):
                 "--custom-rm-batch rollout cannot be used with --fully-async: groups are "
                 "trained as they finish; use --custom-rm-batch group"
             )
-        if args.custom_rm_path and ":" not in args.custom_rm_path:
-            raise ArgumentError(
-                f"--custom-rm-path {args.custom_rm_path!r}: expected MODULE:FUNCTION"
-            )
         requires(args, "eval_interval", "eval_prompt_data")
         requires(args, "skip_eval_before_train", "eval_prompt_data")
         requires(args, "dynamic_sampling_filter_path", "dynamic_filter")

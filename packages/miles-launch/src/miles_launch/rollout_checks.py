@@ -32,14 +32,7 @@ def rollout_control(args: Any) -> None:
         if token < 0:
             raise ArgumentError(f"--rollout-stop-token-ids: {token} is not a token id")
     at_least(args, "rollout_seed", 0)
-    path = args.custom_generate_function_path
-    if path is not None:
-        module, sep, func = path.partition(":") if ":" in path else path.rpartition(".")
-        if not (module and sep and func):
-            raise ArgumentError(
-                f"--custom-generate-function-path {path!r}: expected MODULE:FUNCTION or "
-                "MODULE.FUNCTION"
-            )
+    if args.custom_generate_function_path is not None:  # its form: miles_core.user_functions
         if routing_replay_on(args):
             raise ArgumentError(
                 "--custom-generate-function-path cannot be used with "

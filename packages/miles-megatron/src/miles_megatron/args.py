@@ -116,15 +116,6 @@ class MegatronArgs(ArgGroup):
         check_recompute_flags(args)
         if args.spec is not None and len(args.spec) != 2:
             raise ArgumentError("--spec takes two values: MODULE FUNCTION")
-        for dest in (
-            "custom_megatron_init_path",
-            "custom_megatron_before_log_prob_hook_path",
-            "custom_megatron_before_train_step_hook_path",
-        ):
-            value = flag_value(args, dest)
-            if value is not None and ":" not in value:
-                option = "--" + dest.replace("_", "-")
-                raise ArgumentError(f"{option} {value}: expected module:function")
         if args.publish_lora_adapter and not args.use_lora:
             raise ArgumentError("--publish-lora-adapter requires --use-lora")
         if args.ref_update_interval is not None and args.ref_update_interval < 1:

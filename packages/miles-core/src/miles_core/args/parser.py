@@ -11,7 +11,8 @@ flag plus:
   built after every hook has run.
 
 Order: build (a flag declared twice is an error naming both groups) -> parse (CLI > YAML >
-defaults) -> every group's ``resolve_defaults`` -> every group's ``validate`` -> every group's
+defaults) -> every group's ``resolve_defaults`` -> every group's ``validate`` -> the form of every
+user function flag (:func:`~miles_core.user_functions.check_function_specs`) -> every group's
 ``check_paths`` -> ``run_config``. Defaults are resolved first, so that every check sees the values the job will
 really use (the engine, the transfer mode, the offload settings), not an unset tri-state.
 Every failure is an :class:`ArgumentError` with one line.
@@ -30,6 +31,7 @@ from miles_core.args.flags import ArgGroup, ArgumentError, FlagSpec, group_flags
 from miles_core.args.help import HELP_ALL, HelpRequest, find_group, help_request, short_help
 from miles_core.args.passthrough import PASSTHROUGH_PREFIXES, split_passthrough
 from miles_core.args.run_config import RunConfig
+from miles_core.user_functions import check_function_specs
 
 #: Namespace attributes the framework sets itself; no group may declare them.
 RESERVED_DESTS = frozenset(
@@ -297,6 +299,7 @@ def parse_args(
         group.resolve_defaults(args)
     for group in groups:
         group.validate(args)
+    check_function_specs(args, groups)
     for group in groups:
         group.check_paths(args)
     args.run_config = RunConfig.from_namespace(args, groups)

@@ -120,7 +120,7 @@ BUILTIN_REWARDS: dict[str, Callable[[RewardInput], float]] = {
 
 
 def load_custom(path: str) -> Callable[[RewardInput], Any]:
-    """Import ``MODULE:FUNCTION`` (errors name ``--custom-rm-path``)."""
+    """Import ``MODULE:FUNCTION`` or ``MODULE.FUNCTION`` (errors name ``--custom-rm-path``)."""
     return load_function(path, "--custom-rm-path")
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from miles_core import batch_invariant
-from miles_core.args import ArgumentError
+from miles_core.args import ArgumentError, ParsedArgs
 from miles_core.contract import DataLayout, TrainBackend
 from miles_core.optimizer import optimizer_config
 from torch import nn
@@ -69,7 +69,7 @@ class FSDPBackend(TrainBackend):
         self.role = "actor"
 
     # ------------------------------------------------------------------ init
-    def init(self, args: Any, role: str = "actor") -> int:
+    def init(self, args: ParsedArgs, role: str = "actor") -> int:
         if role not in ("actor", "critic"):
             raise ValueError(f"FSDPBackend supports roles 'actor' and 'critic', got {role!r}")
         if role == "critic":  # its own flags: --critic-lr, --critic-save, ..., value_loss

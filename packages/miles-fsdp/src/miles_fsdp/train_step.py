@@ -33,6 +33,7 @@ from miles_core import batch_invariant, mismatch, old_policy
 from miles_core.advantages import with_advantages
 from miles_core.aggregation import loss_denominator
 from miles_core.args.groups.algorithm import kl_term_on
+from miles_core.args.parsed import ParsedArgs
 from miles_core.batch import RolloutBatch
 from miles_core.custom_loss import TokenScores
 from miles_core.log_prob_head import dense_log_probs
@@ -62,7 +63,7 @@ class RolloutContext:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: Any
-    args: Any
+    args: ParsedArgs
     device: torch.device
     dp_size: int
     cpu_group: Any

@@ -26,10 +26,12 @@ resource), so the placement group is exactly the plan.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+
+from miles_core.args.parsed import ParsedArgs
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +98,7 @@ class Layout:
         return groups
 
 
-def plan_layout(args: Any, use_gpu: bool) -> Layout:
+def plan_layout(args: ParsedArgs, use_gpu: bool) -> Layout:
     """The :class:`Layout` of the parsed flags (``rollout_num_gpus`` already reconciled)."""
     trainer = args.actor_num_nodes * args.actor_num_gpus_per_node
     g = args.rollout_num_gpus_per_engine
@@ -122,7 +124,7 @@ def plan_layout(args: Any, use_gpu: bool) -> Layout:
     )
 
 
-def critic_ranks(args: Any) -> int:
+def critic_ranks(args: ParsedArgs) -> int:
     """Ranks of a critic on its own ranks: ``--critic-num-nodes x --critic-num-gpus-per-node``
     when either is given with ``--use-critic`` (the other then defaults to the actor's); 0 when
     the critic lives in the trainer's ranks or there is none."""
@@ -196,7 +198,6 @@ def _unit(layout: Layout) -> str:
 
 
 def _address_key(address: str) -> tuple:
-    import ipaddress
 
     try:
         return (0, ipaddress.ip_address(address).packed)

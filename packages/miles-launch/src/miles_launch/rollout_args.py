@@ -6,10 +6,12 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from pathlib import Path
+from typing import ClassVar, Literal
 
 from miles_core.args import ArgGroup, ArgumentError, flag
 from miles_core.args.checks import at_least, flag_value, greater_than, requires
+from miles_core.args.parsed import ParsedArgs
 
 from miles_launch.batch_steps import resolve_steps_per_rollout
 from miles_launch.rollout_checks import check_stop_token_ids, partial_rollout, rollout_control
@@ -200,7 +202,7 @@ class RolloutArgs(ArgGroup):
     )
 
     @classmethod
-    def validate(cls, args: Any) -> None:
+    def validate(cls, args: ParsedArgs) -> None:
         for dest in (
             "num_rollout",
             "rollout_batch_size",
@@ -267,8 +269,7 @@ class RolloutArgs(ArgGroup):
             )
 
     @classmethod
-    def check_paths(cls, args: Any) -> None:
-        from pathlib import Path
+    def check_paths(cls, args: ParsedArgs) -> None:
 
         from miles_launch.rollout.routed_experts import read_layout, routing_replay_on
 
@@ -294,13 +295,13 @@ class RolloutArgs(ArgGroup):
             load_generate_function(args.custom_generate_function_path)
 
     @classmethod
-    def resolve_defaults(cls, args: Any) -> None:
+    def resolve_defaults(cls, args: ParsedArgs) -> None:
         if args.rollout_seed is None:
             args.rollout_seed = args.seed
         resolve_steps_per_rollout(args)  # --global-batch-size -> --num-steps-per-rollout
 
 
-def eval_sets(args: Any) -> dict[str, str]:
+def eval_sets(args: ParsedArgs) -> dict[str, str]:
     """``--eval-prompt-data NAME PATH ...`` as ``{name: path}`` (in the order given)."""
     values = args.eval_prompt_data or []
     if len(values) % 2:

@@ -5,13 +5,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from pathlib import Path
 
 from miles_core.args import ArgumentError
 from miles_core.args.checks import at_least
+from miles_core.args.parsed import ParsedArgs
 
 
-def rollout_control(args: Any) -> None:
+def rollout_control(args: ParsedArgs) -> None:
     """The rollout-control flags, each against the others (custom generation, over-sampling,
     stops, prompt length, seed)."""
     from miles_launch.rollout.routed_experts import routing_replay_on
@@ -41,7 +43,7 @@ def rollout_control(args: Any) -> None:
             )
 
 
-def partial_rollout(args: Any) -> None:
+def partial_rollout(args: ParsedArgs) -> None:
     """``--partial-rollout`` against the others: it needs a draw that leaves groups running
     (over-sampling), and refuses what would make a continued sample's record inconsistent."""
     from miles_launch.rollout.routed_experts import routing_replay_on
@@ -94,11 +96,9 @@ def partial_rollout(args: Any) -> None:
             raise ArgumentError(f"--partial-rollout {why}")
 
 
-def check_stop_token_ids(args: Any) -> None:
+def check_stop_token_ids(args: ParsedArgs) -> None:
     """``--rollout-stop-token-ids`` within the vocabulary of ``--hf-checkpoint``'s config.json
     (when it has one)."""
-    import json
-    from pathlib import Path
 
     if not args.rollout_stop_token_ids or args.hf_checkpoint is None:
         return

@@ -29,6 +29,7 @@ from miles_core.args import (
     parse_args,
     selected_backend,
 )
+from miles_core.args.parsed import ParsedArgs
 
 logger = logging.getLogger("miles_launch")
 
@@ -189,7 +190,7 @@ def check_job(argv: list[str]) -> tuple[Any, list[str]]:
     return args, plan_lines(args, local_gpus() > 0 and not args.ray_address, result.notes)
 
 
-def run(args: Any) -> list[dict]:
+def run(args: ParsedArgs) -> list[dict]:
     """Set the job up, run the sync or fully-async loop, tear down; the rollout records."""
     from miles_core.engine import EngineError
 

@@ -239,7 +239,10 @@ class EngineLaunchArgs(ArgGroup):
 
     @classmethod
     def validate(cls, args: ParsedArgs) -> None:
+        # miles_launch.engine_launch.sglang_flags is off the CLI's parse path
         from miles_launch.engine_launch.sglang_flags import check_with_sglang
+
+        # miles_launch.engine_launch.sglang_launcher is off the CLI's parse path
         from miles_launch.engine_launch.sglang_launcher import check_passthrough
 
         check_passthrough(args.sglang_passthrough)

@@ -41,6 +41,7 @@ class DebugDataArgs(ArgGroup):
 
     @classmethod
     def validate(cls, args: ParsedArgs) -> None:
+        # miles_launch.rollout.debug_data is off the CLI's parse path
         from miles_launch.rollout.debug_data import DebugDataError, check_template
 
         exclusive(args, "save_debug_rollout_data", "load_debug_rollout_data")
@@ -72,6 +73,7 @@ class DebugDataArgs(ArgGroup):
 
     @classmethod
     def check_paths(cls, args: ParsedArgs) -> None:
+        # miles_launch.rollout.debug_data is off the CLI's parse path
         from miles_launch.rollout.debug_data import data_path
 
         template = args.load_debug_rollout_data

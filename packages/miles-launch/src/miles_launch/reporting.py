@@ -89,7 +89,7 @@ class Reporter:
         self.wandb = None
         if output.use_wandb:
             try:
-                import wandb
+                import wandb  # optional dependency (--use-wandb)
             except ImportError:
                 logger.warning("--use-wandb: wandb is not installed; logging to W&B is off")
             else:

@@ -12,6 +12,7 @@ from typing import ClassVar, Literal
 from miles_core.args import ArgGroup, ArgumentError, flag
 from miles_core.args.checks import at_least, flag_value, greater_than, requires
 from miles_core.args.parsed import ParsedArgs
+from miles_core.user_functions import load_function
 
 from miles_launch.batch_steps import resolve_steps_per_rollout
 from miles_launch.rollout_checks import check_stop_token_ids, partial_rollout, rollout_control
@@ -271,6 +272,7 @@ class RolloutArgs(ArgGroup):
     @classmethod
     def check_paths(cls, args: ParsedArgs) -> None:
 
+        # miles_launch.rollout.routed_experts is off the CLI's parse path
         from miles_launch.rollout.routed_experts import read_layout, routing_replay_on
 
         if args.prompt_data is None:
@@ -286,10 +288,9 @@ class RolloutArgs(ArgGroup):
             read_layout(str(args.hf_checkpoint))
         check_stop_token_ids(args)
         if args.dynamic_sampling_filter_path:
-            from miles_core.user_functions import load_function
-
             load_function(args.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
         if args.custom_generate_function_path:
+            # miles_launch.rollout.custom_generate is off the CLI's parse path
             from miles_launch.rollout.custom_generate import load_generate_function
 
             load_generate_function(args.custom_generate_function_path)

@@ -16,6 +16,7 @@ from miles_core.args.parsed import ParsedArgs
 def rollout_control(args: ParsedArgs) -> None:
     """The rollout-control flags, each against the others (custom generation, over-sampling,
     stops, prompt length, seed)."""
+    # miles_launch.rollout.routed_experts is off the CLI's parse path
     from miles_launch.rollout.routed_experts import routing_replay_on
 
     n = args.over_sampling_batch_size
@@ -46,6 +47,7 @@ def rollout_control(args: ParsedArgs) -> None:
 def partial_rollout(args: ParsedArgs) -> None:
     """``--partial-rollout`` against the others: it needs a draw that leaves groups running
     (over-sampling), and refuses what would make a continued sample's record inconsistent."""
+    # miles_launch.rollout.routed_experts is off the CLI's parse path
     from miles_launch.rollout.routed_experts import routing_replay_on
 
     if not args.partial_rollout:

@@ -153,6 +153,7 @@ def resolve_model_args(args: ParsedArgs) -> dict[str, Any]:
 
 def hf_model_args(hf_dir: str | None, explicit: Mapping[str, Any]) -> dict[str, Any]:
     """:func:`resolve_model_args` of an HF directory (or None) and the explicit flags."""
+    # miles_megatron.bridge is off the CLI's parse path
     from miles_megatron.bridge import bridge_for, load_hf_config
 
     margs: dict[str, Any] = {}

@@ -152,7 +152,7 @@ class MegatronArgs(ArgGroup):
         a machine whose torch answers no ``torch.cuda.current_device()`` cannot run it (checked
         when the ranks run here: not with ``--ray-address``, whose nodes the driver's machine
         says nothing about)."""
-        import torch
+        import torch  # torch stays off the CLI's parse path (test_cli_help)
 
         check_ref_load(args)
         if "ray_address" in args and args.ray_address:  # the launcher's flag (its group parsed)
@@ -190,6 +190,7 @@ def check_ref_load(args: ParsedArgs) -> None:
     """``--ref-load`` holds what :meth:`ReferenceModel.load` reads: an HF directory
     (config.json) or a committed checkpoint of this backend (a tracker naming an iteration)."""
 
+    # miles_core.checkpoint_layout is off the CLI's parse path
     from miles_core.checkpoint_layout import CheckpointError, resolve_load
 
     ref = args.ref_load

@@ -88,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_pull_args(argv[1:])
     # after the parse: a help or a bad flag is answered without loading the puller
     from miles_sync.errors import DeltaError
+
+    # miles_sync.puller is off the CLI's parse path
     from miles_sync.puller import Puller, PullerConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

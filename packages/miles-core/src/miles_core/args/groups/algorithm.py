@@ -347,6 +347,7 @@ class AlgorithmArgs(ArgGroup):
     @classmethod
     def check_paths(cls, args: ParsedArgs) -> None:
         if args.custom_advantage_function_path:
+            # a cycle: miles_core.user_functions imports miles_core.args (and so this group)
             from miles_core.user_functions import load_function
 
             load_function(args.custom_advantage_function_path, "--custom-advantage-function-path")

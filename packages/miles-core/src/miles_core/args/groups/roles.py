@@ -200,6 +200,7 @@ class RolesArgs(ArgGroup):
     def preflight(cls, args: ParsedArgs) -> None:
         """The loss hook's signature (its second parameter names logits or scores), checked
         by the driver before any rank starts."""
+        # miles_core.custom_loss is off the CLI's parse path
         from miles_core.custom_loss import LossHook
 
         LossHook.from_args(args)

@@ -134,12 +134,12 @@ def train(hf_dir: str, device: str, on: bool, batch, checkpointing: bool, steps:
     """(first train call's metrics, second call's seconds, of them the old-policy step's) on a
     fresh FSDP backend."""
     from miles_core.args import core_groups, parse_args
-    from miles_fsdp import rollout_train
+    from miles_fsdp import train_step
     from miles_fsdp.args import fsdp_groups
     from miles_fsdp.backend import FSDPBackend
 
     old_policy_s: list[float] = []
-    real = rollout_train._with_policy_log_probs
+    real = train_step._with_policy_log_probs
 
     def timed(ctx, b):
         _sync(device)
@@ -163,7 +163,7 @@ def train(hf_dir: str, device: str, on: bool, batch, checkpointing: bool, steps:
     backend = FSDPBackend()
     backend.init(parse_args(argv, [*core_groups(), *fsdp_groups()]))
     backend_attn = backend.attn_implementation
-    rollout_train._with_policy_log_probs = timed
+    train_step._with_policy_log_probs = timed
     try:
         metrics = backend.train(0, batch)  # one step: the weights the engine sampled with
         # the timed rollout: ``steps`` optimizer steps, where the mode off needs the old-log-prob
@@ -175,7 +175,7 @@ def train(hf_dir: str, device: str, on: bool, batch, checkpointing: bool, steps:
         _sync(device)
         seconds = time.perf_counter() - t0
     finally:
-        rollout_train._with_policy_log_probs = real
+        train_step._with_policy_log_probs = real
         backend.close()
         del backend
         gc.collect()

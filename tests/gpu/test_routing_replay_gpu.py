@@ -206,7 +206,7 @@ def trainer_run(trainer_dir: Path, rollout: Rollout):
     from miles_core.log_probs import token_log_probs
     from miles_core.packing import pack_thd
     from miles_fsdp.backend import FSDPBackend
-    from miles_fsdp.rollout_train import packed_logits
+    from miles_fsdp.train_step import packed_logits
     from run_args import make_args
     from torch.distributed.tensor import DTensor
 

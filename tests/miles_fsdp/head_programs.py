@@ -19,7 +19,7 @@ def token_weights(sample_index: int, n: int) -> tuple[torch.Tensor, torch.Tensor
 def head_program(rank, world, cases, samples, out_file):
     """Per case ``(label, hf_dir, temperature, fused)``: ``sum(a lp + b ent)`` over this rank's
     samples (``rank::world``) through the backend's scoring path, backward, full gradients."""
-    from miles_fsdp.rollout_train import packed_scores
+    from miles_fsdp.train_step import packed_scores
 
     results = {}
     for label, hf_dir, temperature, fused in cases:

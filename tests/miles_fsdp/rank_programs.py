@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from miles_fsdp.backend import FSDPBackend
-from miles_fsdp.train_step import optimizer_step
+from miles_fsdp.optimizer_step import optimizer_step
 from run_args import make_args
 from torch.distributed.tensor import DTensor
 

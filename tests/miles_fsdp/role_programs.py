@@ -135,8 +135,8 @@ def eval_program(rank, world, hf_dir, out_file):
 
 def lora_program(rank, world, hf_dir, adapter_dir, data, save_dir, out_file):
     """LoRA actor: merged publish, one step's grads and AdamW update, lora_base, checkpoint."""
+    from miles_fsdp.optimizer_step import optimizer_step
     from miles_fsdp.roles import adapters_disabled
-    from miles_fsdp.train_step import optimizer_step
 
     res: dict = {}
     flags = dict(
@@ -211,8 +211,8 @@ def lora_program(rank, world, hf_dir, adapter_dir, data, save_dir, out_file):
 
 def first_forward_disabled(rank, world, hf_dir, data):
     """bf16 compute, fp32 master: a first forward with adapters disabled, then a step."""
+    from miles_fsdp.optimizer_step import optimizer_step
     from miles_fsdp.roles import adapters_disabled
-    from miles_fsdp.train_step import optimizer_step
 
     backend = FSDPBackend()
     backend.init(

@@ -178,5 +178,5 @@ def save_trainer_copy(model, directory: Path) -> Path:
 
 
 def rollout_context(backend):
-    """The FSDP backend's actor as :mod:`miles_fsdp.rollout_train` uses it (the backend's own)."""
+    """The FSDP backend's actor as :mod:`miles_fsdp.train_step` uses it (the backend's own)."""
     return backend._rollout_context()

@@ -27,7 +27,7 @@ def test_moe_reference_replays_the_rollout_routing(one_rank_group, tmp_path):
     from miles_core.batch import RolloutBatch, Sample
     from miles_core.packing import pack_thd
     from miles_fsdp.backend import FSDPBackend
-    from miles_fsdp.rollout_train import policy_log_probs
+    from miles_fsdp.train_step import policy_log_probs
     from transformers import AutoModelForCausalLM
 
     config = moe_config("qwen3_moe")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from miles_core.args import ArgumentError
 from miles_fsdp.loss_scale import LossScaler
-from miles_fsdp.train_step import optimizer_step
+from miles_fsdp.optimizer_step import optimizer_step
 from run_args import parse
 from torch import nn
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from miles_fsdp.backend import FSDPBackend
-from miles_fsdp.train_step import optimizer_step
+from miles_fsdp.optimizer_step import optimizer_step
 from rank_programs import full_params, nll_contribution
 from run_args import make_args
 from tiny_models import save_tiny_model

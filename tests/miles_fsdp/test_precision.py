@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 from miles_fsdp.loading import ATTN_IMPLEMENTATIONS, resolve_attn_implementation
+from miles_fsdp.optimizer_step import optimizer_step
 from miles_fsdp.precision import resolve_precision
-from miles_fsdp.train_step import optimizer_step
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 

@@ -115,7 +115,7 @@ def test_memory_history_window_and_close(tmp_path, monkeypatch):
 
 
 def test_memory_history_dumped_when_a_rollout_raises(tmp_path, monkeypatch):
-    import miles_fsdp.rollout_train as rollout_train
+    import miles_fsdp.train_step as train_step
     from miles_fsdp.backend import FSDPBackend
 
     cuda = CudaMemoryCalls(monkeypatch)
@@ -125,10 +125,10 @@ def test_memory_history_dumped_when_a_rollout_raises(tmp_path, monkeypatch):
         ctx.profiler.before_step(ctx.global_step)
         raise RuntimeError("CUDA out of memory")
 
-    monkeypatch.setattr(rollout_train, "train_rollout", failing_rollout)
+    monkeypatch.setattr(train_step, "train_rollout", failing_rollout)
     backend = FSDPBackend()
     backend.profiler = profiler
-    backend._rollout_context = lambda: rollout_train.RolloutContext(
+    backend._rollout_context = lambda: train_step.RolloutContext(
         *[None] * 9, profiler=profiler, global_step=0
     )
     with pytest.raises(RuntimeError, match="out of memory"):

@@ -53,7 +53,7 @@ def test_replay_reproduces_the_engine_log_probs(one_rank_group, tmp_path, model_
     from miles_core.log_probs import token_log_probs
     from miles_core.packing import pack_thd
     from miles_fsdp.backend import FSDPBackend
-    from miles_fsdp.rollout_train import packed_logits
+    from miles_fsdp.train_step import packed_logits
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 

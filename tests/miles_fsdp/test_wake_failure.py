@@ -11,7 +11,7 @@ import weakref
 import pytest
 import torch
 from miles_fsdp.backend import FSDPBackend
-from miles_fsdp.train_step import optimizer_step
+from miles_fsdp.optimizer_step import optimizer_step
 from miles_offload import allocation
 from miles_offload.allocation import WakeFailed
 from rank_programs import full_params, nll_contribution

@@ -212,7 +212,7 @@ def test_trainer_replays_the_launchers_samples(
     from miles_core.log_probs import token_log_probs
     from miles_core.packing import pack_thd, unpack_response
     from miles_fsdp.backend import FSDPBackend
-    from miles_fsdp.rollout_train import packed_logits
+    from miles_fsdp.train_step import packed_logits
     from run_args import make_args
     from transformers import AutoModelForCausalLM
 

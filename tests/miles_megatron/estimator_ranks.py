@@ -54,7 +54,7 @@ def recorded_steps(backend_name: str) -> Iterator[list[dict]]:
         def read(result):
             return dict(result)
     else:
-        import miles_fsdp.rollout_train as module
+        import miles_fsdp.train_step as module
 
         def read(result):
             return {**result.parts, "grad_norm": result.grad_norm, "lr": result.lr}

@@ -10,7 +10,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # miles_core.args imports miles_core.backends, which imports this module
+    from miles_core.args.parsed import ParsedArgs
 
 
 @dataclass(frozen=True)
@@ -56,8 +59,9 @@ class TrainBackend(ABC):
         return ()
 
     @abstractmethod
-    def init(self, args: Any, role: str = "actor") -> int:
-        """Build model, optimizer and parallel layout for ``role`` ("actor" or "critic").
+    def init(self, args: ParsedArgs, role: str = "actor") -> int:
+        """Build model, optimizer and parallel layout for ``role`` ("actor" or "critic") from the
+        parsed command line (``args.run_config`` holds its groups, typed).
 
         The process group and device are already set up. Returns the next rollout id: 0 for a
         fresh run, or the saved ``next_rollout_id`` when ``--load`` resumes a checkpoint.

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from miles_core.args import ArgumentError
+from miles_core.args.parsed import ParsedArgs
 from miles_core.user_functions import load_function
 
 FLAG = "--custom-loss-function-path"
@@ -60,7 +61,7 @@ class TokenScores:
 class LossHookContext:
     """What a loss hook sees of the run: the flags, the device and the roles by component."""
 
-    args: Any
+    args: ParsedArgs
     device: torch.device
     models: dict[str, torch.nn.Module] = field(default_factory=dict)
     reference_models: dict[str, torch.nn.Module] = field(default_factory=dict)
@@ -77,7 +78,7 @@ class LossHook:
     wants_logits: bool
 
     @classmethod
-    def from_args(cls, args: Any) -> LossHook | None:
+    def from_args(cls, args: ParsedArgs) -> LossHook | None:
         """The hook ``--custom-loss-function-path`` names, or None when the flag is unset; a bad
         spec or a second parameter named neither ``logits`` nor ``scores`` is an
         :class:`ArgumentError` naming the flag."""

@@ -24,6 +24,7 @@ from miles_core.args.groups.algorithm import (
     policy_loss_conflict,
     tis_clip_bounds_error,
 )
+from miles_core.args.parsed import ParsedArgs
 from miles_core.kl import KL_TYPES, kl_estimate
 from miles_core.mismatch import extremes as mismatch_extremes
 from miles_core.mismatch import token_terms as mismatch_terms
@@ -128,7 +129,7 @@ class LossConfig:
         )
 
     @classmethod
-    def from_args(cls, args: Any) -> LossConfig:
+    def from_args(cls, args: ParsedArgs) -> LossConfig:
         """:meth:`from_algorithm` of a parsed namespace's ``run_config`` (the critic's too:
         :func:`~miles_core.args.groups.critic.critic_args` rebuilds it)."""
         return cls.from_algorithm(args.run_config.algorithm)

@@ -17,12 +17,12 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from miles_core.aggregation import all_reduce_host
+from miles_core.args.parsed import ParsedArgs
 from miles_core.batch import RolloutBatch
 from miles_core.partition import karmarkar_karp
 
@@ -194,7 +194,7 @@ class MicroBatching:
     cp_size: int = 1
 
     @classmethod
-    def from_args(cls, args: Any, cp_size: int = 1) -> MicroBatching:
+    def from_args(cls, args: ParsedArgs, cp_size: int = 1) -> MicroBatching:
         return cls(
             dynamic=bool(args.use_dynamic_batch_size),
             max_tokens_per_gpu=args.max_tokens_per_gpu,

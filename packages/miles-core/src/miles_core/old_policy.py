@@ -18,14 +18,13 @@ both backends.
 
 from __future__ import annotations
 
-from typing import Any
-
+from miles_core.args.parsed import ParsedArgs
 from miles_core.batch import BatchError, RolloutBatch
 
 ROLLOUT, FORWARD, CURRENT = "rollout", "forward", "current"
 
 
-def source(args: Any) -> str:
+def source(args: ParsedArgs) -> str:
     """:data:`ROLLOUT`, :data:`FORWARD` or :data:`CURRENT` for this run's flags."""
     if args.use_rollout_logprobs:
         return ROLLOUT
@@ -34,7 +33,7 @@ def source(args: Any) -> str:
     return CURRENT
 
 
-def needs_forward(args: Any) -> bool:
+def needs_forward(args: ParsedArgs) -> bool:
     """Whether a forward pass computes ``old_log_probs`` before the first step."""
     kind = source(args)
     return kind == FORWARD or (kind == CURRENT and args.kl_coef != 0.0)

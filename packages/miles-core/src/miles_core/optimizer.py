@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from miles_core.args.flags import ArgumentError
+from miles_core.args.parsed import ParsedArgs
 
 DECAY_STYLES = ("constant", "linear", "cosine")
 
@@ -89,7 +89,7 @@ def lr_at(step: int, cfg: OptimizerConfig) -> float:
     return cfg.lr_at(step)
 
 
-def decay_iters(args: Any) -> int | None:
+def decay_iters(args: ParsedArgs) -> int | None:
     """``--lr-decay-iters``, else the whole run when known (``--num-rollout`` x
     ``--num-steps-per-rollout``), else None."""
     if args.lr_decay_iters is not None:
@@ -101,7 +101,7 @@ def decay_iters(args: Any) -> int | None:
     return None
 
 
-def streamed_state_config(args: Any) -> StreamedStateConfig | None:
+def streamed_state_config(args: ParsedArgs) -> StreamedStateConfig | None:
     """The streamed-optimizer settings, or None without --stream-optimizer-state-to-disk."""
     if not args.stream_optimizer_state_to_disk:
         return None
@@ -113,7 +113,7 @@ def streamed_state_config(args: Any) -> StreamedStateConfig | None:
     )
 
 
-def optimizer_config(args: Any) -> OptimizerConfig:
+def optimizer_config(args: ParsedArgs) -> OptimizerConfig:
     """The optimizer, schedule and streamed-state part of the parsed flags (both backends).
 
     For the critic, pass ``critic_args(args)`` (its ``--critic-lr``, ...).

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from miles_core.args import ArgumentError
+from miles_core.args.parsed import ParsedArgs
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -74,7 +75,7 @@ class LoRAConfig:
         return self.alpha / self.rank
 
     @classmethod
-    def from_args(cls, args: Any) -> LoRAConfig:
+    def from_args(cls, args: ParsedArgs) -> LoRAConfig:
         return cls(
             rank=args.lora_rank,
             alpha=float(args.lora_alpha),

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from miles_core.args.parsed import ParsedArgs
+
 if TYPE_CHECKING:
     import torch
 
@@ -28,7 +30,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def train_dtype_name(args: Any) -> str:
+def train_dtype_name(args: ParsedArgs) -> str:
     """``"fp16"`` with ``--fp16``, ``"fp32"`` with ``--no-bf16``, else ``"bf16"``."""
     if args.fp16:
         return "fp16"
@@ -37,7 +39,7 @@ def train_dtype_name(args: Any) -> str:
     return "bf16"
 
 
-def explicit_dtype_name(args: Any) -> str | None:
+def explicit_dtype_name(args: ParsedArgs) -> str | None:
     """The dtype the command line names with ``--bf16`` / ``--no-bf16`` / ``--fp16``, or None
     when it names none (the default, bf16)."""
     if args.fp16 or args.bf16 is not None:
@@ -45,6 +47,6 @@ def explicit_dtype_name(args: Any) -> str | None:
     return None
 
 
-def train_dtype(args: Any) -> torch.dtype:
+def train_dtype(args: ParsedArgs) -> torch.dtype:
     """The compute dtype of :func:`train_dtype_name`."""
     return _dtypes()[train_dtype_name(args)]

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from pathlib import Path
+from typing import ClassVar, Literal
 
 from miles_core.args import ArgGroup, ArgumentError, flag
 from miles_core.args.checks import flag_value, launch_world_size
+from miles_core.args.parsed import ParsedArgs
 from miles_core.precision import explicit_dtype_name
 
 #: Shared flags this backend has no meaning for: refused at argument time, with the reason.
@@ -32,7 +35,7 @@ UNSUPPORTED_PARALLEL = (
 )
 
 
-def _trainer_world_size(args: Any) -> int | None:
+def _trainer_world_size(args: ParsedArgs) -> int | None:
     """Number of trainer ranks when known at parse time (launcher placement or torchrun env)."""
     world = launch_world_size(args)
     if world is not None:
@@ -100,7 +103,7 @@ class FSDPArgs(ArgGroup):
     )
 
     @classmethod
-    def validate(cls, args: Any) -> None:
+    def validate(cls, args: ParsedArgs) -> None:
         for dest, option in UNSUPPORTED_PARALLEL:
             size = flag_value(args, dest)
             if size is not None and size > 1:
@@ -169,17 +172,14 @@ class FSDPArgs(ArgGroup):
             )
 
     @classmethod
-    def preflight(cls, args: Any) -> None:
+    def preflight(cls, args: ParsedArgs) -> None:
         """The job's driver: the frozen roles load as HF models (:mod:`miles_fsdp.roles`), so
         ``--ref-load`` and ``--teacher-load`` must hold a config.json (the backend runs on
         the CPU too: no device check)."""
-        from pathlib import Path
 
         layers = args.gradient_checkpointing_layers
         config = Path(args.hf_checkpoint or "") / "config.json"
         if layers is not None and args.hf_checkpoint and config.is_file():
-            import json
-
             total = json.loads(config.read_text()).get("num_hidden_layers")
             if isinstance(total, int) and layers > total:
                 raise ArgumentError(

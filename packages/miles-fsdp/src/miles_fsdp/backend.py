@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from miles_core import batch_invariant
-from miles_core.args import ArgumentError
+from miles_core.args import ArgumentError, ParsedArgs
 from miles_core.contract import DataLayout, TrainBackend
 from miles_core.optimizer import optimizer_config
 from torch import nn
@@ -21,7 +21,6 @@ from miles_fsdp.adaptations import Adaptation, adaptation_for
 from miles_fsdp.adaptations.moe import RoutingReplay, resolve_moe_kernel
 from miles_fsdp.build import BuildPlan, RoleSpec, build_model
 from miles_fsdp.checkpoint import Checkpointer, TrainState, export_hf
-from miles_fsdp.critic import critic_config, install_value_head, value_head_fixup
 from miles_fsdp.ema import build_ema
 from miles_fsdp.hooks import HookContext, Hooks
 from miles_fsdp.loading import (
@@ -37,9 +36,10 @@ from miles_fsdp.optimizer import build_optimizer, build_streamed_optimizer, is_s
 from miles_fsdp.output_head import check_fused_head
 from miles_fsdp.precision import PrecisionConfig, precision_of
 from miles_fsdp.profiling import TrainProfiler
+from miles_fsdp.publish_source import WeightSource
 from miles_fsdp.roles import component_names, frozen_role, frozen_sources
 from miles_fsdp.true_on_policy import check_true_on_policy_dtype
-from miles_fsdp.weight_source import WeightSource
+from miles_fsdp.value_head import critic_config, install_value_head, value_head_fixup
 
 
 def _device() -> torch.device:
@@ -69,7 +69,7 @@ class FSDPBackend(TrainBackend):
         self.role = "actor"
 
     # ------------------------------------------------------------------ init
-    def init(self, args: Any, role: str = "actor") -> int:
+    def init(self, args: ParsedArgs, role: str = "actor") -> int:
         if role not in ("actor", "critic"):
             raise ValueError(f"FSDPBackend supports roles 'actor' and 'critic', got {role!r}")
         if role == "critic":  # its own flags: --critic-lr, --critic-save, ..., value_loss
@@ -138,7 +138,7 @@ class FSDPBackend(TrainBackend):
             compile_layers=args.compile_decoder_layers,
             batch_invariant=args.true_on_policy,
         )
-        if role == "critic":  # the actor's architecture with a value head (miles_fsdp.critic)
+        if role == "critic":  # the actor's architecture with a value head (miles_fsdp.value_head)
             trained = RoleSpec(
                 role="critic",
                 path=self.hf_dir,
@@ -222,8 +222,8 @@ class FSDPBackend(TrainBackend):
 
     # ------------------------------------------------------------------ training
     def _rollout_context(self) -> Any:
-        """What :mod:`.rollout_train` needs: this backend's model, optimizer, roles and hooks."""
-        from miles_fsdp.rollout_train import RolloutContext
+        """What :mod:`.train_step` needs: this backend's model, optimizer, roles and hooks."""
+        from miles_fsdp.train_step import RolloutContext
 
         return RolloutContext(
             model=self.model,
@@ -245,8 +245,8 @@ class FSDPBackend(TrainBackend):
         )
 
     def train(self, rollout_id: int, batch: Any) -> dict[str, float]:
-        """Train on this rank's shard of rollout ``rollout_id`` (see :mod:`.rollout_train`)."""
-        from miles_fsdp.rollout_train import train_rollout
+        """Train on this rank's shard of rollout ``rollout_id`` (see :mod:`.train_step`)."""
+        from miles_fsdp.train_step import train_rollout
 
         self.wake_up()
         ctx = self._rollout_context()
@@ -267,7 +267,7 @@ class FSDPBackend(TrainBackend):
         """The critic's per-sample values ``V_t`` of this rank's shard (float32, CPU,
         response-aligned), before this rollout's update. Critic role only; collective over DP
         ranks."""
-        from miles_fsdp.rollout_train import critic_values
+        from miles_fsdp.train_step import critic_values
 
         if self.role != "critic":
             raise ValueError(f"compute_values: the {self.role} has no value head")
@@ -279,7 +279,7 @@ class FSDPBackend(TrainBackend):
         """Per-sample response log-probs (float32, CPU) of this rank's shard ``batch`` at
         ``--rollout-temperature``, under the weights ``--eval-weights`` names (EMA swapped into
         the actor's shards and back), in eval mode (no dropout). Collective over DP ranks."""
-        from miles_fsdp.rollout_train import policy_log_probs
+        from miles_fsdp.train_step import policy_log_probs
 
         self.wake_up()
         was_training = self.model.training

@@ -301,7 +301,7 @@ def export_hf(
 ) -> None:
     """Write a HF directory: safetensors in checkpoint names and dtypes, plus config/tokenizer.
 
-    ``weights`` yields ``(hf_name, tensor)`` (a :class:`~miles_fsdp.weight_source.WeightSource`);
+    ``weights`` yields ``(hf_name, tensor)`` (a :class:`~miles_fsdp.publish_source.WeightSource`);
     it is consumed on every rank (gathering is collective) and rank 0 writes. Each shard is
     written as soon as it holds ``max_shard_bytes``, so rank 0 keeps at most one shard in host
     memory; with more than one shard they are renamed ``model-0000i-of-0000n.safetensors`` and an

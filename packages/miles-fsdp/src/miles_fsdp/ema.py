@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from miles_core.args.parsed import ParsedArgs
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -43,7 +44,7 @@ class EMASchedule:
     flat_steps: int = 0
 
     @classmethod
-    def from_args(cls, args: Any) -> EMASchedule:
+    def from_args(cls, args: ParsedArgs) -> EMASchedule:
         return cls(
             init=args.ema_decay_init,
             ramp=args.ema_decay_ramp,
@@ -151,7 +152,7 @@ class EMAOptimizer(torch.optim.Optimizer):
             del backup
 
 
-def build_ema(model: nn.Module, args: Any) -> EMAOptimizer | None:
+def build_ema(model: nn.Module, args: ParsedArgs) -> EMAOptimizer | None:
     """``--use-ema``: an :class:`EMAOptimizer` over the model's trainable parameters."""
     if not args.use_ema:
         return None

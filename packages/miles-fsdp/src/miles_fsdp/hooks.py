@@ -28,9 +28,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+from miles_core.args.parsed import ParsedArgs
 from miles_core.custom_loss import LossHook, LossHookContext, TokenScores
 from miles_core.log_prob_head import dense_log_probs
 from miles_core.packing import PackedBatch, packed_attention_kwargs
@@ -76,7 +76,7 @@ class Hooks:
     loss: LossHook | None = None
 
     @classmethod
-    def from_args(cls, args: Any, context: HookContext) -> Hooks:
+    def from_args(cls, args: ParsedArgs, context: HookContext) -> Hooks:
         prepare = None
         if args.custom_prepare_path:
             prepare = load_function(args.custom_prepare_path, "--custom-prepare-path")

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from miles_core.args.parsed import ParsedArgs
 from miles_core.peft_adapter import (
     ALL_LINEAR,
     LoRAConfig,
@@ -181,7 +182,7 @@ def merge_lora_tensors(
     return out
 
 
-def actor_lora(args: Any) -> tuple[LoRAConfig | None, PeftAdapter | None]:
+def actor_lora(args: ParsedArgs) -> tuple[LoRAConfig | None, PeftAdapter | None]:
     """``--use-lora``: the actor's settings and its ``--lora-adapter-path`` adapter, checked."""
     if not args.use_lora:
         return None, None

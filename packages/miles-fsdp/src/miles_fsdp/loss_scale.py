@@ -20,9 +20,9 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
+from miles_core.args.parsed import ParsedArgs
 from torch import nn
 
 FILE_NAME = "loss_scale.json"
@@ -39,7 +39,7 @@ class LossScaler:
     hysteresis_left: int = 2
 
     @classmethod
-    def from_args(cls, args: Any) -> LossScaler | None:
+    def from_args(cls, args: ParsedArgs) -> LossScaler | None:
         """The scaler ``--fp16`` asks for; None for bf16 / fp32."""
         if not args.fp16:
             return None

@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
+from miles_core.args.parsed import ParsedArgs
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def memory_snapshot_path(args: Any) -> Path:
+def memory_snapshot_path(args: ParsedArgs) -> Path:
     """``--memory-snapshot-path`` with this rank's suffix (``snap.pickle`` -> ``snap.rank0.pickle``)."""
     path = Path(args.memory_snapshot_path)
     return path.with_name(f"{path.stem}.rank{_rank()}{path.suffix}")
@@ -40,7 +40,7 @@ class TrainProfiler:
     snapshot).
     """
 
-    def __init__(self, args: Any) -> None:
+    def __init__(self, args: ParsedArgs) -> None:
         self.args = args
         self.profiler: torch.profiler.profile | None = None
         self.recording_memory = False

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from miles_core.args import ArgumentError
+from miles_core.args.parsed import ParsedArgs
 from miles_core.peft_adapter import read_peft_adapter
 from torch import nn
 
@@ -37,7 +38,7 @@ from miles_fsdp.lora import lora_layers, merge_fixup
 DEFAULT_COMPONENT = "model"
 
 
-def component_names(args: Any) -> list[str]:
+def component_names(args: ParsedArgs) -> list[str]:
     """The model's components: ``--update-weight-target-module`` or ``["model"]``.
 
     A causal LM is one component, so more than one name is an argument error.
@@ -61,14 +62,14 @@ class FrozenSource:
     cpu_offload: bool = False
 
 
-def ref_mode(args: Any) -> str:
+def ref_mode(args: ParsedArgs) -> str:
     """``--ref-mode``, or the mode the other flags imply when it is unset."""
     from miles_core.args.groups.roles import derived_ref_mode
 
     return args.ref_mode or derived_ref_mode(args)
 
 
-def frozen_sources(args: Any) -> list[FrozenSource]:
+def frozen_sources(args: ParsedArgs) -> list[FrozenSource]:
     """The frozen roles the flags ask for (``--ref-mode ref``, ``--teacher-load``)."""
     out = []
     if ref_mode(args) == "ref":

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from importlib.util import find_spec
+from typing import ClassVar, Literal
 
 from miles_core.args import ArgGroup, ArgumentError, flag
 from miles_core.args.checks import at_least, flag_value, option, requires, within
+from miles_core.args.parsed import ParsedArgs
 
 from miles_launch.debug_args import DebugDataArgs
 from miles_launch.engine_launch.watch_timing import MIN_HEALTH_TIMEOUT_S
@@ -69,7 +71,7 @@ class LaunchPlacementArgs(ArgGroup):
     )
 
     @classmethod
-    def validate(cls, args: Any) -> None:
+    def validate(cls, args: ParsedArgs) -> None:
         for dest in (
             "actor_num_nodes",
             "actor_num_gpus_per_node",
@@ -113,7 +115,7 @@ class LaunchPlacementArgs(ArgGroup):
                 )
 
     @classmethod
-    def resolve_defaults(cls, args: Any) -> None:
+    def resolve_defaults(cls, args: ParsedArgs) -> None:
         trainer = args.actor_num_nodes * args.actor_num_gpus_per_node
         if args.colocate:
             if args.rollout_num_gpus is not None and args.rollout_num_gpus != trainer:
@@ -139,18 +141,18 @@ class LaunchPlacementArgs(ArgGroup):
                 args.critic_num_gpus_per_node = args.actor_num_gpus_per_node
 
 
-def sharded_replicas(args: Any) -> int:
+def sharded_replicas(args: ParsedArgs) -> int:
     """Replicas of the sharded model: FSDP's ``--dp-replicate-size`` where its group is parsed;
     1 without it (the launcher's groups parsed alone, or Megatron's, which has no replicas)."""
     return args.dp_replicate_size if "dp_replicate_size" in args else 1
 
 
-def fsdp_cpu_offload(args: Any) -> bool:
+def fsdp_cpu_offload(args: ParsedArgs) -> bool:
     """FSDP's ``--fsdp-cpu-offload`` where its group is parsed; False without it."""
     return "fsdp_cpu_offload" in args and args.fsdp_cpu_offload
 
 
-def check_critic_ranks(args: Any) -> None:
+def check_critic_ranks(args: ParsedArgs) -> None:
     """A critic on its own ranks: proven with FSDP's synchronous loop only; its nodes fit
     ``--num-gpus-per-node`` and its world divides into FSDP's ``--dp-replicate-size``."""
     ranks = critic_ranks(args)
@@ -236,8 +238,11 @@ class EngineLaunchArgs(ArgGroup):
     )
 
     @classmethod
-    def validate(cls, args: Any) -> None:
+    def validate(cls, args: ParsedArgs) -> None:
+        # miles_launch.engine_launch.sglang_flags is off the CLI's parse path
         from miles_launch.engine_launch.sglang_flags import check_with_sglang
+
+        # miles_launch.engine_launch.sglang_launcher is off the CLI's parse path
         from miles_launch.engine_launch.sglang_launcher import check_passthrough
 
         check_passthrough(args.sglang_passthrough)
@@ -271,7 +276,7 @@ class EngineLaunchArgs(ArgGroup):
             )
 
     @classmethod
-    def resolve_defaults(cls, args: Any) -> None:
+    def resolve_defaults(cls, args: ParsedArgs) -> None:
         if args.engine_restart_limit is None:
             args.engine_restart_limit = 0 if restart_refusals(args) else DEFAULT_RESTART_LIMIT
         if args.rollout_engine is None:
@@ -286,7 +291,7 @@ class EngineLaunchArgs(ArgGroup):
 DEFAULT_RESTART_LIMIT = 2
 
 
-def restart_refusals(args: Any) -> list[str]:
+def restart_refusals(args: ParsedArgs) -> list[str]:
     """Why this job's engines cannot be restarted ([] when they can): colocated engines share
     the trainer's memory cycle, and a disk-delta puller's chain belongs to its engine."""
     reasons = []
@@ -301,7 +306,6 @@ def restart_refusals(args: Any) -> list[str]:
 
 def sglang_importable() -> bool:
     """Whether ``sglang`` can be imported here (checked without importing it)."""
-    from importlib.util import find_spec
 
     return find_spec("sglang") is not None
 
@@ -362,7 +366,7 @@ class JobArgs(ArgGroup):
     )
 
     @classmethod
-    def validate(cls, args: Any) -> None:
+    def validate(cls, args: ParsedArgs) -> None:
         requires(args, "load_required", "load")
         if args.gpu_memory_gib is not None and args.gpu_memory_gib <= 0:
             raise ArgumentError(f"--gpu-memory-gib must be > 0, got {args.gpu_memory_gib}")

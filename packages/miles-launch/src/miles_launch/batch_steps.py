@@ -11,18 +11,17 @@ takes that many steps, each over a proportionally smaller slice.
 
 from __future__ import annotations
 
-from typing import Any
-
 from miles_core.args import ArgumentError
 from miles_core.args.checks import at_least
+from miles_core.args.parsed import ParsedArgs
 
 
-def samples_per_rollout(args: Any) -> int:
+def samples_per_rollout(args: ParsedArgs) -> int:
     """Samples one rollout trains: ``--rollout-batch-size x --n-samples-per-prompt``."""
     return args.rollout_batch_size * args.n_samples_per_prompt
 
 
-def resolve_steps_per_rollout(args: Any) -> None:
+def resolve_steps_per_rollout(args: ParsedArgs) -> None:
     """With ``--global-batch-size`` set: ``args.num_steps_per_rollout`` becomes the samples per
     rollout divided by it; a remainder, or an explicit ``--num-steps-per-rollout`` that
     disagrees, is an argument error naming both flags."""

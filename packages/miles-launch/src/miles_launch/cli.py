@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     command, rest = argv[0], argv[1:]
     if command == "plot":
+        # miles_launch.plot is off the CLI's parse path
         from miles_launch.plot import main as plot_main
 
         plot_main(rest)

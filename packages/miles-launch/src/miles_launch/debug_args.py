@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from miles_core.args import ArgGroup, ArgumentError, flag
 from miles_core.args.checks import exclusive, flag_value, option
+from miles_core.args.parsed import ParsedArgs
 
 #: Flags that start or drive engines, refused with --load-debug-rollout-data (which has none).
 REPLAY_REFUSES = (
@@ -39,7 +40,8 @@ class DebugDataArgs(ArgGroup):
     )
 
     @classmethod
-    def validate(cls, args: Any) -> None:
+    def validate(cls, args: ParsedArgs) -> None:
+        # miles_launch.rollout.debug_data is off the CLI's parse path
         from miles_launch.rollout.debug_data import DebugDataError, check_template
 
         exclusive(args, "save_debug_rollout_data", "load_debug_rollout_data")
@@ -65,12 +67,13 @@ class DebugDataArgs(ArgGroup):
                     )
 
     @classmethod
-    def resolve_defaults(cls, args: Any) -> None:
+    def resolve_defaults(cls, args: ParsedArgs) -> None:
         if args.load_debug_rollout_data:
             args.rollout_num_gpus = 0  # no engines (see miles_launch.replay)
 
     @classmethod
-    def check_paths(cls, args: Any) -> None:
+    def check_paths(cls, args: ParsedArgs) -> None:
+        # miles_launch.rollout.debug_data is off the CLI's parse path
         from miles_launch.rollout.debug_data import data_path
 
         template = args.load_debug_rollout_data

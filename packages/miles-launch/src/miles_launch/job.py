@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from miles_core.args.parsed import ParsedArgs
 from miles_core.checkpoint_layout import atomic_write_text, iteration_dir_name, resolve_load
 
 from miles_launch.engine_launch.api_key import ensure_api_key
@@ -66,7 +67,7 @@ def write_launcher_state(save_dir: str | Path, state: LauncherState) -> Path:
     return path
 
 
-def read_launcher_state(args: Any, next_rollout_id: int) -> LauncherState:
+def read_launcher_state(args: ParsedArgs, next_rollout_id: int) -> LauncherState:
     """The resumed state: the launcher file of the loaded iteration, or, when there is none
     (a checkpoint written without the launcher), the position an unfiltered run reaches."""
     default = LauncherState(next_rollout_id, next_rollout_id * args.rollout_batch_size)
@@ -99,7 +100,7 @@ def load_tokenizer(path: str):
 class Job:
     """Everything a loop drives (built by :meth:`Job.setup`)."""
 
-    args: Any
+    args: ParsedArgs
     layout: Layout
     tokenizer: Any
     prompts: list[Prompt]
@@ -119,7 +120,7 @@ class Job:
     published_weights: str | None = None  # what the last publish sent (None: --rollout-weights)
 
     @classmethod
-    def setup(cls, args: Any) -> Job:
+    def setup(cls, args: ParsedArgs) -> Job:
         prepare_ray_env()
         import ray
         import torch

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from miles_core.args.groups.offload import offload_rollout_on, offload_train_on
+from miles_core.args.parsed import ParsedArgs
 from miles_core.save_trigger import SaveTrigger, should_save
 
 from miles_launch.job import Job, LauncherState, write_launcher_state
@@ -57,7 +58,7 @@ from miles_launch.trainer_group import PublishFailed, TrainerFailure
 logger = logging.getLogger(__name__)
 
 
-def sampling_config(args: Any) -> SamplingConfig:
+def sampling_config(args: ParsedArgs) -> SamplingConfig:
     """Sampling of training rollouts."""
     return SamplingConfig(
         max_new_tokens=args.rollout_max_response_len,
@@ -70,7 +71,7 @@ def sampling_config(args: Any) -> SamplingConfig:
     )
 
 
-def eval_sampling_config(args: Any) -> SamplingConfig:
+def eval_sampling_config(args: ParsedArgs) -> SamplingConfig:
     """Sampling of evaluation: each ``--eval-*`` value given, else the rollout's."""
 
     def pick(value: Any, default: Any) -> Any:
@@ -226,7 +227,7 @@ def run_eval(job: Job, rollout_id: int) -> dict[str, dict[str, float]]:
     return results
 
 
-def eval_due(args: Any, rollout_id: int) -> bool:
+def eval_due(args: ParsedArgs, rollout_id: int) -> bool:
     return bool(args.eval_interval) and (rollout_id + 1) % args.eval_interval == 0
 
 
@@ -287,7 +288,7 @@ class ColocatedCycle:
     docstring). ``trainers``: every trainer group that sleeps and wakes with the job (the actor
     today); each method is one step of the cycle and does nothing when its flag is off."""
 
-    def __init__(self, args: Any, trainers: list[Any], engines: Any) -> None:
+    def __init__(self, args: ParsedArgs, trainers: list[Any], engines: Any) -> None:
         self.offload_train = offload_train_on(args)
         self.offload_rollout = offload_rollout_on(args)
         self.trainers = trainers

@@ -23,7 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from miles_core.args.parsed import ParsedArgs
 
 from miles_launch.memory_estimate import (
     Estimate,
@@ -37,7 +38,7 @@ from miles_launch.placement import critic_ranks
 
 
 # ---------------------------------------------------------------------- from the flags
-def trainer_layout(args: Any, on_cuda: bool) -> TrainerLayout | None:
+def trainer_layout(args: ParsedArgs, on_cuda: bool) -> TrainerLayout | None:
     """The :class:`TrainerLayout` of parsed flags (None for a backend this plan does not know)."""
     from miles_core.precision import explicit_dtype_name, train_dtype_name
 
@@ -108,7 +109,7 @@ def trainer_layout(args: Any, on_cuda: bool) -> TrainerLayout | None:
     return None
 
 
-def _one_micro_batch(args: Any, ranks: int, tokens: int) -> bool:
+def _one_micro_batch(args: ParsedArgs, ranks: int, tokens: int) -> bool:
     """Whether every optimizer step is provably one micro-batch on each data-parallel rank:
     without ``--use-dynamic-batch-size``, a step's samples on a rank fit ``--micro-batch-size``;
     with it, they fit the token budget at their longest (``--rollout-max-prompt-len`` given)."""
@@ -126,7 +127,7 @@ def _one_micro_batch(args: Any, ranks: int, tokens: int) -> bool:
     return bool(args.rollout_max_prompt_len) and per_rank * _longest_sample(args) <= tokens
 
 
-def _longest_sample(args: Any) -> int:
+def _longest_sample(args: ParsedArgs) -> int:
     """Tokens of the longest sample (prompt + response) when no token budget is given."""
     prompt = args.rollout_max_prompt_len or 0
     return max(1, prompt + (args.rollout_max_response_len or 0))
@@ -161,7 +162,7 @@ class JobMemory:
         return self.engine_room is not None and self.engine_weights > self.engine_room
 
 
-def device_memory(args: Any, use_gpu: bool) -> tuple[float, str] | None:
+def device_memory(args: ParsedArgs, use_gpu: bool) -> tuple[float, str] | None:
     """``(bytes, where it came from)`` of one trainer GPU: ``--gpu-memory-gib``, else the local
     CUDA device's (a local job), else None (not checked)."""
     if args.gpu_memory_gib is not None:
@@ -189,7 +190,7 @@ class NoEstimate(Exception):
     the plan does not count)."""
 
 
-def job_memory(args: Any, use_gpu: bool) -> JobMemory:
+def job_memory(args: ParsedArgs, use_gpu: bool) -> JobMemory:
     """The estimate of the parsed job; raises :class:`NoEstimate`."""
     if not args.hf_checkpoint:
         raise NoEstimate("no --hf-checkpoint")
@@ -269,7 +270,7 @@ def size(value: float) -> str:
     return f"{value / 2**10:.1f} KiB"
 
 
-def plan_memory_lines(args: Any, use_gpu: bool) -> list[str]:
+def plan_memory_lines(args: ParsedArgs, use_gpu: bool) -> list[str]:
     """The plan's memory lines of the parsed job, or one saying why there is no estimate."""
     try:
         return memory_lines(job_memory(args, use_gpu))
@@ -318,7 +319,7 @@ def memory_lines(job: JobMemory) -> list[str]:
     return lines
 
 
-def check_memory(args: Any, use_gpu: bool) -> None:
+def check_memory(args: ParsedArgs, use_gpu: bool) -> None:
     """Refuse (an ``ArgumentError`` naming ``--ignore-memory-plan``) a job whose trainer GPU
     estimate exceeds the device, or whose engine's weights exceed the engine's room on it; and
     ``--ignore-memory-plan`` itself where nothing is checked (no estimate, or no device memory

@@ -20,14 +20,15 @@ Pure arithmetic over the parsed flags (and the preflight's notes): nothing is st
 from __future__ import annotations
 
 import os
-from typing import Any
+
+from miles_core.args.parsed import ParsedArgs
 
 from miles_launch.args import fsdp_cpu_offload, sharded_replicas
 from miles_launch.memory_plan import plan_memory_lines
 from miles_launch.placement import Layout, nodes_needed, plan_layout
 
 
-def run_dir(args: Any) -> str | None:
+def run_dir(args: ParsedArgs) -> str | None:
     """The run's output directory: that of ``--metrics-jsonl`` (where ``miles plot`` looks),
     else ``--save``; None when the run names neither."""
     if args.metrics_jsonl:
@@ -35,13 +36,13 @@ def run_dir(args: Any) -> str | None:
     return os.path.abspath(args.save) if args.save else None
 
 
-def log_dir(args: Any) -> str | None:
+def log_dir(args: ParsedArgs) -> str | None:
     """Where the engines' (and the router's, the pullers') logs go: ``<run dir>/logs``."""
     base = run_dir(args)
     return os.path.join(base, "logs") if base else None
 
 
-def trainer_line(args: Any, layout: Layout) -> str:
+def trainer_line(args: ParsedArgs, layout: Layout) -> str:
     ranks = layout.num_trainer_ranks
     nodes = args.actor_num_nodes
     where = f"{ranks} rank(s) on {nodes} node(s) ({args.actor_num_gpus_per_node} per node)"
@@ -66,7 +67,7 @@ def trainer_line(args: Any, layout: Layout) -> str:
     return f"trainer: {where}; --train-backend {args.train_backend}"
 
 
-def critic_line(args: Any, layout: Layout) -> str | None:
+def critic_line(args: ParsedArgs, layout: Layout) -> str | None:
     """A critic on its own ranks (None for one in the trainer's ranks, or none)."""
     if not layout.num_critic_ranks:
         return None
@@ -77,7 +78,7 @@ def critic_line(args: Any, layout: Layout) -> str | None:
     )
 
 
-def engines_line(args: Any, layout: Layout) -> str:
+def engines_line(args: ParsedArgs, layout: Layout) -> str:
     if args.load_debug_rollout_data:
         return f"engines: none (a replay of {args.load_debug_rollout_data})"
     unit = "GPU" if layout.use_gpu else "CPU slot"
@@ -95,7 +96,7 @@ def engines_line(args: Any, layout: Layout) -> str:
     return line
 
 
-def weights_line(args: Any) -> str:
+def weights_line(args: ParsedArgs) -> str:
     if args.load_debug_rollout_data:
         return "weights: not published (no engines)"
     mode = args.update_weight_transfer_mode
@@ -108,7 +109,7 @@ def weights_line(args: Any) -> str:
     return f"weights: {mode}{where} to the engines {every}"
 
 
-def offload_line(args: Any) -> str:
+def offload_line(args: ParsedArgs) -> str:
     parts = []
     if args.offload_train:
         target = args.offload_train_target
@@ -126,7 +127,7 @@ def offload_line(args: Any) -> str:
     )
 
 
-def rollouts_line(args: Any) -> str:
+def rollouts_line(args: ParsedArgs) -> str:
     reward = (
         f"--rm-type {args.rm_type}"
         if args.rm_type
@@ -145,7 +146,7 @@ def rollouts_line(args: Any) -> str:
     )
 
 
-def checkpoints_line(args: Any) -> str:
+def checkpoints_line(args: ParsedArgs) -> str:
     if not args.save:
         line = "checkpoints: none (no --save)"
     elif args.save_interval:
@@ -163,7 +164,7 @@ def checkpoints_line(args: Any) -> str:
     return line
 
 
-def outputs_line(args: Any) -> str:
+def outputs_line(args: ParsedArgs) -> str:
     parts = []
     if args.metrics_jsonl:
         parts.append(f"metrics {args.metrics_jsonl} (miles plot {run_dir(args)})")
@@ -178,7 +179,7 @@ def outputs_line(args: Any) -> str:
     return "outputs: " + "; ".join(parts)
 
 
-def plan_lines(args: Any, use_gpu: bool, notes: list[str] = ()) -> list[str]:
+def plan_lines(args: ParsedArgs, use_gpu: bool, notes: list[str] = ()) -> list[str]:
     """The plan of the module docstring (``notes``: the preflight's, e.g. a fresh ``--load``)."""
     layout = plan_layout(args, use_gpu)
     if args.ray_address:

@@ -44,10 +44,10 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from miles_core.args import ArgGroup, ArgumentError
 from miles_core.args.checks import flag_value
+from miles_core.args.parsed import ParsedArgs
 from miles_core.checkpoint_layout import TRACKER_FILENAME, CheckpointError, resolve_load
 from miles_core.user_functions import check_function_flags
 
@@ -67,7 +67,7 @@ class PreflightResult:
     notes: list[str] = field(default_factory=list)
 
 
-def preflight(args: Any, groups: Sequence[type[ArgGroup]]) -> PreflightResult:
+def preflight(args: ParsedArgs, groups: Sequence[type[ArgGroup]]) -> PreflightResult:
     """Every check of the module docstring; never raises for a problem of the job."""
     result = PreflightResult()
     checks: list[Callable[[], None]] = [
@@ -91,7 +91,7 @@ def preflight(args: Any, groups: Sequence[type[ArgGroup]]) -> PreflightResult:
 
 
 # ---------------------------------------------------------------------- --hf-checkpoint
-def hf_weights_needed(args: Any) -> bool:
+def hf_weights_needed(args: ParsedArgs) -> bool:
     """Whether the job reads the HF directory's weights: the engines boot from them and the
     FSDP backend builds from them; only a replay (no engines) that resumes a Megatron
     ``--load`` reads the architecture alone."""
@@ -103,7 +103,7 @@ def hf_weights_needed(args: Any) -> bool:
         return True  # check_loads reports it
 
 
-def check_hf_checkpoint(args: Any) -> None:
+def check_hf_checkpoint(args: ParsedArgs) -> None:
     """``--hf-checkpoint``: present, with a config, weights and a loadable tokenizer."""
     hf = args.hf_checkpoint
     if hf is None:
@@ -232,7 +232,7 @@ OUTPUTS = (
 )
 
 
-def check_outputs(args: Any) -> None:
+def check_outputs(args: ParsedArgs) -> None:
     for dest, kind in OUTPUTS:
         value = flag_value(args, dest)
         if value:
@@ -248,7 +248,7 @@ def hf_weight_bytes(hf: str | None) -> int:
     return sum(p.stat().st_size for p in Path(hf).glob("*.safetensors"))
 
 
-def check_free_space(args: Any, existing: Path) -> None:
+def check_free_space(args: ParsedArgs, existing: Path) -> None:
     """``--save`` has room for one checkpoint's model weights at least (a lower bound: the
     optimizer state, when saved, comes on top)."""
     need = hf_weight_bytes(args.hf_checkpoint)
@@ -262,12 +262,12 @@ def check_free_space(args: Any, existing: Path) -> None:
 
 
 # ---------------------------------------------------------------------- prompts
-def label_reader(args: Any) -> str | None:
+def label_reader(args: ParsedArgs) -> str | None:
     """The flag of the reward that reads each prompt's label (None: no built-in reward)."""
     return f"--rm-type {args.rm_type}" if args.rm_type else None
 
 
-def check_prompts(args: Any) -> None:
+def check_prompts(args: ParsedArgs) -> None:
     """Every record of the prompt sets has the keys the job reads (module docstring)."""
     files = [("--prompt-data", args.prompt_data)] if args.prompt_data else []
     files += [(f"--eval-prompt-data {name}", path) for name, path in eval_sets(args).items()]
@@ -291,7 +291,7 @@ def check_prompts(args: Any) -> None:
 
 
 # ---------------------------------------------------------------------- checkpoints
-def check_loads(args: Any, notes: list[str]) -> None:
+def check_loads(args: ParsedArgs, notes: list[str]) -> None:
     """``--load`` and ``--critic-load``: a committed checkpoint of this backend, or nothing."""
     targets = [("--load", args.load)]
     if args.use_critic:
@@ -337,7 +337,7 @@ def check_loads(args: Any, notes: list[str]) -> None:
         )
 
 
-def created_outputs(args: Any) -> list[str]:
+def created_outputs(args: ParsedArgs) -> list[str]:
     """The directories the driver creates once the preflight passed (:func:`make_outputs`):
     ``--save``, the critic's ``--critic-save`` and ``--tensorboard-dir``, and the directory of
     ``--metrics-jsonl``; a ``--load`` naming one of them (resume-or-start) starts fresh."""
@@ -347,7 +347,7 @@ def created_outputs(args: Any) -> list[str]:
     return [os.path.abspath(d) for d in dirs if d]
 
 
-def make_outputs(args: Any) -> None:
+def make_outputs(args: ParsedArgs) -> None:
     """Create :func:`created_outputs` (after a preflight that passed, so they can be)."""
     for path in created_outputs(args):
         Path(path).mkdir(parents=True, exist_ok=True)
@@ -360,7 +360,7 @@ def local_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def check_local_devices(args: Any) -> None:
+def check_local_devices(args: ParsedArgs) -> None:
     """A local Ray (no ``--ray-address``) gets this machine's GPUs: the job's bundles, one GPU
     each, must fit them (without GPUs every bundle is a CPU slot, and those always fit)."""
     if args.ray_address:

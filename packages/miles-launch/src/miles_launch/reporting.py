@@ -33,6 +33,7 @@ import time
 from contextlib import contextmanager
 from typing import Any
 
+from miles_core.args.parsed import ParsedArgs
 from miles_core.args.run_config import group_from_namespace
 from miles_core.mismatch import ABS_DIFF
 from tqdm import tqdm
@@ -88,7 +89,7 @@ class Reporter:
         self.wandb = None
         if output.use_wandb:
             try:
-                import wandb
+                import wandb  # optional dependency (--use-wandb)
             except ImportError:
                 logger.warning("--use-wandb: wandb is not installed; logging to W&B is off")
             else:
@@ -97,7 +98,7 @@ class Reporter:
                 )
 
     @classmethod
-    def from_args(cls, args: Any, num_rollout: int) -> Reporter:
+    def from_args(cls, args: ParsedArgs, num_rollout: int) -> Reporter:
         """The reporter of the parsed (and maybe since updated) namespace ``args``."""
         output = group_from_namespace(OutputArgs, args)
         return cls(output, args.tensorboard_dir, num_rollout, public_config(args))
@@ -225,7 +226,7 @@ def rank0_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     return {k: float(v) for k, v in per_rank[0].items()} if per_rank else {}
 
 
-def public_config(args: Any) -> dict[str, Any]:
+def public_config(args: ParsedArgs) -> dict[str, Any]:
     """The flags as reported to W&B: every value but secrets (the engine API key, masked)."""
     from miles_launch.engine_launch.api_key import redact
 
@@ -235,7 +236,7 @@ def public_config(args: Any) -> dict[str, Any]:
     return config
 
 
-def closing_lines(args: Any, records: list[dict[str, Any]], seconds: float) -> list[str]:
+def closing_lines(args: ParsedArgs, records: list[dict[str, Any]], seconds: float) -> list[str]:
     """The end of a run: what ran, and where its checkpoints, metrics, picture and logs are."""
     from miles_core.checkpoint_layout import read_tracker
 

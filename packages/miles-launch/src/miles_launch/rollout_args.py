@@ -6,10 +6,13 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from pathlib import Path
+from typing import ClassVar, Literal
 
 from miles_core.args import ArgGroup, ArgumentError, flag
 from miles_core.args.checks import at_least, flag_value, greater_than, requires
+from miles_core.args.parsed import ParsedArgs
+from miles_core.user_functions import load_function
 
 from miles_launch.batch_steps import resolve_steps_per_rollout
 from miles_launch.rollout_checks import check_stop_token_ids, partial_rollout, rollout_control
@@ -200,7 +203,7 @@ class RolloutArgs(ArgGroup):
     )
 
     @classmethod
-    def validate(cls, args: Any) -> None:
+    def validate(cls, args: ParsedArgs) -> None:
         for dest in (
             "num_rollout",
             "rollout_batch_size",
@@ -251,10 +254,6 @@ class RolloutArgs(ArgGroup):
                 "--custom-rm-batch rollout cannot be used with --fully-async: groups are "
                 "trained as they finish; use --custom-rm-batch group"
             )
-        if args.custom_rm_path and ":" not in args.custom_rm_path:
-            raise ArgumentError(
-                f"--custom-rm-path {args.custom_rm_path!r}: expected MODULE:FUNCTION"
-            )
         requires(args, "eval_interval", "eval_prompt_data")
         requires(args, "skip_eval_before_train", "eval_prompt_data")
         requires(args, "dynamic_sampling_filter_path", "dynamic_filter")
@@ -271,9 +270,9 @@ class RolloutArgs(ArgGroup):
             )
 
     @classmethod
-    def check_paths(cls, args: Any) -> None:
-        from pathlib import Path
+    def check_paths(cls, args: ParsedArgs) -> None:
 
+        # miles_launch.rollout.routed_experts is off the CLI's parse path
         from miles_launch.rollout.routed_experts import read_layout, routing_replay_on
 
         if args.prompt_data is None:
@@ -289,22 +288,21 @@ class RolloutArgs(ArgGroup):
             read_layout(str(args.hf_checkpoint))
         check_stop_token_ids(args)
         if args.dynamic_sampling_filter_path:
-            from miles_core.user_functions import load_function
-
             load_function(args.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
         if args.custom_generate_function_path:
+            # miles_launch.rollout.custom_generate is off the CLI's parse path
             from miles_launch.rollout.custom_generate import load_generate_function
 
             load_generate_function(args.custom_generate_function_path)
 
     @classmethod
-    def resolve_defaults(cls, args: Any) -> None:
+    def resolve_defaults(cls, args: ParsedArgs) -> None:
         if args.rollout_seed is None:
             args.rollout_seed = args.seed
         resolve_steps_per_rollout(args)  # --global-batch-size -> --num-steps-per-rollout
 
 
-def eval_sets(args: Any) -> dict[str, str]:
+def eval_sets(args: ParsedArgs) -> dict[str, str]:
     """``--eval-prompt-data NAME PATH ...`` as ``{name: path}`` (in the order given)."""
     values = args.eval_prompt_data or []
     if len(values) % 2:

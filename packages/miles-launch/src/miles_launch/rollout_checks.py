@@ -5,15 +5,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from pathlib import Path
 
 from miles_core.args import ArgumentError
 from miles_core.args.checks import at_least
+from miles_core.args.parsed import ParsedArgs
 
 
-def rollout_control(args: Any) -> None:
+def rollout_control(args: ParsedArgs) -> None:
     """The rollout-control flags, each against the others (custom generation, over-sampling,
     stops, prompt length, seed)."""
+    # miles_launch.rollout.routed_experts is off the CLI's parse path
     from miles_launch.rollout.routed_experts import routing_replay_on
 
     n = args.over_sampling_batch_size
@@ -32,14 +35,7 @@ def rollout_control(args: Any) -> None:
         if token < 0:
             raise ArgumentError(f"--rollout-stop-token-ids: {token} is not a token id")
     at_least(args, "rollout_seed", 0)
-    path = args.custom_generate_function_path
-    if path is not None:
-        module, sep, func = path.partition(":") if ":" in path else path.rpartition(".")
-        if not (module and sep and func):
-            raise ArgumentError(
-                f"--custom-generate-function-path {path!r}: expected MODULE:FUNCTION or "
-                "MODULE.FUNCTION"
-            )
+    if args.custom_generate_function_path is not None:  # its form: miles_core.user_functions
         if routing_replay_on(args):
             raise ArgumentError(
                 "--custom-generate-function-path cannot be used with "
@@ -48,9 +44,10 @@ def rollout_control(args: Any) -> None:
             )
 
 
-def partial_rollout(args: Any) -> None:
+def partial_rollout(args: ParsedArgs) -> None:
     """``--partial-rollout`` against the others: it needs a draw that leaves groups running
     (over-sampling), and refuses what would make a continued sample's record inconsistent."""
+    # miles_launch.rollout.routed_experts is off the CLI's parse path
     from miles_launch.rollout.routed_experts import routing_replay_on
 
     if not args.partial_rollout:
@@ -101,11 +98,9 @@ def partial_rollout(args: Any) -> None:
             raise ArgumentError(f"--partial-rollout {why}")
 
 
-def check_stop_token_ids(args: Any) -> None:
+def check_stop_token_ids(args: ParsedArgs) -> None:
     """``--rollout-stop-token-ids`` within the vocabulary of ``--hf-checkpoint``'s config.json
     (when it has one)."""
-    import json
-    from pathlib import Path
 
     if not args.rollout_stop_token_ids or args.hf_checkpoint is None:
         return

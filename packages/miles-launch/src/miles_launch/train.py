@@ -29,6 +29,7 @@ from miles_core.args import (
     parse_args,
     selected_backend,
 )
+from miles_core.args.parsed import ParsedArgs
 
 logger = logging.getLogger("miles_launch")
 
@@ -37,12 +38,21 @@ def run_errors() -> tuple[type[BaseException], ...]:
     """Failures reported as one ``error:`` block (exit status 1) instead of a traceback
     (imported when the job runs: the preflight's errors come before any of this loads)."""
     from miles_core.backends import BackendNotInstalledError
-    from miles_core.checkpoint_layout import CheckpointError
-    from miles_core.engine import EngineError
 
+    # miles_core.checkpoint_layout is off the CLI's parse path
+    from miles_core.checkpoint_layout import CheckpointError
+    from miles_core.engine import EngineError  # miles_core.engine is off the CLI's parse path
+
+    # miles_launch.engine_launch.process is off the CLI's parse path
     from miles_launch.engine_launch.process import EngineDied
+
+    # miles_launch.rollout.debug_data is off the CLI's parse path
     from miles_launch.rollout.debug_data import DebugDataError
+
+    # miles_launch.rollout.prompts is off the CLI's parse path
     from miles_launch.rollout.prompts import PromptDataError
+
+    # miles_launch.trainer_group is off the CLI's parse path
     from miles_launch.trainer_group import TrainerFailure
 
     return (
@@ -179,6 +189,8 @@ def check_job(argv: list[str]) -> tuple[Any, list[str]]:
     args = parse_or_exit(argv, groups)
     # after the parse: an argument error is reported before torch (which these import) loads
     from miles_launch.plan import plan_lines
+
+    # miles_launch.preflight is off the CLI's parse path
     from miles_launch.preflight import local_gpus, preflight
 
     result = preflight(args, groups)
@@ -189,26 +201,28 @@ def check_job(argv: list[str]) -> tuple[Any, list[str]]:
     return args, plan_lines(args, local_gpus() > 0 and not args.ray_address, result.notes)
 
 
-def run(args: Any) -> list[dict]:
+def run(args: ParsedArgs) -> list[dict]:
     """Set the job up, run the sync or fully-async loop, tear down; the rollout records."""
-    from miles_core.engine import EngineError
+    from miles_core.engine import EngineError  # miles_core.engine is off the CLI's parse path
 
-    from miles_launch.job import Job
+    from miles_launch.job import Job  # miles_launch.job is off the CLI's parse path
 
     started = time.monotonic()
     job = Job.setup(args)
     failed = True
     try:
         if args.load_debug_rollout_data:
+            # miles_launch.replay is off the CLI's parse path
             from miles_launch.replay import run_replay
 
             records = run_replay(job)
         elif args.fully_async:
+            # miles_launch.async_loop is off the CLI's parse path
             from miles_launch.async_loop import run_async
 
             records = run_async(job)
         else:
-            from miles_launch.loop import run_sync
+            from miles_launch.loop import run_sync  # miles_launch.loop is off the CLI's parse path
 
             records = run_sync(job)
         failed = False
@@ -218,6 +232,7 @@ def run(args: Any) -> list[dict]:
         raise
     finally:
         job.teardown(failed=failed)
+    # miles_launch.reporting is off the CLI's parse path
     from miles_launch.reporting import closing_lines
 
     for line in closing_lines(args, records, time.monotonic() - started):
@@ -233,7 +248,10 @@ def main(argv: list[str] | None = None) -> None:
     logger.setLevel(logging.INFO)
     started = time.monotonic()
     args, plan = check_job(argv)
+    # miles_launch.preflight is off the CLI's parse path
     from miles_launch.preflight import make_outputs
+
+    # miles_launch.reporting is off the CLI's parse path
     from miles_launch.reporting import phase, start_clock
 
     start_clock(started)

@@ -23,6 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 from miles_core.args.checks import flag_value
+from miles_core.args.parsed import ParsedArgs
 from miles_core.batch import RolloutBatch
 from miles_core.partition import partition_for_dp
 from miles_sync.errors import PublishError
@@ -42,7 +43,7 @@ COLLECTIVE_TIMEOUT_S = 1800
 CPU_COLLECTIVE_FLAGS = ("ref_cpu_offload", "teacher_cpu_offload")
 
 
-def process_group_backend(args: Any, use_gpu: bool) -> str:
+def process_group_backend(args: ParsedArgs, use_gpu: bool) -> str:
     """The default group's backend: ``gloo`` without a GPU; with one, ``nccl``, or
     ``cpu:<--fsdp-cpu-backend>,cuda:nccl`` when a flag of :data:`CPU_COLLECTIVE_FLAGS` is
     set (CPU tensors then reduce over the CPU backend, device tensors over NCCL)."""
@@ -112,7 +113,7 @@ class TrainerRank:
             port = s.getsockname()[1]
         return node_ip(), port
 
-    def init(self, args: Any, master_addr: str, master_port: int) -> int:
+    def init(self, args: ParsedArgs, master_addr: str, master_port: int) -> int:
         """Process group, then ``backend.init(args)``; returns the next rollout id."""
         import torch
         import torch.distributed as dist
@@ -202,7 +203,7 @@ class TrainerRank:
             dist.destroy_process_group()
 
 
-def resume_mismatch(args: Any, critic_next: int, actor_next: int) -> str:
+def resume_mismatch(args: ParsedArgs, critic_next: int, actor_next: int) -> str:
     """The error of a critic checkpoint that resumes at another rollout than the actor's."""
     return (
         f"the critic's checkpoint (--critic-load {args.critic_load}) resumes at rollout "
@@ -326,11 +327,11 @@ class TrainerGroup:
         return True
 
     # ------------------------------------------------------------------ the contract
-    def init(self, args: Any) -> int:
+    def init(self, args: ParsedArgs) -> int:
         """Process groups and ``backend.init`` on every rank; the next rollout id."""
         return self.finish_init(self.start_init(args), args)
 
-    def start_init(self, args: Any) -> Pending:
+    def start_init(self, args: ParsedArgs) -> Pending:
         """:meth:`init` without waiting for the backends (another group can start meanwhile):
         this group's own rendezvous on its rank 0's node, then ``init`` in flight."""
         self.hosts = self._gather("host", [actor.host.remote() for actor in self.actors])
@@ -345,7 +346,7 @@ class TrainerGroup:
         ranks = [f"{r} on {h} pid {p}" for r, (h, p) in enumerate(zip(self.hosts, self.pids))]
         return f"{self.name} ranks: " + ", ".join(ranks)
 
-    def finish_init(self, pending: Pending, args: Any) -> int:
+    def finish_init(self, pending: Pending, args: ParsedArgs) -> int:
         """Wait for :meth:`start_init`'s ranks; the next rollout id they agree on."""
         next_ids = pending.result()
         if len(set(next_ids)) != 1:

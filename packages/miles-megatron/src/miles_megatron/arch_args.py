@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from importlib.util import find_spec
 from typing import Any, ClassVar, Literal
 
 from miles_core.args import ArgGroup, ArgumentError, flag
+from miles_core.args.parsed import ParsedArgs
 from miles_core.args.run_config import group_from_namespace
 
 #: Flag dest -> where it lands in megatron-core.
@@ -111,7 +113,7 @@ class ArchitectureArgs(ArgGroup):
     )
 
     @classmethod
-    def validate(cls, args: Any) -> None:
+    def validate(cls, args: ParsedArgs) -> None:
         if args.num_query_groups is not None and args.group_query_attention is False:
             raise ArgumentError("--num-query-groups needs --group-query-attention")
         if args.moe_grouped_gemm:
@@ -129,19 +131,18 @@ class ArchitectureArgs(ArgGroup):
 
 def transformer_engine_available() -> bool:
     """Whether ``transformer_engine`` is importable (checked without importing it)."""
-    from importlib.util import find_spec
 
     return find_spec("transformer_engine") is not None
 
 
-def explicit_arch_args(args: Any) -> dict[str, Any]:
+def explicit_arch_args(args: ParsedArgs) -> dict[str, Any]:
     """The architecture flags set on the command line / YAML (not None)."""
     arch = group_from_namespace(ArchitectureArgs, args)
     values = {field.name: getattr(arch, field.name) for field in fields(ArchitectureArgs)}
     return {name: value for name, value in values.items() if value is not None}
 
 
-def resolve_model_args(args: Any) -> dict[str, Any]:
+def resolve_model_args(args: ParsedArgs) -> dict[str, Any]:
     """Model args: the bridge's (from ``--hf-checkpoint``) overridden by explicit flags.
 
     Fills Megatron-LM's derived defaults (``num_query_groups`` = heads without GQA,
@@ -152,6 +153,7 @@ def resolve_model_args(args: Any) -> dict[str, Any]:
 
 def hf_model_args(hf_dir: str | None, explicit: Mapping[str, Any]) -> dict[str, Any]:
     """:func:`resolve_model_args` of an HF directory (or None) and the explicit flags."""
+    # miles_megatron.bridge is off the CLI's parse path
     from miles_megatron.bridge import bridge_for, load_hf_config
 
     margs: dict[str, Any] = {}

@@ -11,11 +11,13 @@ import functools
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from pathlib import Path
+from typing import ClassVar
 
 from miles_core.args import ArgGroup, ArgumentError, flag
 from miles_core.args.checks import flag_value, launch_world_size
 from miles_core.args.checks import option as flag_option
+from miles_core.args.parsed import ParsedArgs
 from miles_core.precision import train_dtype_name
 
 from miles_megatron.arch_args import (
@@ -30,7 +32,7 @@ from miles_megatron.layout_kinds import check_layout_kind
 ATTN_IMPLEMENTATIONS = ("varlen", "sdpa")
 
 
-def check_attn_implementation(args: Any) -> None:
+def check_attn_implementation(args: ParsedArgs) -> None:
     """Argument time: a value the Megatron backend cannot honour, and varlen with CP > 1."""
     value = args.attn_implementation
     if value is None:
@@ -97,7 +99,7 @@ class MegatronArgs(ArgGroup):
     )
 
     @classmethod
-    def validate(cls, args: Any) -> None:
+    def validate(cls, args: ParsedArgs) -> None:
         if args.critic_hf_checkpoint:
             raise ArgumentError(
                 "--critic-hf-checkpoint is not supported by the Megatron backend yet (its critic "
@@ -116,15 +118,6 @@ class MegatronArgs(ArgGroup):
         check_recompute_flags(args)
         if args.spec is not None and len(args.spec) != 2:
             raise ArgumentError("--spec takes two values: MODULE FUNCTION")
-        for dest in (
-            "custom_megatron_init_path",
-            "custom_megatron_before_log_prob_hook_path",
-            "custom_megatron_before_train_step_hook_path",
-        ):
-            value = flag_value(args, dest)
-            if value is not None and ":" not in value:
-                option = "--" + dest.replace("_", "-")
-                raise ArgumentError(f"{option} {value}: expected module:function")
         if args.publish_lora_adapter and not args.use_lora:
             raise ArgumentError("--publish-lora-adapter requires --use-lora")
         if args.ref_update_interval is not None and args.ref_update_interval < 1:
@@ -153,13 +146,13 @@ class MegatronArgs(ArgGroup):
             )
 
     @classmethod
-    def preflight(cls, args: Any) -> None:
+    def preflight(cls, args: ParsedArgs) -> None:
         """The job's driver: ``--ref-load`` is an HF directory or a checkpoint of this backend;
         megatron-core puts its buffers, RNG trackers and streams on the current CUDA device, so
         a machine whose torch answers no ``torch.cuda.current_device()`` cannot run it (checked
         when the ranks run here: not with ``--ray-address``, whose nodes the driver's machine
         says nothing about)."""
-        import torch
+        import torch  # torch stays off the CLI's parse path (test_cli_help)
 
         check_ref_load(args)
         if "ray_address" in args and args.ray_address:  # the launcher's flag (its group parsed)
@@ -176,7 +169,7 @@ class MegatronArgs(ArgGroup):
             ) from None
 
     @classmethod
-    def check_paths(cls, args: Any) -> None:
+    def check_paths(cls, args: ParsedArgs) -> None:
         from miles_megatron.arch_args import explicit_arch_args
 
         # the architecture is checked when one is described (the backend's init requires it)
@@ -193,11 +186,11 @@ class MegatronArgs(ArgGroup):
                 check_layout_kind(args, world, moe=bool(margs.get("num_experts")))
 
 
-def check_ref_load(args: Any) -> None:
+def check_ref_load(args: ParsedArgs) -> None:
     """``--ref-load`` holds what :meth:`ReferenceModel.load` reads: an HF directory
     (config.json) or a committed checkpoint of this backend (a tracker naming an iteration)."""
-    from pathlib import Path
 
+    # miles_core.checkpoint_layout is off the CLI's parse path
     from miles_core.checkpoint_layout import CheckpointError, resolve_load
 
     ref = args.ref_load
@@ -243,7 +236,7 @@ NOT_HONOURED = (
 )
 
 
-def check_not_honoured(args: Any) -> None:
+def check_not_honoured(args: ParsedArgs) -> None:
     """Refuse the shared flags only the FSDP backend reads (the custom prepare hook and the
     teacher, the EMA) and more than one ``--update-weight-target-module`` name."""
     for dest, why in NOT_HONOURED:
@@ -259,7 +252,7 @@ def check_not_honoured(args: Any) -> None:
         )
 
 
-def check_lora_and_reference_flags(args: Any) -> None:
+def check_lora_and_reference_flags(args: ParsedArgs) -> None:
     """What the Megatron backend's LoRA and reference model do not cover, refused before any rank
     starts (they were found only at the backend's init)."""
     if args.use_lora and not args.hf_checkpoint:
@@ -277,7 +270,7 @@ def check_lora_and_reference_flags(args: Any) -> None:
         )
 
 
-def check_routing_replay_flags(args: Any) -> None:
+def check_routing_replay_flags(args: ParsedArgs) -> None:
     """``--use-rollout-routing-replay``: refuse the layouts :mod:`miles_megatron.routing_replay`
     does not cover (a split row's tokens, a micro-batch's backward away from its forward)."""
     if not args.use_rollout_routing_replay:
@@ -302,7 +295,7 @@ def check_routing_replay_flags(args: Any) -> None:
         )
 
 
-def check_context_parallel_flags(args: Any) -> None:
+def check_context_parallel_flags(args: ParsedArgs) -> None:
     """``--context-parallel-size > 1``: refuse what its attention and loss split do not cover
     (:mod:`miles_megatron.context_parallel`)."""
     cp = args.context_parallel_size
@@ -337,7 +330,7 @@ def check_context_parallel_flags(args: Any) -> None:
         raise ArgumentError(f"--context-parallel-size {cp} with --use-lora is not supported yet")
 
 
-def check_memory_flags(args: Any) -> None:
+def check_memory_flags(args: ParsedArgs) -> None:
     """The megatron-specific rules of the memory flags (miles-core's offload group checks the
     rest: ``--rematerialize-param-from-master-weight`` needs ``--colocate`` and the cpu target,
     ``--stream-optimizer-state-to-disk`` excludes ``--optimizer-cpu-offload``)."""
@@ -367,7 +360,7 @@ def check_memory_flags(args: Any) -> None:
         raise ArgumentError(f"--optimizer-offload-fraction must be in [0, 1], got {fraction}")
 
 
-def check_recompute_flags(args: Any) -> None:
+def check_recompute_flags(args: ParsedArgs) -> None:
     """megatron-core's recompute rules, at argument time (TransformerConfig asserts them at init)."""
     granularity = generated_value(args, "recompute_granularity")
     method = generated_value(args, "recompute_method")
@@ -380,7 +373,7 @@ def check_recompute_flags(args: Any) -> None:
         raise ArgumentError("--recompute-granularity selective takes no --recompute-num-layers")
 
 
-def world_size_of(args: Any) -> int | None:
+def world_size_of(args: ParsedArgs) -> int | None:
     """The trainer's world size when known at argument time (launcher flags or WORLD_SIZE)."""
     world = launch_world_size(args)
     if world is not None:
@@ -389,7 +382,7 @@ def world_size_of(args: Any) -> int | None:
     return int(env) if env else None
 
 
-def check_parallel_sizes(args: Any, world_size: int | None, model_args: dict | None) -> None:
+def check_parallel_sizes(args: ParsedArgs, world_size: int | None, model_args: dict | None) -> None:
     """Reject parallel layouts megatron-core cannot build; errors name the flags.
 
     ``world_size`` None skips the divisibility of the world; ``model_args`` None skips the

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from miles_core.args import ArgumentError
+from miles_core.args import ArgumentError, ParsedArgs
 from miles_core.compiled_layers import compile_layers
 from miles_core.contract import DataLayout, TrainBackend
 from miles_core.custom_loss import LossHook
@@ -104,7 +104,7 @@ class MegatronBackend(TrainBackend):
         self.role = "actor"
 
     # ------------------------------------------------------------------ init
-    def init(self, args: Any, role: str = "actor") -> int:
+    def init(self, args: ParsedArgs, role: str = "actor") -> int:
         if role not in ("actor", "critic"):
             raise ArgumentError(
                 f"the megatron backend trains roles 'actor' and 'critic', not {role!r}"

@@ -20,13 +20,13 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
+from miles_core.args.parsed import ParsedArgs
 
 
-def _setup(args: Any):
+def _setup(args: ParsedArgs):
     from miles_megatron.arch_args import resolve_model_args
     from miles_megatron.bridge import bridge_for
     from miles_megatron.model_config import build_gpt_model
@@ -38,7 +38,7 @@ def _setup(args: Any):
     return margs, model, bridge_for(margs.get("model_type") or "")
 
 
-def hf_to_torch_dist(args: Any) -> Path:
+def hf_to_torch_dist(args: ParsedArgs) -> Path:
     """Convert ``--hf-checkpoint`` into a torch_dist checkpoint under ``--save``."""
     from miles_core.checkpoint_layout import commit_iteration, iteration_dir, prepare_iteration_dir
 
@@ -75,7 +75,7 @@ def _meta():
     )
 
 
-def _keep_source_dtype(args: Any, dtype: torch.dtype | None) -> None:
+def _keep_source_dtype(args: ParsedArgs, dtype: torch.dtype | None) -> None:
     """Convert in the source's own dtype unless ``--bf16`` / ``--no-bf16`` / ``--fp16`` names
     one: the default training dtype (bf16) would round an fp32 checkpoint on its way out."""
     from miles_core.precision import DTYPES, explicit_dtype_name
@@ -88,7 +88,7 @@ def _keep_source_dtype(args: Any, dtype: torch.dtype | None) -> None:
     args.bf16, args.fp16 = name == "bf16", name == "fp16"
 
 
-def torch_dist_to_hf(args: Any) -> Path:
+def torch_dist_to_hf(args: ParsedArgs) -> Path:
     """Convert the torch_dist checkpoint of ``--load`` into an HF directory at ``--save``."""
     from megatron.core import parallel_state as ps
     from miles_core.checkpoint_layout import resolve_load

@@ -19,9 +19,8 @@ started by other means) builds any layout megatron-core can build.
 
 from __future__ import annotations
 
-from typing import Any
-
 from miles_core.args import ArgumentError
+from miles_core.args.parsed import ParsedArgs
 
 #: the order a kind is written in
 DIMENSIONS = ("tp", "pp", "cp", "dp", "ep")
@@ -78,7 +77,7 @@ def kind_name(kind: frozenset[str]) -> str:
     return " x ".join(d.upper() for d in DIMENSIONS if d in kind) or "no parallelism"
 
 
-def check_layout_kind(args: Any, world: int, moe: bool) -> None:
+def check_layout_kind(args: ParsedArgs, world: int, moe: bool) -> None:
     """Refuse, in one line, a layout whose kind the layout suites do not prove.
 
     Runs after ``check_parallel_sizes`` (the sizes divide the world and suit the model)."""

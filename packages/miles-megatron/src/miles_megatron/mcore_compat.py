@@ -25,6 +25,8 @@ Each fix is applied by :func:`apply` (idempotent), only where the installed rele
 
 from __future__ import annotations
 
+import inspect
+
 
 def apply() -> None:
     from megatron.core.transformer.moe import moe_utils
@@ -37,7 +39,6 @@ def apply() -> None:
 
 def async_save_kwargs() -> dict:
     """Extra ``dist_checkpointing.save`` arguments of an async save: megatron-core's own writer."""
-    import inspect
 
     from megatron.core import dist_checkpointing
 

@@ -12,19 +12,20 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from miles_core.args.parsed import ParsedArgs
 from miles_core.precision import train_dtype
 from miles_core.user_functions import load_function
 
 from miles_megatron.bridge import padded_vocab_size
 
 
-def params_dtype(args: Any) -> torch.dtype:
+def params_dtype(args: ParsedArgs) -> torch.dtype:
     """The model's dtype: miles-core's training dtype (``--bf16`` by default, ``--fp16``,
     ``--no-bf16`` for fp32); the distributed optimizer's masters are fp32 regardless."""
     return train_dtype(args)
 
 
-def transformer_config(margs: Mapping[str, Any], args: Any):
+def transformer_config(margs: Mapping[str, Any], args: ParsedArgs):
     """The ``TransformerConfig`` of the model described by ``margs`` under ``args``' layout."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -91,7 +92,7 @@ def transformer_config(margs: Mapping[str, Any], args: Any):
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(margs: Mapping[str, Any], config, args: Any, vp_stage: int | None = None):
+def layer_spec(margs: Mapping[str, Any], config, args: ParsedArgs, vp_stage: int | None = None):
     """The decoder spec: ``--spec MODULE FUNCTION`` or megatron-core's local spec.
 
     The local (non-TransformerEngine) spec (:mod:`miles_megatron.local_spec`) keeps the bridge's parameter names
@@ -106,7 +107,7 @@ def layer_spec(margs: Mapping[str, Any], config, args: Any, vp_stage: int | None
     return local_block_spec(dict(margs), config, vp_stage)
 
 
-def gpt_model_kwargs(margs: Mapping[str, Any], args: Any) -> dict[str, Any]:
+def gpt_model_kwargs(margs: Mapping[str, Any], args: ParsedArgs) -> dict[str, Any]:
     """GPTModel's arguments besides config and spec (pre/post process come from the stage)."""
     max_len = max(margs.get("max_position_embeddings") or 0, margs.get("seq_length") or 0)
     return dict(
@@ -120,7 +121,7 @@ def gpt_model_kwargs(margs: Mapping[str, Any], args: Any) -> dict[str, Any]:
     )
 
 
-def build_gpt_model(margs: Mapping[str, Any], args: Any, config=None):
+def build_gpt_model(margs: Mapping[str, Any], args: ParsedArgs, config=None):
     """This rank's GPTModel chunk (parallel state must be initialised)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel

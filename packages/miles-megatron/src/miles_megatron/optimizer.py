@@ -26,13 +26,14 @@ from typing import Any
 
 import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from miles_core.args.parsed import ParsedArgs
 from miles_core.optimizer import OptimizerConfig
 from miles_core.optimizer import optimizer_config as core_optimizer_config
 
 from miles_megatron.model_config import params_dtype
 
 
-def wrap_ddp(model: torch.nn.Module, config: Any, args: Any) -> torch.nn.Module:
+def wrap_ddp(model: torch.nn.Module, config: Any, args: ParsedArgs) -> torch.nn.Module:
     """megatron-core DDP over ``model`` with contiguous grad buffers for the distributed optimizer."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -52,7 +53,7 @@ def distributed_optimizers(optimizer: Any) -> list:
     return [o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if o is not None]
 
 
-def optimizer_config(args: Any):
+def optimizer_config(args: ParsedArgs):
     """megatron-core's ``OptimizerConfig`` from the flags (see the module docstring)."""
     from megatron.core.optimizer import OptimizerConfig
 
@@ -123,7 +124,7 @@ def build_scheduler(optimizer: Any, cfg: OptimizerConfig) -> CoreLRScheduler:
     return CoreLRScheduler(optimizer, cfg)
 
 
-def build_optimizer(model: torch.nn.Module, args: Any):
+def build_optimizer(model: torch.nn.Module, args: ParsedArgs):
     """``(optimizer, scheduler)`` for the DDP-wrapped ``model``."""
     from megatron.core.optimizer import get_megatron_optimizer
 

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from miles_core.args import ArgumentError
+from miles_core.args.parsed import ParsedArgs
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ def _varlen_blocker(config: Any, model: torch.nn.Module) -> str | None:
     return None
 
 
-def resolve_attn_implementation(args: Any, config: Any, model: torch.nn.Module) -> str:
+def resolve_attn_implementation(args: ParsedArgs, config: Any, model: torch.nn.Module) -> str:
     """The attention ``model`` (built from ``config``) uses: ``--attn-implementation`` or its
     default; stored on ``config`` (:data:`CONFIG_ATTR`) and returned."""
     from miles_core.varlen_attention import kernel_available

@@ -11,10 +11,10 @@ the same (else refuses), :func:`release_parallel` destroys it when its last user
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
 
 import torch.distributed as dist
 from miles_core.args.checks import flag_value
+from miles_core.args.parsed import ParsedArgs
 
 from miles_megatron.args import check_parallel_sizes
 
@@ -40,7 +40,9 @@ def _registered_groups() -> list:
     return list(_world.pg_map)
 
 
-def initialize_parallel(args: Any, model_args: dict | None = None, timeout_s: float = 600) -> None:
+def initialize_parallel(
+    args: ParsedArgs, model_args: dict | None = None, timeout_s: float = 600
+) -> None:
     """Validate the layout against the real world size, then build megatron's groups and seeds."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -76,11 +78,11 @@ def destroy_parallel() -> None:
     _OWN_GROUPS.clear()
 
 
-def _layout(args: Any) -> tuple[int, ...]:
+def _layout(args: ParsedArgs) -> tuple[int, ...]:
     return tuple(int(flag_value(args, f) or 0) for f in _SIZE_FLAGS)
 
 
-def acquire_parallel(args: Any, model_args: dict | None = None) -> None:
+def acquire_parallel(args: ParsedArgs, model_args: dict | None = None) -> None:
     """A backend's :func:`initialize_parallel`: the first user builds the state; a second
     backend in the process (the critic beside the actor) joins it, with the same layout, and
     reseeds megatron's RNG tracker as a first init would."""

@@ -14,9 +14,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
+from miles_core.args.parsed import ParsedArgs
 
 from miles_megatron.sharding import unwrap
 
@@ -81,5 +81,5 @@ class ReferenceModel:
             actor.copy_into(model)
 
 
-def wants_reference(args: Any) -> bool:
+def wants_reference(args: ParsedArgs) -> bool:
     return args.ref_mode == "ref"

@@ -8,6 +8,8 @@ writes ``*.distcp`` files into one directory (the caller's ``iter_XXXXXXX/``, se
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -45,8 +47,6 @@ def saved_weights_dtype(directory: str | Path) -> torch.dtype | None:
     """The dtype most of the model weights in a ``torch_dist`` directory are stored in (by
     element count; the optimizer's entries are not weights), from its metadata alone; None when
     it holds no floating-point weight."""
-    import math
-    from collections import Counter
 
     from torch.distributed.checkpoint import FileSystemReader
 

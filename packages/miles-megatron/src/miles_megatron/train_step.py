@@ -40,6 +40,7 @@ import torch
 from miles_core import mismatch, old_policy
 from miles_core.advantages import with_advantages
 from miles_core.aggregation import loss_denominator
+from miles_core.args.parsed import ParsedArgs
 from miles_core.batch import RolloutBatch
 from miles_core.custom_loss import LossHook, LossHookContext, TokenScores
 from miles_core.losses import (
@@ -68,7 +69,7 @@ class TrainContext:
     model: torch.nn.Module  # the DDP-wrapped GPTModel
     optimizer: Any  # megatron-core DistributedOptimizer (or ChainedOptimizer)
     scheduler: Any  # OptimizerParamScheduler
-    args: Any
+    args: ParsedArgs
     device: torch.device
     vocab_size: int
     dp_size: int

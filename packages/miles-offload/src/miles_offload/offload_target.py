@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
+
+from miles_core.args.parsed import ParsedArgs
 
 
 def default_disk_dir() -> str:
@@ -45,7 +47,7 @@ class OffloadTarget:
         return self.disk_dir if self.disk_dir is not None else default_disk_dir()
 
     @classmethod
-    def from_args(cls, args: Any) -> OffloadTarget:
+    def from_args(cls, args: ParsedArgs) -> OffloadTarget:
         """From ``--offload-train-target``, ``--offload-train-disk-dir``, ``--offload-train-disk-chunk-mb``."""
         return cls(
             kind=args.offload_train_target,

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from miles_core.args.parsed import ParsedArgs
 from miles_native import CopyEngine, PinnedArena, open_file_streamer
 from torch.distributed.tensor import DTensor
 
@@ -415,7 +416,7 @@ class StreamedAdamW(torch.optim.Optimizer):
         self._finalizer()
 
 
-def from_args(params: Any, args: Any, name: str = "actor") -> StreamedAdamW:
+def from_args(params: Any, args: ParsedArgs, name: str = "actor") -> StreamedAdamW:
     """The streamed AdamW of a run: ``--lr``, ``--adam-beta1/2``, ``--adam-eps``,
     ``--weight-decay``, ``--offload-train-disk-dir`` and ``--stream-optimizer-*``.
 

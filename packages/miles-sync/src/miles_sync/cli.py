@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 from miles_core.args import ArgGroup, ArgumentError, flag, parse_args_or_exit
 from miles_core.args.flags import FLAG_METADATA_KEY
 from miles_core.args.groups.sync import SyncArgs
+from miles_core.args.parsed import ParsedArgs
 
 USAGE = """usage: miles-sync <command> [flags]
 
@@ -57,7 +58,7 @@ class PullArgs(ArgGroup):
     )
 
     @classmethod
-    def validate(cls, args: Any) -> None:
+    def validate(cls, args: ParsedArgs) -> None:
         if not args.update_weight_disk_dir:
             raise ArgumentError("miles-sync pull requires --update-weight-disk-dir")
         if not args.engine_url:
@@ -87,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_pull_args(argv[1:])
     # after the parse: a help or a bad flag is answered without loading the puller
     from miles_sync.errors import DeltaError
+
+    # miles_sync.puller is off the CLI's parse path
     from miles_sync.puller import Puller, PullerConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

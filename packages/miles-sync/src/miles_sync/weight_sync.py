@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from miles_core.args import ArgumentError
+from miles_core.args.parsed import ParsedArgs
 from miles_core.engine import EngineClient, EngineError
 
 from miles_sync.broadcast import BroadcastTransport, GroupSettings
@@ -83,7 +84,7 @@ class SyncConfig:
             raise ArgumentError(f"--update-weight-buffer-size must be >= 1, got {self.buffer_size}")
 
     @classmethod
-    def from_args(cls, args: Any, **overrides: Any) -> SyncConfig:
+    def from_args(cls, args: ParsedArgs, **overrides: Any) -> SyncConfig:
         """From parsed flags (``update_weight_*``, ``pause_generation_mode``, ``colocate``,
         ``hf_checkpoint``; ``rollout_num_gpus_per_engine`` and ``sglang_api_key`` when the
         launcher declares them)."""

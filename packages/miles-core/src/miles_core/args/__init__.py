@@ -25,6 +25,7 @@ from miles_core.args.flags import (
 from miles_core.args.groups import core_groups
 from miles_core.args.groups.placement import selected_backend
 from miles_core.args.help import group_help_name, help_request
+from miles_core.args.parsed import ParsedArgs
 from miles_core.args.parser import (
     build_parser,
     collect_flags,
@@ -40,6 +41,7 @@ __all__ = [
     "ArgGroup",
     "ArgumentError",
     "FlagSpec",
+    "ParsedArgs",
     "RunConfig",
     "build_parser",
     "collect_flags",

@@ -21,6 +21,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+from miles_core.args.parsed import ParsedArgs
+
 #: Key of the flag metadata inside ``dataclasses.field(metadata=...)``.
 FLAG_METADATA_KEY = "miles_flag"
 
@@ -98,19 +100,19 @@ class ArgGroup:
     help_name: ClassVar[str] = ""
 
     @classmethod
-    def validate(cls, args: Any) -> None:
+    def validate(cls, args: ParsedArgs) -> None:
         """Check flag combinations; raise ArgumentError. Must not touch the filesystem."""
 
     @classmethod
-    def resolve_defaults(cls, args: Any) -> None:
+    def resolve_defaults(cls, args: ParsedArgs) -> None:
         """Set derived values (tri-state flags left at None) on ``args`` in place."""
 
     @classmethod
-    def check_paths(cls, args: Any) -> None:
+    def check_paths(cls, args: ParsedArgs) -> None:
         """Check that files and directories named by flags exist; raise ArgumentError."""
 
     @classmethod
-    def preflight(cls, args: Any) -> None:
+    def preflight(cls, args: ParsedArgs) -> None:
         """Check that this machine and the files the flags name can run the job; raise
         ArgumentError naming the flag and the way out. Run by a job's driver only (see the
         class docstring), after every ``check_paths``."""

@@ -1,7 +1,8 @@
 """Composing groups into one argparse CLI, parsing, and the hooks run after parsing.
 
-``parse_args(argv, groups)`` returns a flat ``argparse.Namespace`` with one attribute per declared
-flag plus:
+``parse_args(argv, groups)`` returns a flat namespace
+(:class:`~miles_core.args.run_config.ParsedArgs`, an ``argparse.Namespace``) with one attribute per
+declared flag plus:
 
 * ``config``: the ``--config`` path or ``None``;
 * ``sglang_passthrough`` / ``router_passthrough``: undeclared ``--sglang-*`` / ``--router-*`` flags;
@@ -11,7 +12,8 @@ flag plus:
   built after every hook has run.
 
 Order: build (a flag declared twice is an error naming both groups) -> parse (CLI > YAML >
-defaults) -> every group's ``resolve_defaults`` -> every group's ``validate`` -> every group's
+defaults) -> every group's ``resolve_defaults`` -> every group's ``validate`` -> the form of every
+user function flag (:func:`~miles_core.args.function_flags.check_function_specs`) -> every group's
 ``check_paths`` -> ``run_config``. Defaults are resolved first, so that every check sees the values the job will
 really use (the engine, the transfer mode, the offload settings), not an unset tri-state.
 Every failure is an :class:`ArgumentError` with one line.
@@ -27,7 +29,9 @@ from typing import Any, NoReturn
 
 from miles_core.args.config_file import find_config_path, load_config
 from miles_core.args.flags import ArgGroup, ArgumentError, FlagSpec, group_flags
+from miles_core.args.function_flags import check_function_specs
 from miles_core.args.help import HELP_ALL, HelpRequest, find_group, help_request, short_help
+from miles_core.args.parsed import ParsedArgs
 from miles_core.args.passthrough import PASSTHROUGH_PREFIXES, split_passthrough
 from miles_core.args.run_config import RunConfig
 
@@ -256,7 +260,7 @@ def parse_args(
     prog: str | None = None,
     epilog: str | None = None,
     passthrough: bool = True,
-) -> argparse.Namespace:
+) -> ParsedArgs:
     """Parse ``argv`` (without the program name) against ``groups`` and run every group's hooks.
     ``prog`` names the command in the usage line (``miles train``); ``epilog`` ends ``--help``.
     ``passthrough=False``: undeclared ``--sglang-*`` / ``--router-*`` flags are unknown flags
@@ -287,7 +291,7 @@ def parse_args(
             passed[dest] = {**values, **passed.get(dest, {})}
         parser.set_defaults(**config_values)
 
-    args = parser.parse_args(remaining)
+    args = parser.parse_args(remaining, namespace=ParsedArgs())
     explicit = vars(build_parser(groups, suppress_defaults=True).parse_args(remaining))
     args.explicit_flags = frozenset((set(explicit) | set(config_values)) - {"config"})
     for dest, values in passed.items():
@@ -297,6 +301,7 @@ def parse_args(
         group.resolve_defaults(args)
     for group in groups:
         group.validate(args)
+    check_function_specs(args, groups)
     for group in groups:
         group.check_paths(args)
     args.run_config = RunConfig.from_namespace(args, groups)
@@ -315,7 +320,7 @@ def parse_args_or_exit(
     prog: str | None = None,
     epilog: str | None = None,
     passthrough: bool = True,
-) -> argparse.Namespace:
+) -> ParsedArgs:
     """:func:`parse_args`, but a bad command line prints one ``error:`` line and exits with 2."""
     try:
         return parse_args(argv, groups, prog=prog, epilog=epilog, passthrough=passthrough)

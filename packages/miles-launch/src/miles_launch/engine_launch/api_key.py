@@ -16,7 +16,8 @@ from __future__ import annotations
 import ipaddress
 import logging
 import secrets
-from typing import Any
+
+from miles_core.args.parsed import ParsedArgs
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def redact_argv(cmd: list[str]) -> list[str]:
     return out
 
 
-def ensure_api_key(args: Any, bind_host: str) -> str | None:
+def ensure_api_key(args: ParsedArgs, bind_host: str) -> str | None:
     """The job's key: ``--sglang-api-key``, or, when engines bind ``bind_host`` (not loopback)
     without one, a new random key stored in ``args.sglang_api_key`` for everything started
     after this call. Returns the key (None: loopback without a key)."""

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+
+from miles_core.args.parsed import ParsedArgs
 
 from miles_launch.engine_launch.api_key import API_KEY_ENV
 from miles_launch.rollout.routed_experts import routing_replay_on
@@ -19,14 +20,14 @@ from miles_launch.rollout.routed_experts import routing_replay_on
 logger = logging.getLogger(__name__)
 
 
-def builtin_engine_env(args: Any) -> dict[str, str]:
+def builtin_engine_env(args: ParsedArgs) -> dict[str, str]:
     """Environment of one built-in engine: the job's API key, when there is one."""
     key = args.sglang_api_key
     return {API_KEY_ENV: key} if key else {}
 
 
 def builtin_engine_command(
-    args: Any, *, host: str, port: int, device: str, python: str = sys.executable
+    args: ParsedArgs, *, host: str, port: int, device: str, python: str = sys.executable
 ) -> list[str]:
     """``python -m miles_launch.builtin_engine ...`` for one engine of this job."""
     if args.sglang_passthrough:

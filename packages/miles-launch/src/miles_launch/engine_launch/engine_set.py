@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from miles_core.args.parsed import ParsedArgs
 from miles_core.engine import EngineClient, EngineError
 
 from miles_launch.engine_launch.builtin_launcher import builtin_engine_command, builtin_engine_env
@@ -63,7 +64,7 @@ class EngineProcess:
 class EngineSet:
     """All engines of the job (see the module docstring)."""
 
-    def __init__(self, args: Any, placement: Placement):
+    def __init__(self, args: ParsedArgs, placement: Placement):
         self.args = args
         self.placement = placement
         self.engines: list[EngineProcess] = []
@@ -390,7 +391,9 @@ class EngineSet:
         self.engines, self.pullers, self.router = [], [], None
 
 
-def puller_command(args: Any, k: int, engine_url: str, python: str = sys.executable) -> list[str]:
+def puller_command(
+    args: ParsedArgs, k: int, engine_url: str, python: str = sys.executable
+) -> list[str]:
     """``miles-sync pull`` beside engine ``k``: the shared ``--update-weight-disk-dir``, a
     local checkpoint directory on the engine's host (under
     ``--update-weight-local-checkpoint-dir``, else the host's temporary directory)."""

@@ -12,17 +12,17 @@ the job's API key, the router gets ``--api-key`` and every registration carries 
 from __future__ import annotations
 
 import sys
-from typing import Any
 from urllib.parse import quote
 
 import httpx
 from miles_core.args import ArgumentError, passthrough_to_argv
+from miles_core.args.parsed import ParsedArgs
 
 RESERVED = ("host", "port", "worker-urls")
 
 
 def router_command(
-    args: Any, *, host: str, port: int, worker_urls: list[str], python: str = sys.executable
+    args: ParsedArgs, *, host: str, port: int, worker_urls: list[str], python: str = sys.executable
 ) -> list[str]:
     """``python -m sglang_router.launch_router ...`` for this job's engines."""
     for key in args.router_passthrough:
@@ -45,7 +45,7 @@ def router_command(
     return cmd + passthrough_to_argv(args.router_passthrough)
 
 
-def external_router_url(args: Any) -> str | None:
+def external_router_url(args: ParsedArgs) -> str | None:
     """``http://IP:PORT`` of ``--sglang-router-ip/--sglang-router-port``, or None."""
     if args.sglang_router_ip is None:
         return None

@@ -74,7 +74,7 @@ def check_with_sglang(passthrough: dict[str, Any]) -> None:
         _note_unchecked("sglang is not importable here")
         return
     try:
-        from sglang.srt.server_args import ServerArgs
+        from sglang.srt.server_args import ServerArgs  # optional dependency (the SGLang engine)
     except Exception as error:  # importable but broken here (e.g. missing native libraries)
         _note_unchecked(f"importing sglang.srt.server_args failed: {error}")
         return

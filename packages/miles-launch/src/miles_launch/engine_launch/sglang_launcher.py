@@ -19,6 +19,7 @@ import sys
 from typing import Any
 
 from miles_core.args import ArgumentError, passthrough_to_argv
+from miles_core.args.parsed import ParsedArgs
 
 from miles_launch.engine_launch.process import SECRET_FILE
 from miles_launch.rollout.routed_experts import routing_replay_on
@@ -57,7 +58,7 @@ def check_passthrough(passthrough: dict[str, Any]) -> None:
             )
 
 
-def sglang_secret_config(args: Any) -> str | None:
+def sglang_secret_config(args: ParsedArgs) -> str | None:
     """The YAML of SGLang's ``--config`` file holding the job's API key (None without one):
     the engine host writes it to a file only the job's user can read."""
     key = args.sglang_api_key
@@ -65,7 +66,7 @@ def sglang_secret_config(args: Any) -> str | None:
 
 
 def sglang_server_command(
-    args: Any, *, host: str, port: int, python: str = sys.executable
+    args: ParsedArgs, *, host: str, port: int, python: str = sys.executable
 ) -> list[str]:
     """``python -m sglang.launch_server ...`` for one engine of this job."""
     check_passthrough(args.sglang_passthrough)

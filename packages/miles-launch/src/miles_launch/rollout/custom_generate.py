@@ -18,13 +18,11 @@ join the prompt's group (GRPO groups may be uneven).
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from miles_core.args import ArgumentError
 from miles_core.user_functions import load_function
 
 FLAG = "--custom-generate-function-path"
@@ -99,10 +97,7 @@ GenerateFunction = Callable[[GenerateContext, Any, dict], Awaitable[Any]]
 
 def load_generate_function(path: str) -> GenerateFunction:
     """Import ``MODULE:FUNCTION`` or ``MODULE.FUNCTION``; it must be ``async``."""
-    func = load_function(path, FLAG)
-    if not inspect.iscoroutinefunction(func):
-        raise ArgumentError(f"{FLAG} {path}: {func.__name__} must be an async function")
-    return func
+    return load_function(path, FLAG, coroutine=True)
 
 
 def checked_samples(value: Any, where: str) -> list[CustomSample]:

@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from miles_core.args.parsed import ParsedArgs
+
 FILTER_FLAG = "--dynamic-sampling-filter-path"
 
 #: Rewards closer than this count as equal.
@@ -59,7 +61,7 @@ class GroupFilter:
         return True
 
 
-def group_filter(args: Any) -> GroupFilter:
+def group_filter(args: ParsedArgs) -> GroupFilter:
     """The job's filter: ``--dynamic-filter`` with ``--dynamic-sampling-filter-path``'s rule."""
     rule = None
     if args.dynamic_sampling_filter_path:
@@ -73,7 +75,7 @@ def group_filter(args: Any) -> GroupFilter:
     return GroupFilter(args.dynamic_filter, rule=rule)
 
 
-def groups_in_flight(args: Any) -> int:
+def groups_in_flight(args: ParsedArgs) -> int:
     """Groups the asynchronous producer keeps in flight: ``--over-sampling-batch-size`` when
     set, else ``--rollout-batch-size``."""
     return args.over_sampling_batch_size or args.rollout_batch_size

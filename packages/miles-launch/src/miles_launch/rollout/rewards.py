@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from miles_core.args.parsed import ParsedArgs
 from miles_core.user_functions import load_function
 
 BATCH_MODES = ("sample", "group", "rollout")
@@ -120,7 +121,7 @@ BUILTIN_REWARDS: dict[str, Callable[[RewardInput], float]] = {
 
 
 def load_custom(path: str) -> Callable[[RewardInput], Any]:
-    """Import ``MODULE:FUNCTION`` (errors name ``--custom-rm-path``)."""
+    """Import ``MODULE:FUNCTION`` or ``MODULE.FUNCTION`` (errors name ``--custom-rm-path``)."""
     return load_function(path, "--custom-rm-path")
 
 
@@ -159,7 +160,7 @@ class RewardModel:
         self.reward_key = reward_key
 
     @classmethod
-    def from_args(cls, args: Any) -> RewardModel:
+    def from_args(cls, args: ParsedArgs) -> RewardModel:
         """The reward of ``--rm-url``, ``--custom-rm-path`` or ``--rm-type``."""
         if args.rm_url:
             from miles_launch.rollout.remote_reward import RemoteReward

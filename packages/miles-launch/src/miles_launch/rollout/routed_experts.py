@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from miles_core.args import ArgumentError
+from miles_core.args.parsed import ParsedArgs
 from miles_core.engine import decode_routed_experts
 
 FLAG = "--use-rollout-routing-replay"
@@ -40,7 +41,7 @@ class RoutedExpertsLayout:
     top_k: int  # num_experts_per_tok
 
 
-def routing_replay_on(args: Any) -> bool:
+def routing_replay_on(args: ParsedArgs) -> bool:
     """Whether ``--use-rollout-routing-replay`` is set."""
     return bool(args.use_rollout_routing_replay)
 
@@ -72,7 +73,7 @@ def read_layout(hf_checkpoint: str) -> RoutedExpertsLayout:
     return RoutedExpertsLayout(num_layers=int(num_layers), top_k=int(top_k))
 
 
-def routed_experts_layout(args: Any) -> RoutedExpertsLayout | None:
+def routed_experts_layout(args: ParsedArgs) -> RoutedExpertsLayout | None:
     """The layout to request and decode with, or None without routing replay."""
     if not routing_replay_on(args):
         return None

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from miles_core.args import ArgumentError
+from miles_core.args.parsed import ParsedArgs
 from miles_core.peft_adapter import (
     PeftAdapter,
     check_matches_flags,
@@ -51,7 +52,7 @@ class ActorLoRA:
     @classmethod
     def attach(
         cls,
-        args: Any,
+        args: ParsedArgs,
         model: torch.nn.Module,
         bridge: Any,
         margs: dict,

@@ -10,6 +10,7 @@ from typing import Any, ClassVar, Literal
 
 from miles_core.args.checks import at_least, flag_value, greater_than, requires, within
 from miles_core.args.flags import ArgGroup, ArgumentError, flag
+from miles_core.args.parsed import ParsedArgs
 
 #: The flags that shape --use-tis's weights, with their defaults (refused when changed without it).
 TIS_SETTINGS = {
@@ -34,7 +35,7 @@ def tis_clip_bounds_error(tis_clip_low: float, tis_clip: float) -> str | None:
     return None
 
 
-def kl_term_on(args: Any) -> bool:
+def kl_term_on(args: ParsedArgs) -> bool:
     """A KL term is on: as a loss (``--use-kl-loss``) or in the reward (``--kl-coef`` > 0)."""
     return bool(args.use_kl_loss) or args.kl_coef > 0
 
@@ -216,7 +217,7 @@ class AlgorithmArgs(ArgGroup):
     )
 
     @classmethod
-    def resolve_defaults(cls, args: Any) -> None:
+    def resolve_defaults(cls, args: ParsedArgs) -> None:
         if args.true_on_policy:
             # the old policy is the engine's (its log-probs are bitwise the trainer's), and the
             # trainer scores from the logits with the engine's log_softmax, not the fused head
@@ -229,7 +230,7 @@ class AlgorithmArgs(ArgGroup):
             args.fused_log_probs = False
 
     @classmethod
-    def validate(cls, args: Any) -> None:
+    def validate(cls, args: ParsedArgs) -> None:
         at_least(args, "global_batch_size", 1)
         at_least(args, "num_steps_per_rollout", 1)
         at_least(args, "micro_batch_size", 1)
@@ -344,8 +345,9 @@ class AlgorithmArgs(ArgGroup):
             )
 
     @classmethod
-    def check_paths(cls, args: Any) -> None:
+    def check_paths(cls, args: ParsedArgs) -> None:
         if args.custom_advantage_function_path:
+            # a cycle: miles_core.user_functions imports miles_core.args (and so this group)
             from miles_core.user_functions import load_function
 
             load_function(args.custom_advantage_function_path, "--custom-advantage-function-path")

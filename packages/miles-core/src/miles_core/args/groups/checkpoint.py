@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from miles_core.args.checks import at_least, requires
 from miles_core.args.flags import ArgGroup, ArgumentError, flag
+from miles_core.args.parsed import ParsedArgs
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ class CheckpointArgs(ArgGroup):
     )
 
     @classmethod
-    def validate(cls, args: Any) -> None:
+    def validate(cls, args: ParsedArgs) -> None:
         requires(args, "save_trigger_sentinel", "save")
         requires(args, "save_interval", "save")
         requires(args, "async_save", "save")
@@ -84,7 +85,7 @@ class CheckpointArgs(ArgGroup):
             raise ArgumentError("--ckpt-step requires --load")
 
     @classmethod
-    def check_paths(cls, args: Any) -> None:
+    def check_paths(cls, args: ParsedArgs) -> None:
         if args.hf_checkpoint is not None and not Path(args.hf_checkpoint).is_dir():
             raise ArgumentError(f"--hf-checkpoint {args.hf_checkpoint}: no such directory")
         if args.ckpt_step is not None and not Path(args.load).is_dir():

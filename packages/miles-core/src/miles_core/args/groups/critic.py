@@ -13,12 +13,14 @@ directory inside ``--save`` / ``--load``, saved at the actor's save points. It n
 from __future__ import annotations
 
 import copy
+import json
 import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from miles_core.args.checks import at_least, option, requires
 from miles_core.args.flags import ArgGroup, ArgumentError, flag
+from miles_core.args.parsed import ParsedArgs
 
 #: The critic's checkpoint directory inside ``--save`` / ``--load`` when not given.
 CRITIC_SUBDIR = "critic"
@@ -67,7 +69,7 @@ class CriticArgs(ArgGroup):
     )
 
     @classmethod
-    def validate(cls, args: Any) -> None:
+    def validate(cls, args: ParsedArgs) -> None:
         if args.advantage_estimator == "ppo" and not args.use_critic:
             raise ArgumentError(
                 "--advantage-estimator ppo needs --use-critic (GAE takes a critic's values)"
@@ -96,12 +98,12 @@ class CriticArgs(ArgGroup):
             )
 
     @classmethod
-    def check_paths(cls, args: Any) -> None:
+    def check_paths(cls, args: ParsedArgs) -> None:
         if args.critic_hf_checkpoint:
             check_critic_checkpoint(args.critic_hf_checkpoint, args.hf_checkpoint)
 
     @classmethod
-    def resolve_defaults(cls, args: Any) -> None:
+    def resolve_defaults(cls, args: ParsedArgs) -> None:
         if not args.use_critic:
             return
         if args.critic_save is None and args.save:
@@ -111,7 +113,6 @@ class CriticArgs(ArgGroup):
 
 
 def _text_config(path: str) -> dict:
-    import json
 
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
@@ -140,7 +141,7 @@ def check_critic_checkpoint(critic: str, actor: str | None) -> None:
             )
 
 
-def critic_args(args: Any) -> Any:
+def critic_args(args: ParsedArgs) -> Any:
     """The namespace the critic's backend is built with: a copy of ``args`` with
     ``--loss-type value_loss``, the ``--critic-*`` values in place of the actor's (learning
     rate, warm-up, save and load directories, the HF checkpoint), no RNG restore (the actor's checkpoint holds the

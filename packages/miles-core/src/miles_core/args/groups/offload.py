@@ -7,18 +7,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from miles_core.args.checks import at_least, exclusive
 from miles_core.args.flags import ArgGroup, ArgumentError, flag
+from miles_core.args.parsed import ParsedArgs
 
 
-def offload_train_on(args: Any) -> bool:
+def offload_train_on(args: ParsedArgs) -> bool:
     """``--offload-train`` as given, else ``--colocate``."""
     return bool(args.colocate) if args.offload_train is None else bool(args.offload_train)
 
 
-def offload_rollout_on(args: Any) -> bool:
+def offload_rollout_on(args: ParsedArgs) -> bool:
     """``--offload-rollout`` as given, else ``--colocate``."""
     return bool(args.colocate) if args.offload_rollout is None else bool(args.offload_rollout)
 
@@ -81,7 +82,7 @@ class OffloadArgs(ArgGroup):
     )
 
     @classmethod
-    def validate(cls, args: Any) -> None:
+    def validate(cls, args: ParsedArgs) -> None:
         at_least(args, "offload_train_disk_chunk_mb", 1)
         at_least(args, "stream_optimizer_min_numel", 0)
         at_least(args, "stream_optimizer_bucket_numel", 1)
@@ -114,6 +115,6 @@ class OffloadArgs(ArgGroup):
             )
 
     @classmethod
-    def resolve_defaults(cls, args: Any) -> None:
+    def resolve_defaults(cls, args: ParsedArgs) -> None:
         args.offload_train = offload_train_on(args)
         args.offload_rollout = offload_rollout_on(args)

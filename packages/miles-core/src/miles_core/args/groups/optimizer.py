@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from miles_core.args.checks import at_least, exclusive, flag_value, greater_than, within
 from miles_core.args.flags import ArgGroup, ArgumentError, flag
+from miles_core.args.parsed import ParsedArgs
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class OptimizerArgs(ArgGroup):
     seed: int = flag(1234, help="Random seed.")
 
     @classmethod
-    def validate(cls, args: Any) -> None:
+    def validate(cls, args: ParsedArgs) -> None:
         exclusive(args, "fp16", "bf16")
         at_least(args, "lr", 0.0)
         at_least(args, "min_lr", 0.0)

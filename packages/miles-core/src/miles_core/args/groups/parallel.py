@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from miles_core.args.checks import at_least
 from miles_core.args.flags import ArgGroup, flag
+from miles_core.args.parsed import ParsedArgs
 
 PARALLEL_SIZE_DESTS = (
     "tensor_model_parallel_size",
@@ -41,11 +42,11 @@ class ParallelArgs(ArgGroup):
     )
 
     @classmethod
-    def validate(cls, args: Any) -> None:
+    def validate(cls, args: ParsedArgs) -> None:
         for dest in PARALLEL_SIZE_DESTS:
             at_least(args, dest, 1)
 
     @classmethod
-    def resolve_defaults(cls, args: Any) -> None:
+    def resolve_defaults(cls, args: ParsedArgs) -> None:
         if args.expert_tensor_parallel_size is None:
             args.expert_tensor_parallel_size = args.tensor_model_parallel_size

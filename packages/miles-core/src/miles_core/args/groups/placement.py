@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import yaml
 
 from miles_core.args.config_file import convert_config_value, find_config_path
 from miles_core.args.flags import ArgGroup, ArgumentError, flag, group_flags
+from miles_core.args.parsed import ParsedArgs
 from miles_core.backends import KNOWN_BACKENDS, available
 
 
@@ -35,7 +36,7 @@ class PlacementArgs(ArgGroup):
     )
 
     @classmethod
-    def validate(cls, args: Any) -> None:
+    def validate(cls, args: ParsedArgs) -> None:
         known = sorted(set(KNOWN_BACKENDS) | set(available()))
         if args.train_backend not in known:
             raise ArgumentError(

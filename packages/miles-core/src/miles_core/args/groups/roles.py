@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from miles_core.args.checks import at_least, flag_value, greater_than, option, requires, within
 from miles_core.args.flags import ArgGroup, ArgumentError, flag
 from miles_core.args.groups.algorithm import kl_term_on
+from miles_core.args.parsed import ParsedArgs
 
 #: Flags that take one value per component of --update-weight-target-module.
 PER_COMPONENT_DESTS = ("lora_adapter_path", "ref_lora_adapter_path", "teacher_lora_adapter_path")
@@ -23,7 +24,7 @@ PER_COMPONENT_DESTS = ("lora_adapter_path", "ref_lora_adapter_path", "teacher_lo
 EMA_CONSUMERS = (("rollout_weights", "ema"), ("eval_weights", "ema"), ("old_policy", "ema"))
 
 
-def derived_ref_mode(args: Any) -> str:
+def derived_ref_mode(args: ParsedArgs) -> str:
     """The reference mode when ``--ref-mode`` is not given."""
     if args.ref_load:
         return "ref"
@@ -32,7 +33,7 @@ def derived_ref_mode(args: Any) -> str:
     return "none"
 
 
-def num_components(args: Any) -> int:
+def num_components(args: ParsedArgs) -> int:
     """Number of model components: entries of --update-weight-target-module, or 1."""
     return len(args.update_weight_target_module) if args.update_weight_target_module else 1
 
@@ -117,7 +118,7 @@ class RolesArgs(ArgGroup):
     )
 
     @classmethod
-    def validate(cls, args: Any) -> None:
+    def validate(cls, args: ParsedArgs) -> None:
         mode = args.ref_mode
         if mode is not None and mode != "ref" and args.ref_load:
             raise ArgumentError(f"--ref-load needs --ref-mode ref (or no --ref-mode), not {mode}")
@@ -183,12 +184,12 @@ class RolesArgs(ArgGroup):
         at_least(args, "ema_decay_flat_steps", 0)
 
     @classmethod
-    def resolve_defaults(cls, args: Any) -> None:
+    def resolve_defaults(cls, args: ParsedArgs) -> None:
         if args.ref_mode is None:
             args.ref_mode = derived_ref_mode(args)
 
     @classmethod
-    def check_paths(cls, args: Any) -> None:
+    def check_paths(cls, args: ParsedArgs) -> None:
         for dest in ("ref_load", "teacher_load", *PER_COMPONENT_DESTS):
             value = flag_value(args, dest)
             for path in value if isinstance(value, list) else [value] if value else []:
@@ -196,9 +197,10 @@ class RolesArgs(ArgGroup):
                     raise ArgumentError(f"{option(dest)} {path}: no such directory")
 
     @classmethod
-    def preflight(cls, args: Any) -> None:
+    def preflight(cls, args: ParsedArgs) -> None:
         """The loss hook's signature (its second parameter names logits or scores), checked
         by the driver before any rank starts."""
+        # miles_core.custom_loss is off the CLI's parse path
         from miles_core.custom_loss import LossHook
 
         LossHook.from_args(args)

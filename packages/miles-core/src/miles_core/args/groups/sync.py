@@ -8,15 +8,16 @@ needs ``--colocate``; ``broadcast``, ``p2p`` and ``disk-delta`` are for disaggre
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from miles_core.args.checks import at_least, flag_value, option
 from miles_core.args.flags import ArgGroup, ArgumentError, flag
+from miles_core.args.parsed import ParsedArgs
 
 TransferMode = Literal["ipc", "broadcast", "p2p", "disk-delta"]
 
 
-def transfer_mode(args: Any) -> str:
+def transfer_mode(args: ParsedArgs) -> str:
     """``--update-weight-transfer-mode`` as given, else ``ipc`` colocated, ``broadcast`` not."""
     if args.update_weight_transfer_mode is not None:
         return args.update_weight_transfer_mode
@@ -65,7 +66,7 @@ class SyncArgs(ArgGroup):
     )
 
     @classmethod
-    def validate(cls, args: Any) -> None:
+    def validate(cls, args: ParsedArgs) -> None:
         at_least(args, "update_weight_buffer_size", 1)
         mode = transfer_mode(args)
         if mode == "ipc" and not args.colocate:
@@ -86,5 +87,5 @@ class SyncArgs(ArgGroup):
                 )
 
     @classmethod
-    def resolve_defaults(cls, args: Any) -> None:
+    def resolve_defaults(cls, args: ParsedArgs) -> None:
         args.update_weight_transfer_mode = transfer_mode(args)

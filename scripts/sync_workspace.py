@@ -39,7 +39,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 CUDA_PREFIXES = ("nvidia-", "cuda-")
 #: the workspace packages' sources (installed editable, so ``uv sync`` does not compile them)
-WORKSPACE_SOURCES = sorted(str(p) for p in (REPO / "packages").glob("*/src"))
+WORKSPACE_SOURCES = [
+    *sorted(str(p) for p in (REPO / "packages").glob("*/src")),
+    str(REPO / "native" / "src"),
+]
 
 
 def lock_packages(lock: Path) -> dict[str, dict]:

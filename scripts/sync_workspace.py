@@ -16,6 +16,12 @@ Where it looks for the wheel, in order: ``$MILES_TORCH_WHEEL`` (a file), ``$MILE
 After a CPU-torch install, a plain ``uv run`` would re-sync the environment to the lock (and
 download the CUDA build): run ``uv run --no-sync ...`` or set ``UV_NO_SYNC=1``, as ``.ci/run`` does.
 The script prints which of the two installs it made. Extra arguments go to ``uv sync``.
+
+Both installs compile every installed module to bytecode (``--compile-bytecode``), the workspace's
+own sources too (``compileall``). Where ``PYTHONDONTWRITEBYTECODE`` is set (container images set it
+often) Python writes no ``.pyc`` of its own, so without this every process compiled torch,
+transformers and the rest from source each time it imported them: about 40% of a trainer rank's
+start-up (docs/ci.md).
 """
 
 from __future__ import annotations
@@ -32,6 +38,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CUDA_PREFIXES = ("nvidia-", "cuda-")
+#: the workspace packages' sources (installed editable, so ``uv sync`` does not compile them)
+WORKSPACE_SOURCES = [
+    *sorted(str(p) for p in (REPO / "packages").glob("*/src")),
+    str(REPO / "native" / "src"),
+]
 
 
 def lock_packages(lock: Path) -> dict[str, dict]:
@@ -131,6 +142,17 @@ def find_cpu_torch_wheel(version: str, places: list[Path] | None = None) -> Path
     return None
 
 
+def venv_python() -> Path:
+    venv = Path(os.environ.get("UV_PROJECT_ENVIRONMENT", REPO / ".venv"))
+    return venv / "bin" / "python"
+
+
+def compile_workspace(python: Path) -> int:
+    """The workspace's own sources to bytecode (``py_compile`` writes it whatever
+    ``PYTHONDONTWRITEBYTECODE`` says)."""
+    return subprocess.call([str(python), "-m", "compileall", "-q", *WORKSPACE_SOURCES], cwd=REPO)
+
+
 def main(argv: list[str]) -> int:
     uv = os.environ.get("UV") or shutil.which("uv")
     if uv is None:
@@ -141,24 +163,27 @@ def main(argv: list[str]) -> int:
     wheel = find_cpu_torch_wheel(version) if sys.platform == "linux" else None
     if wheel is None:
         print(f"sync: uv sync --frozen (torch {version} from the package index)", flush=True)
-        return subprocess.call([uv, "sync", "--frozen", *argv], cwd=REPO)
+        rc = subprocess.call([uv, "sync", "--frozen", "--compile-bytecode", *argv], cwd=REPO)
+        return rc or compile_workspace(venv_python())
     skipped = ["torch", *sorted(cuda_only_packages(packages))]
     print(
         f"sync: uv sync --frozen without torch and {len(skipped) - 1} CUDA-only packages, "
         f"then torch from {wheel.name}",
         flush=True,
     )
-    cmd = [uv, "sync", "--frozen", *argv]
+    cmd = [uv, "sync", "--frozen", "--compile-bytecode", *argv]
     for name in skipped:
         cmd += ["--no-install-package", name]
     rc = subprocess.call(cmd, cwd=REPO)
     if rc:
         return rc
-    venv = Path(os.environ.get("UV_PROJECT_ENVIRONMENT", REPO / ".venv"))
-    python = venv / "bin" / "python"
+    python = venv_python()
     rc = subprocess.call(
-        [uv, "pip", "install", "-q", "--no-deps", "--python", str(python), str(wheel)], cwd=REPO
+        [uv, "pip", "install", "-q", "--no-deps", "--compile-bytecode", "--python", str(python)]
+        + [str(wheel)],
+        cwd=REPO,
     )
+    rc = rc or compile_workspace(python)
     if rc == 0:
         print("sync: done; run tests with `uv run --no-sync ...` or UV_NO_SYNC=1", flush=True)
     return rc

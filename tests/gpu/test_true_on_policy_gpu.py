@@ -4,7 +4,8 @@ samples responses of prompts of different lengths together (a left-padded prefil
 decode steps against the KV cache); the FSDP backend (one rank, NCCL, bf16 compute from a bf16
 checkpoint) trains them packed into one row. The train/rollout mismatch of its training forward
 against the engine's log-probs is exactly 0, token maximum included; every op of the mode ran in
-the Triton kernels (counted); the same rollout on a backend without the mode (sdpa, the fused
+the Triton kernels (counted), the packed row's attention through its boundaries and its backward
+through torch's varlen kernel; the same rollout on a backend without the mode (sdpa, the fused
 head, torch's kernels) reports a mismatch > 0, so the equality is not one any two forwards show.
 
 Run on a GPU node: ``uv run pytest tests/gpu/test_true_on_policy_gpu.py`` (skipped without
@@ -62,6 +63,17 @@ def kernel_calls(monkeypatch):
             return _real(*a, **k)
 
         monkeypatch.setattr(kernels, name, counted)
+    from miles_core import batch_invariant
+
+    # the trainer's packed row: its forward, and its backward through the varlen kernel
+    for name in ("packed_attention", "varlen_causal_attention"):
+        real = getattr(batch_invariant, name)
+
+        def counted(*a, _real=real, _name=name, **k):
+            calls[_name] += 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(batch_invariant, name, counted)
     return calls
 
 
@@ -76,7 +88,8 @@ def test_bf16_mismatch_is_exactly_zero_with_the_mode_and_not_without(
     )  # fmt: skip
     hf_dir = save_tiny_model(tmp_path / "tiny", config, dtype=torch.bfloat16)
     batch = engine_rollout(hf_dir, "cuda", PROMPTS, RESPONSE_LEN)
-    engine_calls = dict(kernel_calls)
+    engine_calls = {n: c for n, c in kernel_calls.items() if n.endswith("_forward")}
+    assert "packed_attention" not in kernel_calls  # the engine's spans come from its masks
     assert all(engine_calls.get(n, 0) > 0 for n in ("linear_forward", "attention_forward",
                                                     "row_mean_forward", "log_softmax_forward")), engine_calls  # fmt: skip
     kernel_calls.clear()
@@ -85,6 +98,9 @@ def test_bf16_mismatch_is_exactly_zero_with_the_mode_and_not_without(
     attn, metrics = train_once(hf_dir, batch, attn_implementation=None, true_on_policy=True, **bf16)
     assert attn == batch_invariant.HF_ATTENTION_NAME
     assert all(kernel_calls[n] > 0 for n in engine_calls), dict(kernel_calls)
+    layers = config.num_hidden_layers
+    assert kernel_calls["packed_attention"] >= layers, dict(kernel_calls)
+    assert kernel_calls["varlen_causal_attention"] >= layers, dict(kernel_calls)  # a backward ran
     assert metrics[mismatch.ABS_DIFF] == 0.0, metrics
     assert metrics[mismatch.ABS_DIFF_MAX] == 0.0, metrics
 

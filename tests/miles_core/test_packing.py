@@ -145,6 +145,16 @@ def test_attention_kwargs_for_flash_and_errors():
     kw = packed_attention_kwargs(p, "flash_attention_2")
     assert kw["cu_seq_lens_q"].tolist() == [0, 9, 12, 16] and kw["max_length_q"] == 9
     assert "attention_mask" not in kw and kw["use_cache"] is False
+    # --true-on-policy: the mask (its CPU path, the engine's contract) and the boundaries (the
+    # GPU's packed-row attention) together
+    mode = packed_attention_kwargs(p, "miles_batch_invariant")
+    assert mode["cu_seq_lens_q"].tolist() == [0, 9, 12, 16] and mode["max_length_q"] == 9
+    assert mode["attention_mask"].dtype == torch.bool and mode["attention_mask"].shape == (
+        1,
+        1,
+        16,
+        16,
+    )
     eager = packed_attention_kwargs(p, "eager", dtype=torch.bfloat16)["attention_mask"]
     assert eager.dtype == torch.bfloat16 and eager.shape == (1, 1, 16, 16)
     assert eager[0, 0, 9, 8] == torch.finfo(torch.bfloat16).min and eager[0, 0, 9, 9] == 0

@@ -183,8 +183,7 @@ def _masked_sdpa(q, k, v, mask, scale):
 
 def test_backward_is_torch_s_within_fp32_rounding():
     """Each op's gradient (plain torch in fp32) against float64 autograd of its formula; the
-    attention's on a packed row (one causal SDPA per sample) and on a left-padded batch (the
-    masked SDPA)."""
+    attention's (the masked SDPA) on a packed row and on a left-padded batch."""
     d = torch.float64
     x = torch.randn(5, 24, requires_grad=True)
     w = torch.randn(8, 24, requires_grad=True)
@@ -193,12 +192,11 @@ def test_backward_is_torch_s_within_fp32_rounding():
     seg = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1])
     causal = torch.ones(8, 8, dtype=torch.bool).tril()
     pack = ((seg[:, None] == seg[None]) & causal)[None, None]
-    assert K.causal_segments(q, kv, *K.key_spans(pack)) == [0, 3, 8]  # coverage: per sample
     qb = torch.randn(2, 2, 8, 8, requires_grad=True)
     kvb = torch.randn(2, 1, 8, 8, requires_grad=True)
     real = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [1] * 8], dtype=torch.bool)
     padded = (causal[None] & real[:, None, :])[:, None]
-    assert K.causal_segments(qb, kvb, *K.key_spans(padded)) is None  # coverage: masked SDPA
+    assert not padded.any(-1).all()  # coverage: a query with no key (left padding)
     cases = [
         (lambda a, b: K.linear(a, b), lambda a, b: a @ b.T, (x, w)),
         (lambda a: K.row_mean(a, keepdim=True), lambda a: a.mean(-1, keepdim=True), (x,)),
@@ -239,3 +237,31 @@ def test_one_mask_s_spans_are_computed_once(monkeypatch):
     assert len(calls) == 2 and torch.equal(changed[0, 0], torch.zeros(2, 4))
     K.attention(q, q, q, mask.clone(), 0.5)
     assert len(calls) == 3
+
+
+def test_packed_row_attention_is_the_masked_kernel_s_with_a_varlen_backward():
+    """miles_core.batch_invariant.packed_attention (the trainer's packed row on a GPU): the
+    spans from the boundaries equal the block-diagonal mask's, so the forward is the masked
+    kernel's bit for bit; the backward (the varlen path: one causal SDPA per sample on the CPU)
+    against float64 autograd of the masked formula. Three samples and a padding segment, GQA."""
+    from miles_core.batch_invariant import packed_attention, packed_spans
+
+    cu = torch.tensor([0, 3, 8, 13, 16], dtype=torch.int32)
+    seg = torch.repeat_interleave(torch.arange(4), cu.diff())
+    causal = torch.ones(16, 16, dtype=torch.bool).tril()
+    pack = ((seg[:, None] == seg[None]) & causal)[None, None]
+    assert [int(x) for x in packed_spans(cu, 16)[0][0, [0, 2, 3, 7, 8, 15]]] == [0, 0, 3, 3, 8, 13]
+    for got, want in zip(packed_spans(cu, 16), K.key_spans(pack)):
+        assert torch.equal(got, want)
+    q = torch.randn(1, 4, 16, 8, requires_grad=True)
+    k = torch.randn(1, 2, 16, 8, requires_grad=True)
+    v = torch.randn(1, 2, 16, 8, requires_grad=True)
+    out = packed_attention(q, k, v, cu, 5, 0.3)
+    assert torch.equal(out, K.attention(q, k, v, pack, 0.3))
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    ref_in = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    want = torch.autograd.grad(_masked_sdpa(*ref_in, pack, 0.3), ref_in, g.double())
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and b.abs().max() > 0  # coverage: every input gets a gradient
+        _within(a, b, grad_atol(b, GRAD_REL_ERR), "packed gradient")

@@ -8,7 +8,10 @@ plain torch (only the forward values must agree between the engine and the train
 * :func:`linear`: ``F.linear`` (``x @ W.T + b``), output in the input dtype.
 * :func:`attention`: transformers' attention contract over a boolean mask whose allowed keys
   are one contiguous range per query (left-padded prefill, decode against a KV cache, a packed
-  row's block-diagonal causal mask); another mask is refused with one line.
+  row's block-diagonal causal mask); another mask is refused with one line. Its backward
+  recomputes torch's SDPA under the mask (a packed training row has a faster one,
+  ``miles_core.batch_invariant.packed_attention``: the same forward, torch's varlen flash
+  backward).
 * :func:`row_mean`: ``x.mean(-1)`` (RMSNorm's variance).
 * :func:`log_softmax`: ``log_softmax(x.float() / T, -1)`` with a temperature per row or one
   for all, in fp32.
@@ -162,38 +165,18 @@ def _spans_of(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return spans
 
 
-def causal_segments(
-    q: torch.Tensor, k: torch.Tensor, start: torch.Tensor, end: torch.Tensor
-) -> list[int] | None:
-    """The boundaries ``[0, s1, ..., T]`` of a packed row whose spans are block-diagonal causal
-    (each query ``t`` attends to ``[segment start, t]``), or None for any other mask (a batch
-    of rows, padding)."""
-    if q.shape[0] != 1 or start.shape[0] != 1 or q.shape[2] != k.shape[2]:
-        return None
-    t = q.shape[2]
-    pos = torch.arange(t, device=start.device, dtype=start.dtype)
-    s, e = start[0], end[0]
-    ok = bool((e == pos + 1).all() & (s[0] == 0) & ((s[1:] == s[:-1]) | (s[1:] == pos[1:])).all())
-    if not ok:
-        return None
-    return [*(s == pos).nonzero().flatten().tolist(), t]
-
-
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, scale):
         start, end = _spans_of(mask)
-        ctx.save_for_backward(q, k, v, mask, start, end)
+        ctx.save_for_backward(q, k, v, mask)
         ctx.scale = scale
         return attention_forward(q, k, v, start, end, scale)
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, mask, start, end = ctx.saved_tensors
+        q, k, v, mask = ctx.saved_tensors
         group = q.shape[1] // k.shape[1]
-        bounds = causal_segments(q, k, start, end)
-        if bounds is not None:  # a packed row: each sample's causal attention on its own
-            return (*_segment_grads(q, k, v, grad, bounds, group, ctx.scale), None, None)
         # recompute with torch's SDPA; a query with no key (output zeros, no gradient) attends
         # to all keys with a zero incoming gradient so that SDPA's softmax stays finite
         empty = ~mask.any(-1, keepdim=True)
@@ -206,23 +189,6 @@ class _Attention(torch.autograd.Function):
             g = grad.transpose(1, 2).masked_fill(empty, 0)
             gq, gk, gv = torch.autograd.grad(y, (q_, k_, v_), g)
         return gq, gk, gv, None, None
-
-
-def _segment_grads(q, k, v, grad, bounds: list[int], group: int, scale: float):
-    """The backward of a packed row by torch's causal SDPA (flash where it runs), one sample's
-    segment at a time: the same gradient as the block-diagonal mask's, without its T x T work."""
-    gq, gk, gv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    g = grad.transpose(1, 2)
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        with torch.enable_grad():
-            q_, k_, v_ = (t[:, :, lo:hi].detach().requires_grad_(True) for t in (q, k, v))
-            y = torch.nn.functional.scaled_dot_product_attention(
-                q_, k_.repeat_interleave(group, 1), v_.repeat_interleave(group, 1),
-                is_causal=True, scale=scale,
-            )  # fmt: skip
-            a, b, c = torch.autograd.grad(y, (q_, k_, v_), g[:, :, lo:hi])
-        gq[:, :, lo:hi], gk[:, :, lo:hi], gv[:, :, lo:hi] = a, b, c
-    return gq, gk, gv
 
 
 def attention(q, k, v, mask: torch.Tensor, scale: float) -> torch.Tensor:

@@ -35,7 +35,10 @@ query and head over its contiguous key range, blocks counted from its first key)
 tensor) and the temperature-scaled ``log_softmax`` (torch divides a CUDA tensor by a Python
 float as a multiplication by its reciprocal, but by a tensor of temperatures exactly: the kernel
 divides both alike). The kernels come from the miles-native package, imported when the mode
-first meets a CUDA tensor.
+first meets a CUDA tensor. A packed training row (transformers passes the trainer's
+``cu_seq_lens_q``) takes its key spans from those boundaries on the device and its backward from
+torch's varlen flash kernel (:func:`packed_attention`): one launch per layer for the whole row,
+nothing read back to the host; the engine's prefill and decode spans come from their masks.
 
 The CPU path is for correctness in float32; it is slow (a Python loop over rows and queries).
 """
@@ -50,6 +53,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from miles_core.varlen_attention import varlen_causal_attention
 
 #: The ``attn_implementation`` name both sides load their HF model with in the mode.
 HF_ATTENTION_NAME = "miles_batch_invariant"
@@ -111,6 +116,9 @@ def attention(
     group = heads // key.shape[1]
     scale = dim**-0.5 if scaling is None else scaling
     if query.is_cuda:
+        cu = kwargs.get("cu_seq_lens_q")
+        if cu is not None and batch == 1 and key.shape[2] == q_len:
+            return packed_attention(query, key, value, cu, kwargs["max_length_q"], scale), None
         return _gpu().attention(query, key, value, attention_mask, scale), None
     out = query.new_zeros(batch, q_len, heads, dim)
     for b in range(batch):
@@ -126,6 +134,66 @@ def attention(
             probs = torch.softmax(scores, dim=-1)
             out[b, i] = (probs[..., None] * v).sum(1)
     return out, None
+
+
+#: ``(cu_seqlens, its version, its spans)`` of the last packed row: every layer of a forward gets
+#: the same ``cu_seq_lens_q`` tensor, so its spans are computed once.
+_last_packed: tuple[torch.Tensor, int, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+def packed_spans(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(start, end)`` int32 ``[1, total]`` of a packed row's block-diagonal causal attention:
+    query ``t`` of the sample ``[cu[i], cu[i+1])`` attends to keys ``[cu[i], t]``. The spans the
+    row's boolean mask gives (:func:`miles_core.packing.block_causal_mask`), computed on the
+    device from the boundaries alone (no ``T x T`` pass, nothing read back to the host)."""
+    global _last_packed
+    last = _last_packed
+    if last is not None and last[0] is cu_seqlens and last[1] == cu_seqlens._version:
+        return last[2]
+    cu = cu_seqlens.to(torch.int32)
+    pos = torch.arange(total, device=cu.device, dtype=torch.int32)
+    sample = torch.searchsorted(cu[1:], pos, right=True).clamp_(max=cu.numel() - 1)
+    spans = (cu[sample][None].contiguous(), (pos + 1)[None].contiguous())
+    _last_packed = (cu_seqlens, cu_seqlens._version, spans)
+    return spans
+
+
+class _PackedAttention(torch.autograd.Function):
+    """A packed row's attention: the batch-invariant kernel's forward over :func:`packed_spans`;
+    the backward is :func:`miles_core.varlen_attention.varlen_causal_attention`'s (torch's varlen
+    flash kernel on a GPU: one launch for the whole row, the boundaries a device tensor)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale):
+        start, end = packed_spans(cu_seqlens, q.shape[2])
+        ctx.save_for_backward(q, k, v, cu_seqlens)
+        ctx.max_seqlen, ctx.scale = max_seqlen, scale
+        return _gpu().attention_forward(q, k, v, start, end, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, cu_seqlens = ctx.saved_tensors
+        with torch.enable_grad():
+            # (1, H, T, D) -> (T, H, D): transformers' q/k/v are views of (1, T, H, D) tensors
+            q_, k_, v_ = (t[0].transpose(0, 1).detach().requires_grad_(True) for t in (q, k, v))
+            y = varlen_causal_attention(q_, k_, v_, cu_seqlens, ctx.max_seqlen, ctx.scale)
+            gq, gk, gv = torch.autograd.grad(y, (q_, k_, v_), grad[0])
+        return (*(g.transpose(0, 1)[None] for g in (gq, gk, gv)), None, None, None)
+
+
+def packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float,
+) -> torch.Tensor:
+    """Batch-invariant attention of one packed row (``q`` ``(1, H, T, D)``, ``k``/``v``
+    ``(1, Hkv, T, D)``) whose samples end at ``cu_seqlens``; ``(1, T, H, D)``. The forward values
+    are the kernel's under the row's block-diagonal mask (the same bits as
+    :func:`miles_native.kernels.batch_invariant.attention` with that mask)."""
+    return _PackedAttention.apply(q, k, v, cu_seqlens, max_seqlen, scale)
 
 
 def _last_dim_mean(args: tuple, kwargs: dict) -> bool | None:

@@ -209,16 +209,22 @@ def packed_attention_kwargs(
     * ``flash_attention_2`` / ``flash_attention_3`` and ``miles_varlen`` (torch's varlen flash
       kernel, :mod:`miles_core.varlen_attention`): ``position_ids`` plus the varlen kwargs
       ``cu_seq_lens_q/k`` and ``max_length_q/k`` (no mask is materialised).
-    * ``sdpa`` and ``miles_batch_invariant`` (``--true-on-policy``,
-      :mod:`miles_core.batch_invariant`): ``position_ids`` plus a boolean 4-D block-diagonal
-      causal ``attention_mask`` (:func:`block_causal_mask`; transformers passes 4-D masks
-      through unchanged).
+    * ``sdpa``: ``position_ids`` plus a boolean 4-D block-diagonal causal ``attention_mask``
+      (:func:`block_causal_mask`; transformers passes 4-D masks through unchanged).
+    * ``miles_batch_invariant`` (``--true-on-policy``, :mod:`miles_core.batch_invariant`): both
+      (the mask for the CPU path, the boundaries for the GPU's packed-row attention).
     * ``eager``: the same mask as an additive float mask of ``dtype`` (0 or dtype's min).
 
     Always ``use_cache=False``. The mask costs ``T^2`` bytes; prefer flash attention on GPUs.
     """
     kwargs: dict = {"position_ids": packed.position_ids, "use_cache": False}
-    if attn_implementation in ("flash_attention_2", "flash_attention_3", HF_ATTENTION_NAME):
+    varlen = ("flash_attention_2", "flash_attention_3", HF_ATTENTION_NAME, BATCH_INVARIANT_NAME)
+    if attn_implementation not in (*varlen, "sdpa", "eager"):
+        raise ValueError(
+            f"packed sequences support attn_implementation flash_attention_2, flash_attention_3, "
+            f"{HF_ATTENTION_NAME}, {BATCH_INVARIANT_NAME}, sdpa or eager, got {attn_implementation!r}"
+        )
+    if attn_implementation in varlen:
         cu = packed.cu_seqlens.to(device=packed.position_ids.device, dtype=torch.int32)
         kwargs.update(
             cu_seq_lens_q=cu,
@@ -226,15 +232,10 @@ def packed_attention_kwargs(
             max_length_q=packed.max_seqlen,
             max_length_k=packed.max_seqlen,
         )
-    elif attn_implementation in ("sdpa", BATCH_INVARIANT_NAME):
+    if attn_implementation in ("sdpa", BATCH_INVARIANT_NAME):
         kwargs["attention_mask"] = block_causal_mask(packed).to(packed.position_ids.device)
-    elif attn_implementation == "eager":
+    if attn_implementation == "eager":
         allowed = block_causal_mask(packed).to(packed.position_ids.device)
         zero = torch.zeros((), dtype=dtype, device=allowed.device)
         kwargs["attention_mask"] = torch.where(allowed, zero, torch.finfo(dtype).min)
-    else:
-        raise ValueError(
-            f"packed sequences support attn_implementation flash_attention_2, flash_attention_3, "
-            f"{HF_ATTENTION_NAME}, {BATCH_INVARIANT_NAME}, sdpa or eager, got {attn_implementation!r}"
-        )
     return kwargs

@@ -189,11 +189,14 @@ def attention_atol(reference, scores_abs, n_keys: int, v_max: float, dim: int, d
     ``scores_abs``, the largest ``scale * sum |q_d k_d|``, and the scaling): an error ``ds``
     moves the probabilities by at most ``2 ds`` in l1, so the output by ``2 ds * v_max``. The
     weighted sum adds ``n_keys`` roundings of terms bounded by ``v_max``; the exponentials, the
-    running rescales and the final division a few more (8).
+    running rescales and the final division a few more (8). With 16-bit inputs the weights are
+    rounded to ``dtype`` for the weighted sum's dot (as flash attention does): each moves by at
+    most its own unit roundoff relative, the output by ``UNIT_ROUNDOFF * v_max``.
     """
     ds = (dim + 2) * FP32_EPS * scores_abs
     fp32 = (2 * ds + (n_keys + 8) * FP32_EPS) * v_max
-    return fp32 + UNIT_ROUNDOFF[dtype] * reference.double().abs()
+    weights = 0.0 if dtype == torch.float32 else UNIT_ROUNDOFF[dtype] * v_max
+    return fp32 + weights + UNIT_ROUNDOFF[dtype] * reference.double().abs()
 
 
 def row_mean_atol(reference: torch.Tensor, abs_mean: torch.Tensor, n: int, dtype) -> torch.Tensor:

@@ -110,6 +110,8 @@ def _attention_cases(dtype, length: int, query: int):
     starts = {int(K.key_spans(m)[0].flatten()[i]) for m, i in
               ((causal(length)[None, None], query), (mask, pad + query), (pack_mask, 9 + query))}  # fmt: skip
     assert starts == {0, pad, 9}
+    if 9 + query < K.ATTN_CONFIG[0]:  # coverage: the tile holds both samples' queries (two passes)
+        assert int(K.key_spans(pack_mask)[0][0, 0]) == 0
     for other in (batch, decode, packed):
         assert torch.equal(alone, other)
     kq = a_k[:, : query + 1].double().repeat_interleave(heads // kv_heads, 0)
@@ -129,8 +131,9 @@ def test_attention_prefill_decode_and_pack_agree(dtype):
 @pytest.mark.extended
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_attention_over_several_key_blocks(dtype):
-    """70 keys for query 68: two blocks of ATTN_BLOCK_N, the second partly masked."""
-    assert 69 > K.ATTN_BLOCK_N
+    """70 keys for query 68: two blocks of ATTN_BLOCK_N, the second partly masked (and in the
+    pack, a second tile of queries)."""
+    assert 69 > K.ATTN_BLOCK_N and 9 + 68 >= K.ATTN_CONFIG[0]
     _attention_cases(dtype, length=70, query=68)
 
 

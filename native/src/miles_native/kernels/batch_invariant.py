@@ -40,8 +40,11 @@ MATMUL_CONFIGS = {
     torch.float16: (128, 128, 64, 8, 3),
     torch.float32: (64, 128, 64, 4, 3),
 }
-#: Keys per block of the attention kernel, lanes of the row reductions.
-ATTN_BLOCK_N = 64
+#: The attention kernel's one tiling ``(BLOCK_M queries, BLOCK_N keys, warps, stages)``, every
+#: dtype and shape (a query's arithmetic follows its key blocks, never the launch).
+ATTN_CONFIG = (64, 64, 4, 2)
+ATTN_BLOCK_N = ATTN_CONFIG[1]
+#: Lanes of the row reductions.
 ROW_BLOCK = 1024
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -138,14 +141,16 @@ def attention_forward(q, k, v, start, end, scale: float) -> torch.Tensor:
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out = torch.empty(batch, tq, heads, dim, dtype=q.dtype, device=q.device)
     if out.numel():
-        attention_kernel[(batch * tq, heads)](
+        block_m, block_n, warps, stages = ATTN_CONFIG
+        attention_kernel[(batch * triton.cdiv(tq, block_m), heads)](
             q, k, v, out, start, end, tq, heads, group, float(scale),
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             0 if start.shape[0] == 1 else start.stride(0),
-            D=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_N=ATTN_BLOCK_N,
-            INTERPRETER=_interpreter_fixes(q.dtype),
+            D=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_M=block_m,
+            BLOCK_N=block_n, DOT_PRECISION="ieee", INTERPRETER=_interpreter_fixes(q.dtype),
+            num_warps=warps, num_stages=stages,
         )  # fmt: skip
     return out
 

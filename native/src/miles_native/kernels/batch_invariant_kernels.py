@@ -9,9 +9,11 @@ rows the launch carries, where the row sits among them, or padding:
   from its own row of ``x`` and column of ``W.T`` only (the other rows of the tile do not enter
   it), so a row's bits are those of any tile it lands in. ``M`` is not specialized on (a launch
   of one row compiles the same kernel as one of many).
-* :func:`attention_kernel`: one program per (query, head) over the keys ``[start, end)`` of that
-  query, in blocks of ``BLOCK_N`` starting at ``start`` (so the same keys give the same blocks
-  whatever precedes them in the row), online softmax in fp32.
+* :func:`attention_kernel`: one program per tile of ``BLOCK_M`` queries and a head; each query
+  over its keys ``[start, end)`` in blocks of ``BLOCK_N`` starting at ``start`` (so the same keys
+  give the same blocks whatever precedes them in the row or shares its tile), scores and the
+  weighted sum as tile dots (a query's row of a dot is computed from that query alone, as in the
+  matmul), online softmax in fp32, the weights rounded to the input dtype for the second dot.
 * :func:`row_mean_kernel`, :func:`log_softmax_kernel`: one program per row, a fixed chunking of
   the row into ``BLOCK`` lanes, then one tree reduction of the lanes.
 
@@ -92,42 +94,70 @@ def attention_kernel(
     span_b,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     INTERPRETER: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)  # b * Tq + t
+    """One program per ``BLOCK_M`` queries of a row and one head. The tile's queries that share
+    a first key are computed together (a packed row's tile can hold the ends and starts of
+    several samples: one pass per distinct first key), each over its keys in blocks of
+    ``BLOCK_N`` counted from that first key, so a query meets the same blocks whatever tile it
+    is in; a key past a query's end is masked (weight exactly 0, and a block wholly past it
+    leaves the running max, sum and accumulator unchanged)."""
+    tiles = tl.cdiv(Tq, BLOCK_M)
+    pid = tl.program_id(0)
     h = tl.program_id(1)
-    b = row // Tq
-    t = row % Tq
-    start = tl.load(start_ptr + b * span_b + t)
-    end = tl.load(end_ptr + b * span_b + t)
+    b = pid // tiles
+    t = (pid % tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    tm = t < Tq
+    start = tl.load(start_ptr + b * span_b + t, mask=tm, other=0)
+    end = tl.load(end_ptr + b * span_b + t, mask=tm, other=0)
     d = tl.arange(0, BLOCK_D)
     dm = d < D
     b64 = b.to(tl.int64)
-    q = tl.load(q_ptr + b64 * sq_b + h * sq_h + t * sq_t + d, mask=dm, other=0.0).to(tl.float32)
+    q_rows = q_ptr + b64 * sq_b + h * sq_h + t[:, None].to(tl.int64) * sq_t + d[None, :]
+    q = tl.load(q_rows, mask=tm[:, None] & dm[None, :], other=0.0)
     kvh = h // group
     k_base = k_ptr + b64 * sk_b + kvh * sk_h
     v_base = v_ptr + b64 * sv_b + kvh * sv_h
-    m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), axis=0)
-    l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), axis=0)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        nm = n < end
-        kv_mask = nm[:, None] & dm[None, :]
-        k = tl.load(k_base + n[:, None].to(tl.int64) * sk_t + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.sum(k.to(tl.float32) * q[None, :], axis=1) * scale
-        s = tl.where(nm, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new)
-        v = tl.load(v_base + n[:, None].to(tl.int64) * sv_t + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        m_i = m_new
-    out = tl.where(l_i > 0, acc / tl.maximum(l_i, 1e-30), 0.0)
-    out = _cast(out, out_ptr.dtype.element_ty, INTERPRETER)
-    tl.store(out_ptr + (row.to(tl.int64) * H + h) * D + d, out, mask=dm)
+    out_rows = out_ptr + ((b64 * Tq + t[:, None]) * H + h) * D + d[None, :]
+    empty = tm & (start >= end)  # no key: zeros
+    tl.store(out_rows, tl.zeros([BLOCK_M, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty),
+             mask=empty[:, None] & dm[None, :])  # fmt: skip
+    done = ~tm | empty
+    left = tl.sum((~done).to(tl.int32), axis=0)
+    while left > 0:
+        first = tl.min(tl.where(done, 2147483647, start), axis=0)
+        sel = ~done & (start == first)
+        last = tl.max(tl.where(sel, end, 0), axis=0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for n0 in range(first, last, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            nm = n < last
+            kt = tl.load(k_base + n[None, :].to(tl.int64) * sk_t + d[:, None],
+                         mask=nm[None, :] & dm[:, None], other=0.0)  # fmt: skip
+            s = _mma(q, kt, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_PRECISION, INTERPRETER)
+            s = tl.where(sel[:, None] & (n[None, :] < end[:, None]), s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # rows not in this pass have no key (-inf): 0 keeps their arithmetic finite; a
+            # query of the pass has its first key in the first block, hence a finite max
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            v = tl.load(v_base + n[:, None].to(tl.int64) * sv_t + d[None, :],
+                        mask=nm[:, None] & dm[None, :], other=0.0)  # fmt: skip
+            acc = _mma(_cast(p, v.dtype, INTERPRETER), v, acc * alpha[:, None],
+                       DOT_PRECISION, INTERPRETER)  # fmt: skip
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        out = acc / tl.where(sel, l_i, 1.0)[:, None]
+        tl.store(out_rows, _cast(out, out_ptr.dtype.element_ty, INTERPRETER),
+                 mask=sel[:, None] & dm[None, :])  # fmt: skip
+        done = done | sel
+        left = tl.sum((~done).to(tl.int32), axis=0)
 
 
 @triton.jit(do_not_specialize=["stride_x"], do_not_specialize_on_alignment=["x_ptr"])

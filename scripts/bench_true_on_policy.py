@@ -10,11 +10,11 @@ trains that rollout, all of it in one micro-batch, one optimizer step (gradient 
 unless ``--no-gradient-checkpointing``). Mode off: the job's defaults (the GPU's default
 attention, the fused head, the old-log-prob forward); mode on: ``--true-on-policy`` (the
 old-log-prob forward is skipped, the engine's log-probs are the old policy's). The mismatch is
-the first ``train`` call's (the weights the engine sampled with); train seconds are a second
-call's (Triton and CUDA warmed up) of ``--steps`` optimizer steps (default 2: with one, the
-old policy is the current one and no old-log-prob forward runs in either mode), and of them
-``old_logprob_s`` the old-policy step (the old-log-prob forward with the mode off; taking the
-engine's log-probs with it on).
+the first ``train`` call's (the weights the engine sampled with); train seconds are the median
+of ``--repeats`` further calls (Triton and CUDA warmed up; each one's seconds are kept too) of
+``--steps`` optimizer steps (default 2: with one, the old policy is the current one and no
+old-log-prob forward runs in either mode), and of them ``old_logprob_s`` the old-policy step
+(the old-log-prob forward with the mode off; taking the engine's log-probs with it on).
 
     uv run python scripts/bench_true_on_policy.py --out /tmp/top.json
     uv run python scripts/bench_true_on_policy.py --quick --out /tmp/top.json   # CPU, tiny
@@ -28,6 +28,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import tempfile
 import threading
@@ -130,9 +131,9 @@ def engine_rollout(hf_dir: str, device: str, on: bool, prompts, new_tokens: int)
     return RolloutBatch(samples), seconds
 
 
-def train(hf_dir: str, device: str, on: bool, batch, checkpointing: bool, steps: int):
-    """(first train call's metrics, second call's seconds, of them the old-policy step's) on a
-    fresh FSDP backend."""
+def train(hf_dir: str, device: str, on: bool, batch, checkpointing: bool, steps: int, repeats: int):
+    """(first train call's metrics, the next ``repeats`` calls' seconds, the old-policy step's
+    seconds of each) on a fresh FSDP backend."""
     from miles_core.args import core_groups, parse_args
     from miles_fsdp import train_step
     from miles_fsdp.args import fsdp_groups
@@ -169,11 +170,13 @@ def train(hf_dir: str, device: str, on: bool, batch, checkpointing: bool, steps:
         # the timed rollout: ``steps`` optimizer steps, where the mode off needs the old-log-prob
         # forward (with one step the old policy is the current one, and no forward runs)
         backend.args.num_steps_per_rollout = steps
-        _sync(device)
-        t0 = time.perf_counter()
-        backend.train(1, batch)
-        _sync(device)
-        seconds = time.perf_counter() - t0
+        seconds = []
+        for rollout in range(1, repeats + 1):
+            _sync(device)
+            t0 = time.perf_counter()
+            backend.train(rollout, batch)
+            _sync(device)
+            seconds.append(time.perf_counter() - t0)
     finally:
         train_step._with_policy_log_probs = real
         backend.close()
@@ -181,7 +184,7 @@ def train(hf_dir: str, device: str, on: bool, batch, checkpointing: bool, steps:
         gc.collect()
         if device != "cpu":
             torch.cuda.empty_cache()
-    return metrics, seconds, old_policy_s[-1], backend_attn
+    return metrics, seconds, old_policy_s[1:], backend_attn
 
 
 def init_group(device: str) -> None:
@@ -211,6 +214,9 @@ def main(argv: list[str] | None = None) -> None:
         default=2,
         help="optimizer steps of the timed rollout (> 1: the mode off runs the old-log-prob "
         "forward; the mismatch is measured on a one-step rollout before)",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed rollouts per row (the median is reported)"
     )
     p.add_argument("--quick", action="store_true", help="tiny fp32 model on CPU (a smoke run)")
     p.add_argument("--out", required=True, help="JSON file of the results")
@@ -242,7 +248,13 @@ def main(argv: list[str] | None = None) -> None:
                 try:
                     batch, gen_s = engine_rollout(hf_dir, device, on, prompts, args.new_tokens)
                     metrics, train_s, old_s, attn = train(
-                        hf_dir, device, on, batch, args.gradient_checkpointing, args.steps
+                        hf_dir,
+                        device,
+                        on,
+                        batch,
+                        args.gradient_checkpointing,
+                        args.steps,
+                        args.repeats,
                     )
                 except torch.cuda.OutOfMemoryError as exc:  # this row only; the others go on
                     print(f"{size} true_on_policy={on}: CUDA out of memory: {exc}", flush=True)
@@ -255,8 +267,9 @@ def main(argv: list[str] | None = None) -> None:
                         size=size, true_on_policy=on, device=device,
                         abs_diff_mean=metrics.get(mismatch.ABS_DIFF),
                         abs_diff_max=metrics.get(mismatch.ABS_DIFF_MAX),
-                        generate_s=round(gen_s, 3), train_s=round(train_s, 3),
-                        old_logprob_s=round(old_s, 3), attention=attn,
+                        generate_s=round(gen_s, 3), train_s=round(statistics.median(train_s), 3),
+                        train_s_each=[round(t, 3) for t in train_s],
+                        old_logprob_s=round(statistics.median(old_s), 3), attention=attn,
                         train_tokens=sum(len(x.tokens) for x in batch),
                         steps=args.steps, prompts=args.prompts, prompt_len=args.prompt_len,
                         new_tokens=args.new_tokens,

@@ -112,7 +112,9 @@ def train_then_publish(hf_dir: str, argv: list[str], rollouts: int) -> dict:
     data = case_samples(hf_dir, argv)
     shards = partition_for_dp(RolloutBatch(data), layout.dp_size, keep_groups=True)
     batch = shards[layout.dp_rank] if layout.consumes_data else None
-    result: dict[str, Any] = {"dp_size": layout.dp_size, "last_stage": last_stage()}
+    result: dict[str, Any] = {"dp_size": layout.dp_size}
+    # ranks that must score trained tokens: the last stage's, of a DP rank holding samples
+    result["scores_tokens"] = last_stage() and len(shards[layout.dp_rank]) > 0
     result["metrics"], result["scores"] = [], []
     with captured_scores(data) as scores:
         for r in range(rollouts):

@@ -8,8 +8,8 @@ the real loss unchanged: what is compared is what the step trained on. A call's 
 into the samples of its row (identified by their tokens), response-aligned, ``NaN`` where
 another CP rank holds the position. :func:`check_scores` holds each rank's values at the
 trained tokens (loss mask 1) to the reference's bounds and asserts the coverage: every trained
-token of every sample at every step was compared on some rank, every last-stage rank (every
-CP rank of it) compared trained tokens, and (where the case's samples have them) some loss mask
+token of every sample at every step was compared on some rank, every last-stage rank of a DP
+rank holding samples (every CP rank of it) compared trained tokens, and (where the case's samples have them) some loss mask
 has a hole.
 """
 
@@ -108,7 +108,7 @@ def check_scores(results: list[dict], ref: dict, data: list, what: str, holes: b
                     seen[sample] |= held
                     mine += int(held.sum())
             compared += mine
-            assert mine > 0 or not r["last_stage"], (what, k, rank, "a last stage compared none")
+            assert mine > 0 or not r["scores_tokens"], (what, k, rank, "a rank compared none")
         for sample, s in enumerate(data):
             missed = s.mask.bool() & ~seen[sample]
             assert not missed.any(), (what, k, sample, "trained tokens not compared")

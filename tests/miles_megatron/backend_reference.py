@@ -86,12 +86,19 @@ def run_backend(hf_dir: str, save: str, tp: int) -> dict:
     from megatron_ranks import parse
     from miles_core.batch import RolloutBatch
     from miles_megatron.backend import MegatronBackend
+    from score_capture import captured_scores, last_stage
 
     backend = MegatronBackend()
     first_id = backend.init(parse(backend_argv(hf_dir, save, tp=tp)))
     layout = backend.data_layout()
-    batch = RolloutBatch(samples(masked=True)) if layout.consumes_data else None
-    metrics = [backend.train(r, batch) for r in range(ROLLOUTS)]
+    data = samples(masked=True)
+    batch = RolloutBatch(data) if layout.consumes_data else None
+    metrics, scores = [], []
+    with captured_scores(data) as recorder:  # each step's log-probs and entropies
+        for r in range(ROLLOUTS):
+            metrics.append(backend.train(r, batch))
+            scores.append(recorder.take())
+    scores_tokens = last_stage()  # one DP rank: every last-stage rank trains its data
     weights = {k: v.detach().cpu().clone() for k, v in backend.hf_weights()}
     backend.save_model(ROLLOUTS - 1)
     backend.close()
@@ -107,6 +114,8 @@ def run_backend(hf_dir: str, save: str, tp: int) -> dict:
         "reload_exact": sorted(reloaded) == sorted(weights)
         and all(torch.equal(reloaded[k], weights[k]) for k in weights),
         "weights": weights,
+        "scores": scores,
+        "scores_tokens": scores_tokens,
     }
 
 
@@ -266,8 +275,14 @@ def check_weights(weights: dict, ref: dict, what: str) -> None:
 
 
 def check(results: list[dict], hf_dir: str, device: str = "cpu") -> None:
-    ref = reference(hf_dir, device, masked=True)
+    """:func:`run_backend`'s ranks against the float64 reference: each rollout's loss and
+    gradient norm, each step's log-probs and entropies (score_capture.check_scores), the
+    weights after."""
+    from score_capture import check_scores
+
+    ref = reference(hf_dir, device, masked=True, scores=True)
     for rank, r in enumerate(results):
         assert r["first_id"] == 0 and r["next_id"] == ROLLOUTS and r["reload_exact"], rank
         check_steps(r["metrics"], ref, f"rank {rank}")
     check_weights(results[0]["weights"], ref, "rank 0")
+    check_scores(results, ref, samples(masked=True), "backend", holes=True)

@@ -181,3 +181,36 @@ def layouts_then_pipeline(
         "recompute": recompute_run(rank, world, pipeline_hf, RECOMPUTE_CASES),
         "custom_spec": custom_spec_run(rank, world, pipeline_hf, save + "_spec"),
     }
+
+
+def fsdp_train(rank: int, world: int, hf_dir: str, rollouts: int) -> dict:
+    """The layout suites' GRPO job on the FSDP backend (DP = ``world``, fp32, SDPA): per
+    rollout the metrics and the step's recorded scores (as :func:`train_then_publish`), then
+    the trained weights under the checkpoint's names (every rank)."""
+    from backend_reference import LR
+    from miles_core.args import core_groups, parse_args
+    from miles_core.backends import load
+    from miles_core.batch import RolloutBatch
+    from miles_core.partition import partition_for_dp
+    from score_capture import captured_scores
+
+    cls = load("fsdp")
+    argv = ["--hf-checkpoint", hf_dir, "--lr", str(LR), *TRAIN_FLAGS, "--no-bf16"]
+    backend = cls()
+    backend.init(
+        parse_args([*argv, "--attn-implementation", "sdpa"], [*core_groups(), *cls.arg_groups()])
+    )
+    layout = backend.data_layout()
+    data = case_samples(hf_dir, [])
+    shards = partition_for_dp(RolloutBatch(data), layout.dp_size, keep_groups=True)
+    batch = shards[layout.dp_rank]
+    result: dict[str, Any] = {"dp_size": layout.dp_size, "scores_tokens": len(batch) > 0}
+    result["metrics"], result["scores"] = [], []
+    with captured_scores(data, "fsdp") as scores:
+        for r in range(rollouts):
+            result["metrics"].append(backend.train(r, batch))
+            result["scores"].append(scores.take())
+    result["optimizer_steps"] = backend.state.global_step
+    result["weights"] = _numpy(backend.weight_source())
+    backend.close()
+    return result

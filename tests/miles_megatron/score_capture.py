@@ -3,7 +3,8 @@ the float64 reference's (backend_reference.reference with ``scores``).
 
 Within :func:`captured_scores`, every call of the training step's loss
 (``miles_megatron.train_step.packed_score_loss``, which receives the step's ``[1, T / CP]``
-log-probs and entropies of the packed micro-batch this rank scored) is recorded, then handed to
+log-probs and entropies of the packed micro-batch this rank scored; FSDP's
+``miles_fsdp.train_step`` calls the same function on whole rows) is recorded, then handed to
 the real loss unchanged: what is compared is what the step trained on. A call's values are cut
 into the samples of its row (identified by their tokens), response-aligned, ``NaN`` where
 another CP rank holds the position. :func:`check_scores` holds each rank's values at the
@@ -60,11 +61,14 @@ class ScoreRecorder:
 
 
 @contextlib.contextmanager
-def captured_scores(data: list) -> Iterator[ScoreRecorder]:
-    """Within: the training step's loss records its log-probs and entropies (``data``: the
-    samples the run trains on, to name each scored sample)."""
-    from miles_megatron import train_step
+def captured_scores(data: list, backend: str = "megatron") -> Iterator[ScoreRecorder]:
+    """Within: the training step's loss of ``backend`` (``miles_megatron.train_step`` or
+    ``miles_fsdp.train_step``, each calling ``packed_score_loss`` by that name) records its
+    log-probs and entropies (``data``: the samples the run trains on, to name each scored
+    sample)."""
+    import importlib
 
+    train_step = importlib.import_module(f"miles_{backend}.train_step")
     recorder = ScoreRecorder(data)
     loss = train_step.packed_score_loss
 

@@ -93,6 +93,30 @@ def test_two_rank_layouts_train_like_hf_and_publish_every_stage(two_rank_run, la
     check(layouts, two_rank_cases(layout_hf_dirs), layout_hf_dirs)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_fsdp_trains_like_hf(world, layout_hf_dirs):
+    """The layout suites' job on the FSDP backend at 1 and 2 ranks (DP), on the tiny qwen3
+    (masked samples): loss and gradient norm each rollout, each step's log-probs and entropies
+    at every trained token, every weight after, against the float64 reference with the bounds
+    of the Megatron layouts. Megatron at TP = 2 on the same model and samples meets the same
+    reference and bounds (test_backend.py): the two backends are within twice them of each
+    other."""
+    pytest.importorskip("miles_fsdp")
+    from layout_ranks import fsdp_train
+
+    hf = layout_hf_dirs["qwen3"]  # FSDP loads a tokenizer; qwen3's builds without files
+    results = spawn_ranks(fsdp_train, world, hf, LAYOUT_ROLLOUTS, timeout=600, shim=False)
+    ref = reference(hf, rollouts=LAYOUT_ROLLOUTS, masked=True, scores=True)
+    data = case_samples(hf, [])
+    for rank, r in enumerate(results):
+        assert r["dp_size"] == world, rank
+        assert r["optimizer_steps"] == LAYOUT_ROLLOUTS, rank  # one a rollout
+        check_steps(r["metrics"], ref, f"fsdp x{world} rank {rank}")
+        check_weights(r["weights"], ref, f"fsdp x{world} rank {rank}")
+    check_scores(results, ref, data, f"fsdp x{world}", holes=True)
+
+
 @pytest.mark.extended
 def test_four_rank_layouts_train_like_hf_and_publish_every_stage(layout_hf_dirs):
     cases = four_rank_cases(layout_hf_dirs)

@@ -32,6 +32,26 @@ GRAD_REL_ERR = 2e-5
 #: at most ``log 96`` = 4.6), i.e. ``256 * 8 * 2^-24`` ~ 1.2e-4.
 SCORE_ATOL = 256 * 8 * FP32_EPS
 
+
+def moved_score_atol(grads: list[torch.Tensor | None], weights_atol: list[torch.Tensor]):
+    """Bound on the fp32 log-prob or entropy of each of ``n`` tokens at a training step whose
+    fp32 weights ``w'`` are within ``dw = weights_atol`` (:func:`adam_steps_atol` of the steps
+    before it) of the float64 reference's ``w``, element by element; ``grads`` holds, per
+    weight tensor, the reference's gradients ``[n, *w.shape]`` of the ``n`` scores (``None``:
+    no score depends on it).
+
+    The forward's own rounding gives ``SCORE_ATOL``; the weights' differences move a score
+    ``s`` by ``grad s . (w' - w)`` to first order, at most ``sum_w |ds/dw| dw_w`` (at the first
+    step the weights are the checkpoint's fp32 values, which float64 holds exactly: no term).
+    """
+    moved = sum(
+        (g.double().abs() * dw.double().to(g.device)).flatten(1).sum(1)
+        for g, dw in zip(grads, weights_atol, strict=True)
+        if g is not None
+    )
+    return SCORE_ATOL + moved
+
+
 #: Two fp32 computations of one forward or backward whose kernels order or fuse the operations
 #: differently (``--compile-decoder-layers``' inductor kernels against the eager ones): each lies
 #: within ``GRAD_REL_ERR`` of the exact value, relative to its tensor's scale (the derivation

@@ -86,12 +86,19 @@ def run_backend(hf_dir: str, save: str, tp: int) -> dict:
     from megatron_ranks import parse
     from miles_core.batch import RolloutBatch
     from miles_megatron.backend import MegatronBackend
+    from score_capture import captured_scores, last_stage
 
     backend = MegatronBackend()
     first_id = backend.init(parse(backend_argv(hf_dir, save, tp=tp)))
     layout = backend.data_layout()
-    batch = RolloutBatch(samples(masked=True)) if layout.consumes_data else None
-    metrics = [backend.train(r, batch) for r in range(ROLLOUTS)]
+    data = samples(masked=True)
+    batch = RolloutBatch(data) if layout.consumes_data else None
+    metrics, scores = [], []
+    with captured_scores(data) as recorder:  # each step's log-probs and entropies
+        for r in range(ROLLOUTS):
+            metrics.append(backend.train(r, batch))
+            scores.append(recorder.take())
+    scores_tokens = last_stage()  # one DP rank: every last-stage rank trains its data
     weights = {k: v.detach().cpu().clone() for k, v in backend.hf_weights()}
     backend.save_model(ROLLOUTS - 1)
     backend.close()
@@ -107,6 +114,8 @@ def run_backend(hf_dir: str, save: str, tp: int) -> dict:
         "reload_exact": sorted(reloaded) == sorted(weights)
         and all(torch.equal(reloaded[k], weights[k]) for k in weights),
         "weights": weights,
+        "scores": scores,
+        "scores_tokens": scores_tokens,
     }
 
 
@@ -121,18 +130,28 @@ def _checkpoint_names(model, tensors: list[torch.Tensor]) -> dict[str, torch.Ten
         return load_file(f"{out}/model.safetensors")
 
 
-def reference(hf_dir: str, device: str = "cpu", rollouts: int = ROLLOUTS, masked: bool = False):
+def reference(
+    hf_dir: str,
+    device: str = "cpu",
+    rollouts: int = ROLLOUTS,
+    masked: bool = False,
+    long: bool = False,
+    scores: bool = False,
+):
     """The HF + AdamW run in float64 (one optimizer step per rollout, on every sample), with the
     bound :mod:`tolerances` derives for fp32 arithmetic on each value it returns:
 
     ``steps``: per rollout ``loss`` and ``grad_norm`` (before clipping); ``tol``: their bounds;
     ``weights`` after the last rollout and ``weights_tol`` (element by element), under the HF
-    checkpoint's names.
+    checkpoint's names; with ``scores``, ``scores``: per rollout, per sample, the response
+    tokens' log-probs and entropies and their bounds (:func:`token_scores`). ``long``: on
+    :func:`long_samples` (else :func:`samples` of ``masked``).
 
     * loss: each response token's log-prob (current and old, two fp32 forwards) off by at most
       ``SCORE_ATOL``, times ``|d loss / d lp|`` (the ratio's value is 1, so weight differences
-      do not move it), plus 64 ulps of ``sum |terms|`` (the loss sums 19 tokens' terms and
-      divides: fewer than 64 roundings, each at most that magnitude);
+      do not move it), plus ``64 + n`` ulps of ``sum |terms|`` (the loss sums ``n`` tokens'
+      terms, divides by each sample's count and averages: fewer than ``64 + n`` roundings, each
+      at most that magnitude);
     * gradient norm: :func:`tolerances.step_norm_atol` of the step's gradients;
     * weights: :func:`tolerances.adam_steps_atol` of every step's gradient and Adam state.
     """
@@ -144,15 +163,19 @@ def reference(hf_dir: str, device: str = "cpu", rollouts: int = ROLLOUTS, masked
     ).to(device)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=ADAM_EPS, weight_decay=0.0)
-    data = samples(masked)
+    data = long_samples() if long else samples(masked)
     rewards = torch.tensor(REWARDS, dtype=torch.float64)
     adv = []
     for i, g in enumerate(GROUPS):
         members = rewards[[j for j, h in enumerate(GROUPS) if h == g]]
         adv.append(float((rewards[i] - members.mean()) / (members.std() + 1e-6)))
     history: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [[] for _ in params]
-    steps, tol = [], []
+    steps, tol, step_scores = [], [], []
     for k in range(rollouts):
+        weights_atol = [  # the fp32 weights' distance from these, for the scores' bounds
+            adam_steps_atol(h, p.detach(), lr=LR, betas=BETAS) for h, p in zip(history, params)
+        ]
+        step_scores.append([])
         opt.zero_grad()
         loss = torch.zeros((), dtype=torch.float64, device=device)
         scale = 0.0  # sum |terms| of the loss
@@ -164,6 +187,8 @@ def reference(hf_dir: str, device: str = "cpu", rollouts: int = ROLLOUTS, masked
             lp = lp[-s.response_length :]
             old = lp.detach().clone().requires_grad_()  # the old policy: the same weights
             m = s.mask.to(device).double()
+            if scores:
+                step_scores[k].append(token_scores(logits, s, lp, m, params, weights_atol, k))
             loss = loss + (-a * torch.exp(lp - old) * m).sum() / m.sum() / len(data)
             scale += abs(a) / len(data)
             tokens += [lp, old]
@@ -185,7 +210,8 @@ def reference(hf_dir: str, device: str = "cpu", rollouts: int = ROLLOUTS, masked
                 )
             )
         steps.append({"loss": float(loss.detach()), "grad_norm": norm})
-        loss_atol = SCORE_ATOL * sensitivity + float(ulp_atol(torch.tensor(scale), 64))
+        terms = sum(int(s.mask.sum()) for s in data)
+        loss_atol = SCORE_ATOL * sensitivity + float(ulp_atol(torch.tensor(scale), 64 + terms))
         tol.append({"loss": loss_atol, "grad_norm": step_norm_atol(grads, k)})
     weights_tol = [
         adam_steps_atol(h, p.detach(), lr=LR, betas=BETAS) for h, p in zip(history, params)
@@ -197,7 +223,37 @@ def reference(hf_dir: str, device: str = "cpu", rollouts: int = ROLLOUTS, masked
         "tol": tol,
         "weights": _checkpoint_names(model, weights),
         "weights_tol": named_tol,
+        "scores": step_scores,
     }
+
+
+def token_scores(logits, sample, lp, mask, params, weights_atol, step: int) -> dict:
+    """One sample's response tokens at one step: float64 ``log_probs`` (``lp``, with its graph)
+    and ``entropy`` ``-sum_v p_v log p_v`` of ``logits``' rows, and ``log_probs_tol`` and
+    ``entropy_tol``: :func:`tolerances.moved_score_atol` at the trained tokens (``mask`` 1,
+    the reference's gradient of each score there; inf elsewhere); the weights are within
+    ``weights_atol`` of the fp32 run's (none before the first step, ``step`` 0)."""
+    from tolerances import SCORE_ATOL, moved_score_atol
+
+    logp = torch.log_softmax(logits[:-1], -1)[-sample.response_length :]
+    entropy = -(logp.exp() * logp).sum(-1)
+    trained = mask.nonzero()[:, 0]
+    n = len(trained)
+    if step == 0:
+        bound = torch.full((2 * n,), SCORE_ATOL, dtype=torch.float64)
+    else:  # one batched backward of the 2n scores
+        outs = torch.cat([lp[trained], entropy[trained]])
+        eye = torch.eye(2 * n, dtype=outs.dtype, device=outs.device)
+        grads = torch.autograd.grad(
+            outs, params, eye, retain_graph=True, allow_unused=True, is_grads_batched=True
+        )
+        bound = moved_score_atol(list(grads), weights_atol).cpu()
+    out = {"log_probs": lp.detach().cpu(), "entropy": entropy.detach().cpu()}
+    for i, key in enumerate(("log_probs_tol", "entropy_tol")):
+        tol = torch.full((sample.response_length,), float("inf"), dtype=torch.float64)
+        tol[trained.cpu()] = bound[i * n : (i + 1) * n]
+        out[key] = tol
+    return out
 
 
 def check_steps(metrics: list[dict], ref: dict, what: str, keys=("loss", "grad_norm")) -> None:
@@ -219,8 +275,14 @@ def check_weights(weights: dict, ref: dict, what: str) -> None:
 
 
 def check(results: list[dict], hf_dir: str, device: str = "cpu") -> None:
-    ref = reference(hf_dir, device, masked=True)
+    """:func:`run_backend`'s ranks against the float64 reference: each rollout's loss and
+    gradient norm, each step's log-probs and entropies (score_capture.check_scores), the
+    weights after."""
+    from score_capture import check_scores
+
+    ref = reference(hf_dir, device, masked=True, scores=True)
     for rank, r in enumerate(results):
         assert r["first_id"] == 0 and r["next_id"] == ROLLOUTS and r["reload_exact"], rank
         check_steps(r["metrics"], ref, f"rank {rank}")
     check_weights(results[0]["weights"], ref, "rank 0")
+    check_scores(results, ref, samples(masked=True), "backend", holes=True)

@@ -94,8 +94,8 @@ def estimator_rollouts(
         batch = RolloutBatch(samples(masked=True, engine_log_probs=True))
         with recorded_steps(backend_name) as steps:
             metrics = backend.train(0, batch)
-        if backend_name == "megatron":  # no reference model: the actor's own log-probs
-            after = backend.reference_log_probs(batch)
+        if backend_name == "megatron":
+            after = actor_log_probs(backend, batch)
             weights = backend.hf_weights()
         else:
             after = backend.eval_log_probs(batch)
@@ -108,3 +108,26 @@ def estimator_rollouts(
         out[name]["log_probs"] = [t.tolist() for t in after]
         out[name]["weights"] = weights
     return out
+
+
+def actor_log_probs(backend, batch) -> list:
+    """The Megatron actor's response log-probs of ``batch``: its old-log-prob pass
+    (``rollout_log_probs``, what ``train_rollout`` runs), on the actor's weights even where a
+    ``--ref-load`` model is kept (``reference_log_probs`` scores that one)."""
+    from miles_megatron.packed_forward import rollout_log_probs
+    from miles_megatron.train_step import split_micro_batches
+
+    ctx = backend._context()
+    index = {src: i for i, src in enumerate(batch.source_indices)}
+    micro_batches = split_micro_batches(ctx, batch)
+    args = backend.args
+    return rollout_log_probs(
+        backend.model,
+        micro_batches,
+        len(batch),
+        index,
+        ctx.vocab_size,
+        args.rollout_temperature,
+        backend.device,
+        fused=args.fused_log_probs,
+    )

@@ -17,7 +17,8 @@ With ranks (gloo, the CPU shim), one 2-rank spawn in the default suite:
   of the CP ranks adds up to the whole samples' mean).
 
 ``extended``: CP = 2 x TP = 2 and CP = 2 x PP = 2 (4 ranks) against HF + AdamW and against
-TP = 2 x PP = 2 on the RL recipe; the critic at CP = 2 x TP = 2 against the float64 reference.
+TP = 2 x PP = 2 on the RL recipe; the critic at CP = 2 x TP = 2 and CP = 2 x PP = 2 against the
+float64 reference.
 """
 
 from __future__ import annotations
@@ -332,6 +333,20 @@ def test_cp2_x_tp2_critic_matches_float64(layout_hf_dirs):
 
     llama = layout_hf_dirs["llama"]
     results = spawn_ranks(critic_layout, 4, llama, cp_argv(cp=2, tp=2), timeout=900)
+    check_critic(results, llama)
+
+
+@pytest.mark.extended
+@pytest.mark.numeric
+def test_cp2_x_pp2_critic_matches_float64(layout_hf_dirs):
+    """The critic at CP = 2 x PP = 2 (4 ranks): the value head on the last stage, each of its
+    CP ranks scoring its shard of every long sample; the values reach the first stage's ranks.
+    Against the same float64 reference as at CP = 2."""
+    from cp_ranks import cp_argv, critic_layout
+    from dist_ranks import spawn_ranks
+
+    llama = layout_hf_dirs["llama"]
+    results = spawn_ranks(critic_layout, 4, llama, cp_argv(cp=2, pp=2), timeout=900)
     check_critic(results, llama)
 
 

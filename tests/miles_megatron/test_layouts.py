@@ -2,10 +2,14 @@
 whole model under the HF checkpoint's names.
 
 Per case (one backend after another in one spawn): 3 rollouts of GRPO on the DP shards of
-backend_reference's samples; each rollout's loss and gradient norm equal the float64 HF + AdamW
-reference's (backend_reference.reference), and every published weight after training equals the
-reference's element by element, within the bounds tests/tolerances.py derives for fp32
-arithmetic (step_norm_atol, adam_steps_atol; the loss from SCORE_ATOL per token). ``publish_weights()`` (the rank-0 transports: broadcast, disk-delta) holds every
+the case's samples (layout_ranks.case_samples: masked with holes on the dense model, long
+enough to reach every CP rank at CP > 1); each rollout's loss and gradient norm, and each step's
+log-probs and entropies at every trained token (as the training step hands them to its loss:
+score_capture.py; every token compared on some rank, every last-stage rank comparing some),
+equal the float64 HF + AdamW reference's (backend_reference.reference), and every published
+weight after training equals the reference's element by element, within the bounds
+tests/tolerances.py derives for fp32 arithmetic (step_norm_atol, moved_score_atol,
+adam_steps_atol; the loss from SCORE_ATOL per token). ``publish_weights()`` (the rank-0 transports: broadcast, disk-delta) holds every
 pipeline stage's tensors on rank 0, ``publish_weights(to_all=True)`` (ipc, p2p) on every rank,
 bit for bit the same; a publish whose names are not the checkpoint's raises.
 
@@ -28,21 +32,33 @@ from backend_reference import check_steps, check_weights, reference
 from dist_ranks import spawn_ranks
 from layout_ranks import (
     LAYOUT_ROLLOUTS,
+    case_samples,
     eight_rank_cases,
     four_rank_cases,
+    is_moe,
     sixteen_rank_cases,
+    spans_cp,
     train_and_publish,
     two_rank_cases,
 )
 from safetensors.torch import load_file
+from score_capture import check_scores
 
 
 def check(results: list[dict], cases: list, hf_dirs: dict) -> None:
     families = {hf_dir: f for f, hf_dir in hf_dirs.items()}
-    used = {families[hf_dir] for _, hf_dir, _ in cases}
-    references = {f: reference(hf_dirs[f], rollouts=LAYOUT_ROLLOUTS) for f in used}
+    used = {(families[hf_dir], spans_cp(argv)) for _, hf_dir, argv in cases if not lora(argv)}
+    references = {
+        (f, long): reference(
+            hf_dirs[f],
+            rollouts=LAYOUT_ROLLOUTS,
+            masked=not is_moe(hf_dirs[f]),
+            long=long,
+            scores=True,
+        )
+        for f, long in used
+    }
     for label, hf_dir, argv in cases:
-        ref = references[families[hf_dir]]
         first = results[0][label]["to_first"]
         names = sorted(load_file(f"{hf_dir}/model.safetensors"))
         assert sorted(first) == names, (label, sorted(set(names) ^ set(first)))
@@ -53,19 +69,52 @@ def check(results: list[dict], cases: list, hf_dirs: dict) -> None:
             assert sorted(result["to_all"]) == names, (label, rank)
             assert all(np.array_equal(result["to_all"][k], first[k]) for k in names), (label, rank)
             assert f"not in it ['{names[0]}']" in result["names_error"], (label, rank)
-        if "--use-lora" in argv:  # adapters trained, merged into the published base
+        if lora(argv):  # adapters trained, merged into the published base
             base = load_file(f"{hf_dir}/model.safetensors")
             moved = [k for k in names if not torch.equal(torch.from_numpy(first[k]), base[k])]
             assert "model.layers.0.self_attn.q_proj.weight" in moved, (label, moved)
             continue
+        ref = references[families[hf_dir], spans_cp(argv)]
+        assert all(m["steps"] == 1 for m in results[0][label]["metrics"]), label
         check_steps(results[0][label]["metrics"], ref, label)
         check_weights(first, ref, label)
+        data = case_samples(hf_dir, argv)
+        holes = not is_moe(hf_dir)  # the dense cases' masks have holes (case_samples)
+        check_scores([r[label] for r in results], ref, data, label, holes=holes)
+
+
+def lora(argv: list[str]) -> bool:
+    return "--use-lora" in argv
 
 
 @pytest.mark.slow
 def test_two_rank_layouts_train_like_hf_and_publish_every_stage(two_rank_run, layout_hf_dirs):
     layouts = [r["layouts"] for r in two_rank_run]
     check(layouts, two_rank_cases(layout_hf_dirs), layout_hf_dirs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_fsdp_trains_like_hf(world, layout_hf_dirs):
+    """The layout suites' job on the FSDP backend at 1 and 2 ranks (DP), on the tiny qwen3
+    (masked samples): loss and gradient norm each rollout, each step's log-probs and entropies
+    at every trained token, every weight after, against the float64 reference with the bounds
+    of the Megatron layouts. Megatron at TP = 2 on the same model and samples meets the same
+    reference and bounds (test_backend.py): the two backends are within twice them of each
+    other."""
+    pytest.importorskip("miles_fsdp")
+    from layout_ranks import fsdp_train
+
+    hf = layout_hf_dirs["qwen3"]  # FSDP loads a tokenizer; qwen3's builds without files
+    results = spawn_ranks(fsdp_train, world, hf, LAYOUT_ROLLOUTS, timeout=600, shim=False)
+    ref = reference(hf, rollouts=LAYOUT_ROLLOUTS, masked=True, scores=True)
+    data = case_samples(hf, [])
+    for rank, r in enumerate(results):
+        assert r["dp_size"] == world, rank
+        assert r["optimizer_steps"] == LAYOUT_ROLLOUTS, rank  # one a rollout
+        check_steps(r["metrics"], ref, f"fsdp x{world} rank {rank}")
+        check_weights(r["weights"], ref, f"fsdp x{world} rank {rank}")
+    check_scores(results, ref, data, f"fsdp x{world}", holes=True)
 
 
 @pytest.mark.extended

@@ -15,7 +15,8 @@ reference written here: the HF model with its LM head replaced by ``Linear(hidde
 * at PP = 2 (the value head on the last stage, the values reaching the first) and at EP = 2 (a
   tiny Qwen3-MoE, DP 2 for the dense parameters) every rank's values, the loss and the gradient
   norm equal the float64 reference (CP = 2 is proven in test_context_parallel.py); and
-  (``extended``, 4 ranks) at TP = 2 x PP = 2.
+  (``extended``, 4 ranks) at TP = 2 x PP = 2 and, on the MoE model, PP = 2 x EP = 2 (CP = 2 x
+  TP = 2 and CP = 2 x PP = 2: test_context_parallel.py).
 """
 
 from __future__ import annotations
@@ -162,6 +163,21 @@ def test_critic_at_tp2_x_pp2_matches_float64(tmp_path):
     hf = str(make_tiny_hf("qwen3", tmp_path / "hf"))
     runs = spawn_ranks(layout_values, 4, hf, layout_argv(tp=2, pp=2), timeout=900)
     # megatron orders the ranks TP first: ranks 0 and 1 are the first stage
+    check_layout(runs, hf, [None, None, "ValueHeadLinear", "ValueHeadLinear"])
+
+
+@pytest.mark.extended
+@pytest.mark.numeric
+def test_critic_at_pp2_x_ep2_matches_float64(tmp_path):
+    """The critic on an MoE model in a layout of two dimensions (4 ranks): PP = 2 x EP = 2 (DP 2
+    for the dense parameters, the experts split over the DP ranks; the all-to-all dispatcher,
+    which PP > 1 needs), the value head on the last stage."""
+    from megatron_ranks import layout_argv
+
+    hf = str(make_tiny_hf("qwen3_moe", tmp_path / "hf"))
+    flags = [*layout_argv(pp=2, ep=2), "--moe-token-dispatcher-type", "alltoall"]
+    runs = spawn_ranks(layout_values, 4, hf, flags, timeout=900)
+    # ranks 0 and 1 (the two DP ranks of the first stage) hold no head
     check_layout(runs, hf, [None, None, "ValueHeadLinear", "ValueHeadLinear"])
 
 

@@ -1,0 +1,120 @@
+"""Test support: the per-token log-probs and entropy a Megatron training step computes, against
+the float64 reference's (backend_reference.reference with ``scores``).
+
+Within :func:`captured_scores`, every call of the training step's loss
+(``miles_megatron.train_step.packed_score_loss``, which receives the step's ``[1, T / CP]``
+log-probs and entropies of the packed micro-batch this rank scored; FSDP's
+``miles_fsdp.train_step`` calls the same function on whole rows) is recorded, then handed to
+the real loss unchanged: what is compared is what the step trained on. A call's values are cut
+into the samples of its row (identified by their tokens), response-aligned, ``NaN`` where
+another CP rank holds the position. :func:`check_scores` holds each rank's values at the
+trained tokens (loss mask 1) to the reference's bounds and asserts the coverage: every trained
+token of every sample at every step was compared on some rank, every last-stage rank of a DP
+rank holding samples (every CP rank of it) compared trained tokens, and (where the case's samples have them) some loss mask
+has a hole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+KEYS = ("log_probs", "entropy")
+
+
+class ScoreRecorder:
+    """Collects the scores of the calls since the last :meth:`take` (one optimizer step)."""
+
+    def __init__(self, data: list) -> None:
+        self.index = {tuple(s.tokens.tolist()): i for i, s in enumerate(data)}
+        self.current: dict[int, dict[str, list[float]]] = {}
+        self.calls = 0
+
+    def record(self, log_probs: torch.Tensor, entropy: torch.Tensor, packed: Any) -> None:
+        full = getattr(packed, "full", packed)  # a PackedShard, or a whole row at CP = 1
+        positions = getattr(packed, "positions", None)
+        rows = {}
+        for key, values in zip(KEYS, (log_probs, entropy), strict=True):
+            row = torch.full((full.num_tokens,), math.nan, dtype=torch.float64)
+            flat = values.detach().reshape(-1).double().cpu()
+            if positions is None:
+                row[:] = flat
+            else:
+                row[positions.cpu()] = flat
+            rows[key] = row
+        ids = full.input_ids.reshape(-1).cpu()
+        offset = 0
+        for length, sl in zip(full.total_lengths, full.response_slices(), strict=True):
+            sample = self.index[tuple(ids[offset : offset + length].tolist())]
+            assert sample not in self.current, ("a sample scored twice in one step", sample)
+            self.current[sample] = {k: rows[k][sl].tolist() for k in KEYS}
+            offset += length
+        self.calls += 1
+
+    def take(self) -> dict[int, dict[str, list[float]]]:
+        out, self.current = self.current, {}
+        return out
+
+
+@contextlib.contextmanager
+def captured_scores(data: list, backend: str = "megatron") -> Iterator[ScoreRecorder]:
+    """Within: the training step's loss of ``backend`` (``miles_megatron.train_step`` or
+    ``miles_fsdp.train_step``, each calling ``packed_score_loss`` by that name) records its
+    log-probs and entropies (``data``: the samples the run trains on, to name each scored
+    sample)."""
+    import importlib
+
+    train_step = importlib.import_module(f"miles_{backend}.train_step")
+    recorder = ScoreRecorder(data)
+    loss = train_step.packed_score_loss
+
+    def recording(loss_type, log_probs, entropy, packed, *args, **kwargs):
+        recorder.record(log_probs, entropy, packed)
+        return loss(loss_type, log_probs, entropy, packed, *args, **kwargs)
+
+    train_step.packed_score_loss = recording
+    try:
+        yield recorder
+    finally:
+        train_step.packed_score_loss = loss
+
+
+def last_stage() -> bool:
+    from megatron.core import parallel_state as ps
+
+    return bool(ps.is_pipeline_last_stage(ignore_virtual=True))
+
+
+def check_scores(results: list[dict], ref: dict, data: list, what: str, holes: bool) -> int:
+    """Each rank's ``scores`` (per step, per sample) within the reference's bounds at the
+    trained tokens, with the coverage the module docstring states (``holes``: some loss mask of
+    ``data`` has one); returns the number of values compared."""
+    has_hole = any(0 < s.mask.sum() < s.response_length for s in data)
+    assert has_hole == holes, (what, "a loss mask with a hole", holes)
+    compared = 0
+    for k, want in enumerate(ref["scores"]):
+        seen = [torch.zeros(s.response_length, dtype=torch.bool) for s in data]
+        for rank, r in enumerate(results):
+            assert len(r["scores"]) == len(ref["scores"]), (what, rank, len(r["scores"]))
+            mine = 0
+            for sample, got in r["scores"][k].items():
+                trained = data[sample].mask.bool()
+                for key in KEYS:
+                    value = torch.tensor(got[key], dtype=torch.float64)
+                    held = ~value.isnan() & trained
+                    diff = (value - want[sample][key]).abs()
+                    bad = held & (diff > want[sample][f"{key}_tol"])
+                    assert not bad.any(), (what, k, rank, sample, key, diff[bad].max().item())
+                    seen[sample] |= held
+                    mine += int(held.sum())
+            compared += mine
+            assert mine > 0 or not r["scores_tokens"], (what, k, rank, "a rank compared none")
+        for sample, s in enumerate(data):
+            missed = s.mask.bool() & ~seen[sample]
+            assert not missed.any(), (what, k, sample, "trained tokens not compared")
+    assert compared > 0, what
+    return compared

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from megatron.core.distributed import finalize_model_grads
 from miles_core import mismatch, old_policy
 from miles_core.advantages import with_advantages
 from miles_core.aggregation import loss_denominator
@@ -94,8 +95,6 @@ def optimizer_step(
 ) -> dict[str, float]:
     """Forward/backward every micro-batch of ``step_batch`` through megatron's schedule (1F1B
     at PP > 1; the loss on the last stage), then one optimizer step."""
-    from megatron.core.distributed import finalize_model_grads
-
     denominator = loss_denominator(step_batch, config.calculate_per_token_loss, ctx.dp_group_gloo)
     model = ctx.model
     model.zero_grad_buffer()

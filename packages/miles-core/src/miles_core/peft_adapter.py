@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 from miles_core.args import ArgumentError
 from miles_core.args.parsed import ParsedArgs
@@ -192,9 +194,6 @@ def check_factors(factors: Factors, rank: int, weights_file: Path) -> None:
 
 def read_peft_adapter(path: str | Path) -> PeftAdapter:
     """Read and check a PEFT adapter directory (``save_pretrained`` output, or ours)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     path = Path(path)
     config_file = path / ADAPTER_CONFIG
     if not config_file.is_file():
@@ -273,8 +272,6 @@ def write_peft_adapter(path: str | Path, adapter: PeftAdapter) -> Path:
     ``path`` is replaced; any other existing ``path`` (a file, or a directory holding other
     files) is refused rather than deleted.
     """
-    from safetensors.torch import save_file
-
     path = Path(path)
     check_factors(adapter.factors, adapter.rank, path / ADAPTER_WEIGHTS)
     foreign = _foreign_entries(path) if path.exists() else []

@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from miles_core import varlen_attention
 from miles_core.args import ArgumentError
 from miles_core.args.parsed import ParsedArgs
-from miles_core.varlen_attention import kernel_available
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,9 @@ def resolve_attn_implementation(args: ParsedArgs, config: Any, model: torch.nn.M
         raise ArgumentError(f"--attn-implementation varlen: {blocker}")
     if requested is not None:
         chosen = requested
-    elif blocker is None and torch.cuda.is_available() and kernel_available("cuda"):
+    elif (
+        blocker is None and torch.cuda.is_available() and varlen_attention.kernel_available("cuda")
+    ):
         chosen = "varlen"
         _say("miles-megatron: attending packed rows with torch's varlen flash attention")
     else:

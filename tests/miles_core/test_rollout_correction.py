@@ -142,7 +142,7 @@ def test_tis_settings_without_use_tis_are_refused(flags):
     with pytest.raises(ArgumentError, match=f"^{flags[0]} .*--use-tis's weights, which are off"):
         parse_args(flags, core_groups())
     args = parse_args(["--use-tis", *flags], core_groups())
-    assert LossConfig.from_args(args).use_tis
+    assert LossConfig.from_algorithm(args.run_config.algorithm).use_tis
 
 
 def _as_batch(ids, old, rollout, mask) -> RolloutBatch:

@@ -229,7 +229,7 @@ def train_rollout(ctx: RolloutContext, batch: RolloutBatch) -> tuple[dict[str, f
 
 def _train_rollout(ctx: RolloutContext, batch: RolloutBatch) -> tuple[dict[str, float], int, int]:
     args = ctx.args
-    config = LossConfig.from_args(args)
+    config = LossConfig.from_algorithm(args.run_config.algorithm)
     start = time.perf_counter()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()

@@ -169,7 +169,7 @@ def train_rollout(ctx: TrainContext, rollout_id: int, batch: RolloutBatch) -> di
     ``steps``, ``tokens_per_s`` (this rank) and ``step_losses``-free scalars only.
     """
     args = ctx.args
-    config = LossConfig.from_args(args)
+    config = LossConfig.from_algorithm(args.run_config.algorithm)
     start = time.perf_counter()
     model = ctx.model
     model.train()

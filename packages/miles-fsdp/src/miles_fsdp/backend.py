@@ -16,7 +16,7 @@ from miles_core.aggregation import all_reduce_host
 from miles_core.args import ArgumentError, ParsedArgs
 from miles_core.args.groups.critic import critic_args
 from miles_core.contract import DataLayout, TrainBackend
-from miles_core.optimizer import optimizer_config
+from miles_core.optimizer import optimizer_config, run_optimizer_steps
 from miles_offload.device_mover import DeviceMover
 from miles_offload.offload_target import OffloadTarget
 from miles_sync.ranks import RankContext
@@ -172,7 +172,8 @@ class FSDPBackend(TrainBackend):
         self.frozen = {
             s.role: build_model(plan, frozen_role(s, self.config)) for s in frozen_sources(args)
         }
-        opt_config = optimizer_config(args)
+        cfg = args.run_config
+        opt_config = optimizer_config(cfg.optimizer, cfg.offload, run_optimizer_steps(args))
         if opt_config.streamed is not None:
             self.optimizer, self.scheduler = build_streamed_optimizer(self.model, opt_config)
         else:

@@ -30,7 +30,7 @@ from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from miles_core.args.parsed import ParsedArgs
-from miles_core.optimizer import OptimizerConfig
+from miles_core.optimizer import OptimizerConfig, run_optimizer_steps
 from miles_core.optimizer import optimizer_config as core_optimizer_config
 
 from miles_megatron.generated_flags import config_overrides
@@ -53,10 +53,16 @@ def distributed_optimizers(optimizer: Any) -> list:
     return [o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if o is not None]
 
 
+def _core_config(args: ParsedArgs) -> OptimizerConfig:
+    """miles-core's optimizer settings of the parsed groups (the critic's under critic_args)."""
+    cfg = args.run_config
+    return core_optimizer_config(cfg.optimizer, cfg.offload, run_optimizer_steps(args))
+
+
 def optimizer_config(args: ParsedArgs):
     """megatron-core's ``OptimizerConfig`` from the flags (see the module docstring)."""
     dtype = params_dtype(args)
-    core = core_optimizer_config(args)
+    core = _core_config(args)
     kwargs: dict[str, Any] = dict(
         optimizer="adam",
         lr=core.lr,
@@ -122,7 +128,7 @@ def build_scheduler(optimizer: Any, cfg: OptimizerConfig) -> CoreLRScheduler:
 
 def build_optimizer(model: torch.nn.Module, args: ParsedArgs):
     """``(optimizer, scheduler)`` for the DDP-wrapped ``model``."""
-    core = core_optimizer_config(args)
+    core = _core_config(args)
     optimizer = get_megatron_optimizer(optimizer_config(args), [model])
     if core.streamed is not None:
         # cycle: miles_megatron.streamed_optimizer imports this module

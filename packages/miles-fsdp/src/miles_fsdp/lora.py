@@ -182,7 +182,7 @@ def actor_lora(args: ParsedArgs) -> tuple[LoRAConfig | None, PeftAdapter | None]
     """``--use-lora``: the actor's settings and its ``--lora-adapter-path`` adapter, checked."""
     if not args.use_lora:
         return None, None
-    settings = LoRAConfig.from_args(args)
+    settings = LoRAConfig.from_roles(args.run_config.roles)
     if not args.lora_adapter_path:
         return settings, None
     adapter = read_peft_adapter(args.lora_adapter_path[0])  # a causal LM has one component

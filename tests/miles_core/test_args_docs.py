@@ -1,6 +1,7 @@
 """docs/args.md's "Shared flags" tables against miles-core's groups: the same groups in the same
 order, under their class and module names, and in each the same flags in declaration order with
-the `--no-` form, type and default each declares (rendered here, by the rules the page states)."""
+the `--no-` form, type and default each declares (rendered here, by the rules the page states),
+and a Meaning that is the flag's help, word for word, at times followed by more detail."""
 
 from __future__ import annotations
 
@@ -14,21 +15,21 @@ from miles_core.args.flags import FLAG_METADATA_KEY, flag_kind
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "args.md"
 HEADER = re.compile(r"^\*\*(.+)\*\* \(`(\w+)`, `([\w.]+)`\)$")
-ROW = re.compile(r"^\| `(--[a-z0-9-]+)`( / `--no-[a-z0-9-]+`)? \| (.*?) \| (.*?) \| .* \|$")
+ROW = re.compile(r"^\| `(--[a-z0-9-]+)`( / `--no-[a-z0-9-]+`)? \| (.*?) \| (.*?) \| (.*) \|$")
 
 
-def documented() -> list[tuple[str, str, list[tuple[str, bool, str, str]]]]:
+def documented() -> list[tuple[str, str, list[tuple[str, bool, str, str, str]]]]:
     """``(class, module, rows)`` of each group of the section, rows as ``(flag, has --no-, type,
-    default)``."""
+    default, meaning)``."""
     text = DOCS.read_text()
     section = text[text.index("\n## Shared flags\n") :]
     section = section.split("\n## ", 2)[1]  # up to the next heading
-    found: list[tuple[str, str, list[tuple[str, bool, str, str]]]] = []
+    found: list[tuple[str, str, list[tuple[str, bool, str, str, str]]]] = []
     for line in section.splitlines():
         if m := HEADER.match(line):
             found.append((m.group(2), m.group(3), []))
         elif (m := ROW.match(line)) and found:
-            found[-1][2].append((m.group(1), bool(m.group(2)), m.group(3), m.group(4)))
+            found[-1][2].append((m.group(1), bool(m.group(2)), m.group(3), m.group(4), m.group(5)))
     return found
 
 
@@ -69,6 +70,16 @@ def test_the_shared_flags_tables_are_the_core_groups():
     ]
     for (cls, _, rows), group in zip(docs, groups, strict=True):
         # a default the page explains further keeps its first word ("unset (bf16)")
-        rows = [(o, no, t, d.split(" (")[0]) for o, no, t, d in rows]
-        assert rows == declared(group), cls
+        assert [(o, no, t, d.split(" (")[0]) for o, no, t, d, _ in rows] == declared(group), cls
+        helps = {
+            "--" + f.name.replace("_", "-"): f.metadata[FLAG_METADATA_KEY].help
+            for f in dataclasses.fields(group)
+        }
+        for option, _, _, _, meaning in rows:
+            meaning = meaning.replace("\\|", "|")  # a table cell escapes the pipe
+            help_text = helps[option]
+            assert meaning == help_text or meaning.startswith(help_text + " "), (
+                f"{option}: the Meaning column starts with the flag's help, word for word\n"
+                f"  help:    {help_text}\n  Meaning: {meaning}"
+            )
     assert sum(len(rows) for _, _, rows in docs) > 100  # the walk read the tables

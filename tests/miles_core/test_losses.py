@@ -396,7 +396,7 @@ def test_loss_config_from_args_and_validation():
         ],
         core_groups(),
     )  # fmt: skip
-    cfg = LossConfig.from_args(args)
+    cfg = LossConfig.from_algorithm(args.run_config.algorithm)
     assert cfg.advantage_estimator == "reinforce_plus_plus"
     assert cfg.temperature == 0.8 and cfg.clip_high == 0.1
     assert cfg.tis_clip == 3.0 and cfg.calculate_per_token_loss

@@ -114,11 +114,11 @@ def test_split_micro_batches_one_rank():
         split_micro_batches(batch, MicroBatching(False, None, 0))
 
 
-def test_micro_batching_from_args():
-    from argparse import Namespace
+def test_micro_batching_from_the_algorithm_group():
+    from miles_core.args.groups import AlgorithmArgs
 
-    args = Namespace(use_dynamic_batch_size=True, max_tokens_per_gpu=64, micro_batch_size=2)
-    assert MicroBatching.from_args(args, cp_size=2) == MicroBatching(True, 64, 2, 2)
+    group = AlgorithmArgs(use_dynamic_batch_size=True, max_tokens_per_gpu=64, micro_batch_size=2)
+    assert MicroBatching.from_algorithm(group, cp_size=2) == MicroBatching(True, 64, 2, 2)
 
 
 def test_split_steps():

@@ -122,5 +122,6 @@ def test_opsm_flags_refused_where_they_do_nothing(argv, match):
 
 @pytest.mark.parametrize("extra", [["--use-rollout-logprobs"], ["--num-steps-per-rollout", "2"]])
 def test_opsm_accepted_with_an_old_policy_that_differs(extra):
-    config = LossConfig.from_args(parse_args(["--use-opsm", *extra], core_groups()))
+    args = parse_args(["--use-opsm", *extra], core_groups())
+    config = LossConfig.from_algorithm(args.run_config.algorithm)
     assert config.use_opsm and config.opsm_delta == 1e-4

@@ -142,7 +142,7 @@ def test_tis_settings_without_use_tis_are_refused(flags):
     with pytest.raises(ArgumentError, match=f"^{flags[0]} .*--use-tis's weights, which are off"):
         parse_args(flags, core_groups())
     args = parse_args(["--use-tis", *flags], core_groups())
-    assert LossConfig.from_args(args).use_tis
+    assert LossConfig.from_algorithm(args.run_config.algorithm).use_tis
 
 
 def _as_batch(ids, old, rollout, mask) -> RolloutBatch:
@@ -239,6 +239,7 @@ def test_batch_normalize_takes_the_old_policy_from_a_forward_pass():
     then runs the old-log-prob pass instead of detaching the training forward's."""
     plain = parse_args(["--use-tis"], core_groups())
     normalized = parse_args(["--use-tis", "--tis-batch-normalize"], core_groups())
-    assert old_policy.source(plain) == old_policy.CURRENT
-    assert old_policy.source(normalized) == old_policy.FORWARD
-    assert old_policy.needs_forward(normalized)
+    assert old_policy.source(plain.run_config.algorithm, plain.run_config.roles) == "current"
+    normal = normalized.run_config
+    assert old_policy.source(normal.algorithm, normal.roles) == old_policy.FORWARD
+    assert old_policy.needs_forward(normal.algorithm, normal.roles)

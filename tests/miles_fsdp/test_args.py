@@ -79,12 +79,17 @@ def test_backend_needs_hf_checkpoint():
 
 
 def test_decay_iters_default_to_the_whole_run():
-    from miles_core.optimizer import optimizer_config
+    from miles_core.optimizer import optimizer_config, run_optimizer_steps
     from run_args import make_args
 
+    def decay(args):
+        cfg = args.run_config
+        return optimizer_config(cfg.optimizer, cfg.offload, run_optimizer_steps(args))
+
     args = make_args(num_steps_per_rollout=2)
-    assert optimizer_config(args).lr_decay_iters is None
+    assert decay(args).lr_decay_iters is None
     args.num_rollout = 10  # the launcher's flag, when it is in the namespace
-    assert optimizer_config(args).lr_decay_iters == 20
-    args.lr_decay_iters = 7
-    assert optimizer_config(args).lr_decay_iters == 7
+    assert decay(args).lr_decay_iters == 20
+    args = make_args(num_steps_per_rollout=2, lr_decay_iters=7)
+    args.num_rollout = 10
+    assert decay(args).lr_decay_iters == 7

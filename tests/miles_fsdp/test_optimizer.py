@@ -6,7 +6,9 @@ import math
 
 import pytest
 import torch
-from miles_fsdp.optimizer import OptimizerConfig, build_optimizer, lr_at
+from miles_core.args.groups import OffloadArgs, OptimizerArgs
+from miles_core.optimizer import optimizer_config
+from miles_fsdp.optimizer import build_optimizer, lr_at
 
 
 def reference(step, lr, min_lr, warmup, decay_iters, style):
@@ -22,9 +24,10 @@ def reference(step, lr, min_lr, warmup, decay_iters, style):
 
 @pytest.mark.parametrize("style", ["constant", "linear", "cosine"])
 def test_schedule_matches_formula(style):
-    cfg = OptimizerConfig(
+    group = OptimizerArgs(
         lr=3e-4, min_lr=1e-5, lr_warmup_iters=5, lr_decay_style=style, lr_decay_iters=25
     )
+    cfg = optimizer_config(group, OffloadArgs())
     model = torch.nn.Linear(2, 2)
     optimizer, scheduler = build_optimizer(model, cfg)
     for step in range(40):
@@ -36,4 +39,4 @@ def test_schedule_matches_formula(style):
 
 
 def test_no_warmup_starts_at_peak():
-    assert lr_at(0, OptimizerConfig(lr=1e-3)) == 1e-3
+    assert lr_at(0, optimizer_config(OptimizerArgs(lr=1e-3), OffloadArgs())) == 1e-3

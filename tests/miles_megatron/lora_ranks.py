@@ -31,7 +31,7 @@ def lora_model(hf_dir: str, adapter_dir: str | None, tp: int, extra: list[str] =
         injected = inject_lora(model, bridge, margs, config)
         load_factors(injected, adapter)
     else:
-        config = LoRAConfig.from_args(args)
+        config = LoRAConfig.from_roles(args.run_config.roles)
         injected = inject_lora(model, bridge, margs, config)
         init_fresh(injected, seed=1234)
     return args, margs, model, bridge, injected, config

@@ -16,7 +16,8 @@ import re
 import pytest
 import torch
 from miles_core.args import ArgumentError
-from miles_core.optimizer import OptimizerConfig, optimizer_config
+from miles_core.args.groups import OffloadArgs, OptimizerArgs
+from miles_core.optimizer import optimizer_config, run_optimizer_steps
 
 pytest.importorskip("miles_fsdp")
 pytest.importorskip("miles_launch")
@@ -64,10 +65,16 @@ def parse(root, backend: str, *flags: str):
     return parse_cli([*argv, *flags])
 
 
+def core_config(args):
+    """miles-core's optimizer settings of a parsed command line, as both backends build them."""
+    cfg = args.run_config
+    return optimizer_config(cfg.optimizer, cfg.offload, run_optimizer_steps(args))
+
+
 def fsdp_lrs(args, steps: int) -> list[float]:
     from miles_fsdp.optimizer import build_optimizer
 
-    optimizer, scheduler = build_optimizer(torch.nn.Linear(2, 2), optimizer_config(args))
+    optimizer, scheduler = build_optimizer(torch.nn.Linear(2, 2), core_config(args))
     lrs = []
     for _ in range(steps):
         lrs.append(optimizer.param_groups[0]["lr"])
@@ -86,7 +93,7 @@ def megatron_lrs(args, steps: int) -> list[float]:
         param_groups = [{"max_lr": mcfg.lr, "min_lr": mcfg.min_lr, "wd_mult": 1.0}]
 
     optimizer = Optimizer()
-    scheduler = build_scheduler(optimizer, optimizer_config(args))
+    scheduler = build_scheduler(optimizer, core_config(args))
     lrs = []
     for _ in range(steps):
         lrs.append(optimizer.param_groups[0]["lr"])
@@ -122,8 +129,9 @@ def test_megatron_cosine_decays_over_the_run(job_dir):
 
 def test_decaying_without_a_run_length_is_refused():
     with pytest.raises(ArgumentError, match="--lr-decay-style cosine needs --lr-decay-iters"):
-        OptimizerConfig(lr_decay_style="cosine")
-    assert OptimizerConfig().lr_at(5) == OptimizerConfig().lr
+        optimizer_config(OptimizerArgs(lr_decay_style="cosine"), OffloadArgs())
+    constant = optimizer_config(OptimizerArgs(), OffloadArgs())
+    assert constant.lr_at(5) == constant.lr
 
 
 @pytest.mark.parametrize(

@@ -49,6 +49,8 @@ import torch.distributed as dist
 
 from miles_core.aggregation import all_reduce_host
 from miles_core.batch import RolloutBatch, group_members
+from miles_core.kl import reward_kl
+from miles_core.user_functions import load_function
 
 GROUP_STD_EPS = 1e-6
 ESTIMATORS = (
@@ -272,9 +274,6 @@ def with_advantages(batch: RolloutBatch, args, group: dist.ProcessGroup | None) 
     ``ppo`` reads the critic's values from the batch's ``values`` field (attached by the
     launcher before the actor and the critic train) and adds a ``returns`` field, the critic's
     value-loss target, from the advantages before normalization."""
-    from miles_core.kl import reward_kl
-    from miles_core.user_functions import load_function
-
     ppo = args.advantage_estimator == "ppo"
     values = batch.response_field("values") if ppo and "values" in batch.field_names else None
     custom = args.custom_advantage_function_path

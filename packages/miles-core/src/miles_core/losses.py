@@ -24,7 +24,6 @@ from miles_core.args.groups.algorithm import (
     policy_loss_conflict,
     tis_clip_bounds_error,
 )
-from miles_core.args.parsed import ParsedArgs
 from miles_core.kl import KL_TYPES, kl_estimate
 from miles_core.mismatch import extremes as mismatch_extremes
 from miles_core.mismatch import token_terms as mismatch_terms
@@ -123,16 +122,11 @@ class LossConfig:
 
     @classmethod
     def from_algorithm(cls, algorithm: AlgorithmArgs) -> LossConfig:
-        """The loss settings of the parsed algorithm group."""
+        """The loss settings of the parsed algorithm group (``args.run_config.algorithm``; the
+        critic's namespace from :func:`~miles_core.args.groups.critic.critic_args` has its own)."""
         return cls(
             **{f.name: getattr(algorithm, FLAG_OF_FIELD.get(f.name, f.name)) for f in fields(cls)}
         )
-
-    @classmethod
-    def from_args(cls, args: ParsedArgs) -> LossConfig:
-        """:meth:`from_algorithm` of a parsed namespace's ``run_config`` (the critic's too:
-        :func:`~miles_core.args.groups.critic.critic_args` rebuilds it)."""
-        return cls.from_algorithm(args.run_config.algorithm)
 
 
 def ppo_clip_loss(

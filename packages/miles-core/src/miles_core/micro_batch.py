@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from miles_core.aggregation import all_reduce_host
-from miles_core.args.parsed import ParsedArgs
+from miles_core.args.groups import AlgorithmArgs
 from miles_core.batch import RolloutBatch
 from miles_core.partition import karmarkar_karp
 
@@ -194,11 +194,12 @@ class MicroBatching:
     cp_size: int = 1
 
     @classmethod
-    def from_args(cls, args: ParsedArgs, cp_size: int = 1) -> MicroBatching:
+    def from_algorithm(cls, algorithm: AlgorithmArgs, cp_size: int = 1) -> MicroBatching:
+        """The micro-batching of the parsed algorithm group (``args.run_config.algorithm``)."""
         return cls(
-            dynamic=bool(args.use_dynamic_batch_size),
-            max_tokens_per_gpu=args.max_tokens_per_gpu,
-            micro_batch_size=args.micro_batch_size,
+            dynamic=bool(algorithm.use_dynamic_batch_size),
+            max_tokens_per_gpu=algorithm.max_tokens_per_gpu,
+            micro_batch_size=algorithm.micro_batch_size,
             cp_size=cp_size,
         )
 

@@ -18,25 +18,30 @@ both backends.
 
 from __future__ import annotations
 
-from miles_core.args.parsed import ParsedArgs
+from miles_core.args.groups import AlgorithmArgs, RolesArgs
 from miles_core.batch import BatchError, RolloutBatch
 
 ROLLOUT, FORWARD, CURRENT = "rollout", "forward", "current"
 
 
-def source(args: ParsedArgs) -> str:
-    """:data:`ROLLOUT`, :data:`FORWARD` or :data:`CURRENT` for this run's flags."""
-    if args.use_rollout_logprobs:
+def source(algorithm: AlgorithmArgs, roles: RolesArgs) -> str:
+    """:data:`ROLLOUT`, :data:`FORWARD` or :data:`CURRENT` for this run's flags (the groups of
+    ``args.run_config``)."""
+    if algorithm.use_rollout_logprobs:
         return ROLLOUT
-    if args.num_steps_per_rollout > 1 or args.old_policy == "ema" or args.tis_batch_normalize:
+    if (
+        algorithm.num_steps_per_rollout > 1
+        or roles.old_policy == "ema"
+        or algorithm.tis_batch_normalize
+    ):
         return FORWARD
     return CURRENT
 
 
-def needs_forward(args: ParsedArgs) -> bool:
+def needs_forward(algorithm: AlgorithmArgs, roles: RolesArgs) -> bool:
     """Whether a forward pass computes ``old_log_probs`` before the first step."""
-    kind = source(args)
-    return kind == FORWARD or (kind == CURRENT and args.kl_coef != 0.0)
+    kind = source(algorithm, roles)
+    return kind == FORWARD or (kind == CURRENT and algorithm.kl_coef != 0.0)
 
 
 def with_rollout_log_probs(batch: RolloutBatch) -> RolloutBatch:

@@ -23,45 +23,43 @@ import math
 from dataclasses import dataclass
 
 from miles_core.args.flags import ArgumentError
+from miles_core.args.groups import OffloadArgs, OptimizerArgs
 from miles_core.args.parsed import ParsedArgs
-
-DECAY_STYLES = ("constant", "linear", "cosine")
 
 
 @dataclass(frozen=True)
 class StreamedStateConfig:
     """``--stream-optimizer-state-to-disk``: where and how the fp32 masters and Adam moments
-    live in files (miles-offload's ``StreamedAdamConfig`` takes these fields)."""
+    live in files (miles-offload's ``StreamedAdamConfig`` takes these fields); the defaults are
+    the offload group's."""
 
-    disk_dir: str | None = None
-    moment_dtype: str = "fp32"
-    bucket_numel: int = 200_000_000
-    min_numel: int = 65536
+    disk_dir: str | None
+    moment_dtype: str
+    bucket_numel: int
+    min_numel: int
 
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW hyperparameters and the LR schedule of one trained model (actor or critic)."""
+    """AdamW hyperparameters and the LR schedule of one trained model (actor or critic), made
+    by :func:`optimizer_config` from the optimizer group (its defaults and domains)."""
 
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    lr_warmup_iters: int = 0
-    lr_decay_style: str = "constant"
+    lr: float
+    min_lr: float
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+    clip_grad: float
+    lr_warmup_iters: int
+    #: one of the choices of ``--lr-decay-style``
+    lr_decay_style: str
     #: resolved: ``--lr-decay-iters``, else the run's optimizer steps; None only for constant
-    lr_decay_iters: int | None = None
+    lr_decay_iters: int | None
     #: None unless --stream-optimizer-state-to-disk
     streamed: StreamedStateConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.lr_decay_style not in DECAY_STYLES:
-            raise ArgumentError(
-                f"--lr-decay-style must be one of {DECAY_STYLES}, got {self.lr_decay_style!r}"
-            )
         if self.lr_decay_style != "constant" and self.lr_decay_iters is None:
             raise ArgumentError(
                 f"--lr-decay-style {self.lr_decay_style} needs --lr-decay-iters: the run length "
@@ -78,6 +76,7 @@ class OptimizerConfig:
             return peak * (step + 1) / warmup
         if self.lr_decay_style == "constant":
             return peak
+        assert self.lr_decay_iters is not None  # __post_init__
         t = min(1.0, (step - warmup) / max(1, self.lr_decay_iters - warmup))
         if self.lr_decay_style == "linear":
             return floor + (peak - floor) * (1.0 - t)
@@ -89,45 +88,49 @@ def lr_at(step: int, cfg: OptimizerConfig) -> float:
     return cfg.lr_at(step)
 
 
-def decay_iters(args: ParsedArgs) -> int | None:
-    """``--lr-decay-iters``, else the whole run when known (``--num-rollout`` x
-    ``--num-steps-per-rollout``), else None."""
-    if args.lr_decay_iters is not None:
-        return args.lr_decay_iters
-    # --num-rollout is the launcher's: unknown where its group is not parsed (ranks under torchrun)
-    num_rollout = args.num_rollout if "num_rollout" in args else None
-    if num_rollout:
-        return num_rollout * args.num_steps_per_rollout
-    return None
+def run_optimizer_steps(args: ParsedArgs) -> int | None:
+    """The optimizer steps of the whole run, ``--num-rollout`` x ``--num-steps-per-rollout``,
+    or None where the launcher's ``--num-rollout`` is not parsed (ranks under torchrun)."""
+    num_rollout = args.num_rollout if "num_rollout" in args else None  # the launcher's flag
+    if not num_rollout:
+        return None
+    return num_rollout * args.run_config.algorithm.num_steps_per_rollout
 
 
-def streamed_state_config(args: ParsedArgs) -> StreamedStateConfig | None:
+def streamed_state_config(offload: OffloadArgs) -> StreamedStateConfig | None:
     """The streamed-optimizer settings, or None without --stream-optimizer-state-to-disk."""
-    if not args.stream_optimizer_state_to_disk:
+    if not offload.stream_optimizer_state_to_disk:
         return None
     return StreamedStateConfig(
-        disk_dir=args.offload_train_disk_dir,
-        moment_dtype=args.stream_optimizer_state_moment_dtype,
-        bucket_numel=args.stream_optimizer_bucket_numel,
-        min_numel=args.stream_optimizer_min_numel,
+        disk_dir=offload.offload_train_disk_dir,
+        moment_dtype=offload.stream_optimizer_state_moment_dtype,
+        bucket_numel=offload.stream_optimizer_bucket_numel,
+        min_numel=offload.stream_optimizer_min_numel,
     )
 
 
-def optimizer_config(args: ParsedArgs) -> OptimizerConfig:
-    """The optimizer, schedule and streamed-state part of the parsed flags (both backends).
+def optimizer_config(
+    optimizer: OptimizerArgs, offload: OffloadArgs, run_steps: int | None = None
+) -> OptimizerConfig:
+    """The optimizer, schedule and streamed-state settings of the parsed groups (both
+    backends): ``optimizer_config(cfg.optimizer, cfg.offload, run_optimizer_steps(args))``
+    with ``cfg = args.run_config``. ``run_steps`` is the decay span when ``--lr-decay-iters``
+    is unset (:func:`run_optimizer_steps`).
 
-    For the critic, pass ``critic_args(args)`` (its ``--critic-lr``, ...).
+    For the critic, pass the groups of ``critic_args(args).run_config`` (its ``--critic-lr``,
+    ...).
     """
+    decay = optimizer.lr_decay_iters if optimizer.lr_decay_iters is not None else run_steps
     return OptimizerConfig(
-        lr=args.lr,
-        min_lr=args.min_lr,
-        weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        clip_grad=args.clip_grad,
-        lr_warmup_iters=args.lr_warmup_iters,
-        lr_decay_style=args.lr_decay_style,
-        lr_decay_iters=decay_iters(args),
-        streamed=streamed_state_config(args),
+        lr=optimizer.lr,
+        min_lr=optimizer.min_lr,
+        weight_decay=optimizer.weight_decay,
+        adam_beta1=optimizer.adam_beta1,
+        adam_beta2=optimizer.adam_beta2,
+        adam_eps=optimizer.adam_eps,
+        clip_grad=optimizer.clip_grad,
+        lr_warmup_iters=optimizer.lr_warmup_iters,
+        lr_decay_style=optimizer.lr_decay_style,
+        lr_decay_iters=decay,
+        streamed=streamed_state_config(offload),
     )

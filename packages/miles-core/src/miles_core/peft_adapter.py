@@ -29,9 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 from miles_core.args import ArgumentError
-from miles_core.args.parsed import ParsedArgs
+from miles_core.args.groups import RolesArgs
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -62,25 +64,27 @@ class LoRAConfig:
 
     ``target_modules`` follows PEFT: ``("all-linear",)``, module-name suffixes (a module
     ``model.layers.0.self_attn.q_proj`` matches ``q_proj``), or (from a loaded adapter's config)
-    one regex string matched in full.
+    one regex string matched in full. Made by :meth:`from_roles` (the defaults are the roles
+    group's) or from a loaded adapter.
     """
 
-    rank: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
-    target_modules: str | tuple[str, ...] = (ALL_LINEAR,)
+    rank: int
+    alpha: float
+    dropout: float
+    target_modules: str | tuple[str, ...]
 
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
 
     @classmethod
-    def from_args(cls, args: ParsedArgs) -> LoRAConfig:
+    def from_roles(cls, roles: RolesArgs) -> LoRAConfig:
+        """The LoRA flags of the parsed roles group (``args.run_config.roles``)."""
         return cls(
-            rank=args.lora_rank,
-            alpha=float(args.lora_alpha),
-            dropout=args.lora_dropout,
-            target_modules=tuple(args.lora_target_modules),
+            rank=roles.lora_rank,
+            alpha=float(roles.lora_alpha),
+            dropout=roles.lora_dropout,
+            target_modules=tuple(roles.lora_target_modules),
         )
 
     def with_targets(self, target_modules: str | tuple[str, ...]) -> LoRAConfig:
@@ -192,9 +196,6 @@ def check_factors(factors: Factors, rank: int, weights_file: Path) -> None:
 
 def read_peft_adapter(path: str | Path) -> PeftAdapter:
     """Read and check a PEFT adapter directory (``save_pretrained`` output, or ours)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     path = Path(path)
     config_file = path / ADAPTER_CONFIG
     if not config_file.is_file():
@@ -273,8 +274,6 @@ def write_peft_adapter(path: str | Path, adapter: PeftAdapter) -> Path:
     ``path`` is replaced; any other existing ``path`` (a file, or a directory holding other
     files) is refused rather than deleted.
     """
-    from safetensors.torch import save_file
-
     path = Path(path)
     check_factors(adapter.factors, adapter.rank, path / ADAPTER_WEIGHTS)
     foreign = _foreign_entries(path) if path.exists() else []

@@ -39,13 +39,16 @@ sample's tokens across ranks (Megatron's context parallelism) refuses them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from miles_core.aggregation import all_reduce_host, segment_sum
 from miles_core.batch import RolloutBatch
+
+if TYPE_CHECKING:  # cycle: miles_core.losses imports this module
+    from miles_core.losses import LossConfig
 
 LEVELS = ("token", "sequence", "geometric")
 MODES = ("truncate", "mask")
@@ -111,7 +114,7 @@ def rollout_is_weights(
 
 
 def configured_weights(
-    config: Any, old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, **where: Any
+    config: LossConfig, old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, **where: Any
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`rollout_is_weights` at ``config``'s (a :class:`~miles_core.losses.LossConfig`)
     level, mode, clips and veto; ``where``: its ``loss_mask``, ``sample_ids``, ``num_samples``."""
@@ -127,7 +130,7 @@ def configured_weights(
     )
 
 
-def batch_mean(batch: RolloutBatch, config: Any, group: Any = None) -> float:
+def batch_mean(batch: RolloutBatch, config: LossConfig, group: Any = None) -> float:
     """The mean ``--tis-batch-normalize`` divides by (module docstring), over ``batch`` (this
     rank's part of an optimizer step, carrying ``old_log_probs`` and the engine's log-probs)
     and the same parts of the other ranks of ``group``, in float64. ``config``: a
@@ -155,7 +158,7 @@ def batch_mean(batch: RolloutBatch, config: Any, group: Any = None) -> float:
     return weight_sum / count if weight_sum > 0 and count > 0 else 1.0
 
 
-def with_batch_mean(batch: RolloutBatch, config: Any, group: Any = None) -> RolloutBatch:
+def with_batch_mean(batch: RolloutBatch, config: LossConfig, group: Any = None) -> RolloutBatch:
     """``batch`` (one optimizer step's part on this rank) with :data:`BATCH_MEAN_FIELD`, the
     step's :func:`batch_mean` on every token, under ``--use-tis --tis-batch-normalize``; else
     ``batch`` itself. A collective over ``group`` (the data-parallel ranks) when on."""

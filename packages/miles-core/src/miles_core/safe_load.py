@@ -29,7 +29,7 @@ def _numpy_rng_globals() -> list:
     try:
         from numpy._core.multiarray import _reconstruct  # numpy >= 2
     except ImportError:  # pragma: no cover - numpy 1.x
-        from numpy.core.multiarray import _reconstruct
+        from numpy.core.multiarray import _reconstruct  # numpy < 2
     extra = [_reconstruct, np.ndarray, np.dtype]
     dtypes = getattr(np, "dtypes", None)  # numpy >= 1.25 pickles dtype classes by name
     if dtypes is not None:

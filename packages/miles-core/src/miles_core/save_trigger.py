@@ -30,6 +30,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 
 @dataclass(frozen=True)
 class _Request:
@@ -115,9 +118,6 @@ def agree_on_all_ranks(decision: bool, group=None) -> bool:
     Ranks look at the sentinel at slightly different moments; when each rank decides for
     itself, they must still save together, so rank 0's view is broadcast.
     """
-    import torch
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return decision
     device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"

@@ -14,13 +14,13 @@ import importlib
 import inspect
 from collections.abc import Callable, Iterable
 
-from miles_core.args.checks import flag_value
 from miles_core.args.flags import ArgumentError
 from miles_core.args.function_flags import (
     FUNCTION_METAVAR,
     check_function_specs,
     function_flags,
     function_spec,
+    named_functions,
 )
 from miles_core.args.parsed import ParsedArgs
 
@@ -31,6 +31,7 @@ __all__ = [
     "function_flags",
     "function_spec",
     "load_function",
+    "named_functions",
 ]
 
 
@@ -52,7 +53,5 @@ def load_function(spec: str, flag: str, *, coroutine: bool = False) -> Callable:
 
 def check_function_flags(args: ParsedArgs, groups: Iterable[type]) -> None:
     """Import every user function the command line names (the first bad one raises)."""
-    for dest in function_flags(groups):
-        spec = flag_value(args, dest)
-        if spec:
-            load_function(spec, "--" + dest.replace("_", "-"))
+    for flag, spec in named_functions(args, groups):
+        load_function(spec, flag)

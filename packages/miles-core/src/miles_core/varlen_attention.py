@@ -28,6 +28,7 @@ HF_ATTENTION_NAME = "miles_varlen"
 @functools.cache
 def _torch_varlen():
     try:
+        # optional: only recent torch releases ship the varlen kernel
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None

@@ -12,13 +12,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from miles_core import batch_invariant
+from miles_core.aggregation import all_reduce_host
 from miles_core.args import ArgumentError, ParsedArgs
+from miles_core.args.groups.critic import critic_args
 from miles_core.contract import DataLayout, TrainBackend
-from miles_core.optimizer import optimizer_config
+from miles_core.optimizer import optimizer_config, run_optimizer_steps
+from miles_offload.device_mover import DeviceMover
+from miles_offload.offload_target import OffloadTarget
+from miles_sync.ranks import RankContext
+from miles_sync.weight_sync import SyncConfig, WeightPublisher
 from torch import nn
 
+from miles_fsdp import train_step
 from miles_fsdp.adaptations import Adaptation, adaptation_for
 from miles_fsdp.adaptations.moe import RoutingReplay, resolve_moe_kernel
+from miles_fsdp.args import FSDPArgs
 from miles_fsdp.build import BuildPlan, RoleSpec, build_model
 from miles_fsdp.checkpoint import Checkpointer, TrainState, export_hf
 from miles_fsdp.ema import build_ema
@@ -55,8 +63,6 @@ class FSDPBackend(TrainBackend):
 
     @classmethod
     def arg_groups(cls) -> Sequence[type]:
-        from miles_fsdp.args import FSDPArgs
-
         return (FSDPArgs,)
 
     def __init__(self) -> None:
@@ -73,8 +79,6 @@ class FSDPBackend(TrainBackend):
         if role not in ("actor", "critic"):
             raise ValueError(f"FSDPBackend supports roles 'actor' and 'critic', got {role!r}")
         if role == "critic":  # its own flags: --critic-lr, --critic-save, ..., value_loss
-            from miles_core.args.groups.critic import critic_args
-
             args = critic_args(args)
         self.role = role
         if not args.hf_checkpoint:
@@ -168,7 +172,8 @@ class FSDPBackend(TrainBackend):
         self.frozen = {
             s.role: build_model(plan, frozen_role(s, self.config)) for s in frozen_sources(args)
         }
-        opt_config = optimizer_config(args)
+        cfg = args.run_config
+        opt_config = optimizer_config(cfg.optimizer, cfg.offload, run_optimizer_steps(args))
         if opt_config.streamed is not None:
             self.optimizer, self.scheduler = build_streamed_optimizer(self.model, opt_config)
         else:
@@ -223,9 +228,7 @@ class FSDPBackend(TrainBackend):
     # ------------------------------------------------------------------ training
     def _rollout_context(self) -> Any:
         """What :mod:`.train_step` needs: this backend's model, optimizer, roles and hooks."""
-        from miles_fsdp.train_step import RolloutContext
-
-        return RolloutContext(
+        return train_step.RolloutContext(
             model=self.model,
             optimizer=self.optimizer,
             scheduler=self.scheduler,
@@ -246,12 +249,10 @@ class FSDPBackend(TrainBackend):
 
     def train(self, rollout_id: int, batch: Any) -> dict[str, float]:
         """Train on this rank's shard of rollout ``rollout_id`` (see :mod:`.train_step`)."""
-        from miles_fsdp.train_step import train_rollout
-
         self.wake_up()
         ctx = self._rollout_context()
         try:
-            metrics, steps, micro = train_rollout(ctx, batch)
+            metrics, steps, micro = train_step.train_rollout(ctx, batch)
         except BaseException:
             self.profiler.stop()  # a trace or memory history open in the window is kept
             raise
@@ -267,26 +268,22 @@ class FSDPBackend(TrainBackend):
         """The critic's per-sample values ``V_t`` of this rank's shard (float32, CPU,
         response-aligned), before this rollout's update. Critic role only; collective over DP
         ranks."""
-        from miles_fsdp.train_step import critic_values
-
         if self.role != "critic":
             raise ValueError(f"compute_values: the {self.role} has no value head")
         self.wake_up()
-        return critic_values(self._rollout_context(), batch)
+        return train_step.critic_values(self._rollout_context(), batch)
 
     # ------------------------------------------------------------------ evaluation
     def eval_log_probs(self, batch: Any) -> list[torch.Tensor]:
         """Per-sample response log-probs (float32, CPU) of this rank's shard ``batch`` at
         ``--rollout-temperature``, under the weights ``--eval-weights`` names (EMA swapped into
         the actor's shards and back), in eval mode (no dropout). Collective over DP ranks."""
-        from miles_fsdp.train_step import policy_log_probs
-
         self.wake_up()
         was_training = self.model.training
         self.model.eval()
         try:
             with self.evaluation_weights():
-                return policy_log_probs(self._rollout_context(), batch)
+                return train_step.policy_log_probs(self._rollout_context(), batch)
         finally:
             self.model.train(was_training)
 
@@ -297,8 +294,6 @@ class FSDPBackend(TrainBackend):
         ``sum(log p) / N`` at ``--rollout-temperature``, ``nll = -log_prob`` and ``tokens`` = N
         (response tokens, loss mask ignored). Neither the actor nor EMA changes.
         """
-        from miles_core.aggregation import all_reduce_host
-
         values = self.eval_log_probs(batch)
         local = torch.tensor(
             [sum(float(v.double().sum()) for v in values), float(sum(v.numel() for v in values))],
@@ -321,9 +316,6 @@ class FSDPBackend(TrainBackend):
         group at a time, and the optimizer state never comes back to the device. The EMA's
         averages are read in place of the actor's values (nothing is swapped).
         """
-        from miles_sync.ranks import RankContext
-        from miles_sync.weight_sync import SyncConfig, WeightPublisher
-
         if self.role == "critic":
             raise ValueError("update_weights: the critic never publishes to the engines")
         which = weights or self.args.rollout_weights
@@ -404,9 +396,6 @@ class FSDPBackend(TrainBackend):
         ``--stream-optimizer-state-to-disk`` the streamed state is in files already: the mover
         moves only the small parameters' on-device AdamW state (``optimizer.state``)."""
         if self.mover is None:
-            from miles_offload.device_mover import DeviceMover
-            from miles_offload.offload_target import OffloadTarget
-
             optimizers = [self.optimizer] + ([self.ema] if self.ema is not None else [])
             self.mover = DeviceMover(
                 {self.role: self.model, **self.frozen},

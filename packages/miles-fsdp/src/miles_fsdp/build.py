@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from miles_core import batch_invariant
 from miles_core.compiled_layers import compile_layers
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -127,8 +128,6 @@ def enable_gradient_checkpointing(
 def _batch_invariant_recompute():
     """``context_fn`` of ``torch.utils.checkpoint``: the forward as it is, the recompute in the
     batch-invariant mode."""
-    from miles_core import batch_invariant
-
     return contextlib.nullcontext(), batch_invariant.mode()
 
 

@@ -47,6 +47,7 @@ from miles_core.checkpoint_layout import (
     resolve_load,
 )
 from miles_core.safe_load import load_state_file
+from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -56,6 +57,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from miles_fsdp.ema import log_ema_reseeded
 from miles_fsdp.optimizer import is_streamed
 
 
@@ -255,8 +257,6 @@ class Checkpointer:
                 dcp.load(ema_sd, checkpoint_id=str(iter_dir / "ema"))
                 set_optimizer_state_dict(self.model, self.ema, ema_sd["ema"])
             else:
-                from miles_fsdp.ema import log_ema_reseeded
-
                 self.ema.seed_from_params()
                 log_ema_reseeded(iter_dir)
         if load_optim and (iter_dir / "optimizer").is_dir() and is_streamed(self.optimizer):
@@ -308,8 +308,6 @@ def export_hf(
     index is written. Every non-weight file of ``hf_source`` (config.json,
     generation_config.json, tokenizer files, custom code) is copied verbatim.
     """
-    from safetensors.torch import save_file
-
     out_dir = Path(out_dir)
     write = _rank() == 0
     if write:

@@ -23,9 +23,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from miles_core import varlen_attention
 from safetensors import safe_open
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -121,9 +124,6 @@ _SAFETENSORS_DTYPES = {
 
 def load_config(path: Path) -> Any:
     """Read ``config.json`` through ``AutoConfig`` and check it maps to a causal LM class."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     config_file = path / "config.json"
     if not config_file.exists():
         raise HFCheckpointError(f"{config_file}: missing (--hf-checkpoint needs a HF model dir)")
@@ -152,8 +152,6 @@ def validate_hf_dir(path: str | os.PathLike) -> HFCheckpointInfo:
     corrupt safetensors shard (or one lacking tensors its index promises); a tokenizer that
     ``AutoTokenizer`` cannot load.
     """
-    from transformers import AutoTokenizer
-
     path = Path(path)
     if not path.is_dir():
         raise HFCheckpointError(f"{path}: --hf-checkpoint is not a directory")
@@ -189,8 +187,6 @@ def validate_on_rank0(path: str | os.PathLike) -> HFCheckpointInfo:
 
 def build_meta_model(config: Any, dtype: torch.dtype, attn_implementation: str) -> nn.Module:
     """The model skeleton on the meta device (no memory), parameters in ``dtype``."""
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(
             config, dtype=dtype, attn_implementation=attn_implementation
@@ -205,8 +201,6 @@ def read_full_state(
     ``state`` is the model's state dict in ``dtype``; ``buffers`` holds every buffer, including
     non-persistent ones (rotary ``inv_freq``) that a state dict leaves out.
     """
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(
         str(path), config=config, dtype=dtype, attn_implementation=attn_implementation
     )
@@ -264,14 +258,12 @@ def resolve_attn_implementation(requested: str | None) -> str:
         return _varlen_hf_name() if requested == "varlen" else requested
     if torch.cuda.is_available():
         try:
-            import flash_attn  # noqa: F401
+            import flash_attn  # noqa: F401  (optional: flash-attn, probed)
 
             return "flash_attention_2"
         except ImportError:
             pass
-        from miles_core.varlen_attention import kernel_available
-
-        if kernel_available("cuda"):
+        if varlen_attention.kernel_available("cuda"):
             _say("miles-fsdp: flash_attn unavailable, using torch's varlen flash attention")
             return _varlen_hf_name()
     _say("miles-fsdp: flash_attn unavailable, using --attn-implementation sdpa")

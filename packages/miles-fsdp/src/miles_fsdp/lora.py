@@ -35,6 +35,8 @@ from miles_core.peft_adapter import (
     check_matches_flags,
     read_peft_adapter,
 )
+from peft import LoraConfig, inject_adapter_in_model
+from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 ADAPTER_NAME = "default"
@@ -42,8 +44,6 @@ ADAPTER_NAME = "default"
 
 def peft_lora_config(config: LoRAConfig) -> Any:
     """``config`` as peft's ``LoraConfig`` (no bias adapters)."""
-    from peft import LoraConfig
-
     targets = config.target_modules
     if not isinstance(targets, str):
         targets = ALL_LINEAR if targets == (ALL_LINEAR,) else list(targets)
@@ -58,8 +58,6 @@ def peft_lora_config(config: LoRAConfig) -> Any:
 
 def inject_lora(model: nn.Module, settings: LoRAConfig, on_meta: bool) -> nn.Module:
     """Wrap the target linears of ``model`` with PEFT LoRA layers; only adapters train."""
-    from peft import inject_adapter_in_model
-
     model = inject_adapter_in_model(
         peft_lora_config(settings), model, adapter_name=ADAPTER_NAME, low_cpu_mem_usage=on_meta
     )
@@ -143,8 +141,6 @@ def merge_fixup(adapter: PeftAdapter) -> Callable:
 
 def lora_layers(model: nn.Module) -> list[nn.Module]:
     """PEFT's tuner layers inside ``model``."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
     return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
 
 
@@ -186,7 +182,7 @@ def actor_lora(args: ParsedArgs) -> tuple[LoRAConfig | None, PeftAdapter | None]
     """``--use-lora``: the actor's settings and its ``--lora-adapter-path`` adapter, checked."""
     if not args.use_lora:
         return None, None
-    settings = LoRAConfig.from_args(args)
+    settings = LoRAConfig.from_roles(args.run_config.roles)
     if not args.lora_adapter_path:
         return settings, None
     adapter = read_peft_adapter(args.lora_adapter_path[0])  # a causal LM has one component

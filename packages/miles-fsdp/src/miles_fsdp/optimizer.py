@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from miles_core.optimizer import OptimizerConfig, lr_at
+from miles_offload.streamed_adam import StreamedAdamConfig, StreamedAdamW
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -66,8 +67,6 @@ def build_streamed_optimizer(
     weights are bit-identical. Hyperparameters come from ``cfg`` like the in-memory AdamW's,
     the file settings from ``cfg.streamed``.
     """
-    from miles_offload.streamed_adam import StreamedAdamConfig, StreamedAdamW
-
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     on_cuda = bool(params) and all(p.device.type == "cuda" for _, p in params)
     config = StreamedAdamConfig(
@@ -88,8 +87,6 @@ def build_streamed_optimizer(
 
 def is_streamed(optimizer: Any) -> bool:
     """Whether ``optimizer`` keeps its state in files (checkpointed with ``save``/``load``)."""
-    from miles_offload.streamed_adam import StreamedAdamW
-
     return isinstance(optimizer, StreamedAdamW)
 
 

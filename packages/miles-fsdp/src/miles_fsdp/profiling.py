@@ -47,6 +47,7 @@ class TrainProfiler:
         self.writer = None
         if args.tensorboard_dir:
             try:
+                # optional: tensorboard is a dependency of miles-launch, not of miles-fsdp
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.writer = SummaryWriter(os.path.join(args.tensorboard_dir, f"rank{_rank()}"))

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from miles_core.args import ArgumentError
+from miles_core.args.groups.roles import derived_ref_mode
 from miles_core.args.parsed import ParsedArgs
 from miles_core.peft_adapter import read_peft_adapter
 from torch import nn
@@ -64,8 +65,6 @@ class FrozenSource:
 
 def ref_mode(args: ParsedArgs) -> str:
     """``--ref-mode``, or the mode the other flags imply when it is unset."""
-    from miles_core.args.groups.roles import derived_ref_mode
-
     return args.ref_mode or derived_ref_mode(args)
 
 

@@ -81,7 +81,9 @@ class RolloutContext:
 
 def micro_batches(ctx: RolloutContext, batch: RolloutBatch) -> list[RolloutBatch]:
     """This rank's micro-batches of ``batch``, as many as the busiest DP rank needs."""
-    return split_micro_batches(batch, MicroBatching.from_args(ctx.args), group=ctx.cpu_group)
+    return split_micro_batches(
+        batch, MicroBatching.from_algorithm(ctx.args.run_config.algorithm), group=ctx.cpu_group
+    )
 
 
 def packed_logits(
@@ -201,12 +203,13 @@ def _with_policy_log_probs(ctx: RolloutContext, batch: RolloutBatch) -> RolloutB
     """``old_log_probs`` (step 2 of the module docstring; :mod:`miles_core.old_policy` says
     from where) and ``ref_log_probs`` when needed."""
     args = ctx.args
-    if old_policy.source(args) == old_policy.ROLLOUT:
+    cfg = args.run_config
+    if old_policy.source(cfg.algorithm, cfg.roles) == old_policy.ROLLOUT:
         batch = old_policy.with_rollout_log_probs(batch)
     elif args.old_policy == "ema":
         with ctx.ema.use_weights(ctx.model):
             batch = batch.with_fields(old_log_probs=policy_log_probs(ctx, batch))
-    elif old_policy.needs_forward(args):
+    elif old_policy.needs_forward(cfg.algorithm, cfg.roles):
         batch = batch.with_fields(old_log_probs=policy_log_probs(ctx, batch))
     if kl_term_on(args):
         with reference_forward(ctx.model, ctx.reference, ref_mode(args)) as ref:
@@ -229,7 +232,7 @@ def train_rollout(ctx: RolloutContext, batch: RolloutBatch) -> tuple[dict[str, f
 
 def _train_rollout(ctx: RolloutContext, batch: RolloutBatch) -> tuple[dict[str, float], int, int]:
     args = ctx.args
-    config = LossConfig.from_args(args)
+    config = LossConfig.from_algorithm(args.run_config.algorithm)
     start = time.perf_counter()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -237,7 +240,8 @@ def _train_rollout(ctx: RolloutContext, batch: RolloutBatch) -> tuple[dict[str, 
     if ctx.hooks is not None and ctx.hooks.prepare is not None:
         batch = ctx.hooks.prepare(ctx.hooks.context, batch)
     loss_type = args.loss_type
-    detach_old = old_policy.source(args) == old_policy.CURRENT
+    cfg = args.run_config
+    detach_old = old_policy.source(cfg.algorithm, cfg.roles) == old_policy.CURRENT
     if loss_type == "policy_loss":  # sft_loss and value_loss read no old or reference policy
         batch = _with_policy_log_probs(ctx, batch)
     batch = with_advantages(batch, args, ctx.cpu_group)

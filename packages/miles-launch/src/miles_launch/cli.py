@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import sys
 
+from miles_launch import __version__
+from miles_launch.train import main as train_main
+
 USAGE = """usage: miles <command> [flags]
 
 commands:
@@ -19,8 +22,6 @@ def main(argv: list[str] | None = None) -> None:
         print(USAGE, end="")
         sys.exit(0 if argv else 2)
     if argv[0] == "--version":
-        from miles_launch import __version__
-
         print(f"miles-launch {__version__}")
         return
     command, rest = argv[0], argv[1:]
@@ -33,7 +34,6 @@ def main(argv: list[str] | None = None) -> None:
     if command != "train":
         print(f"error: unknown command {command!r} (commands: train, plot)", file=sys.stderr)
         sys.exit(2)
-    from miles_launch.train import main as train_main
 
     train_main(rest)
 

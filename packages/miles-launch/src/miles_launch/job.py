@@ -23,8 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import ray
+import torch
 from miles_core.args.parsed import ParsedArgs
 from miles_core.checkpoint_layout import atomic_write_text, iteration_dir_name, resolve_load
+from transformers import AutoTokenizer
 
 from miles_launch.engine_launch.api_key import ensure_api_key
 from miles_launch.engine_launch.engine_set import EngineSet
@@ -91,8 +94,6 @@ def read_launcher_state(args: ParsedArgs, next_rollout_id: int) -> LauncherState
 
 
 def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -122,8 +123,6 @@ class Job:
     @classmethod
     def setup(cls, args: ParsedArgs) -> Job:
         prepare_ray_env()
-        import ray
-        import torch
 
         phase(f"loading the tokenizer and prompts ({args.hf_checkpoint})")
         tokenizer = load_tokenizer(args.hf_checkpoint)
@@ -258,8 +257,6 @@ class Job:
             group.close()
 
     def teardown(self, failed: bool = False) -> None:
-        import ray
-
         try:
             try:
                 if self.trainer is not None:  # first: closing leaves the engines' weight groups

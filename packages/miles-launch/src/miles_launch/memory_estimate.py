@@ -60,6 +60,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from miles_core.log_prob_head import CUDA_CHUNK_BYTES, DEFAULT_CHUNK_BYTES
+
 from miles_launch.model_shape import ModelShape
 
 GiB = 2**30
@@ -254,8 +256,6 @@ def activation_bytes(shape: ModelShape, lay: TrainerLayout, recompute: str | Non
 
 def head_bytes(shape: ModelShape, lay: TrainerLayout) -> float:
     """The log-prob head's temporaries (module docstring)."""
-    from miles_core.log_prob_head import CUDA_CHUNK_BYTES, DEFAULT_CHUNK_BYTES
-
     vocab = shape.vocab / (lay.tp if lay.backend == "megatron" else 1)
     dense = lay.tokens * vocab * DENSE_HEAD_BYTES
     if not lay.fused_head:

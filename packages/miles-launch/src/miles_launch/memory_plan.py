@@ -24,7 +24,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from miles_core.args import ArgumentError
 from miles_core.args.parsed import ParsedArgs
+from miles_core.precision import explicit_dtype_name, train_dtype_name
 
 from miles_launch.memory_estimate import (
     Estimate,
@@ -40,8 +43,6 @@ from miles_launch.placement import critic_ranks
 # ---------------------------------------------------------------------- from the flags
 def trainer_layout(args: ParsedArgs, on_cuda: bool) -> TrainerLayout | None:
     """The :class:`TrainerLayout` of parsed flags (None for a backend this plan does not know)."""
-    from miles_core.precision import explicit_dtype_name, train_dtype_name
-
     dtype = train_dtype_name(args)
     if args.train_backend == "fsdp":  # its own flag decides when the command line names none
         dtype = explicit_dtype_name(args) or args.fsdp_compute_dtype or dtype
@@ -173,8 +174,6 @@ def device_memory(args: ParsedArgs, use_gpu: bool) -> tuple[float, str] | None:
 
 def local_gpu_memory() -> float | None:
     """Bytes of this machine's first CUDA device (None without one)."""
-    import torch
-
     if not torch.cuda.is_available():
         return None
     return float(torch.cuda.get_device_properties(0).total_memory)
@@ -324,8 +323,6 @@ def check_memory(args: ParsedArgs, use_gpu: bool) -> None:
     estimate exceeds the device, or whose engine's weights exceed the engine's room on it; and
     ``--ignore-memory-plan`` itself where nothing is checked (no estimate, or no device memory
     known), since it would change nothing there."""
-    from miles_core.args import ArgumentError
-
     try:
         job = job_memory(args, use_gpu)
     except NoEstimate as exc:

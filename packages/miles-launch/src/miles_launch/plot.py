@@ -119,7 +119,7 @@ def _plot_pass_at_k(ax: Any, records: list[dict]) -> None:
 
 def write_run_plot(records: list[dict[str, Any]], path: Path, title: str) -> None:
     """The ten panels (module docstring) of ``records`` as a PNG at ``path``."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after run_figure's matplotlib.use("Agg") is in reach
 
     fig = run_figure(records, title)
     fig.savefig(path, dpi=100)
@@ -130,11 +130,12 @@ def run_figure(records: list[dict[str, Any]], title: str) -> Any:
     """The matplotlib figure of :func:`write_run_plot` (``fig.axes`` row by row: reward,
     pass@k, KL, gradient norm, entropy, clip fraction, response length, value loss, phase
     times, train/rollout mismatch)."""
+    # the Agg backend is chosen here, when a plot is drawn, not when the module is imported
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
+    import matplotlib.pyplot as plt  # after matplotlib.use
+    from matplotlib.ticker import MaxNLocator  # with pyplot
 
     fig, axes = plt.subplots(5, 2, figsize=(14, 13), sharex=True)
     reward, kl, entropy, length, times = axes[:, 0]

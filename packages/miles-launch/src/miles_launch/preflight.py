@@ -45,13 +45,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from miles_core.args import ArgGroup, ArgumentError
 from miles_core.args.checks import flag_value
 from miles_core.args.parsed import ParsedArgs
 from miles_core.checkpoint_layout import TRACKER_FILENAME, CheckpointError, resolve_load
 from miles_core.user_functions import check_function_flags
+from transformers import AutoTokenizer
 
 from miles_launch.memory_plan import check_memory
+from miles_launch.placement import plan_layout
 from miles_launch.rollout.prompts import PromptDataError, check_record, read_records
 from miles_launch.rollout_args import eval_sets
 
@@ -174,7 +177,6 @@ def check_tokenizer(path: Path) -> None:
             f"--hf-checkpoint {path}: no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy "
             "the tokenizer files of the model next to its config.json"
         )
-    from transformers import AutoTokenizer
 
     try:
         AutoTokenizer.from_pretrained(str(path), local_files_only=True)
@@ -355,8 +357,6 @@ def make_outputs(args: ParsedArgs) -> None:
 
 # ---------------------------------------------------------------------- placement
 def local_gpus() -> int:
-    import torch
-
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -368,7 +368,6 @@ def check_local_devices(args: ParsedArgs) -> None:
     gpus = local_gpus()
     if not gpus:
         return
-    from miles_launch.placement import plan_layout
 
     layout = plan_layout(args, use_gpu=True)
     if layout.num_bundles > gpus:

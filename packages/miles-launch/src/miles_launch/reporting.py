@@ -35,10 +35,14 @@ from typing import Any
 
 from miles_core.args.parsed import ParsedArgs
 from miles_core.args.run_config import group_from_namespace
+from miles_core.checkpoint_layout import read_tracker
 from miles_core.mismatch import ABS_DIFF
+from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from miles_launch.args import OutputArgs
+from miles_launch.engine_launch.api_key import redact
+from miles_launch.plan import log_dir, run_dir
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +87,6 @@ class Reporter:
         self.train_bar = None  # rollouts trained, made at the first record
         self.tb = None
         if tb_dir:
-            from torch.utils.tensorboard import SummaryWriter
-
             self.tb = SummaryWriter(log_dir=tb_dir, filename_suffix=".miles-launch")
         self.wandb = None
         if output.use_wandb:
@@ -228,8 +230,6 @@ def rank0_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
 
 def public_config(args: ParsedArgs) -> dict[str, Any]:
     """The flags as reported to W&B: every value but secrets (the engine API key, masked)."""
-    from miles_launch.engine_launch.api_key import redact
-
     config = dict(vars(args))
     if config.get("sglang_api_key"):
         config["sglang_api_key"] = redact(config["sglang_api_key"])
@@ -238,10 +238,6 @@ def public_config(args: ParsedArgs) -> dict[str, Any]:
 
 def closing_lines(args: ParsedArgs, records: list[dict[str, Any]], seconds: float) -> list[str]:
     """The end of a run: what ran, and where its checkpoints, metrics, picture and logs are."""
-    from miles_core.checkpoint_layout import read_tracker
-
-    from miles_launch.plan import log_dir, run_dir
-
     lines = [f"done: {len(records)} rollout(s) in {seconds:.0f}s"]
     if args.save:
         try:

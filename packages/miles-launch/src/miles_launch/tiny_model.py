@@ -17,15 +17,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
 EOS = "<|endoftext|>"
 DEFAULT_CHARS = "abcdefghijklmnopqrstuvwxyz ,.!?0123456789"
 
 
 def save_char_tokenizer(path: str | Path, chars: str = DEFAULT_CHARS, vocab_size: int = 64):
     """A character-level ``PreTrainedTokenizerFast`` saved under ``path`` (and returned)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     if len(set(chars)) != len(chars) or len(chars) + 1 > vocab_size:
         raise ValueError(
             f"tokenizer: {len(chars)} characters (distinct ones required) do not fit "
@@ -46,8 +47,6 @@ def save_char_tokenizer(path: str | Path, chars: str = DEFAULT_CHARS, vocab_size
 
 def sharpen(model, weight_scale: float, min_dim: int = 2):
     """Multiply every parameter with ``dim >= min_dim`` by ``weight_scale`` in place."""
-    import torch
-
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= min_dim:
@@ -71,9 +70,6 @@ def tiny_qwen3(
 
     ``config_overrides`` go to ``Qwen3Config`` as they are (e.g. ``pad_token_id=0``, which
     also zeroes that embedding row at init)."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     torch.manual_seed(seed)
     config = Qwen3Config(
         vocab_size=vocab_size,

@@ -29,7 +29,9 @@ from miles_core.args import (
     parse_args,
     selected_backend,
 )
+from miles_core.args.checks import option
 from miles_core.args.parsed import ParsedArgs
+from miles_core.backends import BackendNotInstalledError, available
 
 logger = logging.getLogger("miles_launch")
 
@@ -37,8 +39,6 @@ logger = logging.getLogger("miles_launch")
 def run_errors() -> tuple[type[BaseException], ...]:
     """Failures reported as one ``error:`` block (exit status 1) instead of a traceback
     (imported when the job runs: the preflight's errors come before any of this loads)."""
-    from miles_core.backends import BackendNotInstalledError
-
     # miles_core.checkpoint_layout is off the CLI's parse path
     from miles_core.checkpoint_layout import CheckpointError
     from miles_core.engine import EngineError  # miles_core.engine is off the CLI's parse path
@@ -92,7 +92,6 @@ def refuse_other_backends_group(argv: list[str], groups: list) -> None:
         return
     if request.group in {group_help_name(group) for group in groups}:
         return
-    from miles_core.backends import available
 
     for name in sorted(available()):
         try:
@@ -113,7 +112,6 @@ def backend_note(argv: list[str]) -> str | None:
     adds (``None`` unless ``argv`` asks for help: a job need not import the other backend's)."""
     if help_request(argv) is None:
         return None
-    from miles_core.backends import available
 
     backend = selected_backend(argv)
     installed = sorted(available())
@@ -164,8 +162,6 @@ def other_backends_flag(error: ArgumentError, argv: list[str]) -> ArgumentError 
     match = UNKNOWN_FLAG.match(str(error))
     if match is None:
         return None
-    from miles_core.args.checks import option
-    from miles_core.backends import available
 
     flag, backend = match.group(1), selected_backend(argv)
     for name in sorted(set(available()) - {backend}):

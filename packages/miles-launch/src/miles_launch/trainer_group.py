@@ -22,12 +22,17 @@ import socket
 from datetime import timedelta
 from typing import Any
 
+import ray
+import torch
+import torch.distributed as dist
 from miles_core.args.checks import flag_value
 from miles_core.args.parsed import ParsedArgs
+from miles_core.backends import load
 from miles_core.batch import RolloutBatch
 from miles_core.partition import partition_for_dp
 from miles_sync.errors import PublishError
 from miles_sync.node_address import NODE_IP_ENV
+from ray.exceptions import RayActorError
 
 from miles_launch.args import fsdp_cpu_offload
 from miles_launch.placement import TRAINER_SHARE, Placement, node_ip
@@ -115,10 +120,6 @@ class TrainerRank:
 
     def init(self, args: ParsedArgs, master_addr: str, master_port: int) -> int:
         """Process group, then ``backend.init(args)``; returns the next rollout id."""
-        import torch
-        import torch.distributed as dist
-        from miles_core.backends import load
-
         os.environ.update(
             RANK=str(self.rank),
             WORLD_SIZE=str(self.world_size),
@@ -159,8 +160,6 @@ class TrainerRank:
 
     def process_group(self) -> str:
         """The default group's backend as torch reports it (e.g. ``cpu:gloo,cuda:nccl``)."""
-        import torch.distributed as dist
-
         return str(dist.get_backend())
 
     def _role(self, role: str):
@@ -195,8 +194,6 @@ class TrainerRank:
         self._role(role).wake_up()
 
     def close(self) -> None:
-        import torch.distributed as dist
-
         for model in self.models.values():  # the critic first, as built
             model.close()
         if dist.is_initialized():
@@ -232,8 +229,6 @@ class TrainerGroup:
     def __init__(
         self, placement: Placement, backend_name: str, roles: tuple[str, ...] = ("actor",)
     ):
-        import ray
-
         layout = placement.layout
         own_critic = "actor" not in roles
         self.name = "critic" if own_critic else "trainer"
@@ -282,8 +277,6 @@ class TrainerGroup:
         """The results of ``refs`` (one per rank, in rank order). The first rank that fails
         tears every rank down, and :class:`TrainerFailure` names it, its host and ``method``;
         except a publish every rank failed alike (:class:`PublishFailed`, ranks kept)."""
-        import ray
-
         index = {ref: r for r, ref in enumerate(refs)}
         pending = list(refs)
         while pending:
@@ -302,8 +295,6 @@ class TrainerGroup:
     def _failure_line(self, rank: int, method: str, cause: BaseException) -> str:
         """``trainer rank R on HOST failed in METHOD(): ...``; a dead process in one line
         (Ray's own description of it takes several)."""
-        from ray.exceptions import RayActorError
-
         host = self.hosts[rank] if rank < len(self.hosts) else None
         where = f"{self.name} rank {rank}" + (f" on {host}" if host else "")
         if isinstance(cause, RayActorError):
@@ -314,8 +305,6 @@ class TrainerGroup:
     def _all_failed_alike(self, refs: list) -> bool:
         """Whether every rank raised :class:`PublishError` (waits for all of them: a rank
         still in the publish's collectives returns once rank 0's error reached it)."""
-        import ray
-
         for ref in refs:
             try:
                 ray.get(ref)
@@ -372,8 +361,6 @@ class TrainerGroup:
     def _start_on_shards(
         self, method: str, rollout_id: int | None, shards: list[RolloutBatch]
     ) -> Pending:
-        import ray
-
         refs = [ray.put(shard) for shard in shards]
         head = () if rollout_id is None else (rollout_id,)
         return self.start(
@@ -429,8 +416,6 @@ class TrainerGroup:
 
     def teardown(self) -> None:
         """Kill every rank's actor (idempotent)."""
-        import ray
-
         for actor in self.actors:
             try:
                 ray.kill(actor)

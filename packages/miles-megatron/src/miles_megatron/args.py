@@ -17,15 +17,17 @@ from typing import ClassVar
 from miles_core.args import ArgGroup, ArgumentError, flag
 from miles_core.args.checks import flag_value, launch_world_size
 from miles_core.args.checks import option as flag_option
+from miles_core.args.groups.offload import offload_train_on
 from miles_core.args.parsed import ParsedArgs
 from miles_core.precision import train_dtype_name
 
 from miles_megatron.arch_args import (
     ArchitectureArgs,
+    explicit_arch_args,
     resolve_model_args,
     transformer_engine_available,
 )
-from miles_megatron.generated_flags import check_generated_flags, generated_value
+from miles_megatron.generated_flags import check_generated_flags, generated_groups, generated_value
 from miles_megatron.layout_kinds import check_layout_kind
 
 #: the values the Megatron backend honours
@@ -170,8 +172,6 @@ class MegatronArgs(ArgGroup):
 
     @classmethod
     def check_paths(cls, args: ParsedArgs) -> None:
-        from miles_megatron.arch_args import explicit_arch_args
-
         # the architecture is checked when one is described (the backend's init requires it)
         from miles_megatron.bridge import BridgeError
 
@@ -334,8 +334,6 @@ def check_memory_flags(args: ParsedArgs) -> None:
     """The megatron-specific rules of the memory flags (miles-core's offload group checks the
     rest: ``--rematerialize-param-from-master-weight`` needs ``--colocate`` and the cpu target,
     ``--stream-optimizer-state-to-disk`` excludes ``--optimizer-cpu-offload``)."""
-    from miles_core.args.groups.offload import offload_train_on
-
     precision_aware = bool(generated_value(args, "use_precision_aware_optimizer"))
     if args.rematerialize_param_from_master_weight:
         if precision_aware:
@@ -446,7 +444,5 @@ def check_parallel_sizes(args: ParsedArgs, world_size: int | None, model_args: d
 @functools.cache
 def megatron_groups() -> list[type[ArgGroup]]:
     """The ``megatron`` entry point's groups: own flags, architecture, generated."""
-    from miles_megatron.generated_flags import generated_groups
-
     own = [MegatronArgs, ArchitectureArgs]
     return [*own, *generated_groups(own)]

@@ -51,22 +51,37 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from megatron.core.transformer.module import Float16Module
 from miles_core.args import ArgumentError, ParsedArgs
+from miles_core.args.groups.critic import critic_args
+from miles_core.checkpoint_layout import resolve_load
 from miles_core.compiled_layers import compile_layers
 from miles_core.contract import DataLayout, TrainBackend
 from miles_core.custom_loss import LossHook
 from miles_core.user_functions import load_function
+from miles_sync.ranks import RankContext
+from miles_sync.weight_sync import SyncConfig, WeightPublisher
 
 from miles_megatron.arch_args import resolve_model_args
+from miles_megatron.args import megatron_groups
 from miles_megatron.bridge import BridgeError, bridge_for
+from miles_megatron.checkpoint import finish_saves, load_checkpoint, load_rng, save_checkpoint
 from miles_megatron.fp32_params import restore_marked_dtypes
 from miles_megatron.hf_weights import HFCheckpoint, iter_hf_weights, load_hf_into_model
+from miles_megatron.lora import adapters_disabled
+from miles_megatron.lora.actor import ActorLoRA
 from miles_megatron.model_config import build_gpt_model, transformer_config, transformer_layers
 from miles_megatron.optimizer import build_optimizer, wrap_ddp
+from miles_megatron.packed_forward import rollout_log_probs, rollout_values
 from miles_megatron.parallel import acquire_parallel, release_parallel
 from miles_megatron.publish_source import TO_ALL_MODES, model_weights
 from miles_megatron.reference_model import ReferenceModel, wants_reference
 from miles_megatron.sleep_wake import sleeper_from_args
+from miles_megatron.streamed_optimizer import close_streamed
+from miles_megatron.train_step import TrainContext, split_micro_batches, train_rollout
+from miles_megatron.value_head import install_value_head
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +102,6 @@ class MegatronBackend(TrainBackend):
 
     @classmethod
     def arg_groups(cls) -> Sequence[type]:
-        from miles_megatron.args import megatron_groups
-
         return megatron_groups()
 
     def __init__(self) -> None:
@@ -110,8 +123,6 @@ class MegatronBackend(TrainBackend):
                 f"the megatron backend trains roles 'actor' and 'critic', not {role!r}"
             )
         if role == "critic":  # its own flags: --critic-lr, --critic-save, ..., value_loss
-            from miles_core.args.groups.critic import critic_args
-
             args = critic_args(args)
         self.role = role
         self.args = args
@@ -150,22 +161,16 @@ class MegatronBackend(TrainBackend):
                 args.tensor_model_parallel_size,
             )
         if args.use_lora:
-            from miles_megatron.lora.actor import ActorLoRA
-
             extra = resumed.meta.extra if resumed is not None else None
             self.lora = ActorLoRA.attach(args, model, self.bridge, self.margs, extra)
         elif resumed is not None and "lora" in resumed.meta.extra:
             raise ArgumentError(f"--load {args.load}: a LoRA adapter checkpoint needs --use-lora")
         if role == "critic":  # after the HF load (the LM head's weights are not the critic's)
-            from miles_megatron.value_head import install_value_head
-
             install_value_head(model, args.seed)
         if args.compile_decoder_layers:  # compiled at the first forward, inside the recompute
             compile_layers(transformer_layers(model))
         model = model.to(self.device)
         if config.bf16 or config.fp16:
-            from megatron.core.transformer.module import Float16Module
-
             model = Float16Module(config, model)
             restore_marked_dtypes(model)
         phase("wrapping the model in DDP and building the optimizer")
@@ -175,8 +180,6 @@ class MegatronBackend(TrainBackend):
         self.sleeper = sleeper_from_args(self.model, self.optimizer, args, name=name, role=role)
         next_rollout_id = 0
         if resumed is not None:
-            from miles_megatron.checkpoint import load_checkpoint
-
             phase(f"loading the checkpoint {resumed.path}")
             load_checkpoint(
                 resumed.path,
@@ -200,12 +203,8 @@ class MegatronBackend(TrainBackend):
         if init_hook is not None:
             init_hook(args, self.model, self.optimizer)
         if args.async_save:
-            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
             self._async_saves = AsyncCallsQueue(persistent=False)
         if resumed is not None and args.load_rng:
-            from miles_megatron.checkpoint import load_rng
-
             load_rng(resumed.path)  # last: nothing in init draws after it
         phase("ready")
         return next_rollout_id
@@ -213,7 +212,6 @@ class MegatronBackend(TrainBackend):
     def _resolve_load(self):
         if not getattr(self.args, "load", None):
             return None
-        from miles_core.checkpoint_layout import resolve_load
 
         return resolve_load(self.args.load, getattr(self.args, "ckpt_step", None))
 
@@ -224,8 +222,6 @@ class MegatronBackend(TrainBackend):
 
     # ------------------------------------------------------------------ data
     def data_layout(self) -> DataLayout:
-        from megatron.core import parallel_state as ps
-
         return DataLayout(
             dp_rank=ps.get_data_parallel_rank(),
             dp_size=ps.get_data_parallel_world_size(),
@@ -240,8 +236,6 @@ class MegatronBackend(TrainBackend):
         Broadcast over the PP group, then CP, then TP: a group whose source holds nothing yet
         passes ``None`` along, which a later broadcast overwrites.
         """
-        from megatron.core import parallel_state as ps
-
         steps = (
             (ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_first_rank()),
             (ps.get_context_parallel_group(), ps.get_context_parallel_global_ranks()[0]),
@@ -256,9 +250,6 @@ class MegatronBackend(TrainBackend):
 
     # ------------------------------------------------------------------ train
     def train(self, rollout_id: int, batch: Any) -> dict[str, float]:
-        from miles_megatron.checkpoint import finish_saves
-        from miles_megatron.train_step import train_rollout
-
         finish_saves(self._async_saves, blocking=False)  # publish writes that are done
         batch = self._share_with_model_parallel_peers(batch)
         ctx = self._context()
@@ -275,9 +266,6 @@ class MegatronBackend(TrainBackend):
         """The critic's per-sample values ``V_t`` of this rank's shard (float32, CPU,
         response-aligned), before this rollout's update, on every rank of the DP rank (the
         launcher reads the data-consuming one's). Critic role only; collective."""
-        from miles_megatron.packed_forward import rollout_values
-        from miles_megatron.train_step import split_micro_batches
-
         if self.role != "critic":
             raise ValueError(f"compute_values: the {self.role} has no value head")
         self.wake_up()
@@ -294,8 +282,6 @@ class MegatronBackend(TrainBackend):
     def _reference_weights(self) -> Iterator[None]:
         """The reference policy in the actor's modules: ``--ref-load``'s weights swapped in
         and/or the LoRA adapters off (``lora_base``; also with ``ref``: the reference has none)."""
-        from miles_megatron.lora import adapters_disabled
-
         with contextlib.ExitStack() as stack:
             if self.reference is not None:
                 stack.enter_context(self.reference.swapped_in(self.model))
@@ -306,9 +292,6 @@ class MegatronBackend(TrainBackend):
     def reference_log_probs(self, batch: Any, ctx: Any = None) -> list[torch.Tensor]:
         """Per-sample response log-probs of the reference policy (``--ref-load`` or, with
         ``--ref-mode lora_base``, the actor without its adapters)."""
-        from miles_megatron.packed_forward import rollout_log_probs
-        from miles_megatron.train_step import split_micro_batches
-
         ctx = ctx or self._context()
         if ctx.before_log_prob_hook is not None:
             ctx.before_log_prob_hook(self.args, self.model, batch)
@@ -326,10 +309,6 @@ class MegatronBackend(TrainBackend):
             )
 
     def _context(self):
-        from megatron.core import parallel_state as ps
-
-        from miles_megatron.train_step import TrainContext
-
         return TrainContext(
             model=self.model,
             optimizer=self.optimizer,
@@ -415,9 +394,6 @@ class MegatronBackend(TrainBackend):
         (in the DDP buffers) from the target, gathered over TP/EP and merged on the fly
         exactly as awake (``--publish-lora-adapter``: the factors alone); nothing wakes.
         """
-        from miles_sync.ranks import RankContext
-        from miles_sync.weight_sync import SyncConfig, WeightPublisher
-
         if self.role == "critic":
             raise ValueError("update_weights: the critic never publishes to the engines")
         which = weights or getattr(self.args, "rollout_weights", "actor")
@@ -443,8 +419,6 @@ class MegatronBackend(TrainBackend):
         previous async save is always finished first. ``force_sync``: durable on return.
         Asleep (the critic under ``--colocate`` sleeps between its phases): wakes, saves
         synchronously (an async write would read the state after it sleeps again), sleeps."""
-        from miles_megatron.checkpoint import finish_saves, save_checkpoint
-
         if self.sleeper.asleep:
             self.wake_up()
             try:
@@ -481,8 +455,6 @@ class MegatronBackend(TrainBackend):
         self.sleeper.wake_up()
 
     def close(self) -> None:
-        from miles_megatron.checkpoint import finish_saves
-
         if self._async_saves is not None:
             finish_saves(self._async_saves)
             self._async_saves = None
@@ -492,8 +464,6 @@ class MegatronBackend(TrainBackend):
         if getattr(self, "sleeper", None) is not None:
             self.sleeper.close()
         if self.optimizer is not None:
-            from miles_megatron.streamed_optimizer import close_streamed
-
             close_streamed(self.optimizer)
         release_parallel()
         self.model = self.optimizer = self.scheduler = None

@@ -32,10 +32,19 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+from miles_core.checkpoint_layout import (
+    CheckpointMeta,
+    commit_iteration,
+    iteration_dir,
+    prepare_iteration_dir,
+)
 from miles_core.safe_load import load_state_file
 
 from miles_megatron import mcore_compat
 from miles_megatron.optimizer import distributed_optimizers
+from miles_megatron.streamed_optimizer import is_streamed, load_streamed_state, save_streamed_state
 from miles_megatron.torch_dist import save_strategy
 
 RNG_FILENAME = "rng.pt"
@@ -49,8 +58,6 @@ def _state(model, optimizer, scheduler, with_optim: bool, model_sd=None) -> dict
     model_sd = module.sharded_state_dict() if model_sd is None else model_sd
     state: dict[str, Any] = {"model": model_sd}
     if with_optim:
-        from miles_megatron.streamed_optimizer import is_streamed
-
         if not is_streamed(optimizer):  # streamed state: files of its own, see save_checkpoint
             state["optimizer"] = optimizer.sharded_state_dict(
                 model_sd, is_loading=False, metadata=OPTIMIZER_METADATA
@@ -61,8 +68,6 @@ def _state(model, optimizer, scheduler, with_optim: bool, model_sd=None) -> dict
 
 def rng_state() -> dict[str, Any]:
     """This rank's random states (see the module docstring)."""
-    from megatron.core import tensor_parallel
-
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
@@ -75,8 +80,6 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    from megatron.core import tensor_parallel
-
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -108,8 +111,6 @@ def load_rng(path: Path) -> bool:
 
 def _commit(save_dir: str, meta) -> None:
     """Every rank: wait for all writes, then rank 0 writes meta.json and moves the tracker."""
-    from miles_core.checkpoint_layout import commit_iteration
-
     dist.barrier()
     if dist.get_rank() == 0:
         commit_iteration(save_dir, meta.iteration, meta)
@@ -135,9 +136,6 @@ def save_checkpoint(
     own sharded state dict (LoRA: the adapters only,
     :func:`miles_megatron.lora.checkpoint.adapter_sharded_state_dict`).
     """
-    from megatron.core import dist_checkpointing
-    from miles_core.checkpoint_layout import CheckpointMeta, iteration_dir, prepare_iteration_dir
-
     iteration = rollout_id + 1
     if dist.get_rank() == 0:
         prepare_iteration_dir(save_dir, iteration)
@@ -156,8 +154,6 @@ def save_checkpoint(
     )
     state = _state(model, optimizer, scheduler, save_optim, model_sd)
     if save_optim:  # synchronous, so before any tracker commit (also with --async-save)
-        from miles_megatron.streamed_optimizer import save_streamed_state
-
         save_streamed_state(optimizer, target)  # no-op unless --stream-optimizer-state-to-disk
     if async_queue is None:
         dist_checkpointing.save(state, str(target), sharded_strategy=save_strategy(True))
@@ -225,9 +221,6 @@ def load_checkpoint(
     With ``model_sd`` (a sharded state dict whose tensors' data are parameters, as saved with
     :func:`save_checkpoint`'s ``model_sd``) only those parameters are filled.
     """
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.serialization import load_common_state_dict
-
     common = load_common_state_dict(str(path)) or {}
     has_optim = "optimizer" in common or any(k.startswith("optimizer") for k in common)
     with_optim = load_optim and has_optim
@@ -253,8 +246,6 @@ def load_checkpoint(
     else:  # 16-bit models: the fp32 master shards were made from the weights before the load
         optimizer.reload_model_params()
     if load_optim:
-        from miles_megatron.streamed_optimizer import load_streamed_state
-
         load_streamed_state(optimizer, path)  # refuses a streamed/in-memory mismatch
     if "opt_param_scheduler" in common:
         scheduler.load_state_dict(common["opt_param_scheduler"])

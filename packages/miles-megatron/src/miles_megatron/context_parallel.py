@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 from miles_core.packing import PAD_MULTIPLE, PackedBatch
 
 
@@ -189,8 +190,6 @@ class PackedShard:
 
 def shard_micro_batches(micro_batches: list[PackedBatch]) -> list[PackedShard]:
     """This CP rank's shard of each packed micro-batch (megatron's CP group and rank)."""
-    from megatron.core import parallel_state as ps
-
     cp_size = ps.get_context_parallel_world_size()
     group = ps.get_context_parallel_group() if cp_size > 1 else None
     rank = ps.get_context_parallel_rank()
@@ -199,8 +198,6 @@ def shard_micro_batches(micro_batches: list[PackedBatch]) -> list[PackedShard]:
 
 def row_pad_multiple() -> int:
     """:func:`pad_multiple` of megatron's CP and TP sizes."""
-    from megatron.core import parallel_state as ps
-
     return pad_multiple(
         ps.get_context_parallel_world_size(), ps.get_tensor_model_parallel_world_size()
     )

@@ -23,15 +23,33 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from miles_core.args import core_groups, parse_args_or_exit
 from miles_core.args.parsed import ParsedArgs
+from miles_core.checkpoint_layout import (
+    CheckpointMeta,
+    commit_iteration,
+    iteration_dir,
+    prepare_iteration_dir,
+    resolve_load,
+)
+from miles_core.precision import DTYPES, explicit_dtype_name
+
+from miles_megatron.arch_args import resolve_model_args
+from miles_megatron.args import megatron_groups
+from miles_megatron.bridge import bridge_for
+from miles_megatron.hf_weights import (
+    HFCheckpoint,
+    iter_hf_weights,
+    load_hf_into_model,
+    save_hf_checkpoint,
+)
+from miles_megatron.model_config import build_gpt_model
+from miles_megatron.parallel import destroy_parallel, initialize_parallel
+from miles_megatron.torch_dist import load_model_weights, save_model_weights, saved_weights_dtype
 
 
 def _setup(args: ParsedArgs):
-    from miles_megatron.arch_args import resolve_model_args
-    from miles_megatron.bridge import bridge_for
-    from miles_megatron.model_config import build_gpt_model
-    from miles_megatron.parallel import initialize_parallel
-
     margs = resolve_model_args(args)
     initialize_parallel(args, margs)
     model = build_gpt_model(margs, args)
@@ -40,11 +58,6 @@ def _setup(args: ParsedArgs):
 
 def hf_to_torch_dist(args: ParsedArgs) -> Path:
     """Convert ``--hf-checkpoint`` into a torch_dist checkpoint under ``--save``."""
-    from miles_core.checkpoint_layout import commit_iteration, iteration_dir, prepare_iteration_dir
-
-    from miles_megatron.hf_weights import HFCheckpoint, load_hf_into_model
-    from miles_megatron.torch_dist import save_model_weights
-
     source = HFCheckpoint(args.hf_checkpoint)
     _keep_source_dtype(args, source.dtype())
     margs, model, bridge = _setup(args)
@@ -61,8 +74,6 @@ def hf_to_torch_dist(args: ParsedArgs) -> Path:
 
 
 def _meta():
-    from miles_core.checkpoint_layout import CheckpointMeta
-
     return CheckpointMeta(
         iteration=0,
         rollout_id=-1,
@@ -78,8 +89,6 @@ def _meta():
 def _keep_source_dtype(args: ParsedArgs, dtype: torch.dtype | None) -> None:
     """Convert in the source's own dtype unless ``--bf16`` / ``--no-bf16`` / ``--fp16`` names
     one: the default training dtype (bf16) would round an fp32 checkpoint on its way out."""
-    from miles_core.precision import DTYPES, explicit_dtype_name
-
     if dtype is None or explicit_dtype_name(args) is not None:
         return
     name = {v: k for k, v in DTYPES.items()}.get(dtype)
@@ -90,12 +99,6 @@ def _keep_source_dtype(args: ParsedArgs, dtype: torch.dtype | None) -> None:
 
 def torch_dist_to_hf(args: ParsedArgs) -> Path:
     """Convert the torch_dist checkpoint of ``--load`` into an HF directory at ``--save``."""
-    from megatron.core import parallel_state as ps
-    from miles_core.checkpoint_layout import resolve_load
-
-    from miles_megatron.hf_weights import iter_hf_weights, save_hf_checkpoint
-    from miles_megatron.torch_dist import load_model_weights, saved_weights_dtype
-
     if args.pipeline_model_parallel_size != 1:
         raise SystemExit("torch-dist-to-hf runs with --pipeline-model-parallel-size 1")
     resolved = resolve_load(args.load, args.ckpt_step)
@@ -113,10 +116,6 @@ def torch_dist_to_hf(args: ParsedArgs) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from miles_core.args import core_groups, parse_args_or_exit
-
-    from miles_megatron.args import megatron_groups
-
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"hf-to-torch-dist": hf_to_torch_dist, "torch-dist-to-hf": torch_dist_to_hf}
     if not argv or argv[0] not in commands:
@@ -134,14 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("MASTER_PORT", "29533")
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
-        import torch
 
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
         commands[argv[0]](args)
     finally:
-        from miles_megatron.parallel import destroy_parallel
-
         destroy_parallel()
         if started:
             dist.destroy_process_group()

@@ -161,7 +161,7 @@ def __getattr__(name: str) -> Any:
     """A generated group by its class name, made on first use: what pickle looks up when it
     rebuilds a ``RunConfig`` in a process that has not parsed a command line (a Ray actor)."""
     if name.startswith("Generated") and name.endswith("Args"):
-        from miles_megatron.args import megatron_groups
+        from miles_megatron.args import megatron_groups  # cycle: miles_megatron.args imports this
 
         for group in megatron_groups():
             if group.__name__ == name:
@@ -225,7 +225,7 @@ def write_release_module() -> str:
 def config_overrides(args: ParsedArgs, config_cls: type) -> dict[str, Any]:
     """Values of ``config_cls``'s generated flags that were set (not None)."""
     group_name = f"Generated{config_cls.__name__}Args"
-    from miles_megatron.args import megatron_groups
+    from miles_megatron.args import megatron_groups  # cycle: miles_megatron.args imports this
 
     (group,) = [g for g in megatron_groups() if g.__name__ == group_name]
     out = {}
@@ -269,7 +269,7 @@ HONOURED_FIELDS: dict[str, tuple[Any, ...] | None] = {
 def check_generated_flags(args: ParsedArgs) -> None:
     """Refuse a generated flag given on the command line that is not in
     :data:`HONOURED_FIELDS`, or one given a value the backend does not take, in one line."""
-    from miles_megatron.args import megatron_groups
+    from miles_megatron.args import megatron_groups  # cycle: miles_megatron.args imports this
 
     for group in megatron_groups():
         if not group.__name__.startswith("Generated"):

@@ -17,6 +17,16 @@ import dataclasses
 from typing import Any
 
 import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+
+from miles_megatron.sdpa_attention import SDPAttention
 
 
 class SequenceParallelTorchNorm:
@@ -37,8 +47,6 @@ class SequenceParallelTorchNorm:
 
 def _swap(spec: Any, old: type, new: type) -> Any:
     """Replace ``old`` by ``new`` everywhere in a ModuleSpec tree (returns a new tree)."""
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
     if spec is old:
         return new
     if isinstance(spec, ModuleSpec):
@@ -55,21 +63,12 @@ def _swap(spec: Any, old: type, new: type) -> Any:
 
 def local_block_spec(margs: dict, config: Any, vp_stage: int | None = None) -> Any:
     """This stage's ``TransformerBlockSubmodules`` from the local spec, SP-capable norms."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from megatron.core.transformer.transformer_block import (
-        TransformerBlockSubmodules,
-        get_num_layers_to_build,
-    )
-
     layer = get_gpt_layer_local_spec(
         num_experts=margs.get("num_experts"),
         moe_grouped_gemm=False,  # local_experts.<e>: the bridge's names (--moe-grouped-gemm refused)
         qk_layernorm=bool(margs.get("qk_layernorm")),
         normalization=margs.get("normalization"),
     )
-    from miles_megatron.sdpa_attention import SDPAttention
 
     layer = _swap(layer, WrappedTorchNorm, SequenceParallelTorchNorm)
     layer = _swap(layer, DotProductAttention, SDPAttention)

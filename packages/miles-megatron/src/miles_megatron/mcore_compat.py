@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import inspect
 
+from megatron.core import dist_checkpointing
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.transformer.moe import moe_utils
+
 
 def apply() -> None:
-    from megatron.core.transformer.moe import moe_utils
-
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     _fix_step_on_load()
@@ -40,16 +42,12 @@ def apply() -> None:
 def async_save_kwargs() -> dict:
     """Extra ``dist_checkpointing.save`` arguments of an async save: megatron-core's own writer."""
 
-    from megatron.core import dist_checkpointing
-
     if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
         return {"async_strategy": "mcore"}
     return {}
 
 
 def _fix_group_index_map() -> None:
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
     original = DistributedOptimizer.__init__
     if getattr(original, "_miles_index_fix", False):
         return
@@ -74,8 +72,6 @@ def rebuild_group_index_map(optimizer) -> None:
 
 
 def _fix_step_on_load() -> None:
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
     original = DistributedOptimizer._set_main_param_and_optimizer_states
     if getattr(original, "_miles_step_fix", False):
         return

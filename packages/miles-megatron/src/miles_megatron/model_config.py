@@ -12,11 +12,19 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
 from miles_core.args.parsed import ParsedArgs
 from miles_core.precision import train_dtype
 from miles_core.user_functions import load_function
 
+from miles_megatron import mcore_compat
 from miles_megatron.bridge import padded_vocab_size
+from miles_megatron.generated_flags import config_overrides
+from miles_megatron.local_spec import local_block_spec
+from miles_megatron.packed_attention import resolve_attn_implementation
 
 
 def params_dtype(args: ParsedArgs) -> torch.dtype:
@@ -27,10 +35,6 @@ def params_dtype(args: ParsedArgs) -> torch.dtype:
 
 def transformer_config(margs: Mapping[str, Any], args: ParsedArgs):
     """The ``TransformerConfig`` of the model described by ``margs`` under ``args``' layout."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from miles_megatron.generated_flags import config_overrides
-
     tp = args.tensor_model_parallel_size
     dtype = params_dtype(args)
     kwargs: dict[str, Any] = dict(
@@ -102,7 +106,6 @@ def layer_spec(margs: Mapping[str, Any], config, args: ParsedArgs, vp_stage: int
         module_name, function = args.spec
         spec = load_function(f"{module_name}:{function}", "--spec")
         return spec(args, config, vp_stage) if callable(spec) else spec
-    from miles_megatron.local_spec import local_block_spec
 
     return local_block_spec(dict(margs), config, vp_stage)
 
@@ -123,12 +126,6 @@ def gpt_model_kwargs(margs: Mapping[str, Any], args: ParsedArgs) -> dict[str, An
 
 def build_gpt_model(margs: Mapping[str, Any], args: ParsedArgs, config=None):
     """This rank's GPTModel chunk (parallel state must be initialised)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
-    from miles_megatron import mcore_compat
-    from miles_megatron.packed_attention import resolve_attn_implementation
-
     mcore_compat.apply()
     config = config or transformer_config(margs, args)
     model = GPTModel(
@@ -145,8 +142,6 @@ def build_gpt_model(margs: Mapping[str, Any], args: ParsedArgs, config=None):
 def transformer_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """This rank's ``TransformerLayer`` modules of ``model`` (its pipeline stage's), in order:
     what ``--compile-decoder-layers`` compiles (:mod:`miles_core.compiled_layers`)."""
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
     if not layers:
         raise ValueError(f"{type(model).__name__} has no TransformerLayer to compile")

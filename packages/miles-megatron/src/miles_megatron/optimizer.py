@@ -25,20 +25,20 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from miles_core.args.parsed import ParsedArgs
-from miles_core.optimizer import OptimizerConfig
+from miles_core.optimizer import OptimizerConfig, run_optimizer_steps
 from miles_core.optimizer import optimizer_config as core_optimizer_config
 
+from miles_megatron.generated_flags import config_overrides
 from miles_megatron.model_config import params_dtype
 
 
 def wrap_ddp(model: torch.nn.Module, config: Any, args: ParsedArgs) -> torch.nn.Module:
     """megatron-core DDP over ``model`` with contiguous grad buffers for the distributed optimizer."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    from miles_megatron.generated_flags import config_overrides
-
     kwargs: dict[str, Any] = dict(
         use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False
     )
@@ -53,14 +53,16 @@ def distributed_optimizers(optimizer: Any) -> list:
     return [o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if o is not None]
 
 
+def _core_config(args: ParsedArgs) -> OptimizerConfig:
+    """miles-core's optimizer settings of the parsed groups (the critic's under critic_args)."""
+    cfg = args.run_config
+    return core_optimizer_config(cfg.optimizer, cfg.offload, run_optimizer_steps(args))
+
+
 def optimizer_config(args: ParsedArgs):
     """megatron-core's ``OptimizerConfig`` from the flags (see the module docstring)."""
-    from megatron.core.optimizer import OptimizerConfig
-
-    from miles_megatron.generated_flags import config_overrides
-
     dtype = params_dtype(args)
-    core = core_optimizer_config(args)
+    core = _core_config(args)
     kwargs: dict[str, Any] = dict(
         optimizer="adam",
         lr=core.lr,
@@ -84,8 +86,8 @@ def optimizer_config(args: ParsedArgs):
     )
     if kwargs["optimizer_cpu_offload"]:
         kwargs["optimizer_offload_fraction"] = 1.0  # Megatron-LM's default; core's is 0
-    kwargs.update(config_overrides(args, OptimizerConfig))
-    return OptimizerConfig(**kwargs)
+    kwargs.update(config_overrides(args, MegatronOptimizerConfig))
+    return MegatronOptimizerConfig(**kwargs)
 
 
 class CoreLRScheduler(OptimizerParamScheduler):
@@ -126,11 +128,10 @@ def build_scheduler(optimizer: Any, cfg: OptimizerConfig) -> CoreLRScheduler:
 
 def build_optimizer(model: torch.nn.Module, args: ParsedArgs):
     """``(optimizer, scheduler)`` for the DDP-wrapped ``model``."""
-    from megatron.core.optimizer import get_megatron_optimizer
-
-    core = core_optimizer_config(args)
+    core = _core_config(args)
     optimizer = get_megatron_optimizer(optimizer_config(args), [model])
     if core.streamed is not None:
+        # cycle: miles_megatron.streamed_optimizer imports this module
         from miles_megatron.streamed_optimizer import stream_optimizer_state
 
         stream_optimizer_state(optimizer, core)

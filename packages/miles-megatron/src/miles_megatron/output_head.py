@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from miles_core.log_prob_head import dense_log_probs, fused_log_probs
 from miles_core.packing import PackedBatch
 
@@ -40,9 +42,6 @@ def scoring(
     """Within: the last stage's output layer returns ``[s, b, 2]`` (log-prob of ``targets``
     ``[b, s]``, entropy) at ``temperature``, float32, over the real ``vocab_size``; the entropy
     carries a gradient only with ``entropy_grad``."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-
     head = unwrap(model).output_layer
     group = ps.get_tensor_model_parallel_group()
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from miles_core import varlen_attention
 from miles_core.args import ArgumentError
 from miles_core.args.parsed import ParsedArgs
 
@@ -41,6 +42,7 @@ CONFIG_ATTR = "miles_attn_implementation"
 
 def _varlen_blocker(config: Any, model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot attend through varlen, or None."""
+    # cycle: miles_megatron.sdpa_attention imports this module
     from miles_megatron.sdpa_attention import SDPAttention
 
     if config.context_parallel_size > 1:
@@ -61,15 +63,15 @@ def _varlen_blocker(config: Any, model: torch.nn.Module) -> str | None:
 def resolve_attn_implementation(args: ParsedArgs, config: Any, model: torch.nn.Module) -> str:
     """The attention ``model`` (built from ``config``) uses: ``--attn-implementation`` or its
     default; stored on ``config`` (:data:`CONFIG_ATTR`) and returned."""
-    from miles_core.varlen_attention import kernel_available
-
     requested = args.attn_implementation
     blocker = _varlen_blocker(config, model)
     if requested == "varlen" and blocker is not None:
         raise ArgumentError(f"--attn-implementation varlen: {blocker}")
     if requested is not None:
         chosen = requested
-    elif blocker is None and torch.cuda.is_available() and kernel_available("cuda"):
+    elif (
+        blocker is None and torch.cuda.is_available() and varlen_attention.kernel_available("cuda")
+    ):
         chosen = "varlen"
         _say("miles-megatron: attending packed rows with torch's varlen flash attention")
     else:

@@ -13,8 +13,11 @@ from __future__ import annotations
 from datetime import timedelta
 
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
 from miles_core.args.checks import flag_value
 from miles_core.args.parsed import ParsedArgs
+from torch.distributed.distributed_c10d import _world
 
 from miles_megatron.args import check_parallel_sizes
 
@@ -35,8 +38,6 @@ _SIZE_FLAGS = (
 
 
 def _registered_groups() -> list:
-    from torch.distributed.distributed_c10d import _world
-
     return list(_world.pg_map)
 
 
@@ -44,9 +45,6 @@ def initialize_parallel(
     args: ParsedArgs, model_args: dict | None = None, timeout_s: float = 600
 ) -> None:
     """Validate the layout against the real world size, then build megatron's groups and seeds."""
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-
     if not dist.is_initialized():
         raise RuntimeError("initialize_parallel: torch.distributed is not initialised")
     check_parallel_sizes(args, dist.get_world_size(), model_args)
@@ -68,8 +66,6 @@ def initialize_parallel(
 def destroy_parallel() -> None:
     """Forget megatron's groups and destroy the process groups it created (every rank calls
     this together, as it called :func:`initialize_parallel`: NCCL teardown waits for peers)."""
-    from megatron.core import parallel_state as ps
-
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     for group in reversed(_OWN_GROUPS):
@@ -86,9 +82,6 @@ def acquire_parallel(args: ParsedArgs, model_args: dict | None = None) -> None:
     """A backend's :func:`initialize_parallel`: the first user builds the state; a second
     backend in the process (the critic beside the actor) joins it, with the same layout, and
     reseeds megatron's RNG tracker as a first init would."""
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-
     layout = _layout(args)
     if _USERS and ps.model_parallel_is_initialized():
         if layout != _USERS[0]:

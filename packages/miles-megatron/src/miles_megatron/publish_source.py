@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 #: the transports whose every rank needs every tensor
 TO_ALL_MODES = ("ipc", "p2p")
@@ -65,8 +66,6 @@ def model_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The whole model's ``(hf_name, tensor)`` on the ranks the transport needs (module
     docstring); a collective on every trainer rank. ``stage_weights()``: this stage's source."""
-    from megatron.core import parallel_state as ps
-
     pp_size = ps.get_pipeline_model_parallel_world_size()
     if pp_size == 1:
         return _checked(stage_weights(), expected, what)
@@ -79,8 +78,6 @@ def model_weights(
 
 def _broadcast_stages(stage_weights, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     """Every stage's tensors on every rank: stage ``s`` broadcasts over each pipeline group."""
-    from megatron.core import parallel_state as ps
-
     group = ps.get_pipeline_model_parallel_group()
     ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
     me = ps.get_pipeline_model_parallel_rank()
@@ -107,8 +104,6 @@ def _broadcast_stages(stage_weights, device: torch.device) -> Iterator[tuple[str
 def _stages_to_first(stage_weights, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     """Global rank 0: its stage's tensors, then each later stage's from its pipeline peer.
     The peers of rank 0 send theirs; every rank yields its own stage's."""
-    from megatron.core import parallel_state as ps
-
     ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
     me = dist.get_rank()
     yield from _sent_to(stage_weights(), 0 if 0 in ranks and me != 0 else None)

@@ -17,8 +17,11 @@ from pathlib import Path
 
 import torch
 from miles_core.args.parsed import ParsedArgs
+from miles_core.checkpoint_layout import resolve_load
 
+from miles_megatron.hf_weights import HFCheckpoint, load_hf_into_model
 from miles_megatron.sharding import unwrap
+from miles_megatron.torch_dist import load_model_weights
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
@@ -43,14 +46,8 @@ class ReferenceModel:
         and put the actor's own weights back."""
         actor = cls.from_actor(model)
         if (Path(ref_load) / "config.json").is_file():
-            from miles_megatron.hf_weights import HFCheckpoint, load_hf_into_model
-
             load_hf_into_model(unwrap(model), HFCheckpoint(ref_load), bridge, margs, tp)
         else:
-            from miles_core.checkpoint_layout import resolve_load
-
-            from miles_megatron.torch_dist import load_model_weights
-
             resolved = resolve_load(ref_load)
             if resolved is None:
                 raise ValueError(f"--ref-load {ref_load}: no config.json and no checkpoint tracker")

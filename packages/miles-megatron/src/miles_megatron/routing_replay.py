@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 FLAG = "--use-rollout-routing-replay"
 
@@ -32,8 +33,6 @@ def replay_routers(model: torch.nn.Module) -> list[Any]:
 def set_routed_experts(model: torch.nn.Module, routed: torch.Tensor | None) -> int:
     """Give each replaying router of ``model`` its layer's ids of ``routed`` and replay them;
     returns the number of routers set (0: the model does not replay)."""
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
     routers = replay_routers(model)
     if not routers:
         return 0

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
 from miles_core.packing import PackedBatch
 
 from miles_megatron.context_parallel import PackedShard, shard_micro_batches
@@ -71,9 +73,6 @@ def run_schedule(
     in the DDP buffers; the caller finalises them (``finalize_model_grads``) and steps the
     optimizer.
     """
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     count = len(micro_batches)
     last_stage = ps.is_pipeline_last_stage()
     shards = shard_micro_batches(list(micro_batches))
@@ -109,8 +108,6 @@ def run_schedule(
 
 def broadcast_from_last_stage(value: Any) -> Any:
     """``value`` of the last pipeline stage, on every stage of this rank's pipeline group."""
-    from megatron.core import parallel_state as ps
-
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return value
     group = ps.get_pipeline_model_parallel_group()

@@ -34,10 +34,13 @@ import copy
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from miles_core.varlen_attention import varlen_causal_attention
 
+from miles_megatron.context_parallel import gather_sequence
 from miles_megatron.packed_attention import block_mask, read_varlen_mask
 
 
@@ -56,8 +59,6 @@ def sdpa_attend(
     where a query attends. With ``cp_group`` the keys and values are this CP rank's and are
     all-gathered over the group first; ``mask``'s columns follow the gathered order."""
     if cp_group is not None:
-        from miles_megatron.context_parallel import gather_sequence
-
         if mask is None:
             raise ValueError("context parallelism needs the packed row's attention mask")
         key, value = gather_sequence(key, cp_group), gather_sequence(value, cp_group)
@@ -155,16 +156,12 @@ class SDPAttention(DotProductAttention):
         causal = mask is None and (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
         cp_group = None
         if self.cp_size > 1:
-            from megatron.core import parallel_state as ps
-
             cp_group = ps.get_context_parallel_group()
 
         def attend() -> torch.Tensor:
             return sdpa_attend(query, key, value, mask, scale, dropout, causal, cp_group)
 
         if dropout and not self.config.sequence_parallel:
-            from megatron.core import tensor_parallel
-
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 context = attend()
         else:

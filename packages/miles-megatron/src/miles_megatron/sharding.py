@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT_RE = re.compile(r"\.experts\.local_experts\.(\d+)\.")
@@ -37,8 +38,6 @@ def is_expert_param(name: str) -> bool:
 
 
 def _tp_group(name: str):
-    from megatron.core import parallel_state as ps
-
     if is_expert_param(name):
         return ps.get_expert_tensor_parallel_group()
     return ps.get_tensor_model_parallel_group()
@@ -52,8 +51,6 @@ def layer_offset(model: torch.nn.Module) -> int:
 
 def global_name(name: str, model: torch.nn.Module, num_experts: int | None) -> str:
     """The global (TP = EP = PP = 1) name of this rank's parameter ``name``."""
-    from megatron.core import parallel_state as ps
-
     offset = layer_offset(model)
     found = _LAYER_RE.match(name)
     if found:
@@ -144,8 +141,6 @@ def iter_global_tensors(
     ``tensors(name, param)`` picks what to gather (default: the parameter itself). LoRA
     adapter parameters are skipped (base weights only).
     """
-    from megatron.core import parallel_state as ps
-
     module = unwrap(model)
     ep_group = ps.get_expert_model_parallel_group() if num_experts else None
     ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1

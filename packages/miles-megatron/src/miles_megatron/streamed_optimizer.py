@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core import tensor_parallel
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from miles_core.args import ArgumentError
 from miles_core.optimizer import OptimizerConfig
@@ -103,8 +104,6 @@ def _make_fp32_shards_leaves(opt: DistributedOptimizer) -> None:
     megatron holds it (its shard lists and the inner optimizer's groups), with the same
     tensor-parallel attributes. megatron itself sidesteps the check by editing the inner
     optimizer's groups after building it."""
-    from megatron.core import tensor_parallel
-
     replaced: dict[int, torch.Tensor] = {}
     for model_group, shard_group in zip(opt.model_fp32_groups, opt.shard_fp32_groups):
         for i, (model_param, shard) in enumerate(zip(model_group, shard_group)):

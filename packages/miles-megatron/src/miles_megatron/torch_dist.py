@@ -13,13 +13,14 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from torch.distributed.checkpoint import FileSystemReader
 
 from miles_megatron.sharding import unwrap
 
 
 def save_strategy(synchronous: bool):
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-
     # thread_count=1 writes from the calling thread: the gloo/CPU path has no async copy engine
     return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1 if synchronous else 2)
 
@@ -35,8 +36,6 @@ def save_model_weights(
     model: torch.nn.Module, directory: str | Path, synchronous: bool = True
 ) -> None:
     """Write this model's weights (a collective over every rank) into ``directory``."""
-    from megatron.core import dist_checkpointing
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {"model": base_sharded_state_dict(unwrap(model))}
@@ -47,8 +46,6 @@ def saved_weights_dtype(directory: str | Path) -> torch.dtype | None:
     """The dtype most of the model weights in a ``torch_dist`` directory are stored in (by
     element count; the optimizer's entries are not weights), from its metadata alone; None when
     it holds no floating-point weight."""
-
-    from torch.distributed.checkpoint import FileSystemReader
 
     metadata = FileSystemReader(str(directory)).read_metadata()
     counts: Counter = Counter()
@@ -63,8 +60,6 @@ def saved_weights_dtype(directory: str | Path) -> torch.dtype | None:
 
 def load_model_weights(model: torch.nn.Module, directory: str | Path) -> None:
     """Fill this model's weights from a ``torch_dist`` directory written at any layout."""
-    from megatron.core import dist_checkpointing
-
     module = unwrap(model)
     state = {"model": base_sharded_state_dict(module)}
     loaded = dist_checkpointing.load(state, str(directory))

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from megatron.core.distributed import finalize_model_grads
 from miles_core import mismatch, old_policy
 from miles_core.advantages import with_advantages
 from miles_core.aggregation import loss_denominator
@@ -85,7 +86,7 @@ class TrainContext:
 def split_micro_batches(ctx: TrainContext, batch: RolloutBatch) -> list[RolloutBatch]:
     """This rank's micro-batches, as many as the busiest DP rank needs; the token budget of
     one is ``--max-tokens-per-gpu x --context-parallel-size`` (the CP group shares it)."""
-    how = MicroBatching.from_args(ctx.args, cp_size=ctx.cp_size)
+    how = MicroBatching.from_algorithm(ctx.args.run_config.algorithm, cp_size=ctx.cp_size)
     return split_for_ranks(batch, how, group=ctx.dp_group_gloo)
 
 
@@ -94,8 +95,6 @@ def optimizer_step(
 ) -> dict[str, float]:
     """Forward/backward every micro-batch of ``step_batch`` through megatron's schedule (1F1B
     at PP > 1; the loss on the last stage), then one optimizer step."""
-    from megatron.core.distributed import finalize_model_grads
-
     denominator = loss_denominator(step_batch, config.calculate_per_token_loss, ctx.dp_group_gloo)
     model = ctx.model
     model.zero_grad_buffer()
@@ -170,17 +169,19 @@ def train_rollout(ctx: TrainContext, rollout_id: int, batch: RolloutBatch) -> di
     ``steps``, ``tokens_per_s`` (this rank) and ``step_losses``-free scalars only.
     """
     args = ctx.args
-    config = LossConfig.from_args(args)
+    config = LossConfig.from_algorithm(args.run_config.algorithm)
     start = time.perf_counter()
     model = ctx.model
     model.train()
     num_steps = args.num_steps_per_rollout
-    detach_old = old_policy.source(args) == old_policy.CURRENT
+    cfg = args.run_config
+    source = old_policy.source(cfg.algorithm, cfg.roles)
+    detach_old = source == old_policy.CURRENT
     # sft_loss and the critic's value_loss read no old or reference policy
     policy = args.loss_type == "policy_loss"
-    if policy and old_policy.source(args) == old_policy.ROLLOUT:
+    if policy and source == old_policy.ROLLOUT:
         batch = old_policy.with_rollout_log_probs(batch)
-    elif policy and old_policy.needs_forward(args):
+    elif policy and old_policy.needs_forward(cfg.algorithm, cfg.roles):
         if ctx.before_log_prob_hook is not None:
             ctx.before_log_prob_hook(args, model, batch)
         index = {src: i for i, src in enumerate(batch.source_indices)}

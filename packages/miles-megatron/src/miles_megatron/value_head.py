@@ -27,6 +27,8 @@ import contextlib
 from typing import Any
 
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from miles_core.packing import PackedBatch
 from miles_core.value_head import initial_value_head_weight
 from torch import nn
@@ -44,9 +46,6 @@ class ValueHeadLinear(nn.Linear):
     ) -> tuple[torch.Tensor, None]:
         hidden = input_
         if self.sequence_parallel:
-            from megatron.core import parallel_state as ps
-            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-
             hidden = gather_from_sequence_parallel_region(
                 hidden,
                 tensor_parallel_output_grad=False,

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 
@@ -87,8 +88,6 @@ def _param_groups(state: Any) -> list[Any]:
 
 def fsdp_params_by_id(module: nn.Module) -> dict[int, Any]:
     """``id(sharded parameter) -> FSDPParam`` for every FSDP2 unit inside ``module``."""
-    from torch.distributed.fsdp import FSDPModule
-
     found: dict[int, Any] = {}
     for sub in module.modules():
         if not isinstance(sub, FSDPModule):

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from miles_core.engine import EngineClient, EngineError
+from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
 
 from miles_sync.errors import PublishError
 from miles_sync.node_address import node_address
@@ -66,8 +67,6 @@ def join_as_master(
 ) -> Any:
     """Rank 0's side: build the group on ``PrefixStore(group_name, store)`` (the store of
     :func:`host_store`)."""
-    from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
-
     store = dist.PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(
         world_size, 0, [], Backend(backend), store, group_name=group_name, timeout=timeout

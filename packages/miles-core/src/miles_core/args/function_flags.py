@@ -4,7 +4,7 @@ checked by the parser before any hook imports one (:mod:`miles_core.user_functio
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from miles_core.args.checks import flag_value
 from miles_core.args.flags import FLAG_METADATA_KEY, ArgumentError
@@ -36,9 +36,16 @@ def function_flags(groups: Iterable[type]) -> list[str]:
     return dests
 
 
-def check_function_specs(args: ParsedArgs, groups: Iterable[type]) -> None:
-    """The form of every user function the command line names (nothing is imported)."""
+def named_functions(args: ParsedArgs, groups: Iterable[type]) -> Iterator[tuple[str, str]]:
+    """``(flag, spec)`` of every user function the command line names, in the order of the
+    groups' flags (``("--custom-rm-path", "my_rm:reward")``); unset flags are skipped."""
     for dest in function_flags(groups):
         spec = flag_value(args, dest)
         if spec:
-            function_spec(spec, "--" + dest.replace("_", "-"))
+            yield "--" + dest.replace("_", "-"), spec
+
+
+def check_function_specs(args: ParsedArgs, groups: Iterable[type]) -> None:
+    """The form of every user function the command line names (nothing is imported)."""
+    for flag, spec in named_functions(args, groups):
+        function_spec(spec, flag)

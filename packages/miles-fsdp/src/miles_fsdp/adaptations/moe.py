@@ -62,7 +62,7 @@ def resolve_moe_kernel(requested: str | None, model_type: str, device_type: str)
     Unset ``--moe-kernel``: fused on CUDA, eager on the CPU (the kernels run there only under
     Triton's interpreter). ``fused`` asked for a model without batched experts is an error.
     """
-    from miles_fsdp.adaptations import specs  # noqa: F401  (registers the shipped specs)
+    from miles_fsdp.adaptations import specs  # noqa: F401  (cycle: the specs register here)
 
     if requested is not None and requested not in MOE_KERNELS:
         raise ArgumentError(f"--moe-kernel must be one of {MOE_KERNELS}, got {requested!r}")
@@ -81,6 +81,7 @@ def resolve_moe_kernel(requested: str | None, model_type: str, device_type: str)
 def apply_moe_kernel(model: nn.Module, kernel: str | None, device_type: str) -> None:
     """Run the experts of ``model`` on ``kernel`` (before sharding; ``None``: leave as built)."""
     if kernel == "fused":
+        # optional: triton (Linux only); the kernels read TRITON_INTERPRET when first imported
         from miles_native.kernels.fused_moe import INTERPRETED
         from miles_native.kernels.hf_experts import use_fused_experts
 
@@ -187,7 +188,7 @@ def install_routing_replay(
 ) -> RoutingReplay:
     """Patch ``model``'s routers through its architecture's adapter to read ``replay`` (a new
     one unless given: every role of a run shares the actor's) and return it."""
-    from miles_fsdp.adaptations import specs  # noqa: F401
+    from miles_fsdp.adaptations import specs  # noqa: F401  (cycle: the specs register here)
 
     adapter = _ROUTING_ADAPTERS.get(config.model_type)
     if adapter is None:

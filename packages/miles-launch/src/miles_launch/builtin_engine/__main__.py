@@ -95,11 +95,12 @@ def parse_args(argv: list[str] | None = None):
         )
     log_level = ns.log_level
     del ns.log_level
+    # after the argument checks (see above): a bad flag fails before torch loads
     import torch
 
     if ns.device.startswith("cuda") and not torch.cuda.is_available():
         _fail(f"--device {ns.device}: CUDA is not available")
-    from miles_launch.builtin_engine.server import EngineConfig
+    from miles_launch.builtin_engine.server import EngineConfig  # imports torch
 
     config = EngineConfig(**vars(ns))
     logging.basicConfig(level=log_level.upper())
@@ -116,6 +117,7 @@ def _fail(message: str) -> None:
 
 def health_check(scheduler, tokenizer, timeout: float = 300.0) -> None:
     """Generate one token through the scheduler; raise if it does not come back."""
+    # these import torch: loaded once the arguments are checked
     from miles_launch.builtin_engine.request import Request
     from miles_launch.builtin_engine.sampling import SamplingParams
 
@@ -134,6 +136,7 @@ def health_check(scheduler, tokenizer, timeout: float = 300.0) -> None:
 
 def build_state(config):
     """Load tokenizer and model, start the scheduler, pass the health check."""
+    # after the argument checks (see above): a bad flag fails before torch loads
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -148,7 +151,7 @@ def build_state(config):
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path)
     extra = {}
     if config.true_on_policy:
-        from miles_core import batch_invariant
+        from miles_core import batch_invariant  # only under --true-on-policy; imports torch
 
         extra["attn_implementation"] = batch_invariant.register_hf()
     model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype, **extra)
@@ -184,7 +187,7 @@ GRACEFUL_SHUTDOWN_S = 5
 
 def server_config(app, config):
     """The uvicorn configuration the engine serves ``app`` with."""
-    import uvicorn
+    import uvicorn  # after the argument checks, as torch
 
     return uvicorn.Config(
         app,
@@ -201,6 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     except ArgumentError as exc:  # one line, exit status 2 (as the miles CLI)
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    # after the argument checks (see above): a bad flag fails before torch loads
     import uvicorn
 
     from miles_launch.builtin_engine.server import build_app

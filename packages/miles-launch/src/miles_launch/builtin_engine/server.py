@@ -26,6 +26,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from miles_launch import __version__
 from miles_launch.builtin_engine.generate_io import (
     GenerateInputError,
     check_admission,
@@ -203,6 +204,7 @@ async def body_of(request: Request, model):
 
 
 def build_app(state: EngineState) -> FastAPI:
+    # cycle: the route modules import this module
     from miles_launch.builtin_engine.memory_routes import add_memory_routes
     from miles_launch.builtin_engine.weight_routes import add_weight_routes
 
@@ -314,8 +316,6 @@ def build_app(state: EngineState) -> FastAPI:
     @app.get("/server_info")
     @route_boundary
     async def server_info(request: Request):
-        from miles_launch import __version__
-
         info = {k: v for k, v in asdict(state.config).items() if k != "api_key"}
         info.update(
             version=__version__,

@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
+from miles_sync.buckets import FlattenedTensorMetadata
 
 #: Most elements one tensor of an update may claim (a larger spec is refused before allocation).
 MAX_TENSOR_NUMEL = 1 << 40
@@ -116,8 +117,6 @@ def check_metadata(i: int, meta, bucket_bytes: int):
     """``metadata[i]`` of a bucket of ``bucket_bytes`` bytes, checked field by field: a fresh
     :class:`~miles_sync.buckets.FlattenedTensorMetadata` of its values (nothing else the
     decoded object carries is kept)."""
-    from miles_sync.buckets import FlattenedTensorMetadata
-
     if not isinstance(meta, FlattenedTensorMetadata):
         raise WeightUpdateError(f"metadata[{i}] is a {type(meta).__name__}, not bucket metadata")
     fields = getattr(meta, "__dict__", None)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from miles_sync.buckets import bucket_layout, unpack_bucket
 from safetensors import safe_open
 from safetensors.torch import load_file
+from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
 
 from miles_launch.builtin_engine.expert_names import batched_expert_slice
 from miles_launch.builtin_engine.safe_unpickle import (
@@ -232,8 +233,6 @@ def join_weight_update_group(
     trainer, ``is_master=True``) hosts the store, engines join with ``is_master=False``. The
     group needs no default process group. Blocks until all ``world_size`` ranks joined.
     """
-    from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
-
     store = dist.TCPStore(
         master_address, int(master_port), world_size, is_master=is_master, timeout=timeout
     )

@@ -28,8 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+import ray
 from miles_core.args.parsed import ParsedArgs
 from miles_core.engine import EngineClient, EngineError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from miles_launch.engine_launch.builtin_launcher import builtin_engine_command, builtin_engine_env
 from miles_launch.engine_launch.process import EngineDied, ProcessHost, exit_description
@@ -76,8 +78,6 @@ class EngineSet:
     # ------------------------------------------------------------------ start
     def start(self) -> None:
         """Start every engine's process; returns without waiting for them to serve."""
-        import ray
-
         layout = self.placement.layout
         host_cls = ray.remote(ProcessHost)
         hosts, endpoints, host_options = [], [], []
@@ -103,8 +103,6 @@ class EngineSet:
 
     def _launch(self, k: int, host: Any, endpoint: tuple[str, int]) -> EngineProcess:
         """Engine ``k``'s process on its host actor, serving at ``endpoint`` (ip, port)."""
-        import ray
-
         ip, port = endpoint
         env = {}
         if self.placement.layout.use_gpu:
@@ -125,8 +123,6 @@ class EngineSet:
         (the same bundles and GPUs) at a new port; returns it once ``/health`` answers. The
         new engine serves the checkpoint's weights: it is not registered with the router here
         (:meth:`register` does, once a publish gave it the current weights)."""
-        import ray
-
         old = self.engines[k]
         self.unregister(old.url)
         self.wait_for_host(old)
@@ -141,9 +137,6 @@ class EngineSet:
         until it is back (at most ``--engine-startup-timeout``); a host actor that is gone
         (its node left the Ray cluster: Ray gave up on it; or the actor died) does not come
         back. Either raises :class:`EngineDied` naming the engine and its host."""
-        import ray
-        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
-
         host = urlsplit(proc.url).hostname
         timeout = self.args.engine_startup_timeout
         deadline = time.monotonic() + timeout
@@ -189,8 +182,6 @@ class EngineSet:
 
     def _start_puller(self, k: int, engine_url: str, options: dict[str, Any]) -> None:
         """``miles-sync pull`` for engine ``k``, on the engine's bundle (so on its host)."""
-        import ray
-
         host = ray.remote(ProcessHost).options(**options).remote(f"puller-{k}", log_dir(self.args))
         cmd = puller_command(self.args, k, engine_url)
         pid, log_path = ray.get(host.start.remote(cmd, {}))
@@ -211,8 +202,6 @@ class EngineSet:
     def _start_router(self) -> None:
         """SGLang: own router in front, or registration with the external one. Built-in:
         none (the driver spreads requests over the engines itself)."""
-        import ray
-
         if self.args.rollout_engine != "sglang":
             return
         external = external_router_url(self.args)
@@ -274,16 +263,12 @@ class EngineSet:
 
     # ------------------------------------------------------------------ watching
     def log_tail(self, proc: EngineProcess) -> str:
-        import ray
-
         try:
             return ray.get(proc.host.log_tail.remote(), timeout=10)
         except Exception as error:  # the host actor itself is gone
             return f"(log tail unavailable: {error}; log: {proc.log_path})"
 
     def _raise_if_dead(self, proc: EngineProcess, when: str) -> None:
-        import ray
-
         code = ray.get(proc.host.poll.remote())
         if code is not None:
             raise self.died(proc, code, when)
@@ -297,8 +282,6 @@ class EngineSet:
 
     def exit_code(self, proc: EngineProcess) -> int | None:
         """The process's exit status, or None while it runs."""
-        import ray
-
         return ray.get(proc.host.poll.remote())
 
     def check_alive(self, when: str = "during the run") -> None:
@@ -371,8 +354,6 @@ class EngineSet:
     # ------------------------------------------------------------------ stop
     def shutdown(self) -> None:
         """Remove the engines from an external router, then stop every process."""
-        import ray
-
         for url in self.registered:
             try:
                 deregister_worker(self.router_url, url, api_key=self.api_key)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles_core.args.parsed import ParsedArgs
+from miles_core.user_functions import load_function
 
 FILTER_FLAG = "--dynamic-sampling-filter-path"
 
@@ -65,8 +66,6 @@ def group_filter(args: ParsedArgs) -> GroupFilter:
     """The job's filter: ``--dynamic-filter`` with ``--dynamic-sampling-filter-path``'s rule."""
     rule = None
     if args.dynamic_sampling_filter_path:
-        from miles_core.user_functions import load_function
-
         fn = load_function(args.dynamic_sampling_filter_path, FILTER_FLAG)
 
         def rule(group: Sequence[Any]) -> bool:

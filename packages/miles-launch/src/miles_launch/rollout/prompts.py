@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 
 
@@ -42,9 +44,6 @@ def read_records(path: Path) -> Iterator[tuple[str, Any]]:
     """``(where, record)`` for each record of ``path``: ``file:line`` of a JSONL file, or
     ``file:row N`` (from 1) of a ``.parquet`` file."""
     if path.suffix == ".parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
         try:
             table = pq.read_table(path)
         except (pa.ArrowException, OSError) as error:

@@ -163,6 +163,7 @@ class RewardModel:
     def from_args(cls, args: ParsedArgs) -> RewardModel:
         """The reward of ``--rm-url``, ``--custom-rm-path`` or ``--rm-type``."""
         if args.rm_url:
+            # cycle: miles_launch.rollout.remote_reward imports this module
             from miles_launch.rollout.remote_reward import RemoteReward
 
             func: Callable[[Any], Any] = RemoteReward(

@@ -25,6 +25,7 @@ import torch
 from miles_core.args import ArgumentError
 from miles_core.args.parsed import ParsedArgs
 from miles_core.engine import decode_routed_experts
+from transformers import AutoConfig
 
 FLAG = "--use-rollout-routing-replay"
 
@@ -53,8 +54,6 @@ def read_layout(hf_checkpoint: str) -> RoutedExpertsLayout:
     Raises :class:`~miles_core.args.ArgumentError` naming the flag when the model is not a
     mixture of experts (no ``num_experts_per_tok``) or its config cannot be read.
     """
-    from transformers import AutoConfig
-
     try:
         config = AutoConfig.from_pretrained(hf_checkpoint)
     except (OSError, ValueError, KeyError) as error:

@@ -13,6 +13,8 @@ from __future__ import annotations
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING
 
+from miles_megatron.bridge.base import BridgeError
+
 if TYPE_CHECKING:
     from miles_megatron.bridge.base import Bridge
 
@@ -44,8 +46,6 @@ def registered_model_types() -> list[str]:
 
 def bridge_for(model_type: str) -> Bridge:
     """A bridge instance for ``model_type``; a clear error naming the known families."""
-    from miles_megatron.bridge.base import BridgeError
-
     known = registered_model_types()
     if model_type not in _BRIDGES:
         raise BridgeError(

@@ -64,7 +64,7 @@ class ActorLoRA:
         against the flags and decides the targets; its adapter values are loaded afterwards
         with the optimizer state.
         """
-        config = LoRAConfig.from_args(args)
+        config = LoRAConfig.from_roles(args.run_config.roles)
         adapter = None
         if resume_extra is not None:
             saved = cls.check_resume(config, resume_extra, args.load)

@@ -13,6 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from miles_megatron.lora.layers import LoRAAdapter
 from miles_megatron.sharding import global_name, unwrap
@@ -21,8 +23,6 @@ PREFIX = "lora."
 
 
 def _dp_rank(is_expert: bool) -> int:
-    from megatron.core import parallel_state as ps
-
     if is_expert:
         return ps.get_expert_data_parallel_rank()
     return ps.get_data_parallel_rank(with_context_parallel=True)
@@ -30,8 +30,6 @@ def _dp_rank(is_expert: bool) -> int:
 
 def adapter_sharded_state_dict(model: torch.nn.Module, num_experts: int | None) -> dict[str, Any]:
     """``{key: ShardedTensor}`` of this rank's adapter factors (the data are the parameters)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
     out: dict[str, Any] = {}
     for module_name, module in unwrap(model).named_modules():
         if not isinstance(module, LoRAAdapter):

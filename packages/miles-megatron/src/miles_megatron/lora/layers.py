@@ -42,6 +42,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, mappings
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from miles_core.peft_adapter import ALL_LINEAR, LoRAConfig
 from torch import nn
 
@@ -86,8 +89,6 @@ _LOCAL_EXPERT_RE = re.compile(r"\.local_experts\.(\d+)\.")
 def linear_targets(model: nn.Module, bridge: Any, margs: dict) -> list[LinearTarget]:
     """Every column/row-parallel linear of this rank's model that the bridge maps to HF
     modules, except the output layer (PEFT's ``all-linear`` also skips ``lm_head``)."""
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-
     rules = bridge.rules(margs)
     out = []
     for name, module in unwrap(model).named_modules():
@@ -220,8 +221,6 @@ class LoRAAdapter(nn.Module):
 
     def forward(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The adapter's contribution to the base output ``out`` for base input ``x``."""
-        from megatron.core.tensor_parallel import mappings
-
         group = self.group
         if self.parallel == "column":
             if self.explicit_comm:
@@ -252,15 +251,12 @@ class LoRAAdapter(nn.Module):
     def _row_dropout(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.dropout, nn.Identity) or self.tp_size == 1 or not self.training:
             return self.dropout(x)
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
         with get_cuda_rng_tracker().fork():  # the input is split over TP: distinct masks
             return self.dropout(x)
 
 
 def _mark(param: nn.Parameter, split_dim: int | None, is_expert: bool) -> None:
-    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-
     param.lora_adapter = True
     if split_dim is not None:
         set_tensor_model_parallel_attributes(param, True, split_dim, 1)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 from miles_core.peft_adapter import FACTORS, Factors, PeftAdapter, PeftAdapterError
 
 from miles_megatron.lora.layers import LinearTarget, LoRAAdapter
@@ -21,7 +22,6 @@ from miles_megatron.lora.layers import LinearTarget, LoRAAdapter
 def _ep_group(targets: list[tuple[LinearTarget, LoRAAdapter]]):
     if not any(t.expert is not None for t, _ in targets) or not dist.is_initialized():
         return None, 1, 0
-    from megatron.core import parallel_state as ps
 
     group = ps.get_expert_model_parallel_group()
     return group, dist.get_world_size(group), dist.get_rank(group)

@@ -17,13 +17,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [*sorted(ROOT.glob("packages/*/src")), ROOT / "native" / "src"]
 
-#: Files whose local imports are left as they are here because another change owns the file;
-#: each of these imports is an optional dependency (transformers or Triton's kernels).
-OWNED_ELSEWHERE = {
-    "packages/miles-core/src/miles_core/batch_invariant.py",
-    "native/src/miles_native/kernels/hf_experts.py",
-}
-
 PRAGMA = re.compile(
     r"^(noqa(:\s*[A-Z0-9, ]+)?|type:\s*ignore(\[[^\]]*\])?|pragma:\s*no cover|fmt:\s*\w+)"
 )
@@ -87,8 +80,6 @@ def test_every_function_local_import_gives_its_reason():
     for source_dir in SOURCES:
         for path in sorted(source_dir.rglob("*.py")):
             name = path.relative_to(ROOT).as_posix()
-            if name in OWNED_ELSEWHERE:
-                continue
             missing += [f"{name}:{line}" for line in unreasoned(path.read_text())]
     assert not missing, (
         "function-local imports without a reason (hoist them, or say why on the line or "

@@ -62,6 +62,7 @@ def fused_experts_forward(
 
 def register_fused_experts() -> None:
     """Make ``experts_implementation="miles_fused"`` known to transformers (idempotent)."""
+    # optional: transformers is not a miles-native dependency
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(EXPERTS_IMPLEMENTATION, fused_experts_forward)

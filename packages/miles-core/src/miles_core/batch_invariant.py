@@ -68,6 +68,7 @@ _GPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _gpu() -> ModuleType:
     """The GPU kernels (:mod:`miles_native.kernels.batch_invariant`), one line if absent."""
     try:
+        # optional: miles-native's Triton kernels, needed only on a GPU
         from miles_native.kernels import batch_invariant as kernels
     except ImportError as exc:
         raise RuntimeError(
@@ -247,6 +248,7 @@ def mode() -> Iterator[None]:
 
 
 def _mask(*args, **kwargs):
+    # optional: transformers is not a miles-core dependency (its callers load HF models)
     from transformers.masking_utils import sdpa_mask
 
     # always the boolean 4-D mask, never None for "plain causal": attention() reads it
@@ -257,6 +259,7 @@ def _mask(*args, **kwargs):
 def register_hf() -> str:
     """Register :func:`attention` (and a mask function that always builds the boolean mask)
     with transformers under :data:`HF_ATTENTION_NAME`; returns the name."""
+    # optional: transformers is not a miles-core dependency (its callers load HF models)
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 

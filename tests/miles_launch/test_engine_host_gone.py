@@ -26,9 +26,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_restart_whose_host_actor_is_gone_ends_in_one_line(tmp_path):
-    from miles_launch.placement import prepare_ray_env
-
-    prepare_ray_env()
+    import miles_launch  # noqa: F401  (before ray: it keeps ray off uv run)
     import ray
     from miles_launch.engine_launch.engine_set import EngineProcess, EngineSet
     from miles_launch.engine_launch.process import EngineDied, ProcessHost

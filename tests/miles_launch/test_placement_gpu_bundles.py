@@ -23,8 +23,7 @@ sys.path.insert(0, {tests!r})
 from launch_testing import parse
 from miles_sync.node_address import NODE_IP_ENV
 
-from miles_launch.placement import Placement, plan_layout, prepare_ray_env
-prepare_ray_env()
+from miles_launch.placement import Placement, plan_layout  # miles_launch keeps ray off uv run
 import ray
 os.environ[NODE_IP_ENV] = "127.0.0.1"  # what init_ray sets for a local cluster
 ray.init(_node_ip_address={address!r}, num_cpus=3, num_gpus=2, include_dashboard=False,

@@ -38,7 +38,6 @@ from miles_launch.placement import (
     init_ray,
     node_ip,
     plan_layout,
-    prepare_ray_env,
 )
 from miles_launch.reporting import Reporter, phase
 from miles_launch.rollout.partial import PartialBuffer
@@ -122,7 +121,6 @@ class Job:
 
     @classmethod
     def setup(cls, args: ParsedArgs) -> Job:
-        prepare_ray_env()
 
         phase(f"loading the tokenizer and prompts ({args.hf_checkpoint})")
         tokenizer = load_tokenizer(args.hf_checkpoint)

@@ -347,20 +347,12 @@ def _gpu_ids() -> list[int]:
     return [int(g) for g in ray.get_gpu_ids()]
 
 
-def prepare_ray_env() -> None:
-    """Call before the first ``import ray``: under ``uv run``, Ray would otherwise package the
-    working directory and build a fresh virtual environment for every worker (minutes, and it
-    rebuilds the native extension); the workers use this interpreter as it is."""
-    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-
-
 def init_ray(layout: Layout, address: str | None) -> None:
     """Join ``address`` or start a local Ray sized to the job (logical CPUs = bundles + 1).
 
     Local Ray gets as many logical GPUs as CUDA devices (0 without), a small object store and
     no dashboard, so it starts on a 2-core machine.
     """
-    prepare_ray_env()
     import ray  # ray stays off the CLI's parse path (test_cli_help)
 
     # miles_sync.node_address is off the CLI's parse path

@@ -9,7 +9,8 @@ generation, then the timed one); the engine is shut down; the FSDP backend (bf16
 trains that rollout, all of it in one micro-batch, one optimizer step (gradient checkpointing
 unless ``--no-gradient-checkpointing``). Mode off: the job's defaults (the GPU's default
 attention, the fused head, the old-log-prob forward); mode on: ``--true-on-policy`` (the
-old-log-prob forward is skipped, the engine's log-probs are the old policy's). The mismatch is
+old-log-prob forward is skipped, the engine's log-probs are the old policy's; its fused head),
+and on-dense (the mode with ``--no-fused-log-probs``, on the same rollout). The mismatch is
 the first ``train`` call's (the weights the engine sampled with); train seconds are the median
 of ``--repeats`` further calls (Triton and CUDA warmed up; each one's seconds are kept too) of
 ``--steps`` optimizer steps (default 2: with one, the old policy is the current one and no
@@ -131,7 +132,16 @@ def engine_rollout(hf_dir: str, device: str, on: bool, prompts, new_tokens: int)
     return RolloutBatch(samples), seconds
 
 
-def train(hf_dir: str, device: str, on: bool, batch, checkpointing: bool, steps: int, repeats: int):
+def train(
+    hf_dir: str,
+    device: str,
+    on: bool,
+    batch,
+    checkpointing: bool,
+    steps: int,
+    repeats: int,
+    dense_head: bool = False,
+):
     """(first train call's metrics, the next ``repeats`` calls' seconds, the old-policy step's
     seconds of each) on a fresh FSDP backend."""
     from miles_core.args import core_groups, parse_args
@@ -161,6 +171,8 @@ def train(hf_dir: str, device: str, on: bool, batch, checkpointing: bool, steps:
         argv.append("--true-on-policy")
     if checkpointing:
         argv.append("--gradient-checkpointing")
+    if dense_head:
+        argv.append("--no-fused-log-probs")
     backend = FSDPBackend()
     backend.init(parse_args(argv, [*core_groups(), *fsdp_groups()]))
     backend_attn = backend.attn_implementation
@@ -185,6 +197,10 @@ def train(hf_dir: str, device: str, on: bool, batch, checkpointing: bool, steps:
         if device != "cpu":
             torch.cuda.empty_cache()
     return metrics, seconds, old_policy_s[1:], backend_attn
+
+
+#: The rows ``--modes`` may name.
+MODES = ("off", "on", "on-dense")
 
 
 def init_group(device: str) -> None:
@@ -218,6 +234,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--repeats", type=int, default=3, help="timed rollouts per row (the median is reported)"
     )
+    p.add_argument(
+        "--modes",
+        default="off,on,on-dense",
+        help="comma-separated rows per shape: off, on (the mode's fused head), on-dense (the "
+        "mode with --no-fused-log-probs: the materialised logits; it trains the on row's rollout)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny fp32 model on CPU (a smoke run)")
     p.add_argument("--out", required=True, help="JSON file of the results")
     args = p.parse_args(argv)
@@ -244,9 +266,16 @@ def main(argv: list[str] | None = None) -> None:
             half = max(1, args.prompt_len // 2)
             lengths = [args.prompt_len - (7 * i) % half for i in range(args.prompts)]
             prompts = [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in lengths]
-            for on in (False, True):
+            modes = args.modes.split(",")
+            if not set(modes) <= set(MODES):
+                p.error(f"--modes: {args.modes!r} (choose from {', '.join(MODES)})")
+            rollouts: dict[bool, tuple] = {}  # the engine's rollout per engine mode
+            for mode in modes:
+                on = mode != "off"
                 try:
-                    batch, gen_s = engine_rollout(hf_dir, device, on, prompts, args.new_tokens)
+                    if on not in rollouts:
+                        rollouts[on] = engine_rollout(hf_dir, device, on, prompts, args.new_tokens)
+                    batch, gen_s = rollouts[on]
                     metrics, train_s, old_s, attn = train(
                         hf_dir,
                         device,
@@ -255,16 +284,19 @@ def main(argv: list[str] | None = None) -> None:
                         args.gradient_checkpointing,
                         args.steps,
                         args.repeats,
+                        dense_head=mode == "on-dense",
                     )
                 except torch.cuda.OutOfMemoryError as exc:  # this row only; the others go on
-                    print(f"{size} true_on_policy={on}: CUDA out of memory: {exc}", flush=True)
-                    rows.append(dict(size=size, true_on_policy=on, error="out of memory"))
+                    print(f"{size} {mode}: CUDA out of memory: {exc}", flush=True)
+                    rows.append(
+                        dict(size=size, mode=mode, true_on_policy=on, error="out of memory")
+                    )
                     gc.collect()
                     torch.cuda.empty_cache()
                     continue
                 rows.append(
                     dict(
-                        size=size, true_on_policy=on, device=device,
+                        size=size, mode=mode, true_on_policy=on, device=device,
                         abs_diff_mean=metrics.get(mismatch.ABS_DIFF),
                         abs_diff_max=metrics.get(mismatch.ABS_DIFF_MAX),
                         generate_s=round(gen_s, 3), train_s=round(statistics.median(train_s), 3),
@@ -284,17 +316,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     head = (
-        f"{'size':>6} {'mode':>4} {'mean|dlogp|':>12} {'max|dlogp|':>11} {'gen s':>7} "
+        f"{'size':>6} {'mode':>8} {'mean|dlogp|':>12} {'max|dlogp|':>11} {'gen s':>7} "
         f"{'train s':>8} {'of it old-lp s':>14} {'tokens':>7}  attention"
     )
     print(head)
     for r in rows:
         if "error" in r:
-            print(f"{r['size']:>6} {'on' if r['true_on_policy'] else 'off':>4}  {r['error']}")
+            print(f"{r['size']:>6} {r['mode']:>8}  {r['error']}")
             continue
         mean, worst = r["abs_diff_mean"], r["abs_diff_max"]
         print(
-            f"{r['size']:>6} {'on' if r['true_on_policy'] else 'off':>4} "
+            f"{r['size']:>6} {r['mode']:>8} "
             f"{mean if mean is None else f'{mean:.3g}':>12} "
             f"{worst if worst is None else f'{worst:.3g}':>11} "
             f"{r['generate_s']:>7.2f} {r['train_s']:>8.3f} {r['old_logprob_s']:>14.3f} "

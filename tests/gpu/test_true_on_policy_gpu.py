@@ -4,7 +4,8 @@ samples responses of prompts of different lengths together (a left-padded prefil
 decode steps against the KV cache); the FSDP backend (one rank, NCCL, bf16 compute from a bf16
 checkpoint) trains them packed into one row. The train/rollout mismatch of its training forward
 against the engine's log-probs is exactly 0, token maximum included; every op of the mode ran in
-the Triton kernels (counted), the packed row's attention through its boundaries and its backward
+the Triton kernels (counted), the log-probs in the mode's fused head (and, with
+``--no-fused-log-probs``, from the materialised logits: the same bits), the packed row's attention through its boundaries and its backward
 through torch's varlen kernel; the same rollout on a backend without the mode (sdpa, the fused
 head, torch's kernels) reports a mismatch > 0, so the equality is not one any two forwards show.
 
@@ -74,6 +75,15 @@ def kernel_calls(monkeypatch):
             return _real(*a, **k)
 
         monkeypatch.setattr(batch_invariant, name, counted)
+    from miles_core import batch_invariant_head
+
+    real_head = batch_invariant_head.log_probs
+
+    def head(*a, **k):  # the trainer's fused head in the mode
+        calls["head"] += 1
+        return real_head(*a, **k)
+
+    monkeypatch.setattr(batch_invariant_head, "log_probs", head)
     return calls
 
 
@@ -101,7 +111,15 @@ def test_bf16_mismatch_is_exactly_zero_with_the_mode_and_not_without(
     layers = config.num_hidden_layers
     assert kernel_calls["packed_attention"] >= layers, dict(kernel_calls)
     assert kernel_calls["varlen_causal_attention"] >= layers, dict(kernel_calls)  # a backward ran
+    assert kernel_calls["head"] > 0, dict(kernel_calls)  # the fused head, in the mode
     assert metrics[mismatch.ABS_DIFF] == 0.0, metrics
+    assert metrics[mismatch.ABS_DIFF_MAX] == 0.0, metrics
+    # the materialised logits (--no-fused-log-probs): the same bits
+    kernel_calls.clear()
+    _, metrics = train_once(
+        hf_dir, batch, attn_implementation=None, true_on_policy=True, fused_log_probs=False, **bf16
+    )
+    assert "head" not in kernel_calls and kernel_calls["log_softmax_forward"] > 0
     assert metrics[mismatch.ABS_DIFF_MAX] == 0.0, metrics
 
     attn, metrics = train_once(hf_dir, batch, use_rollout_logprobs=True, **bf16)

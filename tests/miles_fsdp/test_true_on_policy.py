@@ -95,21 +95,38 @@ def train_once(hf_dir, batch: RolloutBatch, **flags) -> tuple[str, dict[str, flo
         backend.close()
 
 
-def test_the_mismatch_is_exactly_zero_with_the_mode_and_not_without(one_rank_group, tmp_path):
+def test_the_mismatch_is_exactly_zero_with_the_mode_and_not_without(
+    one_rank_group, tmp_path, monkeypatch
+):
+    from miles_core import batch_invariant_head
+
     hf_dir = save_tiny_model(tmp_path / "tiny", qwen3_config())
     batch = engine_rollout(hf_dir)
+    heads = []
+    real_head = batch_invariant_head.log_probs
+    monkeypatch.setattr(
+        batch_invariant_head, "log_probs", lambda *a, **k: heads.append(1) or real_head(*a, **k)
+    )
 
     on = make_args(hf_checkpoint=str(hf_dir), attn_implementation=None, true_on_policy=True)
-    assert on.use_rollout_logprobs and not on.fused_log_probs  # what the mode implies
+    assert on.use_rollout_logprobs and on.fused_log_probs  # what the mode implies and keeps
     attn, metrics = train_once(hf_dir, batch, attn_implementation=None, true_on_policy=True)
     assert attn == batch_invariant.HF_ATTENTION_NAME
+    assert heads, "the mode's fused head did not run"
     assert metrics[mismatch.ABS_DIFF] == 0.0, metrics
     assert metrics[mismatch.ABS_DIFF_MAX] == 0.0, metrics
     # with gradient checkpointing the backward's recompute runs in the mode too (else torch's
-    # checkpoint sees other ops saving other tensors, and refuses)
+    # checkpoint sees other ops saving other tensors, and refuses); the dense head, too
+    heads.clear()
     _, metrics = train_once(
-        hf_dir, batch, attn_implementation=None, true_on_policy=True, gradient_checkpointing=True
+        hf_dir,
+        batch,
+        attn_implementation=None,
+        true_on_policy=True,
+        gradient_checkpointing=True,
+        fused_log_probs=False,
     )
+    assert not heads  # the logits materialised, the engine's log_softmax over them
     assert metrics[mismatch.ABS_DIFF_MAX] == 0.0, metrics
 
     attn, metrics = train_once(hf_dir, batch, use_rollout_logprobs=True)

@@ -12,9 +12,10 @@ from miles_launch.engine_launch.builtin_launcher import builtin_engine_command
 ON = ("--true-on-policy", "--rollout-engine", "builtin")
 
 
-def test_it_implies_the_engine_log_probs_and_the_dense_head_and_reaches_the_engine(tmp_path):
+def test_it_implies_the_engine_log_probs_and_reaches_the_engine(tmp_path):
     args = parse(tmp_path, *ON)
-    assert args.use_rollout_logprobs and not args.fused_log_probs
+    assert args.use_rollout_logprobs and args.fused_log_probs  # the mode's own fused head
+    assert not parse(tmp_path, *ON, "--no-fused-log-probs").fused_log_probs
     cmd = builtin_engine_command(args, host="127.0.0.1", port=5, device="cpu", python="py")
     assert cmd[-1] == "--true-on-policy"
     plain = parse(tmp_path, "--rollout-engine", "builtin")
@@ -39,7 +40,6 @@ def test_with_sglang_it_passes_sglang_s_own_switches(tmp_path):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        ((*ON, "--fused-log-probs"), "--fused-log-probs with --true-on-policy"),
         ((*ON, "--loss-type", "sft_loss"), "--loss-type sft_loss ignores --true-on-policy"),
     ],
 )

@@ -94,6 +94,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y + bias if bias is not None else y.clone()  # a tensor of its own, not a view
 
 
+def linear_values(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """:func:`linear`'s values without a graph (``x @ weight.T``, each row alone)."""
+    if x.is_cuda:
+        return _gpu().linear_forward(x, weight)
+    with torch.no_grad():
+        return linear(x, weight)
+
+
 def attention(
     module: torch.nn.Module,
     query: torch.Tensor,

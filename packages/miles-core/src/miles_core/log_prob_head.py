@@ -26,6 +26,10 @@ group, so the caller gets the full gradient of its replicated ``h``. ``vocab_siz
 vocabulary rows (global index >= ``vocab_size``). Context parallelism composes by construction:
 it only changes which tokens a rank holds, and every token is independent here.
 
+Within :func:`miles_core.batch_invariant.mode` (``--true-on-policy``) the chunks are computed
+by :mod:`miles_core.batch_invariant_head`: the engine's batch-invariant linear and
+``log_softmax``, whose row values do not depend on the chunk.
+
 :func:`dense_log_probs` is the same quantity from materialised logits (the debug path,
 ``--no-fused-log-probs``), and the reference the tests compare against.
 """
@@ -37,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from miles_core import batch_invariant, batch_invariant_head
 from miles_core.log_probs import entropy_from_logits, token_log_probs
 
 #: Float32 logits of one chunk: 128 MiB, i.e. ~220 tokens at a 151,936-token vocabulary.
@@ -216,6 +221,14 @@ def fused_log_probs(
     if chunk_bytes is None:
         chunk_bytes = CUDA_CHUNK_BYTES if hidden.is_cuda else DEFAULT_CHUNK_BYTES
     chunk = chunk_tokens or chunk_size(weight.shape[0], chunk_bytes)
+    if batch_invariant.active():  # --true-on-policy: the engine's forward values
+        if rank or (group is not None and dist.get_world_size(group) > 1):
+            raise ValueError("--true-on-policy scores with the whole vocabulary on one rank")
+        lp, ent = batch_invariant_head.log_probs(
+            hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), temperature,
+            chunk, entropy_grad,
+        )  # fmt: skip
+        return lp.reshape(shape), ent.reshape(shape)
     lp, ent = _FusedLogProbs.apply(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,

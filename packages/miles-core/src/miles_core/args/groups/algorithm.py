@@ -219,15 +219,8 @@ class AlgorithmArgs(ArgGroup):
     @classmethod
     def resolve_defaults(cls, args: ParsedArgs) -> None:
         if args.true_on_policy:
-            # the old policy is the engine's (its log-probs are bitwise the trainer's), and the
-            # trainer scores from the logits with the engine's log_softmax, not the fused head
-            if args.fused_log_probs and "fused_log_probs" in args.explicit_flags:
-                raise ArgumentError(
-                    "--fused-log-probs with --true-on-policy: the mode scores from the logits "
-                    "with the engine's log_softmax (drop --fused-log-probs)"
-                )
+            # the old policy is the engine's: its log-probs are bitwise the trainer's
             args.use_rollout_logprobs = True
-            args.fused_log_probs = False
 
     @classmethod
     def validate(cls, args: ParsedArgs) -> None:

@@ -47,7 +47,7 @@ def probe(hf_dir: str, head: str, args, report: dict, write) -> None:
         10 * max(args.ladder),  # one micro-batch per rollout, whatever its size
         1,
         args.gradient_checkpointing,
-        ["--fused-log-probs" if head == "fused" else "--no-fused-log-probs"],
+        ["--fused-log-probs" if head == "fused" else "--no-fused-log-probs", *args.backend_flags],
     )
     rungs["state_gb"] = torch.cuda.memory_allocated() / 2**30
     say(
@@ -108,8 +108,15 @@ def main() -> None:
     parser.add_argument(
         "--deadline", type=float, default=1e9, help="seconds after which no new rung starts"
     )
+    parser.add_argument(
+        "--backend-flags",
+        default="",
+        help="more miles flags for the backend, e.g. --compile-decoder-layers (each head and "
+        "rung runs with them; the first rung then includes the compilation)",
+    )
     parser.add_argument("--out", default="bench_max_tokens.json")
     args = parser.parse_args()
+    args.backend_flags = args.backend_flags.split()
     args.start = time.perf_counter()
 
     bench.init_nccl()
@@ -124,6 +131,7 @@ def main() -> None:
         "size": args.size,
         "gradient_checkpointing": args.gradient_checkpointing,
         "torch": torch.__version__,
+        "backend_flags": args.backend_flags,
     }
 
     def write() -> None:
@@ -136,6 +144,7 @@ def main() -> None:
     print(
         f"\n{report['device']} ({report['gpu_memory_gb']:.0f} GiB), Qwen3-{args.size} shape, "
         f"gradient checkpointing {args.gradient_checkpointing}, one micro-batch per rollout"
+        + (f", {' '.join(args.backend_flags)}" if args.backend_flags else "")
     )
     print(f"{'head':6s} {'tokens':>8s} {'result':>8s} {'seconds':>8s} {'peak GiB':>9s}")
     for head in args.heads:

@@ -182,6 +182,7 @@ def train(
         # the timed rollout: ``steps`` optimizer steps, where the mode off needs the old-log-prob
         # forward (with one step the old policy is the current one, and no forward runs)
         backend.args.num_steps_per_rollout = steps
+        backend.args.run_config = backend.args.run_config.rebuilt(backend.args)
         seconds = []
         for rollout in range(1, repeats + 1):
             _sync(device)

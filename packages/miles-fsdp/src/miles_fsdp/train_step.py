@@ -236,11 +236,11 @@ def _train_rollout(ctx: RolloutContext, batch: RolloutBatch) -> tuple[dict[str, 
     start = time.perf_counter()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    num_steps = args.num_steps_per_rollout
+    cfg = args.run_config
+    num_steps = cfg.algorithm.num_steps_per_rollout  # the value the old policy's source reads
     if ctx.hooks is not None and ctx.hooks.prepare is not None:
         batch = ctx.hooks.prepare(ctx.hooks.context, batch)
     loss_type = args.loss_type
-    cfg = args.run_config
     detach_old = old_policy.source(cfg.algorithm, cfg.roles) == old_policy.CURRENT
     if loss_type == "policy_loss":  # sft_loss and value_loss read no old or reference policy
         batch = _with_policy_log_probs(ctx, batch)

@@ -173,8 +173,8 @@ def train_rollout(ctx: TrainContext, rollout_id: int, batch: RolloutBatch) -> di
     start = time.perf_counter()
     model = ctx.model
     model.train()
-    num_steps = args.num_steps_per_rollout
     cfg = args.run_config
+    num_steps = cfg.algorithm.num_steps_per_rollout  # the value the old policy's source reads
     source = old_policy.source(cfg.algorithm, cfg.roles)
     detach_old = source == old_policy.CURRENT
     # sft_loss and the critic's value_loss read no old or reference policy

@@ -5,6 +5,11 @@ against torch's varlen flash attention. Prints a table and writes JSON.
 
     uv run python scripts/bench_batch_invariant_kernels.py --out /tmp/bik.json
 
+``--matmul-configs`` times other fixed tilings of the bf16 matmul beside the one the mode uses
+(``BLOCK_M,BLOCK_N,BLOCK_K,warps,stages`` each; a tiling fixes a row's arithmetic, so the
+mode keeps one, chosen from such a run; a tiling that does not compile or fit is reported as
+such).
+
 Defaults are the Qwen3-4B shape (hidden 2,560, MLP 9,728, 32 heads over 8 key-value heads of
 128, vocabulary 151,936) and a row of 32 samples of 304-310 tokens. Needs a CUDA device.
 """
@@ -40,6 +45,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--samples", type=int, default=32)
     p.add_argument("--sample-len", type=int, default=304)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument(
+        "--matmul-configs",
+        nargs="*",
+        default=[],
+        metavar="BM,BN,BK,WARPS,STAGES",
+        help="more bf16 matmul tilings to time beside the mode's",
+    )
     p.add_argument("--out", required=True, help="JSON file of the results")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -53,14 +65,26 @@ def main(argv: list[str] | None = None) -> None:
     tokens = sum(lens)
     rows = []
     x = torch.randn(tokens, args.hidden, device=dev, dtype=bf16)
+    mode_config = kernels.MATMUL_CONFIGS[bf16]
+    configs = [mode_config, *(tuple(int(v) for v in c.split(",")) for c in args.matmul_configs)]
     for n in (int(v) for v in args.outputs.split(",")):
         w = torch.randn(n, args.hidden, device=dev, dtype=bf16)
-        mine = _seconds(lambda w=w: kernels.linear_forward(x, w), args.iters)
         base = _seconds(lambda w=w: F.linear(x, w), args.iters)
         flop = 2 * tokens * args.hidden * n
-        rows.append(dict(op=f"linear {tokens}x{args.hidden}x{n}", kernel_ms=mine * 1e3,
-                         baseline="cuBLAS", baseline_ms=base * 1e3, ratio=base / mine,
-                         kernel_tflops=flop / mine / 1e12, baseline_tflops=flop / base / 1e12))  # fmt: skip
+        for config in configs:
+            kernels.MATMUL_CONFIGS[bf16] = config
+            try:
+                mine = _seconds(lambda w=w: kernels.linear_forward(x, w), args.iters)
+            except Exception as exc:  # a tiling that does not compile or fit shared memory
+                print(f"linear N={n} tiling {config}: {type(exc).__name__}: {exc}"[:300])
+                continue
+            finally:
+                kernels.MATMUL_CONFIGS[bf16] = mode_config
+            tiling = "the mode's" if config == mode_config else ",".join(map(str, config))
+            rows.append(dict(op=f"linear {tokens}x{args.hidden}x{n} ({tiling})", tiling=config,
+                             kernel_ms=mine * 1e3, baseline="cuBLAS", baseline_ms=base * 1e3,
+                             ratio=base / mine, kernel_tflops=flop / mine / 1e12,
+                             baseline_tflops=flop / base / 1e12))  # fmt: skip
         del w
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
     q = torch.randn(1, args.heads, tokens, args.head_dim, device=dev, dtype=bf16)
@@ -75,9 +99,9 @@ def main(argv: list[str] | None = None) -> None:
     meta = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name(0),
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))  # fmt: skip
     Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    print(f"{'op':<42} {'kernel ms':>10} {'baseline':>13} {'base ms':>8} {'base/kernel':>11}")
+    print(f"{'op':<58} {'kernel ms':>10} {'baseline':>13} {'base ms':>8} {'base/kernel':>11}")
     for r in rows:
-        print(f"{r['op']:<42} {r['kernel_ms']:>10.3f} {r['baseline']:>13} "
+        print(f"{r['op']:<58} {r['kernel_ms']:>10.3f} {r['baseline']:>13} "
               f"{r['baseline_ms']:>8.3f} {r['ratio']:>11.2f}")  # fmt: skip
 
 

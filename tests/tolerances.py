@@ -16,6 +16,12 @@ Adam turns gradient rounding into lr-sized differences: at step 1 its update is
 gradient is within a few ``eps`` of zero can flip its update by up to ``2 * lr`` for a last-bit
 difference in ``g``. :func:`adam_step_atol` gives that bound element by element, so elements with
 ordinary gradients are still held to fp32 rounding.
+
+Over several steps the fp32 run drifts from the float64 one, and step ``k``'s gradients are then
+taken at different weights. A free-running comparison must bound that drift's effect on the
+gradients (:func:`adam_steps_atol` assumes it, it does not derive it); a teacher-forced one
+takes each float64 step from the fp32 run's own weights, so every step is held to its own
+rounding and nothing compounds (:func:`adam_forced_step_atol`).
 """
 
 from __future__ import annotations
@@ -147,7 +153,17 @@ def adam_steps_atol(
     of the gradients so far, so a gradient error of at most ``dg`` moves each by at most ``dg``
     and ``u_k`` by at most ``dg * (1 + |u_k|) / d_k``. Step ``k``'s gradient also carries the
     weight differences of the steps before it: its ``dg`` is taken as ``(k + 1) *
-    grad_rel_err * max|g_k|``. Plus :func:`ulp_atol` for each update's own rounding.
+    grad_rel_err * max|g_k|``. Plus :func:`ulp_atol` for each update's own rounding. That
+    growth is an assumption, not a derivation (the drift's effect on a gradient is the
+    loss's Hessian times the weight differences, which nothing here bounds). An element whose
+    gradient is within its rounding of 0 may take any first step in ``[-lr, lr]`` (Adam's first
+    step is a sign), and that difference reaches every later gradient: on the tests' MoE model
+    with masked samples one layer-0 ``v_proj`` element (``|g| = 9e-8``, its tensor's ``dg`` 6e-6)
+    ends its first step 1e-4 from float64, which moves the second step's gradients by 12 times
+    ``dg``, not 1 (measured in float64: the gradient at the fp32 weights against that at the
+    float64 ones), and one weight ends 1% outside this bound after 3 steps. Where several
+    steps must be held to a derived bound, compare each from the fp32 run's own weights
+    (:func:`adam_forced_step_atol`).
 
     With ``betas`` (Adam's), two facts tighten the bound. An update direction is bounded on
     both sides: ``m_hat`` and ``v_hat`` weigh gradient ``j`` of ``k + 1`` by ``a_j = (1 - b1)
@@ -172,6 +188,82 @@ def adam_steps_atol(
             term = torch.where(untouched, 0.0, term.clamp(max=2 * lr * bound))
         atol += term
     return atol + len(steps) * ulp_atol(param.double().abs() + len(steps) * lr)
+
+
+def clip_rel_err(grads: list[torch.Tensor], norm: float, max_norm: float) -> float:
+    """Bound on the relative error of the fp32 clip coefficient ``max_norm / (||g'|| + 1e-6)``
+    (``clip_grad_norm_``) of a step whose float64 gradients ``grads`` (one tensor per
+    parameter, before clipping) have norm ``norm`` and whose fp32 gradients are off by their
+    own rounding only (the same weights): :func:`step_norm_atol` at step 0, relative, plus the
+    addition's and the division's roundings. 0 where the norm is below ``max_norm`` (no
+    clipping); a norm within its bound of ``max_norm`` could clip in one run and not the other,
+    and raises."""
+    atol = step_norm_atol(grads, 0)
+    if abs(norm - max_norm) <= atol:
+        raise ValueError(f"gradient norm {norm} within its bound {atol} of the clip {max_norm}")
+    return 0.0 if norm < max_norm else atol / norm + 2 * FP32_EPS
+
+
+def adam_forced_step_atol(
+    steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    before: torch.Tensor,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    clip_errs: list[float],
+    grad_rel_err: float = GRAD_REL_ERR,
+) -> torch.Tensor:
+    """Elementwise bound on ``|w'_(k+1) - w_(k+1)|`` for Adam(W) step ``k = len(steps) - 1``
+    (weight decay 0) when the float64 reference takes the step from the fp32 run's own weights
+    ``before = w'_k`` (teacher forcing, tests/miles_megatron/forced_reference.py) with its own
+    Adam state, accumulated from gradients it too took at the fp32 run's weights of each step.
+    ``steps`` holds, per step ``j <= k``, the reference's clipped gradient ``G_j``, Adam
+    denominator ``d_j`` and update direction ``u_j`` (as :func:`adam_steps_atol`);
+    ``clip_errs`` the clip coefficient's relative error ``rho_j`` per step
+    (:func:`clip_rel_err`).
+
+    Both runs compute every gradient from the same weights, so they differ by its rounding
+    only, whatever step it is: ``|G'_j - G_j| <= E_j + rho_j |G_j|`` with ``E_j = grad_rel_err
+    max|G_j|`` (the tensor's, :func:`grad_atol`) and ``rho_j`` the clip coefficient's share.
+    Step ``k``'s bias-corrected moments are weighted means, ``m = sum_j a_j G_j`` and ``v =
+    sum_j c_j G_j^2`` (``a_j``, ``c_j`` as :func:`adam_steps_atol`), ``d = sqrt(v) + eps``, ``u
+    = m / d``; with ``E = max_j E_j`` and ``rho = max_j rho_j``:
+
+    * ``|dm| <= E + rho sum_j a_j |G_j|``;
+    * ``|d sqrt(v)| <= E + rho sqrt(v)`` (``sqrt(v)`` is a ``c``-weighted L2 norm of the
+      ``G_j``: Minkowski's inequality);
+    * ``|du| <= (|dm| + |u| |d sqrt(v)|) / d = (E (1 + |u|) + rho (sum_j a_j |G_j| + |u|
+      sqrt(v))) / d``; at the first step ``u = G / (|G| + eps)`` ignores a common factor on
+      ``G`` but for ``eps``: the clip's term is ``rho |u| eps / d`` there;
+    * ``|du| <= 2 U_k`` and an element whose float64 gradient is exactly 0 at every step so far
+      does not move (both as :func:`adam_steps_atol`).
+
+    The weights move by ``lr du``, plus 8 ulps of ``|w'_k| + lr`` for the update's and the
+    subtraction's roundings (and the fp32 Adam state's own, a few ``FP32_EPS`` of ``max|G|`` a
+    step, within the slack of ``GRAD_REL_ERR``: 1.5e-5 rounded up to 2e-5). Nothing grows with
+    ``k``: the weight differences of the steps before are where both runs start this one, not
+    an error of it, so every step is held to one step's rounding (a free-running comparison
+    must bound how far the fp32 run drifted: :func:`adam_steps_atol` assumes its gradient error
+    grows as ``(k + 1) E``, which the tests' MoE model exceeds).
+    """
+    k = len(steps) - 1
+    b1, b2 = betas
+    a = [(1 - b1) * b1 ** (k - j) / (1 - b1 ** (k + 1)) for j in range(k + 1)]
+    c = [(1 - b2) * b2 ** (k - j) / (1 - b2 ** (k + 1)) for j in range(k + 1)]
+    cap = 2 * lr * sum(x * x / y for x, y in zip(a, c)) ** 0.5
+    grads = [g.double() for g, _, _ in steps]
+    big_e = max(grad_rel_err * float(g.abs().max()) for g in grads)
+    rho = max(clip_errs)
+    _, denom, update = steps[-1]
+    d, u = denom.double(), update.double().abs()
+    if k == 0:
+        clip = rho * u * eps / d
+    else:
+        clip = rho * (sum(w * g.abs() for w, g in zip(a, grads)) + u * (d - eps)) / d
+    term = (lr * (big_e * (1 + u) / d + clip)).clamp(max=cap)
+    untouched = torch.stack([g == 0 for g in grads]).all(0)
+    return torch.where(untouched, 0.0, term) + ulp_atol(before.double().abs() + lr)
 
 
 def assert_within(got: torch.Tensor, want: torch.Tensor, atol: torch.Tensor, what: str) -> None:

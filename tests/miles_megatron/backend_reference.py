@@ -155,63 +155,30 @@ def reference(
     * gradient norm: :func:`tolerances.step_norm_atol` of the step's gradients;
     * weights: :func:`tolerances.adam_steps_atol` of every step's gradient and Adam state.
     """
-    from tolerances import SCORE_ATOL, adam_steps_atol, step_norm_atol, ulp_atol
-    from transformers import AutoModelForCausalLM
+    from tolerances import adam_steps_atol, step_norm_atol
 
-    model = AutoModelForCausalLM.from_pretrained(  # the grouped-mm experts have no float64
-        hf_dir, dtype=torch.float64, attn_implementation="eager", experts_implementation="eager"
-    ).to(device)
+    model = load_reference_model(hf_dir, device)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=ADAM_EPS, weight_decay=0.0)
     data = long_samples() if long else samples(masked)
-    rewards = torch.tensor(REWARDS, dtype=torch.float64)
-    adv = []
-    for i, g in enumerate(GROUPS):
-        members = rewards[[j for j, h in enumerate(GROUPS) if h == g]]
-        adv.append(float((rewards[i] - members.mean()) / (members.std() + 1e-6)))
+    adv = grpo_advantages()
     history: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [[] for _ in params]
     steps, tol, step_scores = [], [], []
     for k in range(rollouts):
-        weights_atol = [  # the fp32 weights' distance from these, for the scores' bounds
-            adam_steps_atol(h, p.detach(), lr=LR, betas=BETAS) for h, p in zip(history, params)
-        ]
-        step_scores.append([])
-        opt.zero_grad()
-        loss = torch.zeros((), dtype=torch.float64, device=device)
-        scale = 0.0  # sum |terms| of the loss
-        tokens = []
-        for s, a in zip(data, adv, strict=True):
-            ids = s.tokens.to(device)
-            logits = model(input_ids=ids[None], use_cache=False).logits[0]
-            lp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[1:, None])[:, 0]
-            lp = lp[-s.response_length :]
-            old = lp.detach().clone().requires_grad_()  # the old policy: the same weights
-            m = s.mask.to(device).double()
-            if scores:
-                step_scores[k].append(token_scores(logits, s, lp, m, params, weights_atol, k))
-            loss = loss + (-a * torch.exp(lp - old) * m).sum() / m.sum() / len(data)
-            scale += abs(a) / len(data)
-            tokens += [lp, old]
-        sensitivity = sum(
-            float(g.abs().sum()) for g in torch.autograd.grad(loss, tokens, retain_graph=True)
+        weights_atol = (  # the fp32 weights' distance from these, for the scores' bounds
+            [adam_steps_atol(h, p.detach(), lr=LR, betas=BETAS) for h, p in zip(history, params)]
+            if k
+            else None  # the checkpoint's fp32 weights, which float64 holds exactly
         )
+        opt.zero_grad()
+        loss, loss_atol, scored = grpo_step(model, data, adv, weights_atol, scores, device)
+        step_scores.append(scored)
         loss.backward()
         grads = [p.grad.detach().clone() for p in params]
         norm = float(torch.nn.utils.clip_grad_norm_(params, CLIP_GRAD))
         opt.step()
-        for h, p in zip(history, params):  # what tolerances.adam_steps_atol reads
-            state = opt.state[p]
-            denom = (state["exp_avg_sq"] / (1 - BETAS[1] ** (k + 1))).sqrt() + ADAM_EPS
-            h.append(
-                (
-                    p.grad.detach().clone(),
-                    denom,
-                    state["exp_avg"] / (1 - BETAS[0] ** (k + 1)) / denom,
-                )
-            )
+        record_adam(history, opt, params, k)
         steps.append({"loss": float(loss.detach()), "grad_norm": norm})
-        terms = sum(int(s.mask.sum()) for s in data)
-        loss_atol = SCORE_ATOL * sensitivity + float(ulp_atol(torch.tensor(scale), 64 + terms))
         tol.append({"loss": loss_atol, "grad_norm": step_norm_atol(grads, k)})
     weights_tol = [
         adam_steps_atol(h, p.detach(), lr=LR, betas=BETAS) for h, p in zip(history, params)
@@ -227,19 +194,87 @@ def reference(
     }
 
 
-def token_scores(logits, sample, lp, mask, params, weights_atol, step: int) -> dict:
-    """One sample's response tokens at one step: float64 ``log_probs`` (``lp``, with its graph)
-    and ``entropy`` ``-sum_v p_v log p_v`` of ``logits``' rows, and ``log_probs_tol`` and
-    ``entropy_tol``: :func:`tolerances.moved_score_atol` at the trained tokens (``mask`` 1,
-    the reference's gradient of each score there; inf elsewhere); the weights are within
-    ``weights_atol`` of the fp32 run's (none before the first step, ``step`` 0)."""
-    from tolerances import SCORE_ATOL, moved_score_atol
+def load_reference_model(hf_dir: str, device: str = "cpu"):
+    """``hf_dir``'s HF model in float64 (eager attention and experts) on ``device``."""
+    from transformers import AutoModelForCausalLM
 
+    return AutoModelForCausalLM.from_pretrained(  # the grouped-mm experts have no float64
+        hf_dir, dtype=torch.float64, attn_implementation="eager", experts_implementation="eager"
+    ).to(device)
+
+
+def grpo_advantages() -> list[float]:
+    """Each sample's GRPO advantage ``(R - mean_g) / (std_g + 1e-6)`` (unbiased std)."""
+    rewards = torch.tensor(REWARDS, dtype=torch.float64)
+    adv = []
+    for i, g in enumerate(GROUPS):
+        members = rewards[[j for j, h in enumerate(GROUPS) if h == g]]
+        adv.append(float((rewards[i] - members.mean()) / (members.std() + 1e-6)))
+    return adv
+
+
+def grpo_step(model, data, adv, weights_atol, scores: bool, device: str = "cpu"):
+    """One step's float64 loss on ``data`` (its graph kept), the loss's bound
+    (:func:`reference`) and, with ``scores``, each sample's :func:`token_scores`
+    (``weights_atol``: the fp32 weights' distance from the model's, ``None`` where they are
+    the same)."""
+    from tolerances import SCORE_ATOL, ulp_atol
+
+    params = list(model.parameters())
+    loss = torch.zeros((), dtype=torch.float64, device=device)
+    scale = 0.0  # sum |terms| of the loss
+    tokens, scored = [], []
+    for s, a in zip(data, adv, strict=True):
+        ids = s.tokens.to(device)
+        logits = model(input_ids=ids[None], use_cache=False).logits[0]
+        lp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[1:, None])[:, 0]
+        lp = lp[-s.response_length :]
+        old = lp.detach().clone().requires_grad_()  # the old policy: the same weights
+        m = s.mask.to(device).double()
+        if scores:
+            scored.append(token_scores(logits, s, lp, m, params, weights_atol))
+        loss = loss + (-a * torch.exp(lp - old) * m).sum() / m.sum() / len(data)
+        scale += abs(a) / len(data)
+        tokens += [lp, old]
+    sensitivity = sum(
+        float(g.abs().sum()) for g in torch.autograd.grad(loss, tokens, retain_graph=True)
+    )
+    terms = sum(int(s.mask.sum()) for s in data)
+    loss_atol = SCORE_ATOL * sensitivity + float(ulp_atol(torch.tensor(scale), 64 + terms))
+    return loss, loss_atol, scored
+
+
+def record_adam(history: list[list], opt, params: list, k: int) -> None:
+    """Append each parameter's step-``k`` gradient (as clipped), bias-corrected Adam
+    denominator and update direction: what :mod:`tolerances`' Adam bounds read."""
+    for h, p in zip(history, params):
+        state = opt.state[p]
+        denom = (state["exp_avg_sq"] / (1 - BETAS[1] ** (k + 1))).sqrt() + ADAM_EPS
+        update = state["exp_avg"] / (1 - BETAS[0] ** (k + 1)) / denom
+        h.append((p.grad.detach().clone(), denom, update))
+
+
+def token_scores(logits, sample, lp, mask, params, weights_atol) -> dict:
+    """One sample's response tokens at one step: float64 ``log_probs`` (``lp``, with its graph)
+    and ``entropy`` ``-sum_v p_v log p_v`` of ``logits``' rows, with their
+    :func:`score_bounds`."""
     logp = torch.log_softmax(logits[:-1], -1)[-sample.response_length :]
     entropy = -(logp.exp() * logp).sum(-1)
-    trained = mask.nonzero()[:, 0]
+    out = {"log_probs": lp.detach().cpu(), "entropy": entropy.detach().cpu()}
+    return {**out, **score_bounds(lp, entropy, mask, params, weights_atol)}
+
+
+def score_bounds(lp, entropy, mask, params, weights_atol) -> dict:
+    """``log_probs_tol`` and ``entropy_tol`` of one sample's response tokens' float64 ``lp``
+    and ``entropy`` (with their graph): :func:`tolerances.moved_score_atol` at the trained
+    tokens (``mask`` 1, the reference's gradient of each score there; inf elsewhere); the
+    weights are within ``weights_atol`` of the fp32 run's (``None``: the same weights,
+    ``SCORE_ATOL``)."""
+    from tolerances import SCORE_ATOL, moved_score_atol
+
+    trained = mask.nonzero()[:, 0].to(lp.device)
     n = len(trained)
-    if step == 0:
+    if weights_atol is None:
         bound = torch.full((2 * n,), SCORE_ATOL, dtype=torch.float64)
     else:  # one batched backward of the 2n scores
         outs = torch.cat([lp[trained], entropy[trained]])
@@ -248,9 +283,9 @@ def token_scores(logits, sample, lp, mask, params, weights_atol, step: int) -> d
             outs, params, eye, retain_graph=True, allow_unused=True, is_grads_batched=True
         )
         bound = moved_score_atol(list(grads), weights_atol).cpu()
-    out = {"log_probs": lp.detach().cpu(), "entropy": entropy.detach().cpu()}
+    out = {}
     for i, key in enumerate(("log_probs_tol", "entropy_tol")):
-        tol = torch.full((sample.response_length,), float("inf"), dtype=torch.float64)
+        tol = torch.full((len(lp),), float("inf"), dtype=torch.float64)
         tol[trained.cpu()] = bound[i * n : (i + 1) * n]
         out[key] = tol
     return out

@@ -44,10 +44,11 @@ KEYS = (
 
 
 @contextlib.contextmanager
-def recorded_steps(backend_name: str) -> Iterator[list[dict]]:
+def recorded_steps(backend_name: str, after_step=None) -> Iterator[list[dict]]:
     """Each optimizer step's metrics, as the backend's rollout loop receives them from its
     ``optimizer_step`` (``train()`` reports only the rollout's: step means, the last step's
-    gradient norm and LR): a list filled with one dict per step."""
+    gradient norm and LR): a list filled with one dict per step; ``after_step()``, if given,
+    is called after each step."""
     if backend_name == "megatron":
         import miles_megatron.train_step as module
 
@@ -65,6 +66,8 @@ def recorded_steps(backend_name: str) -> Iterator[list[dict]]:
     def spy(*args, **kwargs):
         result = original(*args, **kwargs)
         steps.append({k: float(v) for k, v in read(result).items() if k in KEYS})
+        if after_step is not None:
+            after_step()
         return result
 
     module.optimizer_step = spy
@@ -77,23 +80,34 @@ def recorded_steps(backend_name: str) -> Iterator[list[dict]]:
 def estimator_rollouts(
     rank: int, world: int, backend_name: str, hf_dir: str, configs=CONFIGS
 ) -> dict:
-    """For each ``(name, flags)`` of ``configs`` (:data:`CONFIGS`), a fresh ``backend_name`` trains one rollout (2 optimizer
-    steps, the LR decaying as ``estimator_reference.SCHEDULE_FLAGS`` say) on the masked samples
-    carrying engine log-probs. Per configuration: the rollout's :data:`KEYS` metrics, as
-    ``steps`` each step's (:func:`recorded_steps`), as ``log_probs`` each sample's response
-    log-probs after the rollout (plain lists) and as ``weights`` the trained weights in the HF
-    checkpoint's names."""
+    """For each ``(name, flags)`` of ``configs`` (:data:`CONFIGS`), a fresh ``backend_name``
+    trains one rollout (2 optimizer steps, the LR decaying as
+    ``estimator_reference.SCHEDULE_FLAGS`` say) on the masked samples carrying engine
+    log-probs. Per configuration: the rollout's :data:`KEYS` metrics, as ``steps`` each step's
+    (:func:`recorded_steps`), as ``scores`` each step's per-token log-probs and entropies as
+    the step handed them to its loss (score_capture.captured_scores; ``scores_tokens``: this
+    rank must have compared some), as ``log_probs`` each sample's response log-probs after the
+    rollout (plain lists) and as ``weights`` the trained weights in the HF checkpoint's
+    names."""
     from backend_reference import samples
     from estimator_reference import SCHEDULE_FLAGS
     from megatron_ranks import both_backends_backend
     from miles_core.batch import RolloutBatch
+    from score_capture import captured_scores, last_stage
 
     out = {}
     for name, flags in configs:
         backend = both_backends_backend(world, backend_name, hf_dir, *flags, *SCHEDULE_FLAGS)
-        batch = RolloutBatch(samples(masked=True, engine_log_probs=True))
-        with recorded_steps(backend_name) as steps:
-            metrics = backend.train(0, batch)
+        data = samples(masked=True, engine_log_probs=True)
+        batch = RolloutBatch(data)
+        scores: list[dict] = []  # per step: what the recorder took since the last step
+        with captured_scores(data, backend_name) as recorder:
+            with recorded_steps(
+                backend_name, lambda s=scores, r=recorder: s.append(r.take())
+            ) as steps:
+                metrics = backend.train(0, batch)
+        # every rank trains the whole batch (DP 1): the last stage's rank(s) score it
+        scores_tokens = backend_name == "fsdp" or last_stage()
         if backend_name == "megatron":
             after = actor_log_probs(backend, batch)
             weights = backend.hf_weights()
@@ -105,6 +119,8 @@ def estimator_rollouts(
         backend.close()
         out[name] = {k: metrics[k] for k in KEYS if k in metrics}
         out[name]["steps"] = steps
+        out[name]["scores"] = scores
+        out[name]["scores_tokens"] = scores_tokens
         out[name]["log_probs"] = [t.tolist() for t in after]
         out[name]["weights"] = weights
     return out

@@ -233,10 +233,16 @@ def reference(hf_dir: str, name: str | Objective, data) -> dict:
     engine log-probs) from the HF checkpoint ``hf_dir``.
 
     Returns ``steps``: per step the :func:`objective` values (``grad_norm``, ``lr`` added);
-    ``log_probs``: each sample's response log-probs after both steps; ``after_one``: those after
-    the first step only; ``weights``: the weights after both steps (by parameter name); and
-    ``tol``, ``log_probs_tol``, ``weights_tol``: the bounds on fp32 arithmetic, with the same
-    keys (weights: :func:`tolerances.adam_steps_atol` element by element). A value's bound is first order in the per-token errors: ``SCORE_ATOL`` on each
+    ``scores``: per step, by sample index, the log-prob and entropy of each response token of
+    the step's samples (the values its loss reads) with their bounds
+    (backend_reference.score_bounds: ``SCORE_ATOL`` at the first step, then plus
+    ``|d score / d w|`` times the weights' ``adam_steps_atol`` distance after the step before:
+    :func:`tolerances.moved_score_atol`; inf at untrained tokens); ``log_probs``: each sample's
+    response log-probs after both steps; ``after_one``: those after the first step only;
+    ``weights``: the weights after both steps (by parameter name); and ``tol``,
+    ``log_probs_tol``, ``weights_tol``: the bounds on fp32 arithmetic, with the same keys
+    (weights: :func:`tolerances.adam_steps_atol` element by element). A value's bound is
+    first order in the per-token errors: ``SCORE_ATOL`` on each
     log-prob and entropy of the forward (times ``|d value / d token value|``), plus, from the
     second step on, the weights' difference after the steps before it
     (:func:`tolerances.adam_steps_atol`) times ``|d value / d w|``, plus 64 ulps of the value.
@@ -245,6 +251,7 @@ def reference(hf_dir: str, name: str | Objective, data) -> dict:
     :func:`tolerances.adam_steps_atol` applies to the gradients. The weights' bounds take the
     peak LR for every step (an upper bound: the schedule only lowers it).
     """
+    from backend_reference import score_bounds
     from tolerances import GRAD_REL_ERR, SCORE_ATOL, adam_steps_atol, ulp_atol
     from transformers import AutoModelForCausalLM
 
@@ -259,7 +266,7 @@ def reference(hf_dir: str, name: str | Objective, data) -> dict:
     rollout = [s.rollout_log_probs.double() for s in data]
     opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=ADAM_EPS, weight_decay=0.0)
     history: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [[] for _ in params]
-    steps, tol, after_one = [], [], None
+    steps, tol, per_token, after_one = [], [], [], None
     n = len(data)
     for k in range(STEPS):
         part = range(n * k // STEPS, n * (k + 1) // STEPS)
@@ -279,6 +286,11 @@ def reference(hf_dir: str, name: str | Objective, data) -> dict:
             [rollout[i] for i in part],
         )
         values = objective(obj, list(lp), olds, list(entropy), *args, sg=lambda t: t, ref=refs)
+        step_scores = {  # each trained token's log-prob and entropy, as the step computes them
+            i: {"log_probs": x.detach(), "entropy": h.detach()}
+            | score_bounds(x, h, data[i].loss_mask, params, weight_atol)
+            for i, x, h in zip(part, lp, entropy, strict=True)
+        }
         bounds = {}
         tokens = [*lp, *entropy, *olds, *refs]
         for key, value in values.items():
@@ -312,6 +324,7 @@ def reference(hf_dir: str, name: str | Objective, data) -> dict:
             {**{key: float(v.detach()) for key, v in values.items()}, "grad_norm": norm, "lr": lr}
         )
         tol.append(bounds)
+        per_token.append(step_scores)
         if k == 0:
             with torch.no_grad():
                 after_one = [scores(model, s)[0] for s in data]
@@ -333,6 +346,7 @@ def reference(hf_dir: str, name: str | Objective, data) -> dict:
     return {
         "steps": steps,
         "tol": tol,
+        "scores": per_token,
         "log_probs": log_probs,
         "log_probs_tol": lp_tol,
         "after_one": after_one,

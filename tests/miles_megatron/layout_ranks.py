@@ -58,24 +58,12 @@ def spans_cp(argv: list[str]) -> bool:
     return flag in argv and int(argv[argv.index(flag) + 1]) > 1
 
 
-def is_moe(hf_dir: str) -> bool:
-    import json
-
-    with open(f"{hf_dir}/config.json") as f:
-        return "num_experts_per_tok" in json.load(f)
-
-
 def case_samples(hf_dir: str, argv: list[str]) -> list:
-    """The samples a case trains on: at CP > 1 backend_reference's long ones (:func:`spans_cp`);
-    else its masked ones (every loss mask with a hole) on the dense model, its unmasked ones on
-    the MoE model: with the masked ones, the MoE layouts' fp32 weights after 3 steps leave
-    ``adam_steps_atol``'s bound by 1% on one element (the same fp32 value at every MoE layout:
-    the bound's growth of the gradient error with the steps is too tight there, not a layout)."""
+    """The samples a case trains on: at CP > 1 backend_reference's long ones (:func:`spans_cp`),
+    else its masked ones; every loss mask has a hole either way."""
     from backend_reference import long_samples, samples
 
-    if spans_cp(argv):
-        return long_samples()
-    return samples(masked=not is_moe(hf_dir))
+    return long_samples() if spans_cp(argv) else samples(masked=True)
 
 
 def _numpy(source) -> dict[str, Any]:
@@ -96,8 +84,10 @@ def train_and_publish(rank: int, world: int, cases: list, rollouts: int) -> dict
 def train_then_publish(hf_dir: str, argv: list[str], rollouts: int) -> dict:
     """``rollouts`` rollouts on this rank's DP shard of the case's samples
     (:func:`case_samples`), each step's log-probs and entropies recorded
-    (score_capture.captured_scores), then ``publish_weights`` for a rank-0 transport and for an
-    every-rank one; and the error a publish raises when one checkpoint name is not expected."""
+    (score_capture.captured_scores) and, as ``starts``, the weights each step starts from
+    (``publish_weights()``: whole on rank 0; forced_reference steps from them), then
+    ``publish_weights`` for a rank-0 transport and for an every-rank one; and the error a
+    publish raises when one checkpoint name is not expected."""
     from backend_reference import LR
     from megatron_ranks import parse
     from miles_core.batch import RolloutBatch
@@ -115,9 +105,10 @@ def train_then_publish(hf_dir: str, argv: list[str], rollouts: int) -> dict:
     result: dict[str, Any] = {"dp_size": layout.dp_size}
     # ranks that must score trained tokens: the last stage's, of a DP rank holding samples
     result["scores_tokens"] = last_stage() and len(shards[layout.dp_rank]) > 0
-    result["metrics"], result["scores"] = [], []
+    result["metrics"], result["scores"], result["starts"] = [], [], []
     with captured_scores(data) as scores:
         for r in range(rollouts):
+            result["starts"].append(_numpy(backend.publish_weights()))
             result["metrics"].append(backend.train(r, batch))
             result["scores"].append(scores.take())  # one optimizer step a rollout
     result["to_first"] = _numpy(backend.publish_weights())
@@ -185,8 +176,9 @@ def layouts_then_pipeline(
 
 def fsdp_train(rank: int, world: int, hf_dir: str, rollouts: int) -> dict:
     """The layout suites' GRPO job on the FSDP backend (DP = ``world``, fp32, SDPA): per
-    rollout the metrics and the step's recorded scores (as :func:`train_then_publish`), then
-    the trained weights under the checkpoint's names (every rank)."""
+    rollout the metrics, the step's recorded scores and the weights it starts from (as
+    :func:`train_then_publish`), then the trained weights under the checkpoint's names (every
+    rank)."""
     from backend_reference import LR
     from miles_core.args import core_groups, parse_args
     from miles_core.backends import load
@@ -205,9 +197,10 @@ def fsdp_train(rank: int, world: int, hf_dir: str, rollouts: int) -> dict:
     shards = partition_for_dp(RolloutBatch(data), layout.dp_size, keep_groups=True)
     batch = shards[layout.dp_rank]
     result: dict[str, Any] = {"dp_size": layout.dp_size, "scores_tokens": len(batch) > 0}
-    result["metrics"], result["scores"] = [], []
+    result["metrics"], result["scores"], result["starts"] = [], [], []
     with captured_scores(data, "fsdp") as scores:
         for r in range(rollouts):
+            result["starts"].append(_numpy(backend.weight_source()))
             result["metrics"].append(backend.train(r, batch))
             result["scores"].append(scores.take())
     result["optimizer_steps"] = backend.state.global_step

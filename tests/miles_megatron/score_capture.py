@@ -1,5 +1,6 @@
 """Test support: the per-token log-probs and entropy a Megatron training step computes, against
-the float64 reference's (backend_reference.reference with ``scores``).
+a float64 reference's (backend_reference.reference with ``scores``,
+forced_reference.forced_reference, estimator_reference.reference).
 
 Within :func:`captured_scores`, every call of the training step's loss
 (``miles_megatron.train_step.packed_score_loss``, which receives the step's ``[1, T / CP]``
@@ -9,9 +10,9 @@ the real loss unchanged: what is compared is what the step trained on. A call's 
 into the samples of its row (identified by their tokens), response-aligned, ``NaN`` where
 another CP rank holds the position. :func:`check_scores` holds each rank's values at the
 trained tokens (loss mask 1) to the reference's bounds and asserts the coverage: every trained
-token of every sample at every step was compared on some rank, every last-stage rank of a DP
-rank holding samples (every CP rank of it) compared trained tokens, and (where the case's samples have them) some loss mask
-has a hole.
+token of every sample a step trains was compared on some rank (every sample by some step),
+every last-stage rank of a DP rank holding samples (every CP rank of it) compared trained
+tokens, and (where the case's samples have them) some loss mask has a hole.
 """
 
 from __future__ import annotations
@@ -92,16 +93,23 @@ def last_stage() -> bool:
 def check_scores(results: list[dict], ref: dict, data: list, what: str, holes: bool) -> int:
     """Each rank's ``scores`` (per step, per sample) within the reference's bounds at the
     trained tokens, with the coverage the module docstring states (``holes``: some loss mask of
-    ``data`` has one); returns the number of values compared."""
+    ``data`` has one); returns the number of values compared. A step of ``ref["scores"]`` is a
+    list (every sample of ``data``, in order) or a dict by sample index (the samples that step
+    trains: no rank may score another there; every sample is some step's)."""
     has_hole = any(0 < s.mask.sum() < s.response_length for s in data)
     assert has_hole == holes, (what, "a loss mask with a hole", holes)
+    steps = [w if isinstance(w, dict) else dict(enumerate(w)) for w in ref["scores"]]
+    assert set().union(*steps) == set(range(len(data))), (what, "samples no step trains")
     compared = 0
-    for k, want in enumerate(ref["scores"]):
-        seen = [torch.zeros(s.response_length, dtype=torch.bool) for s in data]
+    for k, want in enumerate(steps):
+        seen = {
+            sample: torch.zeros(data[sample].response_length, dtype=torch.bool) for sample in want
+        }
         for rank, r in enumerate(results):
-            assert len(r["scores"]) == len(ref["scores"]), (what, rank, len(r["scores"]))
+            assert len(r["scores"]) == len(steps), (what, rank, len(r["scores"]))
             mine = 0
             for sample, got in r["scores"][k].items():
+                assert sample in want, (what, k, rank, sample, "scored at a step not training it")
                 trained = data[sample].mask.bool()
                 for key in KEYS:
                     value = torch.tensor(got[key], dtype=torch.float64)
@@ -113,8 +121,8 @@ def check_scores(results: list[dict], ref: dict, data: list, what: str, holes: b
                     mine += int(held.sum())
             compared += mine
             assert mine > 0 or not r["scores_tokens"], (what, k, rank, "a rank compared none")
-        for sample, s in enumerate(data):
-            missed = s.mask.bool() & ~seen[sample]
+        for sample in want:
+            missed = data[sample].mask.bool() & ~seen[sample]
             assert not missed.any(), (what, k, sample, "trained tokens not compared")
     assert compared > 0, what
     return compared

@@ -5,8 +5,9 @@ Without ranks: the zig-zag split against its definition, and the shard's attenti
 
 With ranks (gloo, the CPU shim), one 2-rank spawn in the default suite:
 
-* CP = 2 trains GRPO like HF + AdamW (grad norms, weights) and publishes the whole model under
-  the checkpoint's names from rank 0 and to every rank (test_layouts.check);
+* CP = 2 trains GRPO like HF + AdamW, step by step from its own weights (loss, grad norm,
+  per-token scores, weights: test_layouts.check) and publishes the whole model under the
+  checkpoint's names from rank 0 and to every rank;
 * the RL recipe (reference model + KL loss, entropy bonus, two steps per rollout: the actor's
   old log-prob pass and clipped ratios) at CP = 2 equals TP = 2 (the same data per step, DP = 1)
   metric for metric (the train/rollout mismatch's extremes and worst sample included), weight
@@ -225,7 +226,7 @@ def test_cp2_trains_like_hf_and_publishes_the_whole_model(cp_two_rank_run, layou
     from test_layouts import check
 
     cases = cp_two_rank_cases(layout_hf_dirs["llama"])
-    check([r["layouts"] for r in cp_two_rank_run], cases, layout_hf_dirs)
+    check([r["layouts"] for r in cp_two_rank_run], cases)
 
 
 @pytest.mark.slow
@@ -379,7 +380,7 @@ def test_four_rank_cp_layouts_train_like_hf_and_equal_cp1(layout_hf_dirs):
     llama = layout_hf_dirs["llama"]
     cases = four_rank_cp_cases(llama)
     results = spawn_ranks(train_and_publish, 4, cases, LAYOUT_ROLLOUTS, timeout=1200)
-    check(results, cases, layout_hf_dirs)
+    check(results, cases)
     layouts = [
         ("tp2 pp2", cp_argv(tp=2, pp=2)),
         ("cp2 tp2", cp_argv(cp=2, tp=2)),

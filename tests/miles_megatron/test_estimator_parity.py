@@ -8,13 +8,16 @@ from 1e-3 to 1e-4 over the 2 steps.
 For each configuration and backend, at each step (read from the backend's step function) and
 for the rollout (``train()``'s metrics: step means, the last step's gradient norm and LR): the
 loss and its parts, the entropy, ``ppo_kl``, the old policy's mismatch against the engine, the
-gradient norm and the LR; and every weight and every response token's log-prob after the
-rollout; all equal the float64 values within the bounds :mod:`tolerances` derives (the
-reference computes them value by value; the weights element by element with
-``adam_steps_atol``). The two backends equal each other within the fp32 bound of
-test_backends_agree. Coverage: every mask has a hole; both backends took 2 steps, and the
-log-probs after the rollout are told apart from those after one step; the configurations'
-losses all differ, on the backends and in the reference (so each flag reached the step)."""
+gradient norm and the LR; at each step the log-prob and the entropy of every trained token, as
+the step handed them to its loss (score_capture.py; every trained token of the step's samples
+compared, no other sample scored, every sample in some step); and every weight and every
+response token's log-prob after the rollout; all equal the float64 values within the bounds
+:mod:`tolerances` derives (the reference computes them value by value; the per-token scores
+with ``moved_score_atol``, the weights element by element with ``adam_steps_atol``). The two
+backends equal each other within the fp32 bound of test_backends_agree. Coverage: every mask
+has a hole; both backends took 2 steps, and the log-probs after the rollout are told apart from
+those after one step; the configurations' losses all differ, on the backends and in the
+reference (so each flag reached the step)."""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from dist_ranks import spawn_ranks
 from estimator_ranks import CONFIGS, estimator_rollouts
 from estimator_reference import OBJECTIVES, STEPS, reference
 from megatron_tiny_models import make_tiny_hf
+from score_capture import check_scores
 from tolerances import assert_within
 
 pytest.importorskip("miles_fsdp")
@@ -75,10 +79,11 @@ def test_every_estimator_and_loss_equals_float64_on_both_backends(tmp_path):
         ]
         assert max(moved) > 0, (name, moved)
         m, f = megatron[name], fsdp[name]
-        extra = {"steps", "log_probs", "weights"}
+        extra = {"steps", "scores", "scores_tokens", "log_probs", "weights"}
         assert set(m) == set(f) == {*want, *extra}, (name, sorted(m), sorted(want))
         for backend, got in (("megatron", m), ("fsdp", f)):
             assert len(got["steps"]) == STEPS, (name, backend)  # both optimizer steps ran
+            check_scores([got], ref, data, f"{name} {backend}", holes=True)
             for k, (step, ref_step, tol) in enumerate(zip(got["steps"], ref["steps"], ref["tol"])):
                 assert set(step) == set(ref_step), (name, backend, k, sorted(step))
                 for key, value in ref_step.items():

@@ -2,25 +2,31 @@
 whole model under the HF checkpoint's names.
 
 Per case (one backend after another in one spawn): 3 rollouts of GRPO on the DP shards of
-the case's samples (layout_ranks.case_samples: masked with holes on the dense model, long
-enough to reach every CP rank at CP > 1); each rollout's loss and gradient norm, and each step's
-log-probs and entropies at every trained token (as the training step hands them to its loss:
-score_capture.py; every token compared on some rank, every last-stage rank comparing some),
-equal the float64 HF + AdamW reference's (backend_reference.reference), and every published
-weight after training equals the reference's element by element, within the bounds
-tests/tolerances.py derives for fp32 arithmetic (step_norm_atol, moved_score_atol,
-adam_steps_atol; the loss from SCORE_ATOL per token). ``publish_weights()`` (the rank-0 transports: broadcast, disk-delta) holds every
-pipeline stage's tensors on rank 0, ``publish_weights(to_all=True)`` (ipc, p2p) on every rank,
-bit for bit the same; a publish whose names are not the checkpoint's raises.
+the case's samples (layout_ranks.case_samples: every loss mask with a hole; long enough to
+reach every CP rank at CP > 1), one optimizer step each. Each step is compared with the
+float64 HF + AdamW step taken from the weights the fp32 step started from
+(forced_reference.py: the first step's are the checkpoint's, bit for bit; each later one's
+as ``publish_weights()`` delivered them): its loss and gradient norm, its log-probs and
+entropies at every trained token (as the training step hands them to its loss:
+score_capture.py; every token compared on some rank, every last-stage rank comparing some)
+and every weight after it, element by element, within the bounds tests/tolerances.py derives
+for one step's fp32 arithmetic (``SCORE_ATOL``, ``step_norm_atol``,
+``adam_forced_step_atol``); a step that moved no weight, a step compared with the next one's
+weights and a gradient error of a few times the rounding bound are caught
+(:func:`test_forced_bounds_catch_a_wrong_step`). ``publish_weights()`` (the rank-0
+transports: broadcast, disk-delta) holds every pipeline stage's tensors on rank 0,
+``publish_weights(to_all=True)`` (ipc, p2p) on every rank, bit for bit the same; a publish
+whose names are not the checkpoint's raises.
 
 qwen3_moe trains with the all-gather and the all-to-all token dispatchers (the all-to-all on
 gloo through the CPU shim's split-size adapter, megatron_shim.py); llama is the dense control.
 The default suite runs the 2-rank layouts (EP=2, PP=2, TP=2 with LoRA merged, MoE at DP=2, TP=2
-and TP=2 x EP=2; in the spawn test_pipeline.py shares, conftest.py); the 4-rank ones (EP=2 x TP=2 at ETP=1 and ETP=TP,
-PP=2 x TP=2, PP=2 x EP=2, TP=2 x DP=2, PP=2 x DP=2, MoE TP x PP with and without EP), the
-8-rank ones (the dense kinds of three dimensions, MoE TP or PP beside DP) and the 16-rank dense
-TP x PP x CP x DP are ``extended``: with test_context_parallel.py and test_backend.py they prove
-every layout kind miles_megatron.layout_kinds accepts (test_layout_kinds.py).
+and TP=2 x EP=2; in the spawn test_pipeline.py shares, conftest.py); the 4-rank ones (EP=2 x
+TP=2 at ETP=1 and ETP=TP, PP=2 x TP=2, PP=2 x EP=2, TP=2 x DP=2, PP=2 x DP=2, MoE TP x PP with
+and without EP), the 8-rank ones (the dense kinds of three dimensions, MoE TP or PP beside DP)
+and the 16-rank dense TP x PP x CP x DP are ``extended``: with test_context_parallel.py and
+test_backend.py they prove every layout kind miles_megatron.layout_kinds accepts
+(test_layout_kinds.py).
 """
 
 from __future__ import annotations
@@ -30,12 +36,12 @@ import pytest
 import torch
 from backend_reference import check_steps, check_weights, reference
 from dist_ranks import spawn_ranks
+from forced_reference import check_updates, forced_reference
 from layout_ranks import (
     LAYOUT_ROLLOUTS,
     case_samples,
     eight_rank_cases,
     four_rank_cases,
-    is_moe,
     sixteen_rank_cases,
     spans_cp,
     train_and_publish,
@@ -43,21 +49,10 @@ from layout_ranks import (
 )
 from safetensors.torch import load_file
 from score_capture import check_scores
+from tolerances import assert_within
 
 
-def check(results: list[dict], cases: list, hf_dirs: dict) -> None:
-    families = {hf_dir: f for f, hf_dir in hf_dirs.items()}
-    used = {(families[hf_dir], spans_cp(argv)) for _, hf_dir, argv in cases if not lora(argv)}
-    references = {
-        (f, long): reference(
-            hf_dirs[f],
-            rollouts=LAYOUT_ROLLOUTS,
-            masked=not is_moe(hf_dirs[f]),
-            long=long,
-            scores=True,
-        )
-        for f, long in used
-    }
+def check(results: list[dict], cases: list) -> None:
     for label, hf_dir, argv in cases:
         first = results[0][label]["to_first"]
         names = sorted(load_file(f"{hf_dir}/model.safetensors"))
@@ -74,13 +69,24 @@ def check(results: list[dict], cases: list, hf_dirs: dict) -> None:
             moved = [k for k in names if not torch.equal(torch.from_numpy(first[k]), base[k])]
             assert "model.layers.0.self_attn.q_proj.weight" in moved, (label, moved)
             continue
-        ref = references[families[hf_dir], spans_cp(argv)]
         assert all(m["steps"] == 1 for m in results[0][label]["metrics"]), label
-        check_steps(results[0][label]["metrics"], ref, label)
-        check_weights(first, ref, label)
-        data = case_samples(hf_dir, argv)
-        holes = not is_moe(hf_dir)  # the dense cases' masks have holes (case_samples)
-        check_scores([r[label] for r in results], ref, data, label, holes=holes)
+        check_forced([r[label] for r in results], hf_dir, argv, first, label)
+
+
+def check_forced(ranks: list[dict], hf_dir: str, argv: list[str], final: dict, what: str):
+    """One run (every rank's result) against forced_reference from its own weights
+    (``starts`` on rank 0, then ``final``): the first step starts from the checkpoint bit for
+    bit; each rollout's loss and gradient norm, each step's scores at every trained token
+    (every loss mask with a hole) and weights after it; returns the reference."""
+    base = load_file(f"{hf_dir}/model.safetensors")
+    starts = ranks[0]["starts"]
+    assert len(starts) == LAYOUT_ROLLOUTS and sorted(starts[0]) == sorted(base), what
+    assert all(np.array_equal(starts[0][k], base[k].numpy()) for k in base), what
+    ref = forced_reference(hf_dir, [*starts, final], long=spans_cp(argv))
+    check_steps(ranks[0]["metrics"], ref, what)
+    check_updates(ref, what)
+    check_scores(ranks, ref, case_samples(hf_dir, argv), what, holes=True)
+    return ref
 
 
 def lora(argv: list[str]) -> bool:
@@ -90,18 +96,60 @@ def lora(argv: list[str]) -> bool:
 @pytest.mark.slow
 def test_two_rank_layouts_train_like_hf_and_publish_every_stage(two_rank_run, layout_hf_dirs):
     layouts = [r["layouts"] for r in two_rank_run]
-    check(layouts, two_rank_cases(layout_hf_dirs), layout_hf_dirs)
+    check(layouts, two_rank_cases(layout_hf_dirs))
+
+
+@pytest.mark.slow
+def test_forced_bounds_catch_a_wrong_step(two_rank_run, layout_hf_dirs):
+    """The per-step bounds of :func:`check_forced` tell a wrong step from a right one, on the
+    dense and the MoE model (the default 2-rank run's fp32 weights), at every step: a step that
+    moved no weight, a step compared with the next step's weights, the weights after a step off
+    by a relative 1e-6 (about 17 ulps); and a gradient error of 8 times its rounding bound
+    (``8 GRAD_REL_ERR max|g|`` on every element of one tensor) at the second step."""
+    from tolerances import GRAD_REL_ERR
+
+    cases = {label: (hf_dir, argv) for label, hf_dir, argv in two_rank_cases(layout_hf_dirs)}
+    for label in ("llama dp2", "moe ep2 alltoall"):
+        hf_dir, argv = cases[label]
+        run = two_rank_run[0]["layouts"][label]
+        snapshots = [*run["starts"], run["to_first"]]
+        updates = forced_reference(hf_dir, snapshots, long=spans_cp(argv))["updates"]
+        for k, update in enumerate(updates):
+            wrongs = {
+                "no step": {name: start for name, (start, _, _, _) in update.items()},
+                "1e-6 off": {name: got * (1 + 1e-6) for name, (_, got, _, _) in update.items()},
+            }
+            if k + 1 < len(updates):  # the next step's weights
+                wrongs["shift"] = {name: u[1] for name, u in updates[k + 1].items()}
+            for why, weights in wrongs.items():
+                with pytest.raises(AssertionError, match="outside the bound"):
+                    for name, (_, _, want, tol) in update.items():
+                        assert_within(weights[name], want, tol, f"{label} step {k}: {why}")
+        for tensor in ("lm_head.weight", "model.layers.0.self_attn.o_proj.weight"):
+
+            def perturb(k, grads, tensor=tensor):
+                if k == 1:
+                    grads[tensor] += 8 * GRAD_REL_ERR * grads[tensor].abs().max()
+
+            ref = forced_reference(hf_dir, snapshots, long=spans_cp(argv), perturb=perturb)
+            caught = [
+                k
+                for k, update in enumerate(ref["updates"])
+                if bool(((update[tensor][1] - update[tensor][2]).abs() > update[tensor][3]).any())
+            ]
+            assert caught and caught[0] == 1, (label, tensor, caught)  # step 0 is untouched
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
 def test_fsdp_trains_like_hf(world, layout_hf_dirs):
     """The layout suites' job on the FSDP backend at 1 and 2 ranks (DP), on the tiny qwen3
-    (masked samples): loss and gradient norm each rollout, each step's log-probs and entropies
-    at every trained token, every weight after, against the float64 reference with the bounds
-    of the Megatron layouts. Megatron at TP = 2 on the same model and samples meets the same
-    reference and bounds (test_backend.py): the two backends are within twice them of each
-    other."""
+    (masked samples): each step against the float64 step from its own weights with the bounds
+    of the Megatron layouts (:func:`check_forced`), and the whole run against the free-running
+    float64 reference (backend_reference.reference: loss and gradient norm each rollout, each
+    step's log-probs and entropies at every trained token, every weight after). Megatron at
+    TP = 2 on the same model and samples meets the same free-running reference and bounds
+    (test_backend.py): the two backends are within twice them of each other."""
     pytest.importorskip("miles_fsdp")
     from layout_ranks import fsdp_train
 
@@ -115,27 +163,28 @@ def test_fsdp_trains_like_hf(world, layout_hf_dirs):
         check_steps(r["metrics"], ref, f"fsdp x{world} rank {rank}")
         check_weights(r["weights"], ref, f"fsdp x{world} rank {rank}")
     check_scores(results, ref, data, f"fsdp x{world}", holes=True)
+    check_forced(results, hf, [], results[0]["weights"], f"fsdp x{world} forced")
 
 
 @pytest.mark.extended
 def test_four_rank_layouts_train_like_hf_and_publish_every_stage(layout_hf_dirs):
     cases = four_rank_cases(layout_hf_dirs)
     results = spawn_ranks(train_and_publish, 4, cases, LAYOUT_ROLLOUTS, timeout=900)
-    check(results, cases, layout_hf_dirs)
+    check(results, cases)
 
 
 @pytest.mark.extended
 def test_eight_rank_layouts_train_like_hf_and_publish_every_stage(layout_hf_dirs):
     cases = eight_rank_cases(layout_hf_dirs)
     results = spawn_ranks(train_and_publish, 8, cases, LAYOUT_ROLLOUTS, timeout=1800)
-    check(results, cases, layout_hf_dirs)
+    check(results, cases)
 
 
 @pytest.mark.extended
 def test_sixteen_rank_layout_trains_like_hf_and_publishes_every_stage(layout_hf_dirs):
     cases = sixteen_rank_cases(layout_hf_dirs)
     results = spawn_ranks(train_and_publish, 16, cases, LAYOUT_ROLLOUTS, timeout=1800)
-    check(results, cases, layout_hf_dirs)
+    check(results, cases)
 
 
 def test_publish_name_check_names_missing_extra_and_repeated():

@@ -10,7 +10,8 @@ FSDP's real command line, which refuses every pair left out (exit status 2, one 
 
 ``extended``: each case trains one rollout (2 optimizer steps, the LR decaying, masked samples
 carrying engine log-probs) on FSDP at one rank and on Megatron at TP = 2 (2 gloo ranks, every
-case in one spawn per backend), and each step's loss and its parts, gradient norm and LR, and
+case in one spawn per backend), and each step's loss and its parts, gradient norm and LR, each
+step's log-prob and entropy of every trained token (score_capture.py, on every rank), and
 every weight and response log-prob after the rollout, equal the float64 reference of
 tests/miles_megatron/estimator_reference.py (HF transformers and torch's AdamW, the formulas
 written from the papers and docs/rl-math.md) within the bounds it derives from
@@ -98,14 +99,20 @@ def case_configs(hf_dir: str) -> list[tuple[str, tuple[str, ...]]]:
     return [(case_name(c), tuple(case_flags(c, hf_dir))) for c in pairwise_cases()]
 
 
-def check_case(case: dict, got: dict, ref: dict, what: str) -> None:
+def check_case(case: dict, got: dict, ref: dict, what: str, peers: tuple = ()) -> None:
     """One case's run (estimator_ranks.estimator_rollouts) against its float64 reference: each
-    step's loss and its parts, gradient norm and LR, every weight and response log-prob after
-    the rollout; the KL loss and the TIS weight reported exactly where they are on."""
+    step's loss and its parts, gradient norm and LR, each step's log-prob and entropy of every
+    trained token (on ``got``'s rank and its ``peers``': score_capture.check_scores), every
+    weight and response log-prob after the rollout; the KL loss and the TIS weight reported
+    exactly where they are on."""
+    from backend_reference import samples
     from estimator_reference import STEPS
+    from score_capture import check_scores
     from tolerances import assert_within
 
     assert len(got["steps"]) == STEPS, what
+    data = samples(masked=True, engine_log_probs=True)
+    check_scores([got, *peers], ref, data, what, holes=True)
     for k, (step, want, tol) in enumerate(zip(got["steps"], ref["steps"], ref["tol"])):
         assert ("kl_loss" in step) == (case["kl"] is not None), (what, k, sorted(step))
         assert ("tis" in step) == case["tis"], (what, k, sorted(step))
@@ -201,7 +208,7 @@ def test_pairwise_cases_equal_float64_on_megatron_tp2(pairwise_refs, megatron_pa
     first, second = megatron_pairwise
     assert list(first) == list(second) == names
     for case, name in zip(cases, names):
-        check_case(case, first[name], pairwise_refs[name], f"megatron tp2: {name}")
+        check_case(case, first[name], pairwise_refs[name], f"megatron tp2: {name}", (second[name],))
         assert first[name]["steps"] == second[name]["steps"], name
         for key, value in first[name]["weights"].items():
             assert (value == second[name]["weights"][key]).all(), (name, key)

@@ -26,6 +26,7 @@ old-log-prob forward runs in either mode), and of them ``old_logprob_s`` the old
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -40,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_bench_model import qwen3_config, write_random_model  # noqa: E402
+from train_bench_model import profile_rollout, qwen3_config, write_random_model  # noqa: E402
 
 TEMPERATURE = 1.0
 
@@ -141,15 +142,18 @@ def train(
     steps: int,
     repeats: int,
     dense_head: bool = False,
+    profile: bool = False,
 ):
     """(first train call's metrics, the next ``repeats`` calls' seconds, the old-policy step's
-    seconds of each) on a fresh FSDP backend."""
+    seconds of each, the backend's attention, and with ``profile`` one more timed rollout's
+    profile (:func:`train_bench_model.profile_rollout`)) on a fresh FSDP backend."""
     from miles_core.args import core_groups, parse_args
     from miles_fsdp import train_step
     from miles_fsdp.args import fsdp_groups
     from miles_fsdp.backend import FSDPBackend
 
     old_policy_s: list[float] = []
+    profiled = None
     real = train_step._with_policy_log_probs
 
     def timed(ctx, b):
@@ -190,6 +194,8 @@ def train(
             backend.train(rollout, batch)
             _sync(device)
             seconds.append(time.perf_counter() - t0)
+        if profile:
+            profiled = profile_rollout(functools.partial(backend.train, repeats + 1, batch))
     finally:
         train_step._with_policy_log_probs = real
         backend.close()
@@ -197,7 +203,7 @@ def train(
         gc.collect()
         if device != "cpu":
             torch.cuda.empty_cache()
-    return metrics, seconds, old_policy_s[1:], backend_attn
+    return metrics, seconds, old_policy_s[1 : repeats + 1], backend_attn, profiled
 
 
 #: The rows ``--modes`` may name.
@@ -241,6 +247,12 @@ def main(argv: list[str] | None = None) -> None:
         help="comma-separated rows per shape: off, on (the mode's fused head), on-dense (the "
         "mode with --no-fused-log-probs: the materialised logits; it trains the on row's rollout)",
     )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile one more timed rollout per row (GPU busy and idle time, kernel time by "
+        "category, the host's waits for the GPU), into the JSON",
+    )
     p.add_argument("--quick", action="store_true", help="tiny fp32 model on CPU (a smoke run)")
     p.add_argument("--out", required=True, help="JSON file of the results")
     args = p.parse_args(argv)
@@ -249,6 +261,8 @@ def main(argv: list[str] | None = None) -> None:
     device = "cpu" if args.quick else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         p.error("no CUDA device (use --quick for the CPU smoke run)")
+    if args.quick and args.profile:
+        p.error("--profile needs a GPU (not with --quick)")
     if args.quick:
         args.sizes, args.prompts, args.prompt_len, args.new_tokens = "tiny", 3, 12, 8
     init_group(device)
@@ -277,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
                     if on not in rollouts:
                         rollouts[on] = engine_rollout(hf_dir, device, on, prompts, args.new_tokens)
                     batch, gen_s = rollouts[on]
-                    metrics, train_s, old_s, attn = train(
+                    metrics, train_s, old_s, attn, profiled = train(
                         hf_dir,
                         device,
                         on,
@@ -286,6 +300,7 @@ def main(argv: list[str] | None = None) -> None:
                         args.steps,
                         args.repeats,
                         dense_head=mode == "on-dense",
+                        profile=args.profile,
                     )
                 except torch.cuda.OutOfMemoryError as exc:  # this row only; the others go on
                     print(f"{size} {mode}: CUDA out of memory: {exc}", flush=True)
@@ -305,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
                         old_logprob_s=round(statistics.median(old_s), 3), attention=attn,
                         train_tokens=sum(len(x.tokens) for x in batch),
                         steps=args.steps, prompts=args.prompts, prompt_len=args.prompt_len,
-                        new_tokens=args.new_tokens,
+                        new_tokens=args.new_tokens, profile=profiled,
                     )
                 )  # fmt: skip
                 print(json.dumps(rows[-1]), flush=True)
@@ -333,6 +348,15 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['generate_s']:>7.2f} {r['train_s']:>8.3f} {r['old_logprob_s']:>14.3f} "
             f"{r['train_tokens']:>7}  {r['attention']}"
         )
+    for r in rows:
+        prof = r.get("profile")
+        if prof:
+            parts = ", ".join(f"{k} {v:.3f}" for k, v in prof["kernel_s_by_category"].items())
+            print(
+                f"{r['size']} {r['mode']}: profiled rollout {prof['wall_s']:.3f} s, GPU busy "
+                f"{prof['gpu_busy_s']:.3f} s ({prof['gpu_idle_fraction']:.1%} idle); {parts}; "
+                f"host waits {prof['host_syncs']}"
+            )
 
 
 if __name__ == "__main__":

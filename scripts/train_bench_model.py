@@ -274,6 +274,8 @@ def profile_rollout(run, top: int = 12) -> dict:
             "cudaMemcpy",
             "aten::item",
             "aten::_local_scalar_dense",
+            "cudaFree",  # the caching allocator giving memory back: it waits for the GPU
+            "cudaMalloc",  # (counted beside it: the allocator short of cached blocks)
         ):
             s = syncs.setdefault(ev.name, [0, 0.0])
             s[0] += 1

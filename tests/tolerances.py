@@ -212,23 +212,28 @@ def adam_forced_step_atol(
     betas: tuple[float, float],
     eps: float,
     clip_errs: list[float],
+    weight_decay: float = 0.0,
     grad_rel_err: float = GRAD_REL_ERR,
 ) -> torch.Tensor:
     """Elementwise bound on ``|w'_(k+1) - w_(k+1)|`` for Adam(W) step ``k = len(steps) - 1``
-    (weight decay 0) when the float64 reference takes the step from the fp32 run's own weights
-    ``before = w'_k`` (teacher forcing, tests/miles_megatron/forced_reference.py) with its own
-    Adam state, accumulated from gradients it too took at the fp32 run's weights of each step.
-    ``steps`` holds, per step ``j <= k``, the reference's clipped gradient ``G_j``, Adam
-    denominator ``d_j`` and update direction ``u_j`` (as :func:`adam_steps_atol`);
-    ``clip_errs`` the clip coefficient's relative error ``rho_j`` per step
-    (:func:`clip_rel_err`).
+    at learning rate ``lr`` (this step's) when the float64 reference takes the step from the
+    fp32 run's own weights ``before = w'_k`` (teacher forcing, tests/forced_adam.py) with its
+    own Adam state, accumulated from gradients it too took at the fp32 run's weights of each
+    step. ``steps`` holds, per step ``j <= k``, the reference's clipped gradient ``G_j``,
+    bias-corrected Adam denominator ``d_j = sqrt(v_hat_j) + eps`` and update direction ``u_j =
+    m_hat_j / d_j``; ``clip_errs`` the clip coefficient's relative error ``rho_j`` per step
+    (:func:`clip_rel_err`; 0 without clipping).
 
-    Both runs compute every gradient from the same weights, so they differ by its rounding
-    only, whatever step it is: ``|G'_j - G_j| <= E_j + rho_j |G_j|`` with ``E_j = grad_rel_err
-    max|G_j|`` (the tensor's, :func:`grad_atol`) and ``rho_j`` the clip coefficient's share.
-    Step ``k``'s bias-corrected moments are weighted means, ``m = sum_j a_j G_j`` and ``v =
-    sum_j c_j G_j^2`` (``a_j``, ``c_j`` as :func:`adam_steps_atol`), ``d = sqrt(v) + eps``, ``u
-    = m / d``; with ``E = max_j E_j`` and ``rho = max_j rho_j``:
+    Both runs compute every gradient from the same weights (and from the same inputs the fp32
+    run computed before the step: with several steps a rollout, its old policy's and reference
+    model's log-probs, which the tests hold to float64 on their own), so they differ by its
+    rounding only, whatever step it is: ``|G'_j - G_j| <= E_j + rho_j |G_j|`` with ``E_j =
+    grad_rel_err max|G_j|`` (the tensor's, :func:`grad_atol`; where the importance ratio is not
+    1 its rounding is the forward's, one factor of each token's term) and ``rho_j`` the clip
+    coefficient's share. Step ``k``'s bias-corrected moments are weighted means of the
+    gradients so far, ``m = sum_j a_j G_j`` and ``v = sum_j c_j G_j^2`` with ``a_j = (1 - b1)
+    b1^(k - j) / (1 - b1^(k + 1))`` and ``c_j`` likewise with ``b2`` (each set summing to 1),
+    ``d = sqrt(v) + eps``, ``u = m / d``; with ``E = max_j E_j`` and ``rho = max_j rho_j``:
 
     * ``|dm| <= E + rho sum_j a_j |G_j|``;
     * ``|d sqrt(v)| <= E + rho sqrt(v)`` (``sqrt(v)`` is a ``c``-weighted L2 norm of the
@@ -236,16 +241,19 @@ def adam_forced_step_atol(
     * ``|du| <= (|dm| + |u| |d sqrt(v)|) / d = (E (1 + |u|) + rho (sum_j a_j |G_j| + |u|
       sqrt(v))) / d``; at the first step ``u = G / (|G| + eps)`` ignores a common factor on
       ``G`` but for ``eps``: the clip's term is ``rho |u| eps / d`` there;
-    * ``|du| <= 2 U_k`` and an element whose float64 gradient is exactly 0 at every step so far
-      does not move (both as :func:`adam_steps_atol`).
+    * ``|u| <= U_k = sqrt(sum_j a_j^2 / c_j)`` in both runs (Cauchy-Schwarz: 1 at the first
+      step, 1.0015 at the second for 0.9 / 0.999), so ``|du| <= 2 U_k``;
+    * an element whose float64 gradient is exactly 0 at every step so far is one no token
+      reaches (an embedding row of a token absent from the steps): its fp32 gradient is exactly
+      0 as well, its update is 0 in both runs.
 
     The weights move by ``lr du``, plus 8 ulps of ``|w'_k| + lr`` for the update's and the
     subtraction's roundings (and the fp32 Adam state's own, a few ``FP32_EPS`` of ``max|G|`` a
-    step, within the slack of ``GRAD_REL_ERR``: 1.5e-5 rounded up to 2e-5). Nothing grows with
+    step, within the slack of ``GRAD_REL_ERR``: 1.5e-5 rounded up to 2e-5); decoupled weight
+    decay ``w'_k (1 - lr weight_decay)`` is computed from the same weights in both runs and
+    adds its factor's and its product's roundings, 2 ulps of ``|w'_k|``. Nothing grows with
     ``k``: the weight differences of the steps before are where both runs start this one, not
-    an error of it, so every step is held to one step's rounding (a free-running comparison
-    must bound how far the fp32 run drifted: :func:`adam_steps_atol` assumes its gradient error
-    grows as ``(k + 1) E``, which the tests' MoE model exceeds).
+    an error of it, so every step is held to one step's rounding.
     """
     k = len(steps) - 1
     b1, b2 = betas
@@ -263,7 +271,10 @@ def adam_forced_step_atol(
         clip = rho * (sum(w * g.abs() for w, g in zip(a, grads)) + u * (d - eps)) / d
     term = (lr * (big_e * (1 + u) / d + clip)).clamp(max=cap)
     untouched = torch.stack([g == 0 for g in grads]).all(0)
-    return torch.where(untouched, 0.0, term) + ulp_atol(before.double().abs() + lr)
+    rounding = ulp_atol(before.double().abs() + lr)
+    if weight_decay:
+        rounding = rounding + ulp_atol(before, 2)
+    return torch.where(untouched, 0.0, term) + rounding
 
 
 def assert_within(got: torch.Tensor, want: torch.Tensor, atol: torch.Tensor, what: str) -> None:

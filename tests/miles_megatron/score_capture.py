@@ -1,6 +1,5 @@
 """Test support: the per-token log-probs and entropy a Megatron training step computes, against
-a float64 reference's (backend_reference.reference with ``scores``,
-forced_reference.forced_reference, estimator_reference.reference).
+a float64 reference's (forced_reference.forced_reference, estimator_reference.reference).
 
 Within :func:`captured_scores`, every call of the training step's loss
 (``miles_megatron.train_step.packed_score_loss``, which receives the step's ``[1, T / CP]``

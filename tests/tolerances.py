@@ -204,6 +204,25 @@ def clip_rel_err(grads: list[torch.Tensor], norm: float, max_norm: float) -> flo
     return 0.0 if norm < max_norm else atol / norm + 2 * FP32_EPS
 
 
+def ratio_edges_clear(
+    log_ratio: torch.Tensor, edges: list[float], what: str, log_atol: float = SCORE_ATOL
+) -> None:
+    """Raise where an importance ratio ``r = exp(log_ratio)`` of a trained token (float64, from
+    the fp32 run's own weights and old log-probs) lies within its fp32 bound of a clip edge of
+    ``edges``: the fp32 log-ratio is off by at most ``log_atol`` (a log-prob's ``SCORE_ATOL``,
+    the old one being the run's own; 0 where both terms are inputs the runs share), so ``r``
+    by ``r (exp(log_atol) - 1)``, plus the subtraction's and the exponential's roundings (4
+    ``FP32_EPS r``). A ratio that close could be clipped in one run and not in the other,
+    which switches the token's gradient term on or off: no rounding bound covers that (as
+    :func:`clip_rel_err` for the gradient norm)."""
+    r = log_ratio.double().exp()
+    atol = r * (math.expm1(log_atol) + 4 * FP32_EPS)
+    for edge in edges:
+        near = (r - edge).abs() <= atol
+        if bool(near.any()):
+            raise ValueError(f"{what}: ratio {float(r[near][0])} within its bound of {edge}")
+
+
 def adam_forced_step_atol(
     steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     before: torch.Tensor,

@@ -121,7 +121,7 @@ class ForcedAdam:
                 weight_decay=self.weight_decay,
             )
             updates[name] = (w, torch.as_tensor(got), p.detach().cpu().clone(), tol.cpu())
-        return {"grad_norm": norm, "grad_norm_tol": step_norm_atol(grads, 0), "updates": updates}
+        return {"grad_norm": norm, "grad_norm_tol": step_norm_atol(grads), "updates": updates}
 
 
 def check_updates(updates: list[dict], what: str) -> None:

@@ -18,10 +18,13 @@ difference in ``g``. :func:`adam_step_atol` gives that bound element by element,
 ordinary gradients are still held to fp32 rounding.
 
 Over several steps the fp32 run drifts from the float64 one, and step ``k``'s gradients are then
-taken at different weights. A free-running comparison must bound that drift's effect on the
-gradients (:func:`adam_steps_atol` assumes it, it does not derive it); a teacher-forced one
-takes each float64 step from the fp32 run's own weights, so every step is held to its own
-rounding and nothing compounds (:func:`adam_forced_step_atol`).
+taken at different weights: a comparison of the weights after several steps from the checkpoint
+alone would have to bound that drift's effect on the gradients (the loss's Hessian times the
+weight differences, which nothing here bounds; on the tests' MoE model with masked samples one
+first-step weight whose gradient is within its rounding of 0 takes a sign step 1e-4 from
+float64's, and the second step's gradients move by 12 times their rounding bound). The tests
+compare each step instead from the fp32 run's own weights (teacher forcing, tests/forced_adam.py):
+every step is held to its own rounding and nothing compounds (:func:`adam_forced_step_atol`).
 """
 
 from __future__ import annotations
@@ -37,25 +40,6 @@ GRAD_REL_ERR = 2e-5
 #: relative, each at a magnitude below 8 (``|log p|`` of such a model is about 5; the entropy is
 #: at most ``log 96`` = 4.6), i.e. ``256 * 8 * 2^-24`` ~ 1.2e-4.
 SCORE_ATOL = 256 * 8 * FP32_EPS
-
-
-def moved_score_atol(grads: list[torch.Tensor | None], weights_atol: list[torch.Tensor]):
-    """Bound on the fp32 log-prob or entropy of each of ``n`` tokens at a training step whose
-    fp32 weights ``w'`` are within ``dw = weights_atol`` (:func:`adam_steps_atol` of the steps
-    before it) of the float64 reference's ``w``, element by element; ``grads`` holds, per
-    weight tensor, the reference's gradients ``[n, *w.shape]`` of the ``n`` scores (``None``:
-    no score depends on it).
-
-    The forward's own rounding gives ``SCORE_ATOL``; the weights' differences move a score
-    ``s`` by ``grad s . (w' - w)`` to first order, at most ``sum_w |ds/dw| dw_w`` (at the first
-    step the weights are the checkpoint's fp32 values, which float64 holds exactly: no term).
-    """
-    moved = sum(
-        (g.double().abs() * dw.double().to(g.device)).flatten(1).sum(1)
-        for g, dw in zip(grads, weights_atol, strict=True)
-        if g is not None
-    )
-    return SCORE_ATOL + moved
 
 
 #: Two fp32 computations of one forward or backward whose kernels order or fuse the operations
@@ -96,18 +80,17 @@ def norm_atol(grads: list[torch.Tensor], grad_rel_err: float = GRAD_REL_ERR) -> 
     return math.sqrt(square) + 2 * (math.log2(max(n, 1)) + 2) * FP32_EPS * norm
 
 
-def step_norm_atol(grads: list[torch.Tensor], step: int, grad_rel_err: float = GRAD_REL_ERR):
-    """Bound on the fp32 global gradient norm at optimizer step ``step`` (0 first) against the
-    reference's gradients ``grads`` (one tensor per parameter).
+def step_norm_atol(grads: list[torch.Tensor], grad_rel_err: float = GRAD_REL_ERR) -> float:
+    """Bound on the fp32 global gradient norm of one step against the reference's gradients
+    ``grads`` (one tensor per parameter) taken at the same weights.
 
-    Each element of tensor ``g_t`` is off by at most ``dg_t = (step + 1) * grad_rel_err *
-    max|g_t|`` (:func:`grad_atol`, with the weight differences of the steps before it as
-    :func:`adam_steps_atol` counts them), which moves ``||g||`` by at most ``sum_w |g_w| dg_w /
-    ||g||`` (first order); the norm's own fp32 sum of squares adds ``log2(n) + 2`` roundings
-    of ``||g||`` (:func:`norm_atol`).
+    Each element of tensor ``g_t`` is off by at most ``dg_t = grad_rel_err * max|g_t|``
+    (:func:`grad_atol`), which moves ``||g||`` by at most ``sum_w |g_w| dg_w / ||g||`` (first
+    order); the norm's own fp32 sum of squares adds ``log2(n) + 2`` roundings of ``||g||``
+    (:func:`norm_atol`).
     """
     norm = math.sqrt(sum(float(g.double().square().sum()) for g in grads))
-    dgs = [(step + 1) * grad_rel_err * float(g.double().abs().max()) for g in grads]
+    dgs = [grad_rel_err * float(g.double().abs().max()) for g in grads]
     moved = sum(float(g.double().abs().sum()) * d for g, d in zip(grads, dgs)) / norm
     n = sum(g.numel() for g in grads)
     return moved + (math.log2(max(n, 1)) + 2) * FP32_EPS * norm
@@ -136,69 +119,15 @@ def adam_step_atol(
     return steps * (lr * sensitivity + ulp_atol(param.double().abs() + steps * lr))
 
 
-def adam_steps_atol(
-    steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-    param: torch.Tensor,
-    *,
-    lr: float,
-    grad_rel_err: float = GRAD_REL_ERR,
-    betas: tuple[float, float] | None = None,
-) -> torch.Tensor:
-    """Elementwise bound on ``|fp32 weight - reference weight|`` after several Adam(W) steps
-    whose gradients differ step to step (several optimizer steps per rollout).
-
-    ``steps`` holds, per step ``k``, the reference's gradient ``g_k``, its bias-corrected Adam
-    denominator ``d_k = sqrt(v_hat_k) + eps`` and update direction ``u_k = m_hat_k / d_k``.
-    ``m_hat`` and ``sqrt(v_hat)`` are weighted means (an L1 and an L2 one, weights summing to 1)
-    of the gradients so far, so a gradient error of at most ``dg`` moves each by at most ``dg``
-    and ``u_k`` by at most ``dg * (1 + |u_k|) / d_k``. Step ``k``'s gradient also carries the
-    weight differences of the steps before it: its ``dg`` is taken as ``(k + 1) *
-    grad_rel_err * max|g_k|``. Plus :func:`ulp_atol` for each update's own rounding. That
-    growth is an assumption, not a derivation (the drift's effect on a gradient is the
-    loss's Hessian times the weight differences, which nothing here bounds). An element whose
-    gradient is within its rounding of 0 may take any first step in ``[-lr, lr]`` (Adam's first
-    step is a sign), and that difference reaches every later gradient: on the tests' MoE model
-    with masked samples one layer-0 ``v_proj`` element (``|g| = 9e-8``, its tensor's ``dg`` 6e-6)
-    ends its first step 1e-4 from float64, which moves the second step's gradients by 12 times
-    ``dg``, not 1 (measured in float64: the gradient at the fp32 weights against that at the
-    float64 ones), and one weight ends 1% outside this bound after 3 steps. Where several
-    steps must be held to a derived bound, compare each from the fp32 run's own weights
-    (:func:`adam_forced_step_atol`).
-
-    With ``betas`` (Adam's), two facts tighten the bound. An update direction is bounded on
-    both sides: ``m_hat`` and ``v_hat`` weigh gradient ``j`` of ``k + 1`` by ``a_j = (1 - b1)
-    b1^(k - j) / (1 - b1^(k + 1))`` and ``c_j`` likewise with ``b2``, so by Cauchy-Schwarz
-    ``|u_k| <= U_k = sqrt(sum_j a_j^2 / c_j)`` (1 at the first step, 1.0015 at the second for
-    0.9 / 0.999), and the two runs' updates differ by at most ``2 lr U_k`` a step. And an
-    element whose float64 gradient is exactly 0 at every step so far is one no token reaches
-    (an embedding row of a token absent from the steps): its fp32 gradient is exactly 0 as
-    well, the weight does not move, and only the ulps remain.
-    """
-    atol = torch.zeros_like(param, dtype=torch.float64)
-    untouched = torch.ones_like(param, dtype=torch.bool)
-    for k, (grad, denom, update) in enumerate(steps):
-        dg = (k + 1) * grad_rel_err * float(grad.double().abs().max())
-        term = lr * dg * (1 + update.double().abs()) / denom.double()
-        if betas is not None:
-            b1, b2 = betas
-            a = [(1 - b1) * b1 ** (k - j) / (1 - b1 ** (k + 1)) for j in range(k + 1)]
-            c = [(1 - b2) * b2 ** (k - j) / (1 - b2 ** (k + 1)) for j in range(k + 1)]
-            bound = sum(x * x / y for x, y in zip(a, c)) ** 0.5
-            untouched &= grad == 0
-            term = torch.where(untouched, 0.0, term.clamp(max=2 * lr * bound))
-        atol += term
-    return atol + len(steps) * ulp_atol(param.double().abs() + len(steps) * lr)
-
-
 def clip_rel_err(grads: list[torch.Tensor], norm: float, max_norm: float) -> float:
     """Bound on the relative error of the fp32 clip coefficient ``max_norm / (||g'|| + 1e-6)``
     (``clip_grad_norm_``) of a step whose float64 gradients ``grads`` (one tensor per
     parameter, before clipping) have norm ``norm`` and whose fp32 gradients are off by their
-    own rounding only (the same weights): :func:`step_norm_atol` at step 0, relative, plus the
+    own rounding only (the same weights): :func:`step_norm_atol`, relative, plus the
     addition's and the division's roundings. 0 where the norm is below ``max_norm`` (no
     clipping); a norm within its bound of ``max_norm`` could clip in one run and not the other,
     and raises."""
-    atol = step_norm_atol(grads, 0)
+    atol = step_norm_atol(grads)
     if abs(norm - max_norm) <= atol:
         raise ValueError(f"gradient norm {norm} within its bound {atol} of the clip {max_norm}")
     return 0.0 if norm < max_norm else atol / norm + 2 * FP32_EPS

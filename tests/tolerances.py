@@ -133,23 +133,30 @@ def clip_rel_err(grads: list[torch.Tensor], norm: float, max_norm: float) -> flo
     return 0.0 if norm < max_norm else atol / norm + 2 * FP32_EPS
 
 
-def ratio_edges_clear(
-    log_ratio: torch.Tensor, edges: list[float], what: str, log_atol: float = SCORE_ATOL
+def clip_sides_agree(
+    ref_log_ratio: torch.Tensor,
+    run_log_ratio: torch.Tensor,
+    edges: list[float],
+    what: str,
+    ulps: float = 64,
 ) -> None:
-    """Raise where an importance ratio ``r = exp(log_ratio)`` of a trained token (float64, from
-    the fp32 run's own weights and old log-probs) lies within its fp32 bound of a clip edge of
-    ``edges``: the fp32 log-ratio is off by at most ``log_atol`` (a log-prob's ``SCORE_ATOL``,
-    the old one being the run's own; 0 where both terms are inputs the runs share), so ``r``
-    by ``r (exp(log_atol) - 1)``, plus the subtraction's and the exponential's roundings (4
-    ``FP32_EPS r``). A ratio that close could be clipped in one run and not in the other,
-    which switches the token's gradient term on or off: no rounding bound covers that (as
-    :func:`clip_rel_err` for the gradient norm)."""
-    r = log_ratio.double().exp()
-    atol = r * (math.expm1(log_atol) + 4 * FP32_EPS)
+    """Raise where a clip edge of ``edges`` could lie between the float64 reference's
+    importance ratio ``r = exp(ref_log_ratio)`` of a trained token and the fp32 run's ``r' =
+    exp(run_log_ratio)`` (computed here from the values the run's loss read: its log-probs,
+    its old ones; its own fp32 ratio is within ``ulps FP32_EPS r'`` of that, the subtraction's,
+    a mean over a sample's tokens' and the exponential's roundings). Where ``r`` and ``r'`` lie
+    on different sides of an edge, or ``r'`` within that of it, one run may clip the token and
+    the other not, which switches its gradient term on or off: no rounding bound covers that
+    (as :func:`clip_rel_err` for the gradient norm). Elsewhere both runs clip the same tokens.
+    Where both ratios come from the same inputs (a TIS weight from the run's old log-probs and
+    the engine's), pass the same log-ratio twice."""
+    r, rp = ref_log_ratio.double().exp(), run_log_ratio.double().exp()
+    atol = ulps * FP32_EPS * rp
     for edge in edges:
-        near = (r - edge).abs() <= atol
+        near = ((r - edge) * (rp - edge) <= 0) | ((rp - edge).abs() <= atol)
         if bool(near.any()):
-            raise ValueError(f"{what}: ratio {float(r[near][0])} within its bound of {edge}")
+            i = int(near.nonzero()[0, 0])
+            raise ValueError(f"{what}: ratios {float(r[i])}, {float(rp[i])} at the clip {edge}")
 
 
 def adam_forced_step_atol(
@@ -177,8 +184,8 @@ def adam_forced_step_atol(
     model's log-probs, which the tests hold to float64 on their own), so they differ by its
     rounding only, whatever step it is: ``|G'_j - G_j| <= E_j + rho_j |G_j|`` with ``E_j =
     grad_rel_err max|G_j|`` (the tensor's, :func:`grad_atol`; where the importance ratio is not
-    1 its rounding is the forward's, one factor of each token's term) and ``rho_j`` the clip
-    coefficient's share. Step ``k``'s bias-corrected moments are weighted means of the
+    1 its rounding is the forward's, one factor of each token's term, and both runs clip the
+    same tokens: :func:`clip_sides_agree`) and ``rho_j`` the clip coefficient's share. Step ``k``'s bias-corrected moments are weighted means of the
     gradients so far, ``m = sum_j a_j G_j`` and ``v = sum_j c_j G_j^2`` with ``a_j = (1 - b1)
     b1^(k - j) / (1 - b1^(k + 1))`` and ``c_j`` likewise with ``b2`` (each set summing to 1),
     ``d = sqrt(v) + eps``, ``u = m / d``; with ``E = max_j E_j`` and ``rho = max_j rho_j``:

@@ -214,18 +214,18 @@ def step_slices_program(rank, world, hf_dir, runs, out_file):
             shards = partition_for_dp(RolloutBatch(samples), world, keep_groups=True)
             with step_records(backend, samples) as records:
                 metrics = backend.train(0, shards[rank])
-            olds = [None] * world
+            olds, lps = [None] * world, [None] * world
             dist.all_gather_object(olds, records["old"])
+            dist.all_gather_object(lps, records["lp"])
+            steps = range(len(records["old"]) - 1)  # the last: after the last step
             results[label] = {
                 "params": full_params(backend.model),
                 "metrics": metrics,
                 "steps": backend.state.global_step,
                 "num_steps_per_rollout": args.num_steps_per_rollout,
                 "starts": records["weights"][:-1],  # the last: the weights after the rollout
-                "old": [
-                    {k: v for o in olds for k, v in o[step].items()}
-                    for step in range(len(records["old"]) - 1)
-                ],
+                "old": [{k: v for o in olds for k, v in o[step].items()} for step in steps],
+                "lp": [{k: v for o in lps for k, v in o[step].items()} for step in steps],
             }
             backend.close()
     if rank == 0:
@@ -235,13 +235,14 @@ def step_slices_program(rank, world, hf_dir, runs, out_file):
 @contextlib.contextmanager
 def step_records(backend, data):
     """Within: ``weights``, the full weights before the first optimizer step and after each
-    (a collective: every rank trains); ``old``, per step, by index in ``data``, the old
-    log-probs each of this rank's samples' loss read (response-aligned; what the float64
-    reference of test_step_slices.py takes as the step's inputs)."""
+    (a collective: every rank trains); ``old`` and ``lp``, per step, by index in ``data``, the
+    old and the current log-probs each of this rank's samples' loss read (response-aligned;
+    the float64 reference of test_step_slices.py takes the old ones as the step's inputs and
+    checks that it clips the tokens the run clipped)."""
     import miles_fsdp.train_step as train_step
 
     index = {tuple(s.tokens.tolist()): i for i, s in enumerate(data)}
-    records = {"weights": [full_params(backend.model)], "old": [{}]}
+    records = {"weights": [full_params(backend.model)], "old": [{}], "lp": [{}]}
     loss, step = train_step.packed_score_loss, train_step.optimizer_step
 
     def recording_loss(loss_type, log_probs, entropy, packed, *args, **kwargs):
@@ -252,6 +253,7 @@ def step_records(backend, data):
             sample = index[tuple(ids[offset : offset + length].tolist())]
             if old is not None:
                 records["old"][-1][sample] = old.reshape(-1)[sl].double().cpu().clone()
+            records["lp"][-1][sample] = log_probs.detach().reshape(-1)[sl].double().cpu()
             offset += length
         return loss(loss_type, log_probs, entropy, packed, *args, **kwargs)
 
@@ -259,6 +261,7 @@ def step_records(backend, data):
         result = step(*args, **kwargs)
         records["weights"].append(full_params(backend.model))
         records["old"].append({})
+        records["lp"].append({})
         return result
 
     train_step.packed_score_loss, train_step.optimizer_step = recording_loss, recording_step

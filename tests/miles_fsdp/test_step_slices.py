@@ -24,7 +24,7 @@ from forced_adam import ForcedAdam, assert_wrong_steps_caught, check_updates
 from rank_programs import step_slices_program
 from spawn import run_ranks
 from tiny_models import save_tiny_model
-from tolerances import SCORE_ATOL, assert_within, ratio_edges_clear
+from tolerances import SCORE_ATOL, assert_within, clip_sides_agree
 
 pytestmark = pytest.mark.numeric
 
@@ -43,7 +43,8 @@ def response_log_probs(model, sample) -> torch.Tensor:
 def reference(hf_dir, batch, run) -> dict:
     """The run's AdamW steps over the rollout's slices in float64, each from the weights the
     run had before it (``starts``; after the last: ``params``) with the old log-probs its loss
-    read (``old``). Returns ``updates`` (per step, forced_adam.ForcedAdam.step's) and ``old``:
+    read (``old``; where the run's ratio from the log-probs its loss read, ``lp``, and the
+    float64 one could clip a token differently, it raises). Returns ``updates`` (per step, forced_adam.ForcedAdam.step's) and ``old``:
     each sample's response log-probs at the checkpoint's weights in float64."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -78,7 +79,9 @@ def reference(hf_dir, batch, run) -> dict:
         for i in members:
             lp, m = response_log_probs(model, batch[i]), batch[i].loss_mask.double()
             log_ratio = lp - run["old"][k][i]
-            ratio_edges_clear(log_ratio.detach()[m.bool()], [1 - EPS_CLIP, 1 + EPS_CLIP], f"{i}")
+            edges, trained = [1 - EPS_CLIP, 1 + EPS_CLIP], m.bool()
+            run_ratio = run["lp"][k][i] - run["old"][k][i]  # the run clips the same tokens
+            clip_sides_agree(log_ratio.detach()[trained], run_ratio[trained], edges, f"{i}")
             ratio = log_ratio.exp()
             token = torch.maximum(
                 -adv[i] * ratio, -adv[i] * ratio.clamp(1 - EPS_CLIP, 1 + EPS_CLIP)

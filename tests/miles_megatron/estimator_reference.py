@@ -222,28 +222,28 @@ def _abs_grads(value: torch.Tensor, inputs: list[torch.Tensor]) -> list[torch.Te
     return [torch.zeros_like(t) if g is None else g.abs() for t, g in zip(inputs, grads)]
 
 
-def check_clip_edges(obj: Objective, lp, old, masks, rollout, what: str) -> None:
-    """Raise where a trained token's ratio could be clipped in one run and not the other
-    (tolerances.ratio_edges_clear): PPO's and GSPO's ratio against ``1 - eps_clip`` and ``1 +
-    eps_clip_high`` (the clip switches the token's gradient term off), the TIS weight's
-    ``exp(old - rollout)`` against its truncations (from the fp32 run's own inputs: only the
-    subtraction's and the exponential's roundings). CISPO's clipped ratio is a value in its
-    gradient, continuous at the edges."""
-    from tolerances import ratio_edges_clear
+def check_clip_edges(obj: Objective, lp, old, masks, rollout, run_lp, what: str) -> None:
+    """Raise where the float64 step and the fp32 run's (``run_lp``: per sample, the log-probs
+    its loss read on each rank that scored it) could clip a trained token differently
+    (tolerances.clip_sides_agree): PPO's and GSPO's ratio against ``1 - eps_clip`` and ``1 +
+    eps_clip_high`` (the clip switches the token's gradient term off), the TIS weight
+    ``exp(old - rollout)`` against its truncations (both runs compute it from the same
+    inputs). CISPO's clipped ratio is a value in its gradient, continuous at the edges."""
+    from tolerances import clip_sides_agree
 
     high = obj.eps_clip if obj.eps_clip_high is None else obj.eps_clip_high
-    for i, (x, o, m, r) in enumerate(zip(lp, old, masks, rollout)):
-        trained = m.bool()
-        if obj.policy == "ppo":
-            ratio = (x - o).detach()[trained]
-        elif obj.policy == "gspo":
-            ratio = ((m * (x - o)).sum() / m.sum()).detach()[None]
-        else:
-            ratio = None
-        if ratio is not None:
-            ratio_edges_clear(ratio, [1 - obj.eps_clip, 1 + high], f"{what} sample {i}")
+    edges = [1 - obj.eps_clip, 1 + high]
+    for i, (x, o, m, r, runs) in enumerate(zip(lp, old, masks, rollout, run_lp, strict=True)):
+        trained, where = m.bool(), f"{what} sample {i}"
+        for y in runs:
+            if obj.policy == "ppo":
+                clip_sides_agree((x.detach() - o)[trained], (y - o)[trained], edges, where)
+            elif obj.policy == "gspo":
+                seq = [((m * (z - o)).sum() / m.sum())[None] for z in (x.detach(), y)]
+                clip_sides_agree(*seq, edges, where)
         if obj.tis is not None:
-            ratio_edges_clear((o - r)[trained], list(obj.tis), f"{what} sample {i} TIS", 0.0)
+            tis = (o - r)[trained]
+            clip_sides_agree(tis, tis, list(obj.tis), f"{where} TIS", ulps=4)
 
 
 def reference(hf_dir: str, name: str | Objective, data, runs: list[dict], perturb=None) -> dict:
@@ -268,13 +268,13 @@ def reference(hf_dir: str, name: str | Objective, data, runs: list[dict], pertur
     first order in the per-token errors: ``SCORE_ATOL`` on each log-prob and entropy of the
     forward (times ``|d value / d token value|``), plus 64 ulps of the value; the gradient
     norm's is ``tolerances.step_norm_atol`` (the gradients of the same weights); the LR's one
-    ulp. A ratio near a clip edge raises (:func:`check_clip_edges`).
+    ulp. A token the two steps could clip differently raises (:func:`check_clip_edges`).
     """
     import numpy as np
     from backend_reference import load_reference_model, score_bounds
     from forced_adam import ForcedAdam, snapshot_params
     from safetensors.torch import load_file
-    from score_capture import step_inputs
+    from score_capture import run_log_probs, step_inputs
     from tolerances import SCORE_ATOL, ulp_atol
 
     obj = OBJECTIVES[name] if isinstance(name, str) else name
@@ -310,7 +310,8 @@ def reference(hf_dir: str, name: str | Objective, data, runs: list[dict], pertur
             [data[i].loss_mask for i in part],
             [rollout[i] for i in part],
         )
-        check_clip_edges(obj, lp, olds, args[1], args[2], f"{name} step {k}")
+        run_lp = [run_log_probs(runs, k, i) for i in part]
+        check_clip_edges(obj, lp, olds, args[1], args[2], run_lp, f"{name} step {k}")
         values = objective(obj, list(lp), olds, list(entropy), *args, sg=lambda t: t, ref=refs)
         step_scores = {  # each trained token's log-prob and entropy, as the step computes them
             i: {"log_probs": x.detach(), "entropy": h.detach()} | score_bounds(data[i].loss_mask)

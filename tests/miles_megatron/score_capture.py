@@ -155,6 +155,16 @@ def step_inputs(results: list[dict], steps: int) -> list[dict[int, dict[str, tor
     return out
 
 
+def run_log_probs(results: list[dict], k: int, sample: int) -> list[torch.Tensor]:
+    """The log-probs of ``sample`` that step ``k``'s loss read on each rank that scored it
+    (float64 tensors of the fp32 values, response-aligned)."""
+    return [
+        torch.tensor(r["scores"][k][sample]["log_probs"], dtype=torch.float64)
+        for r in results
+        if sample in r["scores"][k]
+    ]
+
+
 def check_inputs(results: list[dict], want: list[torch.Tensor], data: list, what: str) -> int:
     """Every rank's recorded :data:`INPUTS` (the old policy's and the reference model's
     log-probs of each step's samples) at the trained tokens within ``SCORE_ATOL`` of ``want``

@@ -102,21 +102,21 @@ def adam_step_atol(
     *,
     lr: float,
     eps: float,
-    steps: int = 1,
     grad_rel_err: float = GRAD_REL_ERR,
 ) -> torch.Tensor:
-    """Elementwise bound on ``|fp32 weight - reference weight|`` after ``steps`` Adam(W) steps.
+    """Elementwise bound on ``|fp32 weight - reference weight|`` after one Adam(W) step from the
+    checkpoint (several steps: :func:`adam_forced_step_atol`, each from the fp32 run's weights).
 
-    ``grad`` is the reference gradient of the first step and ``param`` the reference weight.
-    The gradient's fp32 error ``dg = grad_rel_err * max|grad|`` moves the step-1 update
-    ``g / (|g| + eps)`` by at most ``eps * dg / (|g| + eps)^2`` (never more than 2); each step
-    adds at most that times ``lr``, plus a few ulps for the update's own rounding, at the
-    magnitude of the operands (the weight before the step, at most ``|param| + lr`` a step).
+    ``grad`` is the reference gradient and ``param`` the reference weight after the step. The
+    gradient's fp32 error ``dg = grad_rel_err * max|grad|`` moves the update ``g / (|g| +
+    eps)`` by at most ``eps * dg / (|g| + eps)^2`` (never more than 2), times ``lr``, plus a
+    few ulps for the update's own rounding, at the magnitude of the operands (the weight before
+    the step, at most ``|param| + lr``).
     """
     g = grad.double().abs()
     dg = grad_rel_err * float(g.max()) if g.numel() else 0.0
     sensitivity = (eps * dg / (g + eps) ** 2).clamp(max=2.0)
-    return steps * (lr * sensitivity + ulp_atol(param.double().abs() + steps * lr))
+    return lr * sensitivity + ulp_atol(param.double().abs() + lr)
 
 
 def clip_rel_err(grads: list[torch.Tensor], norm: float, max_norm: float) -> float:

@@ -1,7 +1,9 @@
 """MegatronBackend on 2 GPUs with NCCL, the checks of the CPU (gloo) tests:
 
-* TP=2: two rollouts through DDP and the distributed optimizer match an HF model trained with
-  torch AdamW, and the checkpoint resumes at TP=1 bit-exact (tests/miles_megatron/test_backend.py).
+* TP=2: each of two rollouts' steps through DDP and the distributed optimizer matches the
+  float64 HF + torch AdamW step from the same weights (backend_reference.check, the code the
+  CPU test runs), and the checkpoint resumes at TP=1 bit-exact
+  (tests/miles_megatron/test_backend.py).
 * PP=2: megatron's 1F1B schedule trains like PP=1 (TP=2) within 1e-5 in fp32 over 2 rollouts,
   and the PP=2 checkpoint loads at PP=1 bit-exact (tests/miles_megatron/test_pipeline.py).
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from miles_fsdp.backend import FSDPBackend
@@ -187,9 +189,12 @@ def rollout_program(rank, world, hf_dir, samples, configs, out_file):
 def step_slices_program(rank, world, hf_dir, runs, out_file):
     """One rollout per run ``{label: (samples, flags)}``, each on a fresh backend at DP
     ``world`` (the launcher's shards); the flags go through the launcher's parser too (so
-    ``--global-batch-size`` resolves). Rank 0 saves final weights and metrics."""
+    ``--global-batch-size`` resolves). Rank 0 saves final weights and metrics, and
+    :func:`step_records`' weights before each optimizer step and old log-probs (every rank's
+    samples)."""
     import tempfile
 
+    import torch.distributed as dist
     from miles_core.args import entry_point_groups, parse_args
     from miles_core.batch import RolloutBatch
     from miles_core.partition import partition_for_dp
@@ -207,13 +212,60 @@ def step_slices_program(rank, world, hf_dir, runs, out_file):
             backend = FSDPBackend()
             backend.init(args)
             shards = partition_for_dp(RolloutBatch(samples), world, keep_groups=True)
-            metrics = backend.train(0, shards[rank])
+            with step_records(backend, samples) as records:
+                metrics = backend.train(0, shards[rank])
+            olds, lps = [None] * world, [None] * world
+            dist.all_gather_object(olds, records["old"])
+            dist.all_gather_object(lps, records["lp"])
+            steps = range(len(records["old"]) - 1)  # the last: after the last step
             results[label] = {
                 "params": full_params(backend.model),
                 "metrics": metrics,
                 "steps": backend.state.global_step,
                 "num_steps_per_rollout": args.num_steps_per_rollout,
+                "starts": records["weights"][:-1],  # the last: the weights after the rollout
+                "old": [{k: v for o in olds for k, v in o[step].items()} for step in steps],
+                "lp": [{k: v for o in lps for k, v in o[step].items()} for step in steps],
             }
             backend.close()
     if rank == 0:
         torch.save(results, out_file)
+
+
+@contextlib.contextmanager
+def step_records(backend, data):
+    """Within: ``weights``, the full weights before the first optimizer step and after each
+    (a collective: every rank trains); ``old`` and ``lp``, per step, by index in ``data``, the
+    old and the current log-probs each of this rank's samples' loss read (response-aligned;
+    the float64 reference of test_step_slices.py takes the old ones as the step's inputs and
+    checks that it clips the tokens the run clipped)."""
+    import miles_fsdp.train_step as train_step
+
+    index = {tuple(s.tokens.tolist()): i for i, s in enumerate(data)}
+    records = {"weights": [full_params(backend.model)], "old": [{}], "lp": [{}]}
+    loss, step = train_step.packed_score_loss, train_step.optimizer_step
+
+    def recording_loss(loss_type, log_probs, entropy, packed, *args, **kwargs):
+        old = packed.fields.get("old_log_probs")
+        ids = packed.input_ids.reshape(-1).cpu()
+        offset = 0
+        for length, sl in zip(packed.total_lengths, packed.response_slices(), strict=True):
+            sample = index[tuple(ids[offset : offset + length].tolist())]
+            if old is not None:
+                records["old"][-1][sample] = old.reshape(-1)[sl].double().cpu().clone()
+            records["lp"][-1][sample] = log_probs.detach().reshape(-1)[sl].double().cpu()
+            offset += length
+        return loss(loss_type, log_probs, entropy, packed, *args, **kwargs)
+
+    def recording_step(*args, **kwargs):
+        result = step(*args, **kwargs)
+        records["weights"].append(full_params(backend.model))
+        records["old"].append({})
+        records["lp"].append({})
+        return result
+
+    train_step.packed_score_loss, train_step.optimizer_step = recording_loss, recording_step
+    try:
+        yield records
+    finally:
+        train_step.packed_score_loss, train_step.optimizer_step = loss, step

@@ -6,7 +6,13 @@ Reference (GRPO, sequence-mean aggregation, PPO clip 0.2): advantages ``A_i`` ov
 group of the whole rollout; ``old`` = the log-probs of the weights before the rollout; step ``k``
 over the samples ``S_k`` at positions ``[N k / K, N (k+1) / K)`` minimises
 ``(1/|S_k|) sum_{i in S_k} (1/n_i) sum_t m_it max(-A_i r_it, -A_i clip(r_it, 0.8, 1.2))`` with
-``r = exp(log pi - old)``, then one AdamW step; the HF model in float64.
+``r = exp(log pi - old)``, then one AdamW step (weight decay 0.01, no clipping); the HF model in
+float64. Each step is taken from the weights the FSDP run had before it (the first: the
+checkpoint's, bit for bit) with the old log-probs its loss read (teacher forcing,
+tests/forced_adam.py; those are held to the float64 ones of the checkpoint at every trained
+token), and every weight after it is held to ``tolerances.adam_forced_step_atol``; a step that
+moved no weight, a step compared with the next one's weights and weights off by a relative
+1e-6 are caught.
 """
 
 from __future__ import annotations
@@ -14,10 +20,11 @@ from __future__ import annotations
 import pytest
 import samples
 import torch
+from forced_adam import ForcedAdam, assert_wrong_steps_caught, check_updates
 from rank_programs import step_slices_program
 from spawn import run_ranks
 from tiny_models import save_tiny_model
-from tolerances import adam_steps_atol, assert_within
+from tolerances import SCORE_ATOL, assert_within, clip_sides_agree
 
 pytestmark = pytest.mark.numeric
 
@@ -33,51 +40,68 @@ def response_log_probs(model, sample) -> torch.Tensor:
     return logp.gather(-1, sample.tokens[-n:, None]).squeeze(-1)
 
 
-def reference(hf_dir, batch, num_steps):
-    """Final float64 weights after ``num_steps`` AdamW steps over the rollout's slices, and per
-    parameter each step's ``(gradient, Adam denominator, update direction)``."""
+def reference(hf_dir, batch, run) -> dict:
+    """The run's AdamW steps over the rollout's slices in float64, each from the weights the
+    run had before it (``starts``; after the last: ``params``) with the old log-probs its loss
+    read (``old``; where the run's ratio from the log-probs its loss read, ``lp``, and the
+    float64 one could clip a token differently, it raises). Returns ``updates`` (per step, forced_adam.ForcedAdam.step's) and ``old``:
+    each sample's response log-probs at the checkpoint's weights in float64."""
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         hf_dir, dtype=torch.float64, attn_implementation="eager"
     )
+    names = [name for name, _ in model.named_parameters()]
+    base = load_file(f"{hf_dir}/model.safetensors")  # the first step's: the checkpoint's
+    assert all(torch.equal(run["starts"][0][name], base[name]) for name in names)
+    snapshots = [*run["starts"], run["params"]]
+    starts = [[w[name].double() for name in names] for w in snapshots]
     rewards = torch.tensor([s.reward for s in batch], dtype=torch.float64)
     groups = torch.tensor([s.group_index for s in batch])
     adv = torch.empty_like(rewards)
     for g in groups.unique():
         r = rewards[groups == g]
         adv[groups == g] = (r - r.mean()) / (r.std() + 1e-6)
+    adam = ForcedAdam(
+        model, betas=ADAM["betas"], eps=ADAM["eps"], weight_decay=ADAM["weight_decay"]
+    )
+    adam.begin(starts[0])
     with torch.no_grad():
         old = [response_log_probs(model, s) for s in batch]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, **ADAM)
-    steps: dict[str, list] = {name: [] for name, _ in model.named_parameters()}
-    n = len(batch)
-    beta1, beta2 = ADAM["betas"]
+    n, num_steps = len(batch), len(run["starts"])
+    updates = []
     for k in range(num_steps):
         members = range(n * k // num_steps, n * (k + 1) // num_steps)
-        optimizer.zero_grad()
+        assert sorted(run["old"][k]) == list(members), (k, sorted(run["old"][k]))
+        adam.begin(starts[k])
         loss = 0.0
         for i in members:
-            ratio = (response_log_probs(model, batch[i]) - old[i]).exp()
+            lp, m = response_log_probs(model, batch[i]), batch[i].loss_mask.double()
+            log_ratio = lp - run["old"][k][i]
+            edges, trained = [1 - EPS_CLIP, 1 + EPS_CLIP], m.bool()
+            run_ratio = run["lp"][k][i] - run["old"][k][i]  # the run clips the same tokens
+            clip_sides_agree(log_ratio.detach()[trained], run_ratio[trained], edges, f"{i}")
+            ratio = log_ratio.exp()
             token = torch.maximum(
                 -adv[i] * ratio, -adv[i] * ratio.clamp(1 - EPS_CLIP, 1 + EPS_CLIP)
             )
-            m = batch[i].loss_mask.double()
             loss = loss + (token * m).sum() / m.sum()
         (loss / len(members)).backward()
-        optimizer.step()
-        for name, p in model.named_parameters():  # what tolerances.adam_steps_atol reads
-            state = optimizer.state[p]
-            denom = (state["exp_avg_sq"] / (1 - beta2 ** (k + 1))).sqrt() + ADAM["eps"]
-            update = state["exp_avg"] / (1 - beta1 ** (k + 1)) / denom
-            steps[name].append((p.grad.detach().clone(), denom.clone(), update.clone()))
-    return {name: p.detach() for name, p in model.named_parameters()}, steps
+        updates.append(adam.step(LR, starts[k + 1])["updates"])
+    return {"updates": updates, "old": old}
 
 
-def assert_matches(got, ref, steps, what):
-    for name, value in ref.items():
-        atol = adam_steps_atol(steps[name], value, lr=LR)
-        assert_within(got[name], value, atol, f"{what}: {name}")
+def check_run(batch, run, ref, what: str) -> None:
+    """Each step's weights within their bound of the float64 step from the run's own; the old
+    log-probs the run's loss read within ``SCORE_ATOL`` of the checkpoint's float64 ones at
+    every trained token."""
+    for k, step in enumerate(run["old"]):
+        for i, got in step.items():
+            m = batch[i].loss_mask.bool()
+            tol = torch.full_like(got[m], SCORE_ATOL)
+            assert_within(got[m], ref["old"][i][m], tol, f"{what}: step {k} old of {i}")
+    check_updates(ref["updates"], what)
 
 
 @pytest.mark.slow
@@ -108,5 +132,14 @@ def test_steps_train_the_rollouts_slices_at_dp_2(tmp_path):
         assert key in timing or got["global_batch"]["metrics"][key] == value, key
 
     for label, batch in (("steps", fours), ("pairs", pairs)):
-        ref, steps = reference(hf_dir, batch, 2)
-        assert_matches(got[label]["params"], ref, steps, label)
+        run = got[label]
+        assert len(run["starts"]) == 2, label
+        ref = reference(hf_dir, batch, run)
+        check_run(batch, run, ref, label)
+        if label == "steps":  # a wrong step, and an old log-prob off by twice its bound
+            assert_wrong_steps_caught(ref["updates"], label)
+            i = min(run["old"][0])
+            old = [dict(step) for step in run["old"]]
+            old[0][i] = old[0][i] + 2 * SCORE_ATOL
+            with pytest.raises(AssertionError, match="outside the bound"):
+                check_run(batch, {**run, "old": old}, ref, f"{label} old off")

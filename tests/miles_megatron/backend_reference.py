@@ -5,17 +5,15 @@ The reference writes the loss from the formulas: GRPO advantages ``(R - mean_g) 
 1e-6)``, the PPO term at ratio 1 (one update per rollout) and the sequence mean
 ``(1/S) sum_i (1/n_i) sum_t -m_it A_i r_it`` (``m_it`` each sample's ``loss_mask``: all 1, or
 with ``masked`` a masked tool span; ``n_i = sum_t m_it``); then ``clip_grad_norm_(1.0)`` and
-``AdamW`` (weight decay 0). It runs the HF model and the optimizer in float64 and returns, for
-each value, the bound tests/tolerances.py derives for fp32 arithmetic (:func:`reference`).
-:func:`run_backend` and :func:`check` use the masked samples. Used by
-tests/miles_megatron/test_backend.py and test_layouts.py (gloo) and tests/gpu (NCCL)."""
+``AdamW`` (weight decay 0). The HF model and the optimizer run in float64, each step from the
+weights the fp32 run started it from (forced_reference.py), with the bound tests/tolerances.py
+derives for one step's fp32 arithmetic on each value (:func:`grpo_step`). :func:`run_backend`
+and :func:`check` use the masked samples. Used by tests/miles_megatron/test_backend.py and
+test_layouts.py (gloo) and tests/gpu (NCCL)."""
 
 from __future__ import annotations
 
-import tempfile
-
 import torch
-from safetensors.torch import load_file
 
 LR = 1e-3
 REWARDS = (1.0, 0.0, 0.5, 2.0)  # two prompt groups of two samples
@@ -82,7 +80,9 @@ def backend_argv(hf_dir: str, save: str, tp: int, load: str | None = None) -> li
 
 
 def run_backend(hf_dir: str, save: str, tp: int) -> dict:
-    """On every rank: train ROLLOUTS rollouts at ``tp``, save, resume at TP=1 from the save."""
+    """On every rank: train ROLLOUTS rollouts at ``tp`` (``starts``: the weights each rollout's
+    step starts from, ``hf_weights()`` under the checkpoint's names; ``scores``: each step's
+    log-probs and entropies), save, resume at TP=1 from the save."""
     from megatron_ranks import parse
     from miles_core.batch import RolloutBatch
     from miles_megatron.backend import MegatronBackend
@@ -93,9 +93,10 @@ def run_backend(hf_dir: str, save: str, tp: int) -> dict:
     layout = backend.data_layout()
     data = samples(masked=True)
     batch = RolloutBatch(data) if layout.consumes_data else None
-    metrics, scores = [], []
+    metrics, scores, starts = [], [], []
     with captured_scores(data) as recorder:  # each step's log-probs and entropies
         for r in range(ROLLOUTS):
+            starts.append({k: v.detach().cpu().clone() for k, v in backend.hf_weights()})
             metrics.append(backend.train(r, batch))
             scores.append(recorder.take())
     scores_tokens = last_stage()  # one DP rank: every last-stage rank trains its data
@@ -114,83 +115,9 @@ def run_backend(hf_dir: str, save: str, tp: int) -> dict:
         "reload_exact": sorted(reloaded) == sorted(weights)
         and all(torch.equal(reloaded[k], weights[k]) for k in weights),
         "weights": weights,
+        "starts": starts,
         "scores": scores,
         "scores_tokens": scores_tokens,
-    }
-
-
-def _checkpoint_names(model, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``tensors`` (one per parameter, in ``model.parameters()`` order) under the names of the
-    HF checkpoint ``model`` saves (transformers fuses experts in memory, unfuses on save)."""
-    with torch.no_grad():
-        for p, t in zip(model.parameters(), tensors, strict=True):
-            p.copy_(t)
-    with tempfile.TemporaryDirectory() as out:
-        model.save_pretrained(out)
-        return load_file(f"{out}/model.safetensors")
-
-
-def reference(
-    hf_dir: str,
-    device: str = "cpu",
-    rollouts: int = ROLLOUTS,
-    masked: bool = False,
-    long: bool = False,
-    scores: bool = False,
-):
-    """The HF + AdamW run in float64 (one optimizer step per rollout, on every sample), with the
-    bound :mod:`tolerances` derives for fp32 arithmetic on each value it returns:
-
-    ``steps``: per rollout ``loss`` and ``grad_norm`` (before clipping); ``tol``: their bounds;
-    ``weights`` after the last rollout and ``weights_tol`` (element by element), under the HF
-    checkpoint's names; with ``scores``, ``scores``: per rollout, per sample, the response
-    tokens' log-probs and entropies and their bounds (:func:`token_scores`). ``long``: on
-    :func:`long_samples` (else :func:`samples` of ``masked``).
-
-    * loss: each response token's log-prob (current and old, two fp32 forwards) off by at most
-      ``SCORE_ATOL``, times ``|d loss / d lp|`` (the ratio's value is 1, so weight differences
-      do not move it), plus ``64 + n`` ulps of ``sum |terms|`` (the loss sums ``n`` tokens'
-      terms, divides by each sample's count and averages: fewer than ``64 + n`` roundings, each
-      at most that magnitude);
-    * gradient norm: :func:`tolerances.step_norm_atol` of the step's gradients;
-    * weights: :func:`tolerances.adam_steps_atol` of every step's gradient and Adam state.
-    """
-    from tolerances import adam_steps_atol, step_norm_atol
-
-    model = load_reference_model(hf_dir, device)
-    params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=ADAM_EPS, weight_decay=0.0)
-    data = long_samples() if long else samples(masked)
-    adv = grpo_advantages()
-    history: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [[] for _ in params]
-    steps, tol, step_scores = [], [], []
-    for k in range(rollouts):
-        weights_atol = (  # the fp32 weights' distance from these, for the scores' bounds
-            [adam_steps_atol(h, p.detach(), lr=LR, betas=BETAS) for h, p in zip(history, params)]
-            if k
-            else None  # the checkpoint's fp32 weights, which float64 holds exactly
-        )
-        opt.zero_grad()
-        loss, loss_atol, scored = grpo_step(model, data, adv, weights_atol, scores, device)
-        step_scores.append(scored)
-        loss.backward()
-        grads = [p.grad.detach().clone() for p in params]
-        norm = float(torch.nn.utils.clip_grad_norm_(params, CLIP_GRAD))
-        opt.step()
-        record_adam(history, opt, params, k)
-        steps.append({"loss": float(loss.detach()), "grad_norm": norm})
-        tol.append({"loss": loss_atol, "grad_norm": step_norm_atol(grads, k)})
-    weights_tol = [
-        adam_steps_atol(h, p.detach(), lr=LR, betas=BETAS) for h, p in zip(history, params)
-    ]
-    weights = [p.detach().clone() for p in params]
-    named_tol = _checkpoint_names(model, weights_tol)
-    return {
-        "steps": steps,
-        "tol": tol,
-        "weights": _checkpoint_names(model, weights),
-        "weights_tol": named_tol,
-        "scores": step_scores,
     }
 
 
@@ -213,14 +140,16 @@ def grpo_advantages() -> list[float]:
     return adv
 
 
-def grpo_step(model, data, adv, weights_atol, scores: bool, device: str = "cpu"):
-    """One step's float64 loss on ``data`` (its graph kept), the loss's bound
-    (:func:`reference`) and, with ``scores``, each sample's :func:`token_scores`
-    (``weights_atol``: the fp32 weights' distance from the model's, ``None`` where they are
-    the same)."""
+def grpo_step(model, data, adv, scores: bool, device: str = "cpu"):
+    """One step's float64 loss on ``data`` (its graph kept), the loss's bound and, with
+    ``scores``, each sample's :func:`token_scores`.
+
+    The loss's bound: each response token's log-prob (current and old, two fp32 forwards) off
+    by at most ``SCORE_ATOL``, times ``|d loss / d lp|`` (the ratio's value is 1), plus ``64 + n`` ulps of ``sum |terms|`` (the loss sums ``n``
+    tokens' terms, divides by each sample's count and averages: fewer than ``64 + n``
+    roundings, each at most that magnitude)."""
     from tolerances import SCORE_ATOL, ulp_atol
 
-    params = list(model.parameters())
     loss = torch.zeros((), dtype=torch.float64, device=device)
     scale = 0.0  # sum |terms| of the loss
     tokens, scored = [], []
@@ -232,7 +161,7 @@ def grpo_step(model, data, adv, weights_atol, scores: bool, device: str = "cpu")
         old = lp.detach().clone().requires_grad_()  # the old policy: the same weights
         m = s.mask.to(device).double()
         if scores:
-            scored.append(token_scores(logits, s, lp, m, params, weights_atol))
+            scored.append(token_scores(logits, s, lp, m))
         loss = loss + (-a * torch.exp(lp - old) * m).sum() / m.sum() / len(data)
         scale += abs(a) / len(data)
         tokens += [lp, old]
@@ -244,49 +173,26 @@ def grpo_step(model, data, adv, weights_atol, scores: bool, device: str = "cpu")
     return loss, loss_atol, scored
 
 
-def record_adam(history: list[list], opt, params: list, k: int) -> None:
-    """Append each parameter's step-``k`` gradient (as clipped), bias-corrected Adam
-    denominator and update direction: what :mod:`tolerances`' Adam bounds read."""
-    for h, p in zip(history, params):
-        state = opt.state[p]
-        denom = (state["exp_avg_sq"] / (1 - BETAS[1] ** (k + 1))).sqrt() + ADAM_EPS
-        update = state["exp_avg"] / (1 - BETAS[0] ** (k + 1)) / denom
-        h.append((p.grad.detach().clone(), denom, update))
-
-
-def token_scores(logits, sample, lp, mask, params, weights_atol) -> dict:
-    """One sample's response tokens at one step: float64 ``log_probs`` (``lp``, with its graph)
-    and ``entropy`` ``-sum_v p_v log p_v`` of ``logits``' rows, with their
-    :func:`score_bounds`."""
+def token_scores(logits, sample, lp, mask) -> dict:
+    """One sample's response tokens at one step: float64 ``log_probs`` (``lp``) and ``entropy``
+    ``-sum_v p_v log p_v`` of ``logits``' rows, with their :func:`score_bounds`."""
     logp = torch.log_softmax(logits[:-1], -1)[-sample.response_length :]
     entropy = -(logp.exp() * logp).sum(-1)
     out = {"log_probs": lp.detach().cpu(), "entropy": entropy.detach().cpu()}
-    return {**out, **score_bounds(lp, entropy, mask, params, weights_atol)}
+    return {**out, **score_bounds(mask)}
 
 
-def score_bounds(lp, entropy, mask, params, weights_atol) -> dict:
-    """``log_probs_tol`` and ``entropy_tol`` of one sample's response tokens' float64 ``lp``
-    and ``entropy`` (with their graph): :func:`tolerances.moved_score_atol` at the trained
-    tokens (``mask`` 1, the reference's gradient of each score there; inf elsewhere); the
-    weights are within ``weights_atol`` of the fp32 run's (``None``: the same weights,
-    ``SCORE_ATOL``)."""
-    from tolerances import SCORE_ATOL, moved_score_atol
+def score_bounds(mask) -> dict:
+    """``log_probs_tol`` and ``entropy_tol`` of one sample's response tokens (``mask``: its
+    loss mask) when the fp32 run scored them at the reference's weights: ``SCORE_ATOL`` at the
+    trained tokens (``mask`` 1), inf elsewhere."""
+    from tolerances import SCORE_ATOL
 
-    trained = mask.nonzero()[:, 0].to(lp.device)
-    n = len(trained)
-    if weights_atol is None:
-        bound = torch.full((2 * n,), SCORE_ATOL, dtype=torch.float64)
-    else:  # one batched backward of the 2n scores
-        outs = torch.cat([lp[trained], entropy[trained]])
-        eye = torch.eye(2 * n, dtype=outs.dtype, device=outs.device)
-        grads = torch.autograd.grad(
-            outs, params, eye, retain_graph=True, allow_unused=True, is_grads_batched=True
-        )
-        bound = moved_score_atol(list(grads), weights_atol).cpu()
+    trained = mask.cpu() > 0
     out = {}
-    for i, key in enumerate(("log_probs_tol", "entropy_tol")):
-        tol = torch.full((len(lp),), float("inf"), dtype=torch.float64)
-        tol[trained.cpu()] = bound[i * n : (i + 1) * n]
+    for key in ("log_probs_tol", "entropy_tol"):
+        tol = torch.full((len(mask),), float("inf"), dtype=torch.float64)
+        tol[trained] = SCORE_ATOL
         out[key] = tol
     return out
 
@@ -299,25 +205,15 @@ def check_steps(metrics: list[dict], ref: dict, what: str, keys=("loss", "grad_n
             assert abs(m[key] - want[key]) <= tol[key], (what, k, key, m[key], want[key], tol[key])
 
 
-def check_weights(weights: dict, ref: dict, what: str) -> None:
-    """Every weight within its float64 reference's bound, element by element."""
-    from tolerances import assert_within
-
-    assert sorted(weights) == sorted(ref["weights"]), what
-    for name, want in ref["weights"].items():
-        got = torch.as_tensor(weights[name])
-        assert_within(got, want, ref["weights_tol"][name], f"{what}: {name}")
-
-
 def check(results: list[dict], hf_dir: str, device: str = "cpu") -> None:
-    """:func:`run_backend`'s ranks against the float64 reference: each rollout's loss and
-    gradient norm, each step's log-probs and entropies (score_capture.check_scores), the
-    weights after."""
-    from score_capture import check_scores
+    """:func:`run_backend`'s ranks against the float64 reference stepped from their own
+    weights (forced_reference.check_forced, on ``device``): each rollout's loss and gradient
+    norm, each step's log-probs and entropies (score_capture.check_scores), the weights after
+    each step; and the resume."""
+    from forced_reference import check_forced
 
-    ref = reference(hf_dir, device, masked=True, scores=True)
     for rank, r in enumerate(results):
         assert r["first_id"] == 0 and r["next_id"] == ROLLOUTS and r["reload_exact"], rank
-        check_steps(r["metrics"], ref, f"rank {rank}")
-    check_weights(results[0]["weights"], ref, "rank 0")
-    check_scores(results, ref, samples(masked=True), "backend", holes=True)
+    first = results[0]
+    assert len(first["starts"]) == ROLLOUTS, len(first["starts"])
+    check_forced(results, hf_dir, first["starts"], first["weights"], "backend", device=device)

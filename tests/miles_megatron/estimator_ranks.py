@@ -86,9 +86,11 @@ def estimator_rollouts(
     log-probs. Per configuration: the rollout's :data:`KEYS` metrics, as ``steps`` each step's
     (:func:`recorded_steps`), as ``scores`` each step's per-token log-probs and entropies as
     the step handed them to its loss (score_capture.captured_scores; ``scores_tokens``: this
-    rank must have compared some), as ``log_probs`` each sample's response log-probs after the
-    rollout (plain lists) and as ``weights`` the trained weights in the HF checkpoint's
-    names."""
+    rank must have compared some; with each sample's old-policy and reference-model log-probs
+    its loss read, score_capture.INPUTS), as ``starts`` the weights each optimizer step started
+    from and as ``weights`` those after the rollout (the HF checkpoint's names; the float64
+    reference takes each step from them: forced_adam.py), and as ``log_probs`` each sample's
+    response log-probs after the rollout (plain lists)."""
     from backend_reference import samples
     from estimator_reference import SCHEDULE_FLAGS
     from megatron_ranks import both_backends_backend
@@ -101,21 +103,22 @@ def estimator_rollouts(
         data = samples(masked=True, engine_log_probs=True)
         batch = RolloutBatch(data)
         scores: list[dict] = []  # per step: what the recorder took since the last step
+        starts = [weights_of(backend, backend_name)]  # then the weights after each step
+
+        def after_step(recorder, backend=backend, scores=scores, starts=starts):
+            scores.append(recorder.take())
+            starts.append(weights_of(backend, backend_name))
+
         with captured_scores(data, backend_name) as recorder:
-            with recorded_steps(
-                backend_name, lambda s=scores, r=recorder: s.append(r.take())
-            ) as steps:
+            with recorded_steps(backend_name, lambda r=recorder: after_step(r)) as steps:
                 metrics = backend.train(0, batch)
         # every rank trains the whole batch (DP 1): the last stage's rank(s) score it
         scores_tokens = backend_name == "fsdp" or last_stage()
         if backend_name == "megatron":
             after = actor_log_probs(backend, batch)
-            weights = backend.hf_weights()
         else:
             after = backend.eval_log_probs(batch)
-            weights = backend.weight_source()
-        # copies: no shared-memory handles to the parent
-        weights = {k: v.detach().cpu().numpy().copy() for k, v in weights}
+        weights = weights_of(backend, backend_name)
         backend.close()
         out[name] = {k: metrics[k] for k in KEYS if k in metrics}
         out[name]["steps"] = steps
@@ -123,7 +126,15 @@ def estimator_rollouts(
         out[name]["scores_tokens"] = scores_tokens
         out[name]["log_probs"] = [t.tolist() for t in after]
         out[name]["weights"] = weights
+        out[name]["starts"] = starts[:-1]  # the last: the weights after the rollout
     return out
+
+
+def weights_of(backend, backend_name: str) -> dict:
+    """The backend's current weights under the HF checkpoint's names (a collective over its
+    model-parallel ranks), as numpy copies (no shared-memory handles to the parent)."""
+    source = backend.hf_weights() if backend_name == "megatron" else backend.weight_source()
+    return {k: v.detach().cpu().numpy().copy() for k, v in source}
 
 
 def actor_log_probs(backend, batch) -> list:

@@ -46,8 +46,11 @@ over 2 steps (Loshchilov & Hutter 2017, arXiv:1608.03983, no restart), ``lr_k = 
 samples in rollout order are cut into 2 consecutive slices (step ``k`` trains samples ``[S k /
 2, S (k + 1) / 2)``).
 
-:func:`reference` also returns, for each reported value, a bound on what fp32 arithmetic may
-change in it, from :mod:`tolerances` (see :func:`reference`).
+:func:`reference` takes each step from the weights the fp32 run had before it (teacher forcing,
+tests/forced_adam.py), with the old policy's and the reference model's log-probs that run's loss
+read (inputs it computed before the step, checked on their own), and returns, for each reported
+value, a bound on what fp32 arithmetic may change in it, from :mod:`tolerances` (see
+:func:`reference`).
 """
 
 from __future__ import annotations
@@ -219,138 +222,133 @@ def _abs_grads(value: torch.Tensor, inputs: list[torch.Tensor]) -> list[torch.Te
     return [torch.zeros_like(t) if g is None else g.abs() for t, g in zip(inputs, grads)]
 
 
-def _weights_bound(value, params, weight_atol) -> float:
-    """First-order bound on how far weight errors ``weight_atol`` move ``value``:
-    ``sum_w |d value / d w| * atol_w``."""
-    if weight_atol is None:
-        return 0.0
-    grads = _abs_grads(value, params)
-    return float(sum((g * a).sum() for g, a in zip(grads, weight_atol)))
+def check_clip_edges(obj: Objective, lp, old, masks, rollout, run_lp, what: str) -> None:
+    """Raise where the float64 step and the fp32 run's (``run_lp``: per sample, the log-probs
+    its loss read on each rank that scored it) could clip a trained token differently
+    (tolerances.clip_sides_agree): PPO's and GSPO's ratio against ``1 - eps_clip`` and ``1 +
+    eps_clip_high`` (the clip switches the token's gradient term off), the TIS weight
+    ``exp(old - rollout)`` against its truncations (both runs compute it from the same
+    inputs). CISPO's clipped ratio is a value in its gradient, continuous at the edges."""
+    from tolerances import clip_sides_agree
+
+    high = obj.eps_clip if obj.eps_clip_high is None else obj.eps_clip_high
+    edges = [1 - obj.eps_clip, 1 + high]
+    for i, (x, o, m, r, runs) in enumerate(zip(lp, old, masks, rollout, run_lp, strict=True)):
+        trained, where = m.bool(), f"{what} sample {i}"
+        for y in runs:
+            if obj.policy == "ppo":
+                clip_sides_agree((x.detach() - o)[trained], (y - o)[trained], edges, where)
+            elif obj.policy == "gspo":
+                seq = [((m * (z - o)).sum() / m.sum())[None] for z in (x.detach(), y)]
+                clip_sides_agree(*seq, edges, where)
+        if obj.tis is not None:
+            tis = (o - r)[trained]
+            clip_sides_agree(tis, tis, list(obj.tis), f"{where} TIS", ulps=4)
 
 
-def reference(hf_dir: str, name: str | Objective, data) -> dict:
+def reference(hf_dir: str, name: str | Objective, data, runs: list[dict], perturb=None) -> dict:
     """The float64 rollout of configuration ``name`` on ``data`` (the masked samples with
-    engine log-probs) from the HF checkpoint ``hf_dir``.
+    engine log-probs) from the HF checkpoint ``hf_dir``, each step from the weights the fp32
+    run ``runs`` (every rank's estimator_ranks.estimator_rollouts result of the configuration)
+    had before it (``starts``; the weights after the rollout: ``weights``), with the old
+    policy's and the reference model's log-probs that run's loss read at the step
+    (score_capture.step_inputs; fp32 values, exact in float64). ``perturb(k, named_grads)``,
+    if given, may change step ``k``'s float64 gradients before clipping (negative checks).
 
     Returns ``steps``: per step the :func:`objective` values (``grad_norm``, ``lr`` added);
     ``scores``: per step, by sample index, the log-prob and entropy of each response token of
     the step's samples (the values its loss reads) with their bounds
-    (backend_reference.score_bounds: ``SCORE_ATOL`` at the first step, then plus
-    ``|d score / d w|`` times the weights' ``adam_steps_atol`` distance after the step before:
-    :func:`tolerances.moved_score_atol`; inf at untrained tokens); ``log_probs``: each sample's
-    response log-probs after both steps; ``after_one``: those after the first step only;
-    ``weights``: the weights after both steps (by parameter name); and ``tol``,
-    ``log_probs_tol``, ``weights_tol``: the bounds on fp32 arithmetic, with the same keys
-    (weights: :func:`tolerances.adam_steps_atol` element by element). A value's bound is
-    first order in the per-token errors: ``SCORE_ATOL`` on each
-    log-prob and entropy of the forward (times ``|d value / d token value|``), plus, from the
-    second step on, the weights' difference after the steps before it
-    (:func:`tolerances.adam_steps_atol`) times ``|d value / d w|``, plus 64 ulps of the value.
-    A gradient norm moves by at most ``sum_w |g_w| dg_w / |g|`` for a gradient error of
-    ``dg_w = (k + 1) GRAD_REL_ERR max|g|`` (per tensor) at step ``k``, the rule
-    :func:`tolerances.adam_steps_atol` applies to the gradients. The weights' bounds take the
-    peak LR for every step (an upper bound: the schedule only lowers it).
+    (backend_reference.score_bounds: ``SCORE_ATOL``; inf at untrained tokens); ``updates``:
+    per step, per weight, the fp32 weights before and after it, the float64 step's and the
+    bound (forced_adam.ForcedAdam.step: ``tolerances.adam_forced_step_atol`` at the step's LR);
+    ``old``: each sample's response log-probs at the checkpoint's weights (what the run's
+    inputs are held to, score_capture.check_inputs); ``after_one``: those at the run's weights
+    after the first step; ``log_probs``: those at its weights after the rollout; and ``tol``,
+    ``log_probs_tol``: the bounds on fp32 arithmetic, with the same keys. A value's bound is
+    first order in the per-token errors: ``SCORE_ATOL`` on each log-prob and entropy of the
+    forward (times ``|d value / d token value|``), plus 64 ulps of the value; the gradient
+    norm's is ``tolerances.step_norm_atol`` (the gradients of the same weights); the LR's one
+    ulp. A token the two steps could clip differently raises (:func:`check_clip_edges`).
     """
-    from backend_reference import score_bounds
-    from tolerances import GRAD_REL_ERR, SCORE_ATOL, adam_steps_atol, ulp_atol
-    from transformers import AutoModelForCausalLM
+    import numpy as np
+    from backend_reference import load_reference_model, score_bounds
+    from forced_adam import ForcedAdam, snapshot_params
+    from safetensors.torch import load_file
+    from score_capture import run_log_probs, step_inputs
+    from tolerances import SCORE_ATOL, ulp_atol
 
     obj = OBJECTIVES[name] if isinstance(name, str) else name
-    model = AutoModelForCausalLM.from_pretrained(
-        hf_dir, dtype=torch.float64, attn_implementation="eager"
-    )
-    params = list(model.parameters())
+    model = load_reference_model(hf_dir)
+    adam = ForcedAdam(model, betas=BETAS, eps=ADAM_EPS, clip_grad=CLIP_GRAD)
+    first = runs[0]
+    assert len(first["starts"]) == STEPS, len(first["starts"])
+    base = load_file(f"{hf_dir}/model.safetensors")  # the first step's: the checkpoint's
+    assert sorted(first["starts"][0]) == sorted(base), sorted(first["starts"][0])
+    assert all(np.array_equal(first["starts"][0][key], base[key].numpy()) for key in base)
+    starts = [snapshot_params(model, hf_dir, w) for w in [*first["starts"], first["weights"]]]
+    inputs = step_inputs(runs, STEPS)
     adv = advantages(obj, data)
+    adam.begin(starts[0])
     with torch.no_grad():
         old = [scores(model, s)[0] for s in data]
     rollout = [s.rollout_log_probs.double() for s in data]
-    opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=ADAM_EPS, weight_decay=0.0)
-    history: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [[] for _ in params]
-    steps, tol, per_token, after_one = [], [], [], None
+    steps, tol, per_token, updates, after_one = [], [], [], [], None
     n = len(data)
     for k in range(STEPS):
         part = range(n * k // STEPS, n * (k + 1) // STEPS)
-        weight_atol = (
-            [adam_steps_atol(h, p.detach(), lr=LR, betas=BETAS) for h, p in zip(history, params)]
-            if k
-            else None
-        )
-        opt.zero_grad()
+        adam.begin(starts[k])
+        if k == 1:
+            with torch.no_grad():
+                after_one = [scores(model, s)[0] for s in data]
         lp, entropy = zip(*(scores(model, data[i]) for i in part))
-        olds = [old[i].clone().requires_grad_() for i in part]
-        # the reference model is the weights before the rollout: old's values, its own forward
-        refs = [old[i].clone().requires_grad_() for i in part]
+        # the run's own inputs (SFT reads none: the float64 ones stand in, unused)
+        sft = obj.policy == "sft"
+        olds = [old[i] if sft else inputs[k][i]["old_log_probs"] for i in part]
+        refs = [inputs[k][i]["ref_log_probs"] if obj.kl else None for i in part]
         args = (
             [adv[i] for i in part],
             [data[i].loss_mask for i in part],
             [rollout[i] for i in part],
         )
+        run_lp = [run_log_probs(runs, k, i) for i in part]
+        check_clip_edges(obj, lp, olds, args[1], args[2], run_lp, f"{name} step {k}")
         values = objective(obj, list(lp), olds, list(entropy), *args, sg=lambda t: t, ref=refs)
         step_scores = {  # each trained token's log-prob and entropy, as the step computes them
-            i: {"log_probs": x.detach(), "entropy": h.detach()}
-            | score_bounds(x, h, data[i].loss_mask, params, weight_atol)
+            i: {"log_probs": x.detach(), "entropy": h.detach()} | score_bounds(data[i].loss_mask)
             for i, x, h in zip(part, lp, entropy, strict=True)
         }
         bounds = {}
-        tokens = [*lp, *entropy, *olds, *refs]
-        for key, value in values.items():
-            sensitivity = sum(float(g.sum()) for g in _abs_grads(value, tokens))
-            bounds[key] = (
-                SCORE_ATOL * sensitivity
-                + _weights_bound(value, params, weight_atol)
-                + float(ulp_atol(value.detach(), 64))
-            )
-        fixed = [o.detach() for o in olds]
+        tokens = [*lp, *entropy]
+        for key, value in values.items():  # a value of the run's inputs only: no token's
+            grads = _abs_grads(value, tokens) if value.requires_grad else []
+            sensitivity = sum(float(g.sum()) for g in grads)
+            bounds[key] = SCORE_ATOL * sensitivity + float(ulp_atol(value.detach(), 64))
         loss = objective(
-            obj, list(lp), fixed, list(entropy), *args, sg=torch.Tensor.detach, ref=fixed
+            obj, list(lp), olds, list(entropy), *args, sg=torch.Tensor.detach, ref=refs
         )["loss"]
         assert abs(float(loss.detach() - values["loss"].detach())) < 1e-12  # one value
         loss.backward()
-        grads = [p.grad.detach().clone() for p in params]
-        norm = float(torch.nn.utils.clip_grad_norm_(params, CLIP_GRAD))
-        dgs = [(k + 1) * GRAD_REL_ERR * float(g.abs().max()) for g in grads]
-        bounds["grad_norm"] = sum(float(g.abs().sum()) * d for g, d in zip(grads, dgs)) / norm
         lr = MIN_LR + (LR - MIN_LR) * (1 + math.cos(math.pi * k / DECAY_STEPS)) / 2
+        step = adam.step(lr, starts[k + 1], perturb and (lambda g, k=k: perturb(k, g)))
+        bounds["grad_norm"] = step["grad_norm_tol"]
         bounds["lr"] = float(ulp_atol(torch.tensor(lr), 1))
-        opt.param_groups[0]["lr"] = lr
-        opt.step()
-        beta1, beta2 = BETAS
-        for h, p in zip(history, params):  # what tolerances.adam_steps_atol reads
-            state = opt.state[p]
-            denom = (state["exp_avg_sq"] / (1 - beta2 ** (k + 1))).sqrt() + ADAM_EPS
-            update = state["exp_avg"] / (1 - beta1 ** (k + 1)) / denom
-            h.append((p.grad.detach().clone(), denom, update))
         steps.append(
-            {**{key: float(v.detach()) for key, v in values.items()}, "grad_norm": norm, "lr": lr}
+            {**{key: float(v.detach()) for key, v in values.items()}, "lr": lr}
+            | {"grad_norm": step["grad_norm"]}
         )
         tol.append(bounds)
         per_token.append(step_scores)
-        if k == 0:
-            with torch.no_grad():
-                after_one = [scores(model, s)[0] for s in data]
-    weight_atol = [
-        adam_steps_atol(h, p.detach(), lr=LR, betas=BETAS) for h, p in zip(history, params)
-    ]
-    names = [name for name, _ in model.named_parameters()]
-    weights = {name: p.detach().clone() for name, p in zip(names, params)}
-    log_probs, lp_tol = [], []
-    for s in data:
-        lp, _ = scores(model, s)
-        log_probs.append(lp.detach())
-        lp_tol.append(
-            torch.tensor(
-                [SCORE_ATOL + _weights_bound(lp[t], params, weight_atol) for t in range(len(lp))],
-                dtype=torch.float64,
-            )
-        )
+        updates.append(step["updates"])
+    adam.begin(starts[-1])
+    with torch.no_grad():
+        log_probs = [scores(model, s)[0] for s in data]
     return {
         "steps": steps,
         "tol": tol,
         "scores": per_token,
+        "updates": updates,
         "log_probs": log_probs,
-        "log_probs_tol": lp_tol,
+        "log_probs_tol": [torch.full_like(x, SCORE_ATOL) for x in log_probs],
         "after_one": after_one,
         "old": old,
-        "weights": weights,
-        "weights_tol": dict(zip(names, weight_atol)),
     }

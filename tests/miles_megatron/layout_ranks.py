@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-#: the training flags of every case; backend_reference.reference runs the same math in HF
+#: the training flags of every case; forced_reference.forced_reference runs the same math in HF
 TRAIN_FLAGS = ["--weight-decay", "0", "--micro-batch-size", "2", "--advantage-estimator", "grpo"]
 
 #: rollouts per case (test_layouts.py)

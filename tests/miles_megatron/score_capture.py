@@ -1,6 +1,5 @@
 """Test support: the per-token log-probs and entropy a Megatron training step computes, against
-a float64 reference's (backend_reference.reference with ``scores``,
-forced_reference.forced_reference, estimator_reference.reference).
+a float64 reference's (forced_reference.forced_reference, estimator_reference.reference).
 
 Within :func:`captured_scores`, every call of the training step's loss
 (``miles_megatron.train_step.packed_score_loss``, which receives the step's ``[1, T / CP]``
@@ -12,7 +11,10 @@ another CP rank holds the position. :func:`check_scores` holds each rank's value
 trained tokens (loss mask 1) to the reference's bounds and asserts the coverage: every trained
 token of every sample a step trains was compared on some rank (every sample by some step),
 every last-stage rank of a DP rank holding samples (every CP rank of it) compared trained
-tokens, and (where the case's samples have them) some loss mask has a hole.
+tokens, and (where the case's samples have them) some loss mask has a hole. Each call's
+:data:`INPUTS` (the old policy's and the reference model's log-probs of its samples, where the
+step reads them) are recorded with them: the float64 reference takes them as the step's inputs
+(:func:`step_inputs`), :func:`check_inputs` holds them to float64.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from typing import Any
 import torch
 
 KEYS = ("log_probs", "entropy")
+#: the per-token inputs of the loss a step reads where the run computed them before the step
+#: (several steps a rollout: the old policy's log-probs; with a KL loss, the reference model's)
+INPUTS = ("old_log_probs", "ref_log_probs")
 
 
 class ScoreRecorder:
@@ -47,12 +52,15 @@ class ScoreRecorder:
             else:
                 row[positions.cpu()] = flat
             rows[key] = row
+        for key in INPUTS:
+            if key in full.fields:
+                rows[key] = full.fields[key].reshape(-1).double().cpu()
         ids = full.input_ids.reshape(-1).cpu()
         offset = 0
         for length, sl in zip(full.total_lengths, full.response_slices(), strict=True):
             sample = self.index[tuple(ids[offset : offset + length].tolist())]
             assert sample not in self.current, ("a sample scored twice in one step", sample)
-            self.current[sample] = {k: rows[k][sl].tolist() for k in KEYS}
+            self.current[sample] = {k: v[sl].tolist() for k, v in rows.items()}
             offset += length
         self.calls += 1
 
@@ -125,4 +133,55 @@ def check_scores(results: list[dict], ref: dict, data: list, what: str, holes: b
             missed = data[sample].mask.bool() & ~seen[sample]
             assert not missed.any(), (what, k, sample, "trained tokens not compared")
     assert compared > 0, what
+    return compared
+
+
+def step_inputs(results: list[dict], steps: int) -> list[dict[int, dict[str, torch.Tensor]]]:
+    """Per step, by sample: the :data:`INPUTS` its loss read (float64 tensors of the fp32
+    values, response-aligned), from the first rank of ``results`` that scored the sample; the
+    ranks that scored it too read the same values."""
+    out: list[dict[int, dict[str, torch.Tensor]]] = [{} for _ in range(steps)]
+    for r in results:
+        assert len(r["scores"]) == steps, len(r["scores"])
+        for k, step in enumerate(r["scores"]):
+            for sample, got in step.items():
+                mine = {
+                    key: torch.tensor(got[key], dtype=torch.float64) for key in INPUTS if key in got
+                }
+                held = out[k].setdefault(sample, mine)
+                assert held.keys() == mine.keys(), (k, sample, sorted(held), sorted(mine))
+                for key, value in mine.items():
+                    assert torch.equal(value, held[key]), (k, sample, key, "ranks differ")
+    return out
+
+
+def run_log_probs(results: list[dict], k: int, sample: int) -> list[torch.Tensor]:
+    """The log-probs of ``sample`` that step ``k``'s loss read on each rank that scored it
+    (float64 tensors of the fp32 values, response-aligned)."""
+    return [
+        torch.tensor(r["scores"][k][sample]["log_probs"], dtype=torch.float64)
+        for r in results
+        if sample in r["scores"][k]
+    ]
+
+
+def check_inputs(results: list[dict], want: list[torch.Tensor], data: list, what: str) -> int:
+    """Every rank's recorded :data:`INPUTS` (the old policy's and the reference model's
+    log-probs of each step's samples) at the trained tokens within ``SCORE_ATOL`` of ``want``
+    (per sample, the float64 log-probs of the weights they were computed from: the weights
+    before the rollout); returns the number of values compared."""
+    from tolerances import SCORE_ATOL
+
+    compared = 0
+    for rank, r in enumerate(results):
+        for k, step in enumerate(r["scores"]):
+            for sample, got in step.items():
+                trained = data[sample].mask.bool()
+                for key in INPUTS:
+                    if key not in got:
+                        continue
+                    diff = (torch.tensor(got[key], dtype=torch.float64) - want[sample]).abs()
+                    bad = trained & (diff > SCORE_ATOL)
+                    assert not bad.any(), (what, k, rank, sample, key, diff[bad].max().item())
+                    compared += int(trained.sum())
     return compared

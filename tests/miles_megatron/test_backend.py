@@ -1,6 +1,8 @@
-"""MegatronBackend end to end on 2 gloo ranks at TP=2: two rollouts through DDP and the
-distributed optimizer match an HF model trained with AdamW (loss, grad norm, weights), the
-TP peers share one data-parallel rank, and the checkpoint resumes at TP=1 bit-exact."""
+"""MegatronBackend end to end on 2 gloo ranks at TP=2: each of two rollouts' steps through DDP
+and the distributed optimizer matches the float64 HF + AdamW step from the weights it started
+from (backend_reference.check: loss, grad norm, per-token log-probs and entropies, every
+weight after the step), the TP peers share one data-parallel rank, and the checkpoint resumes
+at TP=1 bit-exact."""
 
 from __future__ import annotations
 

@@ -5,19 +5,25 @@ transformers and torch's AdamW, no miles code). One rollout of 2 optimizer steps
 samples (tool spans with holes) that carry engine log-probs, in fp32, the LR decaying (cosine)
 from 1e-3 to 1e-4 over the 2 steps.
 
-For each configuration and backend, at each step (read from the backend's step function) and
-for the rollout (``train()``'s metrics: step means, the last step's gradient norm and LR): the
+Each step of each backend's run is compared with the float64 step taken from the weights that
+run had before it (the first: the checkpoint's, bit for bit) and with the old policy's
+log-probs its loss read (teacher forcing, tests/forced_adam.py; those log-probs are held to
+the float64 ones of the checkpoint at every trained token, score_capture.check_inputs). For
+each configuration and backend, at each step (read from the backend's step function) and for
+the rollout (``train()``'s metrics: step means, the last step's gradient norm and LR): the
 loss and its parts, the entropy, ``ppo_kl``, the old policy's mismatch against the engine, the
 gradient norm and the LR; at each step the log-prob and the entropy of every trained token, as
 the step handed them to its loss (score_capture.py; every trained token of the step's samples
-compared, no other sample scored, every sample in some step); and every weight and every
-response token's log-prob after the rollout; all equal the float64 values within the bounds
-:mod:`tolerances` derives (the reference computes them value by value; the per-token scores
-with ``moved_score_atol``, the weights element by element with ``adam_steps_atol``). The two
-backends equal each other within the fp32 bound of test_backends_agree. Coverage: every mask
-has a hole; both backends took 2 steps, and the log-probs after the rollout are told apart from
-those after one step; the configurations' losses all differ, on the backends and in the
-reference (so each flag reached the step)."""
+compared, no other sample scored, every sample in some step), and every weight after it; and
+every response token's log-prob after the rollout; all equal the float64 values within the
+bounds :mod:`tolerances` derives for one step (the reference computes them value by value;
+the weights element by element with ``adam_forced_step_atol``). A step that moved no weight,
+a step compared with the next one's weights, weights off by a relative 1e-6 and a gradient
+off by 8 times its rounding bound are caught. The two backends equal each other within the
+fp32 bound of test_backends_agree. Coverage: every mask has a hole; both backends took 2
+steps, and the log-probs after the rollout are told apart from those after one step; the
+configurations' losses all differ, on the backends and in the reference (so each flag
+reached the step)."""
 
 from __future__ import annotations
 
@@ -26,9 +32,10 @@ import torch
 from dist_ranks import spawn_ranks
 from estimator_ranks import CONFIGS, estimator_rollouts
 from estimator_reference import OBJECTIVES, STEPS, reference
+from forced_adam import assert_wrong_steps_caught, caught_steps, check_updates
 from megatron_tiny_models import make_tiny_hf
-from score_capture import check_scores
-from tolerances import assert_within
+from score_capture import check_inputs, check_scores
+from tolerances import GRAD_REL_ERR, assert_within
 
 pytest.importorskip("miles_fsdp")
 
@@ -68,40 +75,43 @@ def test_every_estimator_and_loss_equals_float64_on_both_backends(tmp_path):
     assert list(megatron) == list(fsdp) == names
     ref_losses = []
     for name in names:
-        ref = reference(hf_dir, name, data)
-        want, bound = rollout_values(ref)
-        ref_losses.append(want["loss"])
-        # the second step moved some log-prob by more than twice its bound: a backend within
-        # the bound of the reference took both steps
-        moved = [
-            float(((a - b).abs() - 2 * t).max())
-            for a, b, t in zip(ref["log_probs"], ref["after_one"], ref["log_probs_tol"])
-        ]
-        assert max(moved) > 0, (name, moved)
         m, f = megatron[name], fsdp[name]
-        extra = {"steps", "scores", "scores_tokens", "log_probs", "weights"}
-        assert set(m) == set(f) == {*want, *extra}, (name, sorted(m), sorted(want))
+        extra = {"steps", "scores", "scores_tokens", "log_probs", "weights", "starts"}
         for backend, got in (("megatron", m), ("fsdp", f)):
-            assert len(got["steps"]) == STEPS, (name, backend)  # both optimizer steps ran
-            check_scores([got], ref, data, f"{name} {backend}", holes=True)
+            what = f"{name} {backend}"
+            ref = reference(hf_dir, name, data, [got])
+            want, bound = rollout_values(ref)
+            # the second step moved some log-prob by more than twice its bound: a backend within
+            # the bound of the reference took both steps
+            moved = [
+                float(((a - b).abs() - 2 * t).max())
+                for a, b, t in zip(ref["log_probs"], ref["after_one"], ref["log_probs_tol"])
+            ]
+            assert max(moved) > 0, (what, moved)
+            assert set(got) == {*want, *extra}, (what, sorted(got), sorted(want))
+            assert len(got["steps"]) == STEPS, what  # both optimizer steps ran
+            check_scores([got], ref, data, what, holes=True)
+            inputs = check_inputs([got], ref["old"], data, what)
+            assert inputs > 0 or name == "sft_loss", what  # SFT reads no old policy
             for k, (step, ref_step, tol) in enumerate(zip(got["steps"], ref["steps"], ref["tol"])):
-                assert set(step) == set(ref_step), (name, backend, k, sorted(step))
+                assert set(step) == set(ref_step), (what, k, sorted(step))
                 for key, value in ref_step.items():
                     assert abs(step[key] - value) <= tol[key], (
-                        name, backend, f"step {k}", key, step[key], value, tol[key]
+                        what, f"step {k}", key, step[key], value, tol[key]
                     )  # fmt: skip
             for key, value in want.items():  # the rollout's metrics, as train() reports them
                 assert abs(got[key] - value) <= bound[key], (
-                    name, backend, key, got[key], value, bound[key]
+                    what, key, got[key], value, bound[key]
                 )  # fmt: skip
-            assert sorted(got["weights"]) == sorted(ref["weights"]), (name, backend)
-            for key, value in ref["weights"].items():
-                what = f"{name} {backend}: {key} after the rollout"
-                got_w = torch.from_numpy(got["weights"][key])
-                assert_within(got_w, value, ref["weights_tol"][key], what)
+            assert sorted(got["weights"]) == sorted(ref["updates"][-1]), what
+            check_updates(ref["updates"], what)
             for i, (lp, t) in enumerate(zip(ref["log_probs"], ref["log_probs_tol"])):
-                what = f"{name} {backend}: log-probs of sample {i} after the rollout"
-                assert_within(torch.tensor(got["log_probs"][i]), lp, t, what)
+                where = f"{what}: log-probs of sample {i} after the rollout"
+                assert_within(torch.tensor(got["log_probs"][i]), lp, t, where)
+            if backend == "fsdp":
+                ref_losses.append(want["loss"])
+            if name == "grpo":
+                check_wrong_steps_caught(hf_dir, data, got, ref, what)
         for key in want:
             assert close(m[key], f[key]), (name, key, m[key], f[key])
         for k, (a, b) in enumerate(zip(m["steps"], f["steps"])):
@@ -111,3 +121,19 @@ def test_every_estimator_and_loss_equals_float64_on_both_backends(tmp_path):
     losses = [round(fsdp[name]["loss"], 6) for name in names]
     assert len(set(losses)) == len(losses), losses  # every configuration changed the step
     assert len({round(x, 6) for x in ref_losses}) == len(ref_losses), ref_losses
+
+
+def check_wrong_steps_caught(hf_dir: str, data, got: dict, ref: dict, what: str) -> None:
+    """The per-step bounds tell a wrong step from the right one at both steps (no update, the
+    next step's weights, weights off by a relative 1e-6), and a float64 gradient off by 8 times
+    its rounding bound at the second step (``8 GRAD_REL_ERR max|g|`` on every element of one
+    tensor) leaves that tensor's bound at that step and not before."""
+    assert_wrong_steps_caught(ref["updates"], what)
+    tensor = "model.layers.0.self_attn.o_proj.weight"
+
+    def perturb(k, grads):
+        if k == 1:
+            grads[tensor] += 8 * GRAD_REL_ERR * grads[tensor].abs().max()
+
+    wrong = reference(hf_dir, "grpo", data, [got], perturb=perturb)
+    assert caught_steps(wrong["updates"], tensor) == [1], (what, tensor)

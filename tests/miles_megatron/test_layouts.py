@@ -34,12 +34,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from backend_reference import check_steps, check_weights, reference
 from dist_ranks import spawn_ranks
-from forced_reference import check_updates, forced_reference
+from forced_adam import assert_wrong_steps_caught, caught_steps
+from forced_reference import check_forced, forced_reference
 from layout_ranks import (
     LAYOUT_ROLLOUTS,
-    case_samples,
     eight_rank_cases,
     four_rank_cases,
     sixteen_rank_cases,
@@ -48,8 +47,6 @@ from layout_ranks import (
     two_rank_cases,
 )
 from safetensors.torch import load_file
-from score_capture import check_scores
-from tolerances import assert_within
 
 
 def check(results: list[dict], cases: list) -> None:
@@ -70,23 +67,16 @@ def check(results: list[dict], cases: list) -> None:
             assert "model.layers.0.self_attn.q_proj.weight" in moved, (label, moved)
             continue
         assert all(m["steps"] == 1 for m in results[0][label]["metrics"]), label
-        check_forced([r[label] for r in results], hf_dir, argv, first, label)
+        check_run([r[label] for r in results], hf_dir, argv, first, label, every_rank=False)
 
 
-def check_forced(ranks: list[dict], hf_dir: str, argv: list[str], final: dict, what: str):
-    """One run (every rank's result) against forced_reference from its own weights
-    (``starts`` on rank 0, then ``final``): the first step starts from the checkpoint bit for
-    bit; each rollout's loss and gradient norm, each step's scores at every trained token
-    (every loss mask with a hole) and weights after it; returns the reference."""
-    base = load_file(f"{hf_dir}/model.safetensors")
+def check_run(ranks: list[dict], hf_dir: str, argv: list[str], final: dict, what: str, **kw):
+    """One run (every rank's result) against the float64 reference stepped from its own
+    weights (forced_reference.check_forced: ``starts`` on rank 0, one per rollout, then
+    ``final``), on the case's samples (layout_ranks.case_samples)."""
     starts = ranks[0]["starts"]
-    assert len(starts) == LAYOUT_ROLLOUTS and sorted(starts[0]) == sorted(base), what
-    assert all(np.array_equal(starts[0][k], base[k].numpy()) for k in base), what
-    ref = forced_reference(hf_dir, [*starts, final], long=spans_cp(argv))
-    check_steps(ranks[0]["metrics"], ref, what)
-    check_updates(ref, what)
-    check_scores(ranks, ref, case_samples(hf_dir, argv), what, holes=True)
-    return ref
+    assert len(starts) == LAYOUT_ROLLOUTS, what
+    return check_forced(ranks, hf_dir, starts, final, what, long=spans_cp(argv), **kw)
 
 
 def lora(argv: list[str]) -> bool:
@@ -101,7 +91,7 @@ def test_two_rank_layouts_train_like_hf_and_publish_every_stage(two_rank_run, la
 
 @pytest.mark.slow
 def test_forced_bounds_catch_a_wrong_step(two_rank_run, layout_hf_dirs):
-    """The per-step bounds of :func:`check_forced` tell a wrong step from a right one, on the
+    """The per-step bounds of :func:`check_run` tell a wrong step from a right one, on the
     dense and the MoE model (the default 2-rank run's fp32 weights), at every step: a step that
     moved no weight, a step compared with the next step's weights, the weights after a step off
     by a relative 1e-6 (about 17 ulps); and a gradient error of 8 times its rounding bound
@@ -114,17 +104,7 @@ def test_forced_bounds_catch_a_wrong_step(two_rank_run, layout_hf_dirs):
         run = two_rank_run[0]["layouts"][label]
         snapshots = [*run["starts"], run["to_first"]]
         updates = forced_reference(hf_dir, snapshots, long=spans_cp(argv))["updates"]
-        for k, update in enumerate(updates):
-            wrongs = {
-                "no step": {name: start for name, (start, _, _, _) in update.items()},
-                "1e-6 off": {name: got * (1 + 1e-6) for name, (_, got, _, _) in update.items()},
-            }
-            if k + 1 < len(updates):  # the next step's weights
-                wrongs["shift"] = {name: u[1] for name, u in updates[k + 1].items()}
-            for why, weights in wrongs.items():
-                with pytest.raises(AssertionError, match="outside the bound"):
-                    for name, (_, _, want, tol) in update.items():
-                        assert_within(weights[name], want, tol, f"{label} step {k}: {why}")
+        assert_wrong_steps_caught(updates, label)
         for tensor in ("lm_head.weight", "model.layers.0.self_attn.o_proj.weight"):
 
             def perturb(k, grads, tensor=tensor):
@@ -132,11 +112,7 @@ def test_forced_bounds_catch_a_wrong_step(two_rank_run, layout_hf_dirs):
                     grads[tensor] += 8 * GRAD_REL_ERR * grads[tensor].abs().max()
 
             ref = forced_reference(hf_dir, snapshots, long=spans_cp(argv), perturb=perturb)
-            caught = [
-                k
-                for k, update in enumerate(ref["updates"])
-                if bool(((update[tensor][1] - update[tensor][2]).abs() > update[tensor][3]).any())
-            ]
+            caught = caught_steps(ref["updates"], tensor)
             assert caught and caught[0] == 1, (label, tensor, caught)  # step 0 is untouched
 
 
@@ -145,25 +121,22 @@ def test_forced_bounds_catch_a_wrong_step(two_rank_run, layout_hf_dirs):
 def test_fsdp_trains_like_hf(world, layout_hf_dirs):
     """The layout suites' job on the FSDP backend at 1 and 2 ranks (DP), on the tiny qwen3
     (masked samples): each step against the float64 step from its own weights with the bounds
-    of the Megatron layouts (:func:`check_forced`), and the whole run against the free-running
-    float64 reference (backend_reference.reference: loss and gradient norm each rollout, each
-    step's log-probs and entropies at every trained token, every weight after). Megatron at
-    TP = 2 on the same model and samples meets the same free-running reference and bounds
-    (test_backend.py): the two backends are within twice them of each other."""
+    of the Megatron layouts (:func:`check_run`: loss and gradient norm each rollout on every
+    rank, each step's log-probs and entropies at every trained token, every weight after each
+    step). Megatron at TP = 2 on the same model and samples meets the same per-step reference
+    and bounds (test_backend.py)."""
     pytest.importorskip("miles_fsdp")
     from layout_ranks import fsdp_train
 
     hf = layout_hf_dirs["qwen3"]  # FSDP loads a tokenizer; qwen3's builds without files
     results = spawn_ranks(fsdp_train, world, hf, LAYOUT_ROLLOUTS, timeout=600, shim=False)
-    ref = reference(hf, rollouts=LAYOUT_ROLLOUTS, masked=True, scores=True)
-    data = case_samples(hf, [])
     for rank, r in enumerate(results):
         assert r["dp_size"] == world, rank
         assert r["optimizer_steps"] == LAYOUT_ROLLOUTS, rank  # one a rollout
-        check_steps(r["metrics"], ref, f"fsdp x{world} rank {rank}")
-        check_weights(r["weights"], ref, f"fsdp x{world} rank {rank}")
-    check_scores(results, ref, data, f"fsdp x{world}", holes=True)
-    check_forced(results, hf, [], results[0]["weights"], f"fsdp x{world} forced")
+        assert sorted(r["weights"]) == sorted(results[0]["weights"]), rank
+        for name, value in r["weights"].items():  # every rank holds the same weights
+            assert np.array_equal(value, results[0]["weights"][name]), (rank, name)
+    check_run(results, hf, [], results[0]["weights"], f"fsdp x{world}")
 
 
 @pytest.mark.extended

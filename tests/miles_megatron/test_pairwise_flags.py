@@ -10,14 +10,18 @@ FSDP's real command line, which refuses every pair left out (exit status 2, one 
 
 ``extended``: each case trains one rollout (2 optimizer steps, the LR decaying, masked samples
 carrying engine log-probs) on FSDP at one rank and on Megatron at TP = 2 (2 gloo ranks, every
-case in one spawn per backend), and each step's loss and its parts, gradient norm and LR, each
-step's log-prob and entropy of every trained token (score_capture.py, on every rank), and
-every weight and response log-prob after the rollout, equal the float64 reference of
+case in one spawn per backend). Each step of each run equals the float64 step of
 tests/miles_megatron/estimator_reference.py (HF transformers and torch's AdamW, the formulas
-written from the papers and docs/rl-math.md) within the bounds it derives from
-tests/tolerances.py; the backends are within twice those bounds of each other. Coverage: the KL
-loss and the TIS weight are reported where they are on, the TIS truncation and the PPO clip
-changed some case's loss, the cases hold every --advantage-estimator and --loss-type value.
+written from the papers and docs/rl-math.md) taken from the weights that run had before it and
+with the old policy's and reference model's log-probs its loss read (teacher forcing,
+tests/forced_adam.py; those log-probs are held to the float64 ones of the checkpoint at every
+trained token, on every rank), within the bounds it derives from tests/tolerances.py for one
+step: the loss and its parts, gradient norm and LR, each trained token's log-prob and entropy
+(score_capture.py, on every rank), and every weight after the step; and every response
+log-prob after the rollout. The two backends' values differ by at most their two bounds plus
+the difference of the float64 steps from their two starting points. Coverage: the KL loss and
+the TIS weight are reported where they are on, the TIS truncation and the PPO clip changed
+some case's loss, the cases hold every --advantage-estimator and --loss-type value.
 """
 
 from __future__ import annotations
@@ -100,19 +104,24 @@ def case_configs(hf_dir: str) -> list[tuple[str, tuple[str, ...]]]:
 
 
 def check_case(case: dict, got: dict, ref: dict, what: str, peers: tuple = ()) -> None:
-    """One case's run (estimator_ranks.estimator_rollouts) against its float64 reference: each
-    step's loss and its parts, gradient norm and LR, each step's log-prob and entropy of every
-    trained token (on ``got``'s rank and its ``peers``': score_capture.check_scores), every
-    weight and response log-prob after the rollout; the KL loss and the TIS weight reported
-    exactly where they are on."""
+    """One case's run (estimator_ranks.estimator_rollouts) against its float64 reference,
+    stepped from that run's weights: each step's loss and its parts, gradient norm and LR,
+    each step's log-prob and entropy of every trained token and the old policy's and reference
+    model's log-probs the loss read (on ``got``'s rank and its ``peers``':
+    score_capture.check_scores, check_inputs), every weight after each step, every response
+    log-prob after the rollout; the KL loss and the TIS weight reported exactly where they are
+    on."""
     from backend_reference import samples
     from estimator_reference import STEPS
-    from score_capture import check_scores
+    from forced_adam import check_updates
+    from score_capture import check_inputs, check_scores
     from tolerances import assert_within
 
     assert len(got["steps"]) == STEPS, what
     data = samples(masked=True, engine_log_probs=True)
     check_scores([got, *peers], ref, data, what, holes=True)
+    inputs = check_inputs([got, *peers], ref["old"], data, what)
+    assert inputs > 0 or case["loss"] == "sft_loss", what  # SFT reads no old policy
     for k, (step, want, tol) in enumerate(zip(got["steps"], ref["steps"], ref["tol"])):
         assert ("kl_loss" in step) == (case["kl"] is not None), (what, k, sorted(step))
         assert ("tis" in step) == case["tis"], (what, k, sorted(step))
@@ -121,21 +130,22 @@ def check_case(case: dict, got: dict, ref: dict, what: str, peers: tuple = ()) -
                 w = want["loss" if key == "sft_loss" else key]
                 bound = tol["loss" if key == "sft_loss" else key]
                 assert abs(step[key] - w) <= bound, (what, k, key, step[key], w, bound)
-    for key, value in ref["weights"].items():
-        got_w = torch.from_numpy(got["weights"][key])
-        assert_within(got_w, value, ref["weights_tol"][key], f"{what}: {key}")
+    check_updates(ref["updates"], what)
     for i, (lp, t) in enumerate(zip(ref["log_probs"], ref["log_probs_tol"])):
         assert_within(torch.tensor(got["log_probs"][i]), lp, t, f"{what}: sample {i}")
 
 
-@pytest.fixture(scope="module")
-def pairwise_refs(pairwise_hf) -> dict:
-    """Each case's float64 reference (estimator_reference.reference), by case name."""
+def case_refs(hf_dir: str, ranks: list[dict]) -> dict:
+    """Each case's float64 reference (estimator_reference.reference) stepped from one
+    backend's run of it (``ranks``: every rank's estimator_rollouts result), by case name."""
     from backend_reference import samples
     from estimator_reference import reference
 
     data = samples(masked=True, engine_log_probs=True)
-    return {case_name(c): reference(pairwise_hf, case_objective(c), data) for c in pairwise_cases()}
+    return {
+        case_name(c): reference(hf_dir, case_objective(c), data, [r[case_name(c)] for r in ranks])
+        for c in pairwise_cases()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -161,11 +171,21 @@ def megatron_pairwise(pairwise_hf) -> list[dict]:
     return spawn_ranks(estimator_rollouts, 2, "megatron", pairwise_hf, configs, timeout=900)
 
 
+@pytest.fixture(scope="module")
+def fsdp_refs(pairwise_hf, fsdp_pairwise) -> dict:
+    return case_refs(pairwise_hf, [fsdp_pairwise])
+
+
+@pytest.fixture(scope="module")
+def megatron_refs(pairwise_hf, megatron_pairwise) -> dict:
+    return case_refs(pairwise_hf, megatron_pairwise)
+
+
 @pytest.mark.extended
 @pytest.mark.numeric
-def test_pairwise_cases_equal_float64_on_fsdp(pairwise_hf, pairwise_refs, fsdp_pairwise, capsys):
+def test_pairwise_cases_equal_float64_on_fsdp(pairwise_hf, fsdp_refs, fsdp_pairwise, capsys):
     from backend_reference import samples
-    from estimator_reference import STEPS, reference
+    from estimator_reference import STEPS
 
     hf_dir = pairwise_hf
     check_parses("megatron", hf_dir, capsys)
@@ -175,7 +195,7 @@ def test_pairwise_cases_equal_float64_on_fsdp(pairwise_hf, pairwise_refs, fsdp_p
     losses = {}
     for case in cases:
         name = case_name(case)
-        ref = pairwise_refs[name]
+        ref = fsdp_refs[name]
         check_case(case, fsdp_pairwise[name], ref, name)
         if case["loss"] != "sft_loss":  # SFT's loss has no advantage, clip, KL or TIS term
             same = {**case, "kl": "k3" if case["kl"] == "low_var_kl" else case["kl"]}  # one formula
@@ -183,7 +203,7 @@ def test_pairwise_cases_equal_float64_on_fsdp(pairwise_hf, pairwise_refs, fsdp_p
     assert len({round(x, 9) for x in losses.values()}) == len(losses)  # every case its own loss
     # the truncations bind: pi_old / pi_rollout crosses 0.8 and 1.0 on trained tokens, and the
     # second step's ratios pi / pi_old leave [1 - 0.02, 1 + 0.05]
-    old = reference(hf_dir, case_objective(cases[0]), data)
+    old = fsdp_refs[case_name(cases[0])]
     trained = [s.loss_mask.bool() for s in data]
     tis = torch.cat(
         [(o - s.rollout_log_probs.double())[m] for o, s, m in zip(old["old"], data, trained)]
@@ -196,11 +216,11 @@ def test_pairwise_cases_equal_float64_on_fsdp(pairwise_hf, pairwise_refs, fsdp_p
 
 @pytest.mark.extended
 @pytest.mark.numeric
-def test_pairwise_cases_equal_float64_on_megatron_tp2(pairwise_refs, megatron_pairwise):
+def test_pairwise_cases_equal_float64_on_megatron_tp2(megatron_refs, megatron_pairwise):
     """Every case (each parses on Megatron's command line: the FSDP test's check_parses) on
-    Megatron at TP = 2 with sequence parallelism equals the same float64 reference; the TP
-    peers report the same metrics and publish the same weights. The cases cover every
-    --advantage-estimator and --loss-type / --policy-loss value."""
+    Megatron at TP = 2 with sequence parallelism equals the float64 reference stepped from its
+    own weights; the TP peers report the same metrics and publish the same weights. The cases
+    cover every --advantage-estimator and --loss-type / --policy-loss value."""
     cases = pairwise_cases()
     names = [case_name(c) for c in cases]
     for factor in ("estimator", "loss"):
@@ -208,7 +228,7 @@ def test_pairwise_cases_equal_float64_on_megatron_tp2(pairwise_refs, megatron_pa
     first, second = megatron_pairwise
     assert list(first) == list(second) == names
     for case, name in zip(cases, names):
-        check_case(case, first[name], pairwise_refs[name], f"megatron tp2: {name}", (second[name],))
+        check_case(case, first[name], megatron_refs[name], f"megatron tp2: {name}", (second[name],))
         assert first[name]["steps"] == second[name]["steps"], name
         for key, value in first[name]["weights"].items():
             assert (value == second[name]["weights"][key]).all(), (name, key)
@@ -217,24 +237,42 @@ def test_pairwise_cases_equal_float64_on_megatron_tp2(pairwise_refs, megatron_pa
 @pytest.mark.extended
 @pytest.mark.numeric
 def test_pairwise_cases_agree_between_megatron_and_fsdp(
-    pairwise_refs, fsdp_pairwise, megatron_pairwise
+    megatron_refs, fsdp_refs, fsdp_pairwise, megatron_pairwise
 ):
     """Case by case, each step's metrics and the log-probs after the rollout of Megatron
-    (TP = 2) and FSDP (one rank) are equal within twice the reference's bound (each backend is
-    within it of the same float64 values: the triangle inequality), the metrics' names too."""
-    from tolerances import assert_within
+    (TP = 2) and FSDP (one rank) are equal within the sum of their bounds plus the difference
+    of the two float64 references (each backend is within its bound of the float64 step from
+    its own weights and inputs: the triangle inequality; the references' difference is where
+    the two runs stood, which the first step's shared start makes a rounding's worth), the
+    metrics' names too; the old policy's log-probs they read are within twice ``SCORE_ATOL``
+    of each other (each within it of the float64 ones at the checkpoint)."""
+    from score_capture import INPUTS
+    from tolerances import SCORE_ATOL, assert_within
 
     megatron = megatron_pairwise[0]
     assert list(megatron) == list(fsdp_pairwise)
     for name, m in megatron.items():
-        f, ref = fsdp_pairwise[name], pairwise_refs[name]
-        assert len(m["steps"]) == len(f["steps"]) == len(ref["tol"]) >= 2, name
-        for k, (a, b, tol) in enumerate(zip(m["steps"], f["steps"], ref["tol"], strict=True)):
+        f, ref_m, ref_f = fsdp_pairwise[name], megatron_refs[name], fsdp_refs[name]
+        assert len(m["steps"]) == len(f["steps"]) == len(ref_m["tol"]) >= 2, name
+        steps = zip(
+            m["steps"], f["steps"], ref_m["steps"], ref_f["steps"], ref_m["tol"], ref_f["tol"]
+        )
+        for k, (a, b, want_m, want_f, tol_m, tol_f) in enumerate(steps):
             assert a.keys() == b.keys(), (name, k, sorted(a), sorted(b))
-            keys = [key for key in a if (key if key != "sft_loss" else "loss") in tol]
+            keys = [key for key in a if (key if key != "sft_loss" else "loss") in tol_m]
             assert {"loss", "grad_norm", "lr"} <= set(keys), (name, k, keys)
             for key in keys:  # the metrics the reference bounds
-                bound = 2 * tol["loss" if key == "sft_loss" else key]
+                r = "loss" if key == "sft_loss" else key
+                bound = tol_m[r] + tol_f[r] + abs(want_m[r] - want_f[r])
                 assert abs(a[key] - b[key]) <= bound, (name, k, key, a[key], b[key], bound)
-        for i, (x, y, t) in enumerate(zip(m["log_probs"], f["log_probs"], ref["log_probs_tol"])):
-            assert_within(torch.tensor(x), torch.tensor(y), 2 * t, f"{name}: sample {i}")
+            for sample, got in m["scores"][k].items():
+                for key in INPUTS:
+                    if key in got:
+                        x, y = torch.tensor(got[key]), torch.tensor(f["scores"][k][sample][key])
+                        trained = ref_m["scores"][k][sample]["log_probs_tol"].isfinite()
+                        tol = torch.full_like(x[trained], 2 * SCORE_ATOL, dtype=torch.float64)
+                        assert_within(x[trained], y[trained], tol, f"{name}: {key} of {sample}")
+        after = zip(m["log_probs"], f["log_probs"], ref_m["log_probs"], ref_f["log_probs"])
+        for i, (x, y, want_m, want_f) in enumerate(after):
+            tol = ref_m["log_probs_tol"][i] + ref_f["log_probs_tol"][i] + (want_m - want_f).abs()
+            assert_within(torch.tensor(x), torch.tensor(y), tol, f"{name}: sample {i}")

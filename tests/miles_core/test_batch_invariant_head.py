@@ -44,10 +44,11 @@ def test_log_probs_are_the_dense_mode_path_bit_for_bit(monkeypatch):
         lp, ent = fused_log_probs(hidden, weight, targets, 0.7, chunk_tokens=5)
         logits = F.linear(hidden, weight)  # the engine's head
         dense_lp = token_log_probs(logits, targets, 0.7)
+        dense_ent = entropy_from_logits(logits, 0.7)
     assert chunks == [5, 5, 5, 5, 3]  # the mode's head ran, over several chunks
     assert torch.equal(lp, dense_lp)
-    want = entropy_from_logits(logits, 0.7)
-    assert (ent - want).abs().max() <= 64 * 2.0**-23 * want.abs().max()
+    # the entropy's row reductions are batch-invariant on CPU with the mode's one thread too
+    assert torch.equal(ent, dense_ent)
     # outside the mode the fused head is the cuBLAS/BLAS one: it rounds differently
     plain, _ = fused_log_probs(hidden, weight, targets, 0.7, chunk_tokens=5)
     assert not torch.equal(plain, lp)

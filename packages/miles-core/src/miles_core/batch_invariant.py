@@ -24,13 +24,15 @@ RMSNorm, softmax and ``log_softmax`` reduce each row over its last dimension; wi
 their per-row results are batch-invariant on CPU as they are (tests/miles_core/
 test_batch_invariant.py checks it), so the mode leaves them to torch. Both sides scale the
 logits by ``1 / T`` and take ``log_softmax`` in float32 through one function,
-:func:`miles_core.log_probs.scaled_log_softmax` (the trainer's :func:`miles_core.log_probs.
-token_log_probs` and the engine's sampler).
+:func:`miles_core.log_probs.scaled_log_softmax` (the engine's sampler; the trainer's fused head,
+:mod:`miles_core.batch_invariant_head`, a chunk of tokens at a time, or
+:func:`miles_core.log_probs.token_log_probs` over materialised logits).
 
 On a GPU (the tensors on CUDA, bf16 or fp32) the same four ops run as Triton kernels of
 :mod:`miles_native.kernels.batch_invariant`, whose row results do not depend on the batch,
 padding or pack either: ``F.linear`` (fixed tiles, no split-K), the attention (one program per
-query and head over its contiguous key range, blocks counted from its first key), the
+tile of queries and a head, each query over its contiguous key range in blocks counted from its
+first key), the
 ``mean`` over the last dimension (RMSNorm's variance: the mode takes ``x.mean(-1)`` of a CUDA
 tensor) and the temperature-scaled ``log_softmax`` (torch divides a CUDA tensor by a Python
 float as a multiplication by its reciprocal, but by a tensor of temperatures exactly: the kernel

@@ -32,8 +32,8 @@ from miles_core.log_probs import scaled_log_softmax
 
 
 def _chunk_log_softmax(h: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
-    with torch.no_grad():
-        return scaled_log_softmax(batch_invariant.linear_values(h, w), temperature)
+    # no graph: linear_values keeps none, and the Function computes the backward itself
+    return scaled_log_softmax(batch_invariant.linear_values(h, w), temperature)
 
 
 class _BatchInvariantLogProbs(torch.autograd.Function):

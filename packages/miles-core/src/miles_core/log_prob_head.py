@@ -222,7 +222,7 @@ def fused_log_probs(
         chunk_bytes = CUDA_CHUNK_BYTES if hidden.is_cuda else DEFAULT_CHUNK_BYTES
     chunk = chunk_tokens or chunk_size(weight.shape[0], chunk_bytes)
     if batch_invariant.active():  # --true-on-policy: the engine's forward values
-        if rank or (group is not None and dist.get_world_size(group) > 1):
+        if group is not None and dist.get_world_size(group) > 1:
             raise ValueError("--true-on-policy scores with the whole vocabulary on one rank")
         lp, ent = batch_invariant_head.log_probs(
             hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), temperature,

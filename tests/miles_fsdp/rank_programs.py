@@ -6,10 +6,10 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from full_tensors import full
 from miles_fsdp.backend import FSDPBackend
 from miles_fsdp.optimizer_step import optimizer_step
 from run_args import make_args
-from torch.distributed.tensor import DTensor
 
 
 def nll_contribution(denominator: int):
@@ -30,15 +30,12 @@ def full_grads(model) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in model.named_parameters():
         g = p.grad
-        out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
+        out[name] = full(g).detach().clone()
     return out
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
-    return {
-        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-        for n, p in model.named_parameters()
-    }
+    return {n: full(p).detach().clone() for n, p in model.named_parameters()}
 
 
 def my_rows(data: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -115,7 +112,7 @@ def optimizer_tensors(backend) -> dict[str, torch.Tensor]:
     out = {}
     for i, state in enumerate(backend.optimizer.state.values()):
         for key, value in state.items():
-            v = value.full_tensor() if isinstance(value, DTensor) else value
+            v = full(value)
             out[f"{i}.{key}"] = v.detach().clone()
     return out
 
@@ -269,3 +266,19 @@ def step_records(backend, data):
         yield records
     finally:
         train_step.packed_score_loss, train_step.optimizer_step = loss, step
+
+
+def uneven_gather_program(rank, world):
+    """``full`` of dim-0 shards of 5 rows (3 + 2 on two ranks) and of 1 row (1 + 0) equals the
+    whole tensor and ``full_tensor()``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for rows in (5, 1):
+        whole = torch.arange(rows * 4, dtype=torch.float32).reshape(rows, 4)
+        chunk = -(-rows // world)
+        local = whole[rank * chunk : (rank + 1) * chunk].clone()
+        d = DTensor.from_local(local, mesh, [Shard(0)], shape=whole.shape, stride=whole.stride())
+        assert torch.equal(full(d), whole), (rank, rows)
+        assert torch.equal(d.full_tensor(), whole), (rank, rows)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from full_tensors import full
 from miles_fsdp.backend import FSDPBackend
 from rank_programs import full_params, my_rows, nll_contribution
 from run_args import make_args
@@ -26,7 +27,7 @@ def full_ema(backend) -> dict[str, torch.Tensor]:
     out = {}
     for p in backend.ema.params():
         e = backend.ema.state[p]["ema"]
-        out[names[id(p)]] = (e.full_tensor() if isinstance(e, DTensor) else e).detach().clone()
+        out[names[id(p)]] = full(e).detach().clone()
     return out
 
 
@@ -174,9 +175,7 @@ def lora_program(rank, world, hf_dir, adapter_dir, data, save_dir, out_file):
         clip_grad=0.0,
     )
     res["grads"] = {
-        n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
-        for n, p in model.named_parameters()
-        if p.grad is not None
+        n: full(p.grad).clone() for n, p in model.named_parameters() if p.grad is not None
     }
     res["grad_dtypes"] = {
         n: p.grad.dtype for n, p in model.named_parameters() if p.grad is not None
@@ -314,10 +313,7 @@ def full_adam_state(backend) -> dict[str, dict[str, torch.Tensor]]:
     names = {id(p): n for n, p in backend.model.named_parameters()}
     out = {}
     for p, state in backend.optimizer.state.items():
-        out[names[id(p)]] = {
-            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
-            for k, v in state.items()
-        }
+        out[names[id(p)]] = {k: full(v).detach().cpu().clone() for k, v in state.items()}
     return out
 
 

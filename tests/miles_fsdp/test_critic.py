@@ -8,6 +8,7 @@ import pytest
 import torch
 from critic_reference import attach_value_head
 from dense_reference import dense_model, response_log_probs
+from full_tensors import full
 from miles_core.batch import RolloutBatch
 from miles_fsdp.backend import FSDPBackend
 from rank_programs import full_grads, full_params
@@ -228,7 +229,3 @@ def test_critic_resumes_bitwise(one_rank_group, hf_dir, tmp_path):
         for field, value in state.items():
             if isinstance(value, torch.Tensor):
                 assert torch.equal(full(got_opt["state"][key][field]), full(value)), (key, field)
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t

@@ -48,11 +48,11 @@ def fsdp_step(rank: int, world: int, hf_dir: str, extra: list[str], out: str) ->
     """:func:`one_step`'s step on the FSDP backend (fp32, the same samples and flags): its
     metrics and the gradients of :data:`GRAD_NAMES`' HF parameters, saved to ``out``."""
     from backend_reference import samples
+    from full_tensors import full
     from miles_core.args import core_groups, parse_args
     from miles_core.batch import RolloutBatch
     from miles_fsdp.args import fsdp_groups
     from miles_fsdp.backend import FSDPBackend
-    from torch.distributed.tensor import DTensor
 
     argv = ["--hf-checkpoint", hf_dir, "--advantage-estimator", "grpo", "--lr", "0", "--no-bf16"]
     argv += ["--clip-grad", "1e6", "--micro-batch-size", "2", "--attn-implementation", "sdpa"]
@@ -63,6 +63,6 @@ def fsdp_step(rank: int, world: int, hf_dir: str, extra: list[str], out: str) ->
     grads = {}
     for name in GRAD_NAMES.values():
         g = params[name].grad
-        grads[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().float().clone()
+        grads[name] = full(g).detach().float().clone()
     backend.close()
     torch.save({"metrics": metrics, "grads": grads}, out)

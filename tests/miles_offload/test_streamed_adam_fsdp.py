@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from full_tensors import full
 from miles_offload.streamed_adam import StreamedAdamConfig, StreamedAdamW
 from offload_fsdp_model import VOCAB, build
 from torch import nn
@@ -37,7 +38,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t.clone()
+    return full(t).clone()
 
 
 def _streamed(model, disk_dir, bucket=BUCKET, moment_dtype="fp32") -> StreamedAdamW:

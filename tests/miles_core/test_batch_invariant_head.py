@@ -88,3 +88,33 @@ def test_float64_gradients_equal_autograd_through_the_dense_softmax(
     for name, got, want in zip(("grad_h", "grad_w"), grads(head), grads(dense)):
         err = (got - want).abs().max().item()
         assert err <= F64_BOUND * max(1.0, want.abs().max().item()), (name, err)
+
+
+def test_backward_on_another_thread_recomputes_in_the_mode(monkeypatch):
+    """On a GPU autograd runs the backward on its device thread, outside the forward's
+    thread-local mode: the recompute must enter the mode itself (else its log-softmax is torch's,
+    not the kernel the forward used)."""
+    import threading
+
+    hidden, weight, targets = _inputs()
+    hidden.requires_grad_(True)
+    seen = []
+    real = batch_invariant_head._chunk_log_softmax
+
+    def chunk(h, w, t):
+        seen.append((threading.get_ident(), batch_invariant.active()))
+        return real(h, w, t)
+
+    monkeypatch.setattr(batch_invariant_head, "_chunk_log_softmax", chunk)
+    with batch_invariant.mode():
+        lp, _ = fused_log_probs(hidden, weight, targets, 0.7, chunk_tokens=5)
+    forward = list(seen)
+    seen.clear()
+    worker = threading.Thread(target=lambda: lp.sum().backward())
+    worker.start()
+    worker.join()
+    assert len(forward) == 5 and all(active for _, active in forward)
+    assert len(seen) == 5, seen  # the backward recomputed every chunk ...
+    main = threading.get_ident()
+    assert all(thread != main and active for thread, active in seen), seen  # ... in the mode
+    assert hidden.grad is not None and hidden.grad.abs().max() > 0

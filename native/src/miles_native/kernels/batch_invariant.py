@@ -241,7 +241,10 @@ def log_softmax_forward(x: torch.Tensor, temperature: torch.Tensor | float) -> t
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    temps = torch.as_tensor(temperature, dtype=torch.float32, device=x.device).reshape(-1)
+    if isinstance(temperature, torch.Tensor):
+        temps = temperature.to(device=x.device, dtype=torch.float32).reshape(-1)
+    else:  # a fill on the device: a Python number through torch.tensor is a blocking copy
+        temps = torch.full((1,), float(temperature), dtype=torch.float32, device=x.device)
     if temps.numel() not in (1, rows.shape[0]):
         raise ValueError(f"log_softmax: {temps.numel()} temperatures for {rows.shape[0]} rows")
     out = torch.empty(rows.shape, dtype=torch.float32, device=x.device)

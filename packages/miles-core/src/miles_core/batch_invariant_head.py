@@ -14,7 +14,8 @@ memory, each free a device synchronisation) with the mode's forward values.
 Per chunk of tokens, with ``s = h W^T / T`` and ``log p = log_softmax(s)``:
 
 * ``log_prob = log p[target]``, ``entropy = -sum_v p_v log p_v`` (float32; float64 for float64 inputs);
-* backward recomputes the chunk's ``log p`` by the same two calls (so ``p`` is the forward's),
+* backward recomputes the chunk's ``log p`` by the same two calls in the mode (so ``p`` is the
+  forward's, on whichever thread autograd runs the backward),
   ``d/ds log_prob = onehot(target) - p``, ``d/ds entropy = -p (log p + entropy)``, then
   ``dz = ds / T``, ``dh = dz W`` and ``dW += dz^T h`` (plain matmuls: only forward values must
   agree with the engine), the weight's gradient summed in float32.
@@ -71,7 +72,10 @@ class _BatchInvariantLogProbs(torch.autograd.Function):
         n = hidden.shape[0]
         for a in range(0, n, ctx.chunk):
             b = min(a + ctx.chunk, n)
-            log_p = _chunk_log_softmax(hidden[a:b], weight, ctx.temperature)
+            # in the mode again: on a GPU the backward runs on autograd's device thread,
+            # outside the forward's (thread-local) mode, where the log-softmax would be torch's
+            with batch_invariant.mode():
+                log_p = _chunk_log_softmax(hidden[a:b], weight, ctx.temperature)
             p = log_p.exp()
             g_lp = grad_lp[a:b, None].to(p.dtype) if grad_lp is not None else None
             if grad_ent is not None:  # -g_H p (log p + H), in place in log p

@@ -41,7 +41,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_bench_model import profile_rollout, qwen3_config, write_random_model  # noqa: E402
+from train_bench_model import (  # noqa: E402
+    profile_rollout,
+    qwen3_config,
+    sync_sites,
+    write_random_model,
+)
 
 TEMPERATURE = 1.0
 
@@ -196,6 +201,10 @@ def train(
             seconds.append(time.perf_counter() - t0)
         if profile:
             profiled = profile_rollout(functools.partial(backend.train, repeats + 1, batch))
+            if device != "cpu":  # where the host waits for the GPU (one more rollout)
+                profiled["sync_sites"] = sync_sites(
+                    functools.partial(backend.train, repeats + 2, batch)
+                )
     finally:
         train_step._with_policy_log_probs = real
         backend.close()
@@ -251,7 +260,8 @@ def main(argv: list[str] | None = None) -> None:
         "--profile",
         action="store_true",
         help="profile one more timed rollout per row (GPU busy and idle time, kernel time by "
-        "category, the host's waits for the GPU), into the JSON",
+        "category, the host's waits for the GPU), then one more with CUDA sync debugging (the "
+        "code sites where the host waits), into the JSON",
     )
     p.add_argument("--quick", action="store_true", help="tiny fp32 model on CPU (a smoke run)")
     p.add_argument("--out", required=True, help="JSON file of the results")
@@ -357,6 +367,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"{prof['gpu_busy_s']:.3f} s ({prof['gpu_idle_fraction']:.1%} idle); {parts}; "
                 f"host waits {prof['host_syncs']}"
             )
+            for site in prof.get("sync_sites", []):
+                print(f"  sync {site['syncs']:5d}x  {site['site']}")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_bench_model import (  # noqa: E402
+    print_profile,
     profile_rollout,
     qwen3_config,
     sync_sites,
@@ -273,6 +274,9 @@ def main(argv: list[str] | None = None) -> None:
         p.error("no CUDA device (use --quick for the CPU smoke run)")
     if args.quick and args.profile:
         p.error("--profile needs a GPU (not with --quick)")
+    modes = args.modes.split(",")
+    if not set(modes) <= set(MODES):
+        p.error(f"--modes: {args.modes!r} (choose from {', '.join(MODES)})")
     if args.quick:
         args.sizes, args.prompts, args.prompt_len, args.new_tokens = "tiny", 3, 12, 8
     init_group(device)
@@ -291,9 +295,6 @@ def main(argv: list[str] | None = None) -> None:
             half = max(1, args.prompt_len // 2)
             lengths = [args.prompt_len - (7 * i) % half for i in range(args.prompts)]
             prompts = [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in lengths]
-            modes = args.modes.split(",")
-            if not set(modes) <= set(MODES):
-                p.error(f"--modes: {args.modes!r} (choose from {', '.join(MODES)})")
             rollouts: dict[bool, tuple] = {}  # the engine's rollout per engine mode
             for mode in modes:
                 on = mode != "off"
@@ -359,16 +360,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['train_tokens']:>7}  {r['attention']}"
         )
     for r in rows:
-        prof = r.get("profile")
-        if prof:
-            parts = ", ".join(f"{k} {v:.3f}" for k, v in prof["kernel_s_by_category"].items())
-            print(
-                f"{r['size']} {r['mode']}: profiled rollout {prof['wall_s']:.3f} s, GPU busy "
-                f"{prof['gpu_busy_s']:.3f} s ({prof['gpu_idle_fraction']:.1%} idle); {parts}; "
-                f"host waits {prof['host_syncs']}"
-            )
-            for site in prof.get("sync_sites", []):
-                print(f"  sync {site['syncs']:5d}x  {site['site']}")
+        if r.get("profile"):
+            print_profile(f"Qwen3-{r['size']} true on-policy {r['mode']}", r["profile"])
 
 
 if __name__ == "__main__":

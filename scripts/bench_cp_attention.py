@@ -22,12 +22,12 @@ import argparse
 import json
 import os
 import resource
-import socket
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from miles_core.ports import free_port
 
 
 def _rss_bytes() -> int:
@@ -81,16 +81,10 @@ def _rank(rank: int, cp: int, port: int, args: argparse.Namespace, queue) -> Non
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(cp: int, args: argparse.Namespace) -> list[dict]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, cp, port, args, queue)) for r in range(cp)]
     for p in procs:
         p.start()

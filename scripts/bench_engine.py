@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import httpx
 import torch
+from miles_core.ports import free_port
 
 
 def build_tiny_model(path: Path, vocab: int, hidden: int, layers: int) -> None:
@@ -48,12 +48,6 @@ def build_tiny_model(path: Path, vocab: int, hidden: int, layers: int) -> None:
     tok = Tokenizer(models.WordLevel(words, unk_token="<eos>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(path)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def bench_engine(args, model_path: Path, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:

@@ -23,7 +23,6 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ import time
 from pathlib import Path
 
 import httpx
+from miles_core.ports import free_port
 from miles_launch.demo import build_tiny_qwen3, write_demo_prompts
 from miles_launch.job import LauncherState
 from miles_launch.rollout.draw import draw_groups
@@ -39,12 +39,6 @@ from miles_launch.rollout.partial import PartialBuffer, unfinished
 from miles_launch.rollout.prompts import load_prompts
 from miles_launch.rollout.rewards import RewardModel, label_char_fraction
 from transformers import AutoTokenizer
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_engine(args, model_path: Path, log: Path) -> tuple[subprocess.Popen, str]:

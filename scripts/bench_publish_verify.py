@@ -16,7 +16,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,12 +25,7 @@ from pathlib import Path
 
 import httpx
 import torch
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from miles_core.ports import free_port
 
 
 def write_model(path: Path, hidden: int):

@@ -31,10 +31,9 @@ def _rank(hf_dir: str, flags: list[str], queue) -> None:
 
         args = parse(*command_line(hf_checkpoint=hf_dir, advantage_estimator="grpo"), *flags)
         rank = TrainerRank(0, 1, "fsdp", use_gpu=True)
-        with __import__("socket").socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        rank.init(args, "127.0.0.1", port)
+        from miles_core.ports import free_port
+
+        rank.init(args, "127.0.0.1", free_port())
         group = rank.process_group()
         g = torch.Generator().manual_seed(0)
         samples = [

@@ -7,12 +7,12 @@ Skipped without CUDA (tests/conftest.py). Run on a GPU node with
 from __future__ import annotations
 
 import os
-import socket
 
 import miles_native
 import pytest
 import torch
 import torch.distributed as dist
+from miles_core.ports import free_port
 from miles_offload.device_mover import DeviceMover
 from torch.distributed.tensor import DTensor
 
@@ -25,10 +25,7 @@ def _local(t):
 
 @pytest.fixture
 def one_rank_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("nccl", rank=0, world_size=1)
     yield
     dist.destroy_process_group()

@@ -10,6 +10,7 @@ import threading
 import httpx
 import pytest
 from miles_core.engine import EngineClient, EngineConnectionError, EngineError, EngineTimeoutError
+from miles_core.ports import free_port
 from scripted_engine import Server, connect_error
 
 
@@ -85,12 +86,6 @@ class CountingTransport(httpx.HTTPTransport):
     def handle_request(self, request):
         self.attempts += 1
         return super().handle_request(request)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_real_refused_connection_is_retried():

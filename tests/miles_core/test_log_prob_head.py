@@ -20,11 +20,11 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import socket
 
 import pytest
 import torch
 from miles_core.log_prob_head import chunk_size, dense_log_probs, fused_log_probs
+from miles_core.ports import free_port
 from rank_context import in_environ, rank_context
 from timeouts import scaled
 from tolerances import FP32_EPS
@@ -202,12 +202,6 @@ def test_rejects_nonpositive_temperature():
         fused_log_probs(hidden, weight, targets, 0.0)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tp_worker(rank, world, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -255,7 +249,7 @@ def test_tensor_parallel_vocab_shards_equal_dense(tmp_path):
     shard's rows of the dense one (the padding rows' gradient is zero)."""
     world = 2
     ctx = rank_context()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=in_environ(_tp_worker), args=(r, world, port, str(tmp_path)))
         for r in range(world)

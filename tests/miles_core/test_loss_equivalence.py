@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import statistics
 from datetime import timedelta
 
@@ -31,6 +30,7 @@ from miles_core.metric_reduction import StepMetrics
 from miles_core.micro_batch import agree_num_micro_batches, count_micro_batches, make_micro_batches
 from miles_core.packing import pack_thd, packed_attention_kwargs
 from miles_core.partition import partition_for_dp
+from miles_core.ports import free_port
 from miles_core.rollout_correction import batch_mean
 from rank_context import in_environ, rank_context
 
@@ -229,12 +229,6 @@ def test_packed_micro_batched_equals_per_sample(name):
         _assert_same(loss.item(), _grads(model), ref_loss, ref_grads)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _dp_worker(rank, world, port, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -324,7 +318,7 @@ def mismatch_reference(batch) -> dict[str, float]:
 @pytest.mark.slow
 def test_two_dp_ranks_equal_per_sample(tmp_path):
     ctx = rank_context()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=in_environ(_dp_worker), args=(r, 2, port, str(tmp_path)))
         for r in range(2)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 from datetime import timedelta
 
 import pytest
@@ -23,6 +22,7 @@ from miles_core.micro_batch import (
     split_steps,
 )
 from miles_core.partition import karmarkar_karp
+from miles_core.ports import free_port
 from rank_context import in_environ, rank_context
 
 
@@ -189,7 +189,7 @@ def test_steps_are_the_rollouts_slices_at_any_dp_size(tmp_path):
 def _two_gloo_ranks(worker, tmp_path) -> list[dict]:
     """Run ``worker(rank, 2, port, out_dir)`` on 2 spawned gloo ranks; each rank's saved dict."""
     ctx = rank_context()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=in_environ(worker), args=(r, 2, port, str(tmp_path))) for r in range(2)
     ]
@@ -202,12 +202,6 @@ def _two_gloo_ranks(worker, tmp_path) -> list[dict]:
             p.kill()
         assert p.exitcode == 0
     return [torch.load(tmp_path / f"{r}.pt", weights_only=True) for r in range(2)]
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _agree_worker(rank, world, port, out_dir):

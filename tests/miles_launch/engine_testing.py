@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import io
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import torch
+from miles_core.ports import free_port
 from miles_launch import tiny_model
 from miles_launch.engine_launch.api_key import API_KEY_ENV
 from miles_launch.tiny_model import save_char_tokenizer
@@ -53,12 +53,6 @@ def tiny_qwen3_moe(seed: int):
         tie_word_embeddings=False,
     )
     return tiny_model.sharpen(Qwen3MoeForCausalLM(config), 8.0).eval()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EngineProcess:

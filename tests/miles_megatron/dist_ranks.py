@@ -11,20 +11,14 @@ from __future__ import annotations
 
 import os
 import queue as queue_module
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+from miles_core.ports import free_port
 from rank_context import in_environ, rank_context
 from timeouts import scaled
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(

@@ -3,25 +3,19 @@
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from miles_core.ports import free_port
 from miles_offload.device_mover import DeviceMover
 from miles_offload.offload_target import OffloadTarget
 from offload_fsdp_model import build, train_step
 from torch.distributed.tensor import DTensor
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -164,4 +158,4 @@ def test_fsdp2_two_ranks():
     round trips (cpu and disk), training after 3 cycles equal to training without, and a
     frozen model re-slept without a copy."""
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(_free_port(), d), nprocs=WORLD, join=True)
+        mp.spawn(_worker, args=(free_port(), d), nprocs=WORLD, join=True)

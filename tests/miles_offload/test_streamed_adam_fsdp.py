@@ -8,7 +8,6 @@ several are split across buckets. Every rank sees the same batches, clipping is 
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from full_tensors import full
+from miles_core.ports import free_port
 from miles_offload.streamed_adam import StreamedAdamConfig, StreamedAdamW
 from offload_fsdp_model import VOCAB, build
 from torch import nn
@@ -25,12 +25,6 @@ from torch.optim.optimizer import _get_scalar_dtype
 WORLD = 2
 LR, WD, BETAS, EPS, CLIP = 1e-2, 0.1, (0.9, 0.95), 1e-8, 0.5
 MIN_NUMEL, BUCKET = 8, 40
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -195,6 +189,6 @@ def test_fsdp2_two_ranks_bitwise_resume_and_one_rank_continuation():
     """One spawn runs: fp32 bitwise vs torch AdamW over 5 steps, bf16 tolerance, same-topology
     resume (two bucket sizes); then this process resumes the 2-rank checkpoint on 1 rank."""
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(_free_port(), d), nprocs=WORLD, join=True)
+        mp.spawn(_worker, args=(free_port(), d), nprocs=WORLD, join=True)
         assert sorted(os.listdir(os.path.join(d, "ckpt"))) == ["rank00000", "rank00001"]
         _one_rank_continuation(d)

@@ -8,7 +8,6 @@ source does; "bit for bit" means the engine's bf16 bytes equal that cast.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import httpx
 import torch
 import xxhash
+from miles_core.ports import free_port
 from miles_launch.tiny_model import save_char_tokenizer, tiny_qwen3
 from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 
@@ -87,12 +87,6 @@ def reference_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = cast_model(model)(torch.tensor([ids])).logits[0]
     return torch.log_softmax(logits.double(), dim=-1)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Engine:

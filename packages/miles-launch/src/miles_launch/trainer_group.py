@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from datetime import timedelta
 from typing import Any
 
@@ -30,6 +29,7 @@ from miles_core.args.parsed import ParsedArgs
 from miles_core.backends import load
 from miles_core.batch import RolloutBatch
 from miles_core.partition import partition_for_dp
+from miles_core.ports import free_port
 from miles_sync.errors import PublishError
 from miles_sync.node_address import NODE_IP_ENV
 from ray.exceptions import RayActorError
@@ -111,12 +111,9 @@ class TrainerRank:
         return os.getpid()
 
     def master_endpoint(self) -> tuple[str, int]:
-        """A free TCP port on this actor's node (rank 0 hosts the rendezvous store)."""
-
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return node_ip(), port
+        """A free TCP port on this actor's node (rank 0 hosts the rendezvous store), outside the
+        ephemeral range: no socket the kernel numbers takes it before the store binds it."""
+        return node_ip(), free_port()
 
     def init(self, args: ParsedArgs, master_addr: str, master_port: int) -> int:
         """Process group, then ``backend.init(args)``; returns the next rollout id."""

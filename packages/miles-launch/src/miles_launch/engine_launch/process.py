@@ -11,10 +11,11 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
+
+from miles_core.ports import free_port
 
 from miles_launch.engine_launch.api_key import redact_argv
 from miles_launch.placement import node_ip
@@ -77,12 +78,9 @@ class ProcessHost:
         self.secret_path: Path | None = None
 
     def endpoint(self) -> tuple[str, int]:
-        """This node's IP and a free port on it."""
-
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return node_ip(), port
+        """This node's IP and a free port on it (outside the ephemeral range: no socket the
+        kernel numbers takes it before the engine binds it)."""
+        return node_ip(), free_port()
 
     def start(
         self, cmd: list[str], env: dict[str, str], secret: str | None = None

@@ -129,12 +129,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     started = not dist.is_initialized()
     if started:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29533")
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if "MASTER_PORT" in os.environ:  # under torchrun: its rendezvous
+            dist.init_process_group(backend)
+        else:  # one process: an in-memory store, no port another job on the node could hold
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
         commands[argv[0]](args)
     finally:

@@ -47,6 +47,7 @@ import httpx
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from miles_core.ports import free_port
 
 START = time.perf_counter()
 
@@ -182,13 +183,18 @@ def _floor_receiver(_, port: int, nbytes: int, repeats: int) -> None:
 
 def broadcast_floor(nbytes: int, repeats: int) -> float:
     """One NCCL broadcast of ``nbytes`` from GPU 0 to a process on GPU 1."""
-    from miles_sync.engine_group import free_port, join_as_master
+    from miles_sync.engine_group import host_store, join_as_master
 
-    port = free_port()
+    timeout = datetime.timedelta(minutes=5)
+    store = host_store("127.0.0.1", 0, 2, timeout)  # listening before the receiver is told
     ctx = mp.start_processes(
-        _floor_receiver, args=(port, nbytes, repeats), nprocs=1, join=False, start_method="spawn"
+        _floor_receiver,
+        args=(store.port, nbytes, repeats),
+        nprocs=1,
+        join=False,
+        start_method="spawn",
     )
-    pg = join_as_master("127.0.0.1", port, 2, "floor", "nccl", datetime.timedelta(minutes=5))
+    pg = join_as_master(store, 2, "floor", "nccl", timeout)
     buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
     seconds = timed(lambda: dist.broadcast(buf, src=0, group=pg), repeats)
     ctx.join()
@@ -248,8 +254,6 @@ def _p2p_rank(rank: int, world: int, port: int, path: str, url: str, args, buffe
 
 def p2p_publish(path: Path, url: str, args, buffer: int) -> float:
     """Median p2p publish time over ``--p2p-ranks`` trainer processes (rank 0's clock)."""
-    from miles_sync.engine_group import free_port
-
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
@@ -287,7 +291,7 @@ def bench_shape(shape_name: str, args, root: Path) -> list[dict]:
     import shutil
 
     from miles_core.engine import EngineClient
-    from miles_sync.engine_group import form_engine_group, free_port
+    from miles_sync.engine_group import form_engine_group
     from miles_sync.weight_sync import SyncConfig, WeightPublisher
 
     torch.cuda.set_device(0)

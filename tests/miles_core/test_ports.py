@@ -47,21 +47,19 @@ def test_a_port_in_use_is_skipped():
         busy = taken.getsockname()[1]
         assert not is_free(busy)  # every address checked: one bound on loopback counts
 
-        ranges = candidate_ports(ephemeral_range())
-        offset = 0
-        for r in ranges:
-            if busy in r:
-                offset += r.index(busy)
-                break
-            offset += len(r)
-        draws = [offset, (offset + 1) % sum(len(r) for r in ranges)]
+        candidates = [p for r in candidate_ports(ephemeral_range()) for p in r]
+        assert busy in candidates
+        other = free_port()
+        sampled = []
 
         class Scripted(random.Random):
-            def randrange(self, *args, **kwargs):  # type: ignore[override]
-                return draws.pop(0)
+            def sample(self, population, k, **kwargs):  # type: ignore[override]
+                sampled.append((len(population), k))
+                return [busy, other]
 
         port = free_port(rng=Scripted())
-        assert port != busy and not draws  # the busy draw was refused, the next one taken
+        assert sampled == [(len(candidates), ports.ATTEMPTS)]
+        assert port == other  # the busy draw was refused, the next one taken
 
 
 @pytest.mark.parametrize(
@@ -83,8 +81,9 @@ def test_a_range_that_leaves_no_room_falls_back_to_a_kernel_port(monkeypatch, tm
     assert ephemeral_range() == (1024, 65535)
 
     class NoDraws(random.Random):
-        def randrange(self, *args, **kwargs):  # type: ignore[override]
-            raise AssertionError("no candidate range, so nothing to draw from")
+        def sample(self, population, k, **kwargs):  # type: ignore[override]
+            assert not population and k == 0, "no candidate range, so nothing to draw from"
+            return []
 
     port = free_port("127.0.0.1", rng=NoDraws())
     assert 1024 <= port <= 65535 and is_free(port, "127.0.0.1")

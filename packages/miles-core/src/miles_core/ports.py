@@ -28,7 +28,7 @@ DEFAULT_EPHEMERAL_RANGE = (32768, 60999)
 #: services sit lower still.
 LOWEST_PORT = 20000
 
-#: Random candidates tried before falling back to a kernel-chosen (ephemeral) port.
+#: Random candidates (distinct) tried before falling back to a kernel-chosen (ephemeral) port.
 ATTEMPTS = 64
 
 
@@ -65,16 +65,9 @@ def is_free(port: int, host: str = "") -> bool:
 def free_port(host: str = "", rng: random.Random | None = None) -> int:
     """A port that nothing listens on, outside the kernel's ephemeral range where the range
     leaves any room (else one the kernel picks)."""
-    rng = rng or random.SystemRandom()
-    ranges = candidate_ports(ephemeral_range())
-    total = sum(len(r) for r in ranges)
-    for _ in range(ATTEMPTS if total else 0):
-        k = rng.randrange(total)
-        for r in ranges:
-            if k < len(r):
-                port = r[k]
-                break
-            k -= len(r)
+    candidates = [port for r in candidate_ports(ephemeral_range()) for port in r]
+    drawn = (rng or random.SystemRandom()).sample(candidates, min(ATTEMPTS, len(candidates)))
+    for port in drawn:
         if is_free(port, host):
             return port
     with socket.socket() as s:
